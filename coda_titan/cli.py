@@ -1,0 +1,216 @@
+"""``coda-titan``: the command line.
+
+    coda-titan train CONFIG.toml [--section.key value ...]
+
+Runs TorchTitan's own ``Trainer`` (its config parser, checkpointing, metrics and W&B logging) with
+this plug-in imported, on the GPU when there is one and on the CPU otherwise. Before training it
+checks the config and says, in one line, what to change: a missing or malformed TOML, an unknown
+key or section, an unknown model or flavor, a backend that cannot run here, a missing dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import socket
+import sys
+from pathlib import Path
+
+PLUGIN = "coda_titan"
+CONFIG_MODULE = "coda_titan.config"
+
+
+class UserError(Exception):
+    """A problem with the user's input; printed as one message, exit status 2."""
+
+
+def _load_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} not found")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path} is not valid TOML ({e}); fix the file and run again") from None
+
+
+def _has_flag(overrides: list[str], key: str) -> bool:
+    dashed = key.replace("_", "-")
+    return any(a.split("=")[0] in (f"--{key}", f"--{dashed}") for a in overrides)
+
+
+def _check_keys(cls, values: dict, where: str = "") -> None:
+    """Every TOML key must be a field of TorchTitan's (merged) JobConfig; name the bad one."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        here = f"{where}.{key}" if where else key
+        if key not in fields:
+            section = f"[{where}]" if where else "the top level"
+            valid = ", ".join(sorted(fields))
+            raise UserError(f"unknown key {key!r} in {section} of the config; valid keys there: {valid}")
+        ftype = fields[key].type
+        if dataclasses.is_dataclass(ftype):
+            if not isinstance(value, dict):
+                raise UserError(f"[{here}] must be a table (section), got {value!r}")
+            _check_keys(ftype, value, here)
+
+
+def parse_config(config_path: str, overrides: list[str]):
+    """TorchTitan JobConfig from the TOML plus CLI overrides, with the plug-in wired in."""
+    path = Path(config_path)
+    toml = _load_toml(path)
+    args = ["--job.config_file", str(path)]
+    job = toml.get("job", {}) if isinstance(toml.get("job"), dict) else {}
+    if not job.get("custom_config_module") and not _has_flag(overrides, "job.custom_config_module"):
+        args += ["--job.custom_config_module", CONFIG_MODULE]
+    exp = toml.get("experimental", {}) if isinstance(toml.get("experimental"), dict) else {}
+    if not exp.get("custom_import") and not _has_flag(overrides, "experimental.custom_import"):
+        args += ["--experimental.custom_import", PLUGIN]
+    args += overrides
+
+    import coda_titan  # noqa: F401  (registers the train spec; routes TorchTitan to CPU if no GPU)
+    from torchtitan.config import ConfigManager
+
+    manager = ConfigManager()
+    merged = manager._maybe_add_custom_config(args, toml)
+    _check_keys(merged, toml)
+    try:
+        return manager.parse_args(args)
+    except ValueError as e:
+        raise UserError(f"invalid config: {e}") from None
+
+
+def validate(config) -> None:
+    """Semantic checks TorchTitan would only fail on deep inside the Trainer."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from .data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets, local_files
+    from .kernels import BackendUnavailable, resolve_backend
+    from .train_spec import NAME
+
+    try:
+        spec = get_train_spec(config.model.name)
+    except ValueError:
+        raise UserError(f"unknown model.name {config.model.name!r}; use {NAME!r} (CODA) or 'llama3' (baseline)") from None
+    if config.model.flavor not in spec.model_args:
+        raise UserError(
+            f"unknown flavor {config.model.flavor!r} for model {config.model.name!r}; "
+            f"choose one of: {', '.join(sorted(spec.model_args))}"
+        )
+    if config.model.name == NAME:
+        try:
+            backend = resolve_backend(config.coda.backend)
+        except BackendUnavailable as e:
+            raise UserError(str(e)) from None
+        print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
+        if config.coda.tile_n <= 0 or config.coda.ce_chunk_rows <= 0:
+            raise UserError("[coda] tile_n and ce_chunk_rows must be positive integers")
+    dataset = config.training.dataset.lower()
+    if dataset not in known_datasets():
+        raise UserError(f"unknown training.dataset {config.training.dataset!r}; choose one of: {', '.join(known_datasets())}")
+    try:
+        if dataset == LOCAL_DATASET:
+            local_files(config.training.dataset_path or "")
+        elif config.training.dataset_path and not Path(config.training.dataset_path).exists():
+            raise DataError(
+                f"training.dataset_path {config.training.dataset_path!r} does not exist; fix it or remove it"
+            )
+        config.model.hf_assets_path = ensure_tokenizer(config.model.hf_assets_path, log=_say)
+    except DataError as e:
+        raise UserError(str(e)) from None
+
+
+def _say(msg: str) -> None:
+    print(f"coda-titan: {msg}", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_env(config, config_path: str) -> None:
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if config.metrics.enable_wandb:
+        stem = Path(config_path).stem
+        os.environ.setdefault("WANDB_PROJECT", "coda_titan")
+        os.environ.setdefault("WANDB_RUN_NAME", stem)
+        os.environ.setdefault("WANDB_TAGS", ",".join([stem, config.model.name, config.model.flavor]))
+        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE") and not _wandb_logged_in():
+            os.environ["WANDB_MODE"] = "offline"
+            _say("no W&B API key found: W&B runs in offline mode (set WANDB_API_KEY or run `wandb login` to sync live)")
+
+
+def _wandb_logged_in() -> bool:
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def _report_wandb(config) -> None:
+    if not config.metrics.enable_wandb:
+        return
+    root = Path(config.job.dump_folder) / config.metrics.save_tb_folder
+    runs = sorted(glob.glob(str(root / "**" / "wandb" / "*run-*"), recursive=True), key=os.path.getmtime)
+    if runs:
+        run = runs[-1]
+        if Path(run).name.startswith("offline-run"):
+            _say(f"W&B offline run written to {run}; upload it with: wandb sync {run}")
+        else:
+            _say(f"W&B run files in {run}")
+
+
+def train(config_path: str, overrides: list[str]) -> None:
+    config = parse_config(config_path, overrides)
+    validate(config)
+    _setup_env(config, config_path)
+
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+    from torchtitan.train import Trainer
+
+    init_logger()
+    logger.info(f"coda-titan: training {config.model.name}/{config.model.flavor} from {config_path}")
+    trainer = None
+    try:
+        trainer = Trainer(config)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    _say(f"done: outputs in {config.job.dump_folder}")
+    _report_wandb(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="coda-titan", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train from a TorchTitan TOML config")
+    p_train.add_argument("config", help="path to a TOML job config")
+    p_train.add_argument("overrides", nargs=argparse.REMAINDER, help="TorchTitan overrides: --section.key value ...")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            train(args.config, args.overrides)
+    except UserError as e:
+        print(f"coda-titan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

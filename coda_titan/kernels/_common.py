@@ -1,0 +1,43 @@
+"""Shared helpers of the reference (``torch``) programs.
+
+Precision contract, mirrored by the fused kernels: GEMM operands stay in their storage dtype, the
+accumulator and every epilogue value are fp32 (fp64 when the operands are fp64, which is how the
+CPU tests prove the algebra exact), and outputs are rounded once, to the storage dtype, on store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp64 if any operand is fp64, else fp32: the dtype of accumulators and epilogue math."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` returned in the accumulator dtype (the GEMM of a program, before its epilogue)."""
+    out = a @ b
+    return out.to(acc_dtype(a, b))
+
+
+def tile_sumsq(x: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """Per-tile partial sums of squares S[i, t] = sum_{j in tile t} x[i, j]^2.
+
+    ``x`` is (M, d) in the accumulator dtype; the result is (M, ceil(d / tile_n)). The last tile is
+    ragged when d is not a multiple of ``tile_n``: it sums only the columns that exist.
+    """
+    m, d = x.shape
+    n_tiles = -(-d // tile_n)
+    pad = n_tiles * tile_n - d
+    sq = x * x
+    if pad:
+        sq = torch.nn.functional.pad(sq, (0, pad))
+    return sq.view(m, n_tiles, tile_n).sum(-1)
+
+
+def check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (M, N), got shape {tuple(t.shape)}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{name} must have {cols} columns, got shape {tuple(t.shape)}")

@@ -1,0 +1,79 @@
+"""F4: deferred rstd + LM head + cross-entropy, chunked over tokens, with its gradient made in the
+forward.
+
+For each chunk of rows (never all M x V logits at once), with H = X * gamma_final:
+
+    logits = r * (H @ W_out^T)                       (rows, V) fp32
+    lse    = logsumexp(logits);  loss_i = lse - logits[target_i]   (rows with target -100 skipped)
+    dp     = softmax(logits) - onehot(target)        (zero on ignored rows)
+    zdz    = sum_n logits_n dp_n
+    (dX, dgamma) = norm_residual_bwd(dp, W_out, X, gamma, r, zdz, no residual)
+    dW_out += dp^T @ (r * H)
+
+The loss is the last op, so d(loss_sum) = 1 and every gradient is final up to the scalar the
+trainer multiplies the loss by (1 / global tokens); the autograd wiring scales the saved gradients
+by it. Returns the *sum* of token losses (TorchTitan's convention) and the gradients of that sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_2d, mm
+from .norm_residual_bwd import norm_residual_bwd_torch
+from .wgrad import wgrad_torch
+
+IGNORE_INDEX = -100
+
+
+def lm_head_ce_torch(
+    *,
+    h: torch.Tensor,
+    rstd: torch.Tensor,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows: int,
+    compute_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(loss_sum, dX, dgamma, dW_out); the gradients are None when ``compute_grad`` is False."""
+    check_2d("h", h, weight.shape[1])
+    if targets.shape != (h.shape[0],):
+        raise ValueError(f"targets must be ({h.shape[0]},), got {tuple(targets.shape)}")
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    m = h.shape[0]
+    loss = None
+    dx = torch.empty_like(x) if compute_grad else None
+    dgamma = dweight = None
+    for start in range(0, m, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, m))
+        r = rstd[rows]
+        tgt = targets[rows]
+        acc = mm(h[rows], weight.t())
+        logits = acc * r.to(acc.dtype)[:, None]
+        valid = tgt != IGNORE_INDEX
+        safe_tgt = torch.where(valid, tgt, 0)
+        lse = torch.logsumexp(logits, dim=-1)
+        tgt_logit = logits.gather(1, safe_tgt[:, None]).squeeze(1)
+        chunk_loss = torch.where(valid, lse - tgt_logit, 0).sum()
+        loss = chunk_loss if loss is None else loss + chunk_loss
+        if not compute_grad:
+            continue
+        dp = torch.softmax(logits, dim=-1)
+        dp.scatter_add_(1, safe_tgt[:, None], -torch.ones_like(dp[:, :1]))
+        dp = dp * valid[:, None]
+        zdz = (logits * dp).sum(-1)
+        dp = dp.to(h.dtype)
+        dx_c, dg_c = norm_residual_bwd_torch(
+            dp=dp, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
+        )
+        dx[rows] = dx_c
+        dw_c = wgrad_torch(grad=dp, inp=h[rows], row_scale=r, out_dtype=dg_c.dtype)
+        dgamma = dg_c if dgamma is None else dgamma + dg_c
+        dweight = dw_c if dweight is None else dweight + dw_c
+    assert loss is not None, "empty batch"
+    if compute_grad:
+        dweight = dweight.to(weight.dtype)
+    return loss, dx, dgamma, dweight

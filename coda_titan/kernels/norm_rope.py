@@ -1,0 +1,71 @@
+"""F3 / B1: GEMM + deferred rstd + RoPE (the fused QKV projection), and the RoPE backward + zdz.
+
+Columns of the (M, Q) output, Q = (Hq + 2 Hkv) * head_dim: q heads, then k heads, then v heads
+(GQA widths). The first ``n_rope_heads = Hq + Hkv`` heads are rotated, v passes through.
+
+Forward, H = X * gamma from the producer epilogue, W_qkv = [wq; wk; wv] (Q, d):
+
+    p = r * (H @ W_qkv^T)
+    for each rotated head and pair j:  (y0 + i y1) = (p0 + i p1) * exp(i theta[pos, j])
+
+which is TorchTitan's rotation exactly: adjacent pairs (2j, 2j+1) read as one complex number,
+multiplied by ``freqs_cis`` (angle +theta, Llama-3.1 frequency scaling applied by the caller's
+tables). pos = row % seqlen for rows laid out (bs, seqlen).
+
+Backward (B1), elementwise: dp = R^T dy (rotation by -theta) on q/k, dp = dy on v, and
+zdz = sum_n y_n dy_n per row, which equals sum_n p_n dp_n because R is orthogonal, so the pre-RoPE
+values never need saving. Saved: the post-RoPE output y (which attention saves anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_2d, mm
+
+
+def _rotate(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, n_rope_heads: int, head_dim: int, inverse: bool
+) -> torch.Tensor:
+    m = t.shape[0]
+    seqlen = cos.shape[0]
+    if m % seqlen:
+        raise ValueError(f"rows ({m}) must be a whole number of sequences of length {seqlen}")
+    rope_cols = n_rope_heads * head_dim
+    x = t[:, :rope_cols].reshape(m // seqlen, seqlen, n_rope_heads, head_dim // 2, 2)
+    c = cos.to(t.dtype)[None, :, None, :]  # (1, seqlen, 1, head_dim/2)
+    s = sin.to(t.dtype)[None, :, None, :]
+    if inverse:
+        s = -s
+    x0, x1 = x[..., 0], x[..., 1]
+    rot = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).reshape(m, rope_cols)
+    return torch.cat([rot, t[:, rope_cols:]], dim=-1)
+
+
+def norm_rope_torch(
+    *,
+    h: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_rope_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Post-RoPE qkv (M, Q) in h's dtype. cos/sin are (seqlen, head_dim/2)."""
+    check_2d("h", h, weight.shape[1])
+    acc = mm(h, weight.t())
+    p = acc * rstd.to(acc.dtype)[:, None]
+    return _rotate(p, cos, sin, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=False).to(h.dtype)
+
+
+def rope_bwd_torch(
+    *, dy: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rope_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dp, zdz): dp (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
+    check_2d("dy", dy, y.shape[1])
+    ct = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    dyf = dy.to(ct)
+    zdz = (y.to(ct) * dyf).sum(-1)
+    dp = _rotate(dyf, cos, sin, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
+    return dp.to(dy.dtype), zdz

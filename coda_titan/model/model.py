@@ -1,0 +1,130 @@
+"""The CODA LLaMA-3 model: TorchTitan's llama3 parameters, CODA's program graph.
+
+Parameters, their names, shapes and initialization are inherited from TorchTitan's ``Transformer``,
+so checkpoints and state dicts move between ``llama3`` and ``coda_llama3`` both ways. Only the
+forward differs: it runs the GEMM-plus-epilogue programs of CODA.md.
+
+Program chain (one row of tokens; r = deferred rstd, H = X * gamma, S = partial sums of X^2):
+
+    prologue:  X0 = embed(tokens); H, S = rms_partial(X0, gamma_attn[0]); r = finalize(S)
+    layer l:   qkv = F3(H, r)                       # QKV GEMM + rstd + RoPE
+               o   = attention(qkv)                  # untouched (SDPA)
+               X, H, S = F1(o, Wo, X, gamma_ffn[l]); r = finalize(S)
+               X, H, S = F2 -> F1(W2, gamma_next);   r = finalize(S)
+    head:      loss = F4(H, r)                       # chunked LM head + CE (+ its gradient)
+
+The paper draws a fused block from layer l's out-projection to layer l+1's QKV; this is the same
+chain of programs cut at attention instead, so that each ``layers.{l}`` module runs on exactly the
+weights it owns (its FSDP/compile/AC unit) plus the next norm's gamma (d floats), which F1's
+epilogue needs to write H.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
+
+from ..kernels import get_backend, resolve_backend
+from .args import CodaModelArgs
+from .programs import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
+from .rope import rope_tables
+
+
+class CodaTransformerBlock(TransformerBlock):
+    """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
+
+    def forward(self, x, h, rstd, cos, sin, gamma_next, cfg: ProgramConfig):
+        # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); cos/sin: (seqlen, head_dim/2)
+        attn = self.attention
+        m = x.shape[0]
+        seqlen = cos.shape[0]
+        bs = m // seqlen
+        hd = attn.head_dim
+        n_q, n_kv = attn.n_heads, attn.n_kv_heads
+        qkv, x = NormRoPE.apply(
+            h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight, attn.wv.weight,
+            cos, sin, cfg, n_q + n_kv, hd,
+        )
+        q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
+        q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
+        k = k.view(bs, seqlen, n_kv, hd).transpose(1, 2)  # (bs, n_kv_heads, seqlen, head_dim)
+        v = v.view(bs, seqlen, n_kv, hd).transpose(1, 2)
+        o = attn.inner_attention(q, k, v, enable_gqa=attn.enable_gqa)  # (bs, n_heads, seqlen, head_dim)
+        o = o.transpose(1, 2).reshape(m, n_q * hd)
+        x, h, s = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg)
+        rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+        ff = self.feed_forward
+        x, h, s = NormSwiGLUResidual.apply(
+            h, rstd, x, self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next, cfg
+        )
+        rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+        return x, h, rstd
+
+
+class CodaTransformer(Transformer):
+    """TorchTitan llama3 ``Transformer`` whose forward runs the CODA programs.
+
+    ``forward(tokens, labels=...)`` returns the summed token cross-entropy (TorchTitan's loss
+    convention, ignore index -100), computed by the chunked LM-head program: the full logits are
+    never materialized. Without ``labels`` it returns logits (bs, seqlen, vocab), for evaluation.
+    """
+
+    def __init__(self, model_args: CodaModelArgs):
+        super().__init__(model_args)
+        if model_args.attn_type != "sdpa":
+            raise ValueError(
+                f"coda_llama3 supports attn_type='sdpa' only, got {model_args.attn_type!r}; "
+                "choose a flavor without flex/varlen attention"
+            )
+        if model_args.tile_n <= 0:
+            raise ValueError(f"[coda] tile_n must be positive, got {model_args.tile_n}")
+        if model_args.ce_chunk_rows <= 0:
+            raise ValueError(f"[coda] ce_chunk_rows must be positive, got {model_args.ce_chunk_rows}")
+        self.backend_name = resolve_backend(model_args.backend)
+        self.layers = torch.nn.ModuleDict(
+            {str(i): CodaTransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+        )
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def program_config(self) -> ProgramConfig:
+        a = self.model_args
+        return ProgramConfig(
+            backend=get_backend(self.backend_name), tile_n=a.tile_n, eps=a.norm_eps, ce_chunk_rows=a.ce_chunk_rows
+        )
+
+    def _rope(self, seqlen: int, device: torch.device, dtype: torch.dtype):
+        key = (seqlen, device, dtype)
+        if key not in self._rope_cache:
+            a = self.model_args
+            self._rope_cache[key] = rope_tables(
+                seqlen, a.dim // a.n_heads, a.rope_theta, a.rope_scaling_args, device=device, dtype=dtype
+            )
+        return self._rope_cache[key]
+
+    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
+        if attention_masks is not None or positions is not None:
+            raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
+        cfg = self.program_config()
+        bs, seqlen = tokens.shape
+        x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
+        table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self._rope(seqlen, x.device, table_dtype)
+        layers = list(self.layers.values())
+        with torch.no_grad():  # prologue: H and S are non-differentiable by construction
+            gamma0 = layers[0].attention_norm.weight if layers else self.norm.weight
+            h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
+        rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+        for i, layer in enumerate(layers):
+            gamma_next = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else self.norm.weight
+            x, h, rstd = layer(x, h, rstd, cos, sin, gamma_next, cfg)
+        if labels is None:
+            logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
+            return logits.to(h.dtype).view(bs, seqlen, -1)
+        compute_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, self.norm.weight, self.output.weight)
+        )
+        return LMHeadCE.apply(
+            h, rstd, x, self.norm.weight, self.output.weight, labels.reshape(-1), cfg, compute_grad
+        )

@@ -1,0 +1,36 @@
+"""RoPE tables with TorchTitan's frequencies (``precompute_freqs_cis``, Llama-3.1 scaling), in fp64.
+
+TorchTitan computes the angles in fp32; these tables compute the same formula in fp64 and round
+once, so cos/sin are exact to the storage dtype (the fp64 tests compare at 1e-10).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+
+def rope_freqs(head_dim: int, theta: float, scaling: RoPEScalingArgs) -> torch.Tensor:
+    """Per-pair angular frequency (head_dim/2,), fp64, the formula of TorchTitan 0.2.2."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64)[: head_dim // 2] / head_dim))
+    wavelen = 2 * math.pi / freqs
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    freqs = torch.where(wavelen > low_freq_wavelen, freqs / scaling.scaling_factor, freqs)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * freqs / scaling.scaling_factor + smooth * freqs
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, freqs)
+
+
+def rope_tables(
+    seqlen: int, head_dim: int, theta: float, scaling: RoPEScalingArgs, *, device, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (seqlen, head_dim/2): the angle of position t and pair j is t * freqs[j]."""
+    angles = torch.outer(torch.arange(seqlen, dtype=torch.float64), rope_freqs(head_dim, theta, scaling))
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)

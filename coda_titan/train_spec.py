@@ -1,0 +1,78 @@
+"""The ``coda_llama3`` TrainSpec: TorchTitan's llama3 pieces, CODA's model and loss placement.
+
+The CODA model computes the loss inside its last program (chunked LM head + CE), so it needs the
+labels in its forward. The dataloader is TorchTitan's own text dataloader; ``LabelsInInputs``
+only adds the labels to the input dict, which the Trainer passes to the model as keyword inputs.
+Batches, order and dataloader checkpoint state are identical to stock ``llama3``'s.
+The loss function returns the model's loss sum as is, or takes the stock cross-entropy of logits (the
+validator calls the model without labels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.components.validate import build_validator
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from torchtitan.models.llama3 import Llama3StateDictAdapter
+from torchtitan.protocols.train_spec import TrainSpec
+
+from .model.args import coda_llama3_args
+from .model.model import CodaTransformer
+from .model.parallelize import parallelize_coda
+
+NAME = "coda_llama3"
+
+
+class LabelsInInputs(Stateful):
+    """Wraps a TorchTitan dataloader; yields ({"input", "labels"}, labels)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        for input_dict, labels in self.inner:
+            yield {**input_dict, "labels": labels}, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def build_coda_dataloader(**kwargs):
+    return LabelsInInputs(build_text_dataloader(**kwargs))
+
+
+def build_coda_loss(job_config, **kwargs):
+    # Compiling "loss" only concerns the validation path (logits); the training loss is a program.
+    stock = build_cross_entropy_loss(job_config, **kwargs)
+
+    def loss_fn(pred, labels):
+        # pred is 0-dim when the model already ran the LM-head + CE program (the training path)
+        return pred if pred.dim() == 0 else stock(pred, labels)
+
+    return loss_fn
+
+
+def get_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=CodaTransformer,
+        model_args=coda_llama3_args,
+        parallelize_fn=parallelize_coda,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_coda_dataloader,
+        build_tokenizer_fn=build_hf_tokenizer,
+        build_loss_fn=build_coda_loss,
+        build_validator_fn=build_validator,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_2d, mm
+from ._common import acc_dtype, check_2d, mm
 
 
 def _rotate(
@@ -64,7 +64,7 @@ def rope_bwd_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dp, zdz): dp (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
     check_2d("dy", dy, y.shape[1])
-    ct = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    ct = acc_dtype(dy, y)
     dyf = dy.to(ct)
     zdz = (y.to(ct) * dyf).sum(-1)
     dp = _rotate(dyf, cos, sin, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import logging
 import os
 import socket
 import sys
@@ -80,10 +81,22 @@ def parse_config(config_path: str, overrides: list[str]):
     manager = ConfigManager()
     merged = manager._maybe_add_custom_config(args, toml)
     _check_keys(merged, toml)
+    tt_logger = logging.getLogger()  # TorchTitan logs through the root logger
+    quiet = _DropBuiltinTokenizerWarning()
+    tt_logger.addFilter(quiet)
     try:
         return manager.parse_args(args)
     except ValueError as e:
         raise UserError(f"invalid config: {e}") from None
+    finally:
+        tt_logger.removeFilter(quiet)
+
+
+class _DropBuiltinTokenizerWarning(logging.Filter):
+    """TorchTitan warns that hf_assets_path does not exist; a coda: tokenizer spec is resolved later."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("HF assets path coda:")
 
 
 def validate(config) -> None:

@@ -112,7 +112,9 @@ def register_datasets() -> None:
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    DATASETS.setdefault(EMBEDDED_DATASET, DatasetConfig(path="", loader=_load_stdlib, sample_processor=_text))
+    DATASETS.setdefault(
+        EMBEDDED_DATASET, DatasetConfig(path=str(stdlib_dir()), loader=_load_stdlib, sample_processor=_text)
+    )
     DATASETS.setdefault(LOCAL_DATASET, DatasetConfig(path="", loader=_load_local, sample_processor=_text))
 
 

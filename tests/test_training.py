@@ -6,6 +6,7 @@ One module-scoped set of runs (about two minutes on 2 cores):
   C  CODA      resumed from A's step-10 checkpoint (save 10, resume 10 more)
   D  CODA      resumed from B's (baseline) step-10 checkpoint
   E  baseline  resumed from A's (CODA) step-10 checkpoint
+  F  CODA      3 steps with full activation checkpointing
 Losses come from each run's offline W&B history (full precision).
 """
 
@@ -52,6 +53,8 @@ def runs(tmp_path_factory, cache_dir):
     cross = ["--checkpoint.no-initial_load_model_only", "--checkpoint.initial_load_path"]
     r["D"] = _train("D", "debug_cpu_coda.toml", work, cache_dir, *cross, str(r["B"]["dir"] / "checkpoint" / "step-10"))
     r["E"] = _train("E", "debug_cpu_baseline.toml", work, cache_dir, *cross, str(r["A"]["dir"] / "checkpoint" / "step-10"))
+    r["F"] = _train("F", "debug_cpu_coda.toml", work, cache_dir, "--training.steps", "3",
+                    "--activation_checkpoint.mode", "full")
     return r
 
 
@@ -109,3 +112,11 @@ def test_wandb_offline_run_holds_loss_series(runs):
     assert steps == list(range(1, STEPS + 1))
     printed = logged_losses(a["out"])
     assert all(abs(row["loss_metrics/global_avg_loss"] - printed[row["_step"]]) <= 1e-5 for row in history)
+
+
+def test_activation_checkpointing_gives_the_same_losses(runs):
+    a, f = runs["A"]["losses"], runs["F"]["losses"]
+    assert "Applied full activation checkpointing" in runs["F"]["out"]
+    assert sorted(f) == [1, 2, 3]
+    for s in f:
+        assert _rel(f[s], a[s]) <= 1e-6, f"step {s}: with AC {f[s]} vs without {a[s]}"

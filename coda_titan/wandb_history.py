@@ -12,7 +12,8 @@ import json
 import struct
 from pathlib import Path
 
-_HEADER = 7
+_HEADER = 7  # file header
+_REC_HEADER = 7  # per-record header: crc32 u32, length u16, type u8
 _BLOCK = 32 * 1024
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
@@ -21,13 +22,13 @@ def _records(data: bytes):
     if data[:4] != b":W&B":
         raise ValueError("not a W&B run file (bad header)")
     pos, pending = _HEADER, b""
-    while pos + 7 <= len(data):
+    while pos + _REC_HEADER <= len(data):
         left_in_block = _BLOCK - (pos % _BLOCK)
-        if left_in_block < 7:  # block trailer padding
+        if left_in_block < _REC_HEADER:  # block trailer padding
             pos += left_in_block
             continue
         _crc, length, kind = struct.unpack_from("<IHB", data, pos)
-        pos += 7
+        pos += _REC_HEADER
         chunk = data[pos : pos + length]
         pos += length
         if kind == _FULL:

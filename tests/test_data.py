@@ -62,7 +62,7 @@ def _write(tmp_path, kind):
         p.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
     elif kind == "txt":
         p = tmp_path / "corpus.txt"
-        p.write_text("\n\n".join(d.replace("\n\n", "\n") for d in DOCS))
+        p.write_text("\n\n".join(DOCS))  # DOCS hold no blank lines: one paragraph each
     else:
         from datasets import Dataset
 

@@ -13,7 +13,7 @@ import torch
 from coda_titan.kernels import get_backend
 from coda_titan.kernels.lm_head_ce import IGNORE_INDEX
 from coda_titan.model.programs import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
-from coda_titan.model.rope import rope_tables
+from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 BS, SEQ, D, FF, V = 2, 5, 24, 10, 13
@@ -61,13 +61,13 @@ def test_residual_rms_outputs():
 
 
 def test_norm_rope_backward():
-    cos, sin = rope_tables(SEQ, HD, 10000.0, RoPEScalingArgs(), device="cpu", dtype=torch.float64)
+    freqs = rope_freqs(HD, 10000.0, RoPEScalingArgs())
     x, gamma = _rand(M, D), _rand(D)
     wq, wk, wv = _rand(HQ * HD, D), _rand(HKV * HD, D), _rand(HKV * HD, D)
 
     def f(x, gamma, wq, wk, wv):
         h, r = _deferred_norm(x, gamma)
-        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, cos, sin, CFG, HQ + HKV, HD)
+        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, freqs, SEQ, CFG, HQ + HKV, HD)
 
     assert torch.autograd.gradcheck(f, (x, gamma, wq, wk, wv))
 
@@ -109,13 +109,15 @@ def test_lm_head_ce_matches_full_logits_and_chunking():
 
 def test_rope_bwd_zdz_is_invariant():
     """zdz from post-RoPE values equals sum p * dp from pre-RoPE values (R is orthogonal)."""
-    cos, sin = rope_tables(SEQ, HD, 500000.0, RoPEScalingArgs(), device="cpu", dtype=torch.float64)
+    freqs = rope_freqs(HD, 500000.0, RoPEScalingArgs())
+    rope = dict(freqs=freqs, seqlen=SEQ, n_rope_heads=HQ + HKV, head_dim=HD)
     h, r = _deferred_norm(torch.randn(M, D, dtype=torch.float64), torch.randn(D, dtype=torch.float64))
     w = torch.randn((HQ + 2 * HKV) * HD, D, dtype=torch.float64)
-    y = CFG.backend.norm_rope(h=h, rstd=r, weight=w, cos=cos, sin=sin, n_rope_heads=HQ + HKV, head_dim=HD)
+    y = CFG.backend.norm_rope(h=h, rstd=r, weight=w, **rope)
     dy = torch.randn_like(y)
-    dp, zdz = CFG.backend.rope_bwd(dy=dy, y=y, cos=cos, sin=sin, n_rope_heads=HQ + HKV, head_dim=HD)
+    da, zdz = CFG.backend.rope_bwd(dy=dy, y=y, rstd=r, **rope)
     p = (h @ w.t()) * r[:, None]
+    dp = da / r[:, None]
     torch.testing.assert_close(zdz, (p * dp).sum(-1), rtol=1e-12, atol=1e-12)
     v0 = (HQ + HKV) * HD
     torch.testing.assert_close(y[:, v0:], p[:, v0:])  # v is not rotated

@@ -41,3 +41,19 @@ def check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
         raise ValueError(f"{name} must be 2-D (M, N), got shape {tuple(t.shape)}")
     if cols is not None and t.shape[1] != cols:
         raise ValueError(f"{name} must have {cols} columns, got shape {tuple(t.shape)}")
+
+
+def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a0, b0, a1, b1, ...] along dim 0: the paired (gate, up) layout of the SwiGLU programs.
+
+    A GEMM epilogue sees adjacent output columns together, so F2 wants W13 with gate row j and
+    up row j next to each other; the checkpoint keeps w1 and w3 separate (this is a runtime view).
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"cannot interleave {tuple(a.shape)} with {tuple(b.shape)}")
+    return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], *a.shape[1:])
+
+
+def deinterleave_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``interleave_rows``: (t[0::2], t[1::2])."""
+    return t[0::2], t[1::2]

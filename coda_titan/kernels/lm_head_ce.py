@@ -6,9 +6,9 @@ For each chunk of rows (never all M x V logits at once), with H = X * gamma_fina
     logits = r * (H @ W_out^T)                       (rows, V) fp32
     lse    = logsumexp(logits);  loss_i = lse - logits[target_i]   (rows with target -100 skipped)
     dp     = softmax(logits) - onehot(target)        (zero on ignored rows)
-    zdz    = sum_n logits_n dp_n
-    (dX, dgamma) = norm_residual_bwd(dp, W_out, X, gamma, r, zdz, no residual)
-    dW_out += dp^T @ (r * H)
+    zdz    = sum_n logits_n dp_n;   da = r * dp   (gradient of the unscaled H @ W_out^T)
+    (dX, dgamma) = norm_residual_bwd(da, W_out, X, gamma, r, zdz, no residual)
+    dW_out += da^T @ H
 
 The loss is the last op, so d(loss_sum) = 1 and every gradient is final up to the scalar the
 trainer multiplies the loss by (1 / global tokens); the autograd wiring scales the saved gradients
@@ -65,12 +65,12 @@ def lm_head_ce_torch(
         dp.scatter_add_(1, safe_tgt[:, None], -torch.ones_like(dp[:, :1]))
         dp = dp * valid[:, None]
         zdz = (logits * dp).sum(-1)
-        dp = dp.to(h.dtype)
+        da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
         dx_c, dg_c = norm_residual_bwd_torch(
-            dp=dp, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
+            da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
         )
         dx[rows] = dx_c
-        dw_c = wgrad_torch(grad=dp, inp=h[rows], row_scale=r, out_dtype=dg_c.dtype)
+        dw_c = wgrad_torch(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
         dgamma = dg_c if dgamma is None else dgamma + dg_c
         dweight = dw_c if dweight is None else dweight + dw_c
     assert loss is not None, "empty batch"

@@ -1,15 +1,17 @@
 """B2: GEMM + RMSNorm/residual backward (the dgrad GEMM of every norm consumer).
 
-A consumer GEMM computed p = r * (H @ W^T) with H = X * gamma. Given dp (its output gradient),
-zdz = sum_n p_n * dp_n (one float per row, produced by whichever program made dp), and the
-gradient already flowing down the residual stream dX_res:
+A consumer GEMM computed a = H @ W^T with H = X * gamma, and applied the deferred rstd in its
+epilogue: p = r * a. The consumer's backward program (B1, B3 or the CE gradient) hands over
+da = r * dp, the gradient of the unscaled a, and zdz = sum_n p_n * dp_n (one float per row). With
+the gradient already flowing down the residual stream dX_res:
 
-    acc = dp @ W                                     (M, d), fp32
-    D   = dX_res + r * (acc * gamma) - (r^2 / d) * X * zdz
-    dgamma = sum_i acc[i] * X[i] * r[i]              (reduced over rows; per-tile partials on GPU)
+    acc = da @ W                                     (M, d), fp32  (= r * g, g = dL/d norm(X))
+    D   = dX_res + acc * gamma - (r^2 / d) * X * zdz
+    dgamma = sum_i acc[i] * X[i]                     (reduced over rows; per-tile partials on GPU)
 
-This is the RMSNorm backward with its row dot product sum_k g_k gamma_k x_k replaced by zdz / r
-(the zdz identity of CODA.md), so the norm's input never has to be re-read for a reduction first.
+This is the RMSNorm backward dX = r (g * gamma) - (r^3 / d) X sum_k g_k gamma_k X_k with the row
+dot product replaced by zdz / r (the zdz identity of CODA.md), so the norm's input never has to be
+re-read for a reduction first. The correction is one column vector, corr = -(r^2/d) * zdz.
 D is returned in X's dtype, dgamma in the accumulator dtype.
 """
 
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ._common import acc_dtype, check_2d, mm
+from ._common import check_2d, mm
 
 
 def norm_residual_bwd_torch(
     *,
-    dp: torch.Tensor,
+    da: torch.Tensor,
     weight: torch.Tensor,
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -30,16 +32,16 @@ def norm_residual_bwd_torch(
     zdz: torch.Tensor,
     dresidual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(D, dgamma). dp (M, N), weight (N, d), x (M, d), rstd/zdz (M,), dresidual (M, d) or None."""
-    check_2d("dp", dp, weight.shape[0])
+    """(D, dgamma). da (M, N), weight (N, d), x (M, d), rstd/zdz (M,), dresidual (M, d) or None."""
+    check_2d("da", da, weight.shape[0])
     check_2d("x", x, weight.shape[1])
-    acc = mm(dp, weight)
+    acc = mm(da, weight)
     ct = acc.dtype
-    r = rstd.to(ct)[:, None]
+    r = rstd.to(ct)
     xf = x.to(ct)
-    d = x.shape[1]
-    dx = r * (acc * gamma.to(ct)) - (r * r / d) * xf * zdz.to(ct)[:, None]
+    corr = -(r * r / x.shape[1]) * zdz.to(ct)
+    dx = acc * gamma.to(ct) + xf * corr[:, None]
     if dresidual is not None:
         dx = dx + dresidual.to(ct)
-    dgamma = (acc * xf * r).sum(0)
+    dgamma = (acc * xf).sum(0)
     return dx.to(x.dtype), dgamma

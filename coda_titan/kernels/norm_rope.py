@@ -4,17 +4,19 @@ Columns of the (M, Q) output, Q = (Hq + 2 Hkv) * head_dim: q heads, then k heads
 (GQA widths). The first ``n_rope_heads = Hq + Hkv`` heads are rotated, v passes through.
 
 Forward, H = X * gamma from the producer epilogue, W_qkv = [wq; wk; wv] (Q, d):
-
     p = r * (H @ W_qkv^T)
     for each rotated head and pair j:  (y0 + i y1) = (p0 + i p1) * exp(i theta[pos, j])
-
 which is TorchTitan's rotation exactly: adjacent pairs (2j, 2j+1) read as one complex number,
-multiplied by ``freqs_cis`` (angle +theta, Llama-3.1 frequency scaling applied by the caller's
-tables). pos = row % seqlen for rows laid out (bs, seqlen).
+multiplied by ``freqs_cis`` (angle +theta). theta[pos, j] = pos * freqs[j], with ``freqs`` the
+(head_dim/2,) fp64 per-pair frequencies (Llama-3.1 scaling already applied, see
+``coda_titan.model.rope.rope_freqs``); pos = row % seqlen for rows laid out (bs, seqlen). Angles
+are formed in fp64, so cos/sin are exact to the compute dtype.
 
 Backward (B1), elementwise: dp = R^T dy (rotation by -theta) on q/k, dp = dy on v, and
 zdz = sum_n y_n dy_n per row, which equals sum_n p_n dp_n because R is orthogonal, so the pre-RoPE
-values never need saving. Saved: the post-RoPE output y (which attention saves anyway).
+values never need saving. B1 returns da = r * dp, the gradient of the *unscaled* GEMM output
+a = H @ W_qkv^T: the deferred rstd is folded here, so the dgrad (B2) and wgrad GEMMs are plain.
+Saved: the post-RoPE output y (which attention saves anyway) and r.
 """
 
 from __future__ import annotations
@@ -24,17 +26,26 @@ import torch
 from ._common import acc_dtype, check_2d, mm
 
 
+def rope_cos_sin(freqs: torch.Tensor, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (seqlen, head_dim/2), from fp64 angles pos * freqs[j], rounded once to ``dtype``."""
+    pos = torch.arange(seqlen, dtype=torch.float64, device=freqs.device)
+    angles = torch.outer(pos, freqs.to(torch.float64))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rotate(
-    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, n_rope_heads: int, head_dim: int, inverse: bool
+    t: torch.Tensor, freqs: torch.Tensor, seqlen: int, *, n_rope_heads: int, head_dim: int, inverse: bool
 ) -> torch.Tensor:
     m = t.shape[0]
-    seqlen = cos.shape[0]
-    if m % seqlen:
+    if seqlen <= 0 or m % seqlen:
         raise ValueError(f"rows ({m}) must be a whole number of sequences of length {seqlen}")
+    if freqs.shape != (head_dim // 2,):
+        raise ValueError(f"freqs must be ({head_dim // 2},), got {tuple(freqs.shape)}")
+    cos, sin = rope_cos_sin(freqs, seqlen, t.dtype)
     rope_cols = n_rope_heads * head_dim
     x = t[:, :rope_cols].reshape(m // seqlen, seqlen, n_rope_heads, head_dim // 2, 2)
-    c = cos.to(t.dtype)[None, :, None, :]  # (1, seqlen, 1, head_dim/2)
-    s = sin.to(t.dtype)[None, :, None, :]
+    c = cos[None, :, None, :]  # (1, seqlen, 1, head_dim/2)
+    s = sin[None, :, None, :]
     if inverse:
         s = -s
     x0, x1 = x[..., 0], x[..., 1]
@@ -47,25 +58,33 @@ def norm_rope_torch(
     h: torch.Tensor,
     rstd: torch.Tensor,
     weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
     n_rope_heads: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """Post-RoPE qkv (M, Q) in h's dtype. cos/sin are (seqlen, head_dim/2)."""
+    """Post-RoPE qkv (M, Q) in h's dtype."""
     check_2d("h", h, weight.shape[1])
     acc = mm(h, weight.t())
     p = acc * rstd.to(acc.dtype)[:, None]
-    return _rotate(p, cos, sin, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=False).to(h.dtype)
+    y = _rotate(p, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=False)
+    return y.to(h.dtype)
 
 
 def rope_bwd_torch(
-    *, dy: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rope_heads: int, head_dim: int
+    *,
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
+    n_rope_heads: int,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dp, zdz): dp (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
+    """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
     check_2d("dy", dy, y.shape[1])
     ct = acc_dtype(dy, y)
     dyf = dy.to(ct)
     zdz = (y.to(ct) * dyf).sum(-1)
-    dp = _rotate(dyf, cos, sin, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
-    return dp.to(dy.dtype), zdz
+    dp = _rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
+    return (dp * rstd.to(ct)[:, None]).to(dy.dtype), zdz

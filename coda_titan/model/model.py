@@ -29,23 +29,22 @@ from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from ..kernels import get_backend, resolve_backend
 from .args import CodaModelArgs
 from .programs import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
-from .rope import rope_tables
+from .rope import rope_freqs
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
-    def forward(self, x, h, rstd, cos, sin, gamma_next, cfg: ProgramConfig):
-        # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); cos/sin: (seqlen, head_dim/2)
+    def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig):
+        # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
         m = x.shape[0]
-        seqlen = cos.shape[0]
         bs = m // seqlen
         hd = attn.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv, x = NormRoPE.apply(
             h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight, attn.wv.weight,
-            cos, sin, cfg, n_q + n_kv, hd,
+            freqs, seqlen, cfg, n_q + n_kv, hd,
         )
         q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
         q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
@@ -86,7 +85,7 @@ class CodaTransformer(Transformer):
         self.layers = torch.nn.ModuleDict(
             {str(i): CodaTransformerBlock(i, model_args) for i in range(model_args.n_layers)}
         )
-        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._freqs_cache: dict[torch.device, torch.Tensor] = {}
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args
@@ -94,14 +93,12 @@ class CodaTransformer(Transformer):
             backend=get_backend(self.backend_name), tile_n=a.tile_n, eps=a.norm_eps, ce_chunk_rows=a.ce_chunk_rows
         )
 
-    def _rope(self, seqlen: int, device: torch.device, dtype: torch.dtype):
-        key = (seqlen, device, dtype)
-        if key not in self._rope_cache:
+    def _freqs(self, device: torch.device) -> torch.Tensor:
+        """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""
+        if device not in self._freqs_cache:
             a = self.model_args
-            self._rope_cache[key] = rope_tables(
-                seqlen, a.dim // a.n_heads, a.rope_theta, a.rope_scaling_args, device=device, dtype=dtype
-            )
-        return self._rope_cache[key]
+            self._freqs_cache[device] = rope_freqs(a.dim // a.n_heads, a.rope_theta, a.rope_scaling_args).to(device)
+        return self._freqs_cache[device]
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         if attention_masks is not None or positions is not None:
@@ -109,8 +106,7 @@ class CodaTransformer(Transformer):
         cfg = self.program_config()
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
-        table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self._rope(seqlen, x.device, table_dtype)
+        freqs = self._freqs(x.device)
         layers = list(self.layers.values())
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
             gamma0 = layers[0].attention_norm.weight if layers else self.norm.weight
@@ -118,7 +114,7 @@ class CodaTransformer(Transformer):
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         for i, layer in enumerate(layers):
             gamma_next = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else self.norm.weight
-            x, h, rstd = layer(x, h, rstd, cos, sin, gamma_next, cfg)
+            x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
             logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
             return logits.to(h.dtype).view(bs, seqlen, -1)

@@ -2,7 +2,7 @@
 
 Gradient plan (CODA.md): a producer epilogue (F1 or the prologue) writes X, H = X * gamma and the
 partial sums S; H and S are non-differentiable. The consumer of H (F2, F3 or F4) owns the norm's
-backward: from its output gradient it makes dp and zdz, runs B2 (dgrad GEMM + norm/residual
+backward: from its output gradient it makes da = r * dp and zdz, runs B2 (dgrad GEMM + norm/residual
 epilogue) and returns the *assembled* residual gradient D for X, plus dgamma. For that it needs the
 gradient already flowing down the residual stream, so:
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import Backend
+from ..kernels._common import deinterleave_rows, interleave_rows
 
 
 @dataclass(frozen=True)
@@ -60,25 +61,26 @@ class NormRoPE(torch.autograd.Function):
     """F3 (QKV GEMM + deferred rstd + RoPE); backward B1 (RoPE bwd + zdz) -> B2 -> wgrad."""
 
     @staticmethod
-    def forward(ctx, h, rstd, x, gamma, wq, wk, wv, cos, sin, cfg: ProgramConfig, n_rope_heads: int, head_dim: int):
+    def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int, head_dim: int):
         w = torch.cat([wq, wk, wv])
         qkv = cfg.backend.norm_rope(
-            h=h, rstd=rstd, weight=w, cos=cos, sin=sin, n_rope_heads=n_rope_heads, head_dim=head_dim
+            h=h, rstd=rstd, weight=w, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim
         )
-        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, cos, sin, qkv)
-        ctx.cfg, ctx.n_rope_heads, ctx.head_dim = cfg, n_rope_heads, head_dim
+        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv)
+        ctx.cfg, ctx.seqlen, ctx.n_rope_heads, ctx.head_dim = cfg, seqlen, n_rope_heads, head_dim
         return qkv, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        h, rstd, x, gamma, wq, wk, wv, cos, sin, qkv = ctx.saved_tensors
+        h, rstd, x, gamma, wq, wk, wv, freqs, qkv = ctx.saved_tensors
         be = ctx.cfg.backend
-        dp, zdz = be.rope_bwd(
-            dy=dqkv.contiguous(), y=qkv, cos=cos, sin=sin, n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim
+        da, zdz = be.rope_bwd(
+            dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
+            n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim,
         )
         w = torch.cat([wq, wk, wv])
-        dx, dgamma = be.norm_residual_bwd(dp=dp, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
-        dw = be.wgrad(grad=dp, inp=h, row_scale=rstd, out_dtype=w.dtype)
+        dx, dgamma = be.norm_residual_bwd(da=da, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
+        dw = be.wgrad(grad=da, inp=h, out_dtype=w.dtype)
         dwq, dwk, dwv = _split_rows(dw, (wq.shape[0], wk.shape[0], wv.shape[0]))
         return None, None, dx, dgamma.to(gamma.dtype), dwq, dwk, dwv, None, None, None, None, None
 
@@ -86,29 +88,31 @@ class NormRoPE(torch.autograd.Function):
 class NormSwiGLUResidual(torch.autograd.Function):
     """MLP sub-layer: F2 (W13 GEMM + rstd + SwiGLU) then F1 (W2 GEMM + residual + partial RMS).
 
-    Backward: B3 (D @ W2 + SwiGLU bwd + zdz), dW2, B2 (dz @ W13 + norm/residual bwd), dW13.
+    W13 is w1 and w3 with rows interleaved (a runtime view, see ``interleave_rows``). Backward: B3
+    (D @ W2 + SwiGLU bwd + zdz), dW2, B2 (da @ W13 + norm/residual bwd), dW13.
     """
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig):
         be = cfg.backend
-        y, z = be.norm_swiglu(h=h, rstd=rstd, w_gate=w1, w_up=w3)
+        w13 = interleave_rows(w1, w3)
+        y, a = be.norm_swiglu(h=h, rstd=rstd, w13=w13)
         x_out, h_out, s_out = be.residual_rms(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
         ctx.mark_non_differentiable(h_out, s_out)
-        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, z)
+        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a)
         ctx.cfg = cfg
         return x_out, h_out, s_out
 
     @staticmethod
     def backward(ctx, dx_out, _dh, _ds):
-        h, rstd, x, gamma, w1, w3, w2, z = ctx.saved_tensors
+        h, rstd, x, gamma, w1, w3, w2, a = ctx.saved_tensors
         be = ctx.cfg.backend
-        dz, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, z=z)
+        da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
         dw2 = be.wgrad(grad=dx_out, inp=y, out_dtype=w2.dtype)
-        w13 = torch.cat([w1, w3])
-        dx, dgamma = be.norm_residual_bwd(dp=dz, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_out)
-        dw13 = be.wgrad(grad=dz, inp=h, row_scale=rstd, out_dtype=w13.dtype)
-        dw1, dw3 = _split_rows(dw13, (w1.shape[0], w3.shape[0]))
+        w13 = interleave_rows(w1, w3)
+        dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_out)
+        dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
+        dw1, dw3 = deinterleave_rows(dw13)
         return None, None, dx, dgamma.to(gamma.dtype), dw1, dw3, dw2, None, None
 
 

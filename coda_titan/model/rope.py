@@ -1,7 +1,8 @@
-"""RoPE tables with TorchTitan's frequencies (``precompute_freqs_cis``, Llama-3.1 scaling), in fp64.
+"""RoPE frequencies with TorchTitan's formula (``precompute_freqs_cis``, Llama-3.1 scaling), in fp64.
 
-TorchTitan computes the angles in fp32; these tables compute the same formula in fp64 and round
-once, so cos/sin are exact to the storage dtype (the fp64 tests compare at 1e-10).
+TorchTitan computes the angles in fp32; the programs form pos * freqs[j] from these fp64 values
+(the torch reference in fp64, the fused kernel as a float-float angle), so cos/sin are exact to the
+compute dtype (the fp64 tests compare at 1e-10).
 """
 
 from __future__ import annotations
@@ -26,11 +27,3 @@ def rope_freqs(head_dim: int, theta: float, scaling: RoPEScalingArgs) -> torch.T
     smoothed = (1 - smooth) * freqs / scaling.scaling_factor + smooth * freqs
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, freqs)
-
-
-def rope_tables(
-    seqlen: int, head_dim: int, theta: float, scaling: RoPEScalingArgs, *, device, dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (seqlen, head_dim/2): the angle of position t and pair j is t * freqs[j]."""
-    angles = torch.outer(torch.arange(seqlen, dtype=torch.float64), rope_freqs(head_dim, theta, scaling))
-    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)

@@ -2,7 +2,8 @@
 
 Each program lives in its own module and has one keyword-only signature. ``torch`` is the exact
 reparameterized math in plain PyTorch (any device; the reference). ``cute`` is the fused SM90
-GEMM-epilogue kernels (quack / CuTeDSL, the ``gpu`` extra). ``get_backend(name)`` returns a
+GEMM-epilogue kernels (quack / CuTeDSL, the ``gpu`` extra), reached through the ``torch.ops.coda``
+custom ops of ``coda_titan.kernels.ops``. ``get_backend(name)`` returns a
 ``Backend`` whose attributes are the programs; the model only ever calls programs through it.
 """
 
@@ -97,8 +98,8 @@ def get_backend(name: str) -> Backend:
                 raise BackendUnavailable(f"cute backend unavailable: {reason}")
         programs = {}
         for prog, module in PROGRAMS.items():
-            pkg = __name__ if name == "torch" else f"{__name__}.cute"
-            mod = importlib.import_module(f"{pkg}.{module}")
+            # torch: one module per program; cute: the package registers every kernel at import
+            mod = importlib.import_module(f"{__name__}.{module}" if name == "torch" else f"{__name__}.cute")
             programs[prog] = getattr(mod, f"{prog}_{name}")
         _cache[name] = Backend(name, programs)
     return _cache[name]

@@ -1,0 +1,361 @@
+"""CUDA implementations of the ``torch.ops.coda`` programs: GEMM-epilogue kernels on quack 0.6.5.
+
+Program -> kernel (the math of each is in the reference module of the same name):
+
+==================  ===========================================================================
+F1 residual_rms     ``rms_partial_epi``: X = acc + residual, H = X * gamma, per-tile sum X^2
+finalize            ``quack.rms_final_reduce`` (CuTeDSL): r = rsqrt(sum S / d + eps)
+F2 norm_swiglu      ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r a_g) * (r a_u),
+                    gate/up as adjacent columns of the interleaved W13
+F3 norm_rope        ``rstd_rope_posfreq_epi``: r * acc, then rotation by +theta with the angle
+                    pos * freq formed in-kernel as a float-float (v columns: zero frequency)
+F4 lm_head_ce       ``rstd_lse_target_epi`` (below): logits = r * acc, online (max, sum exp) and
+                    the target logit in the epilogue, per token chunk; then one fused pass makes
+                    da = r * (softmax - onehot) and zdz; B2 and dW GEMMs per chunk
+B1 rope_bwd         one inductor-fused elementwise + row-reduction pass (no GEMM involved)
+B2 norm_resid_bwd   ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc * gamma + dres + X * corr,
+                    corr = -(r^2/d) zdz, dgamma partials in the epilogue
+B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
+wgrad / dgrad       plain GEMMs (cuBLAS, fp32 accumulation): every backward program already
+                    folded r into da, so there is nothing to fuse
+prologue            rms_partial: H = X * gamma and sum X^2 once per step (torch ops)
+==================  ===========================================================================
+
+Inputs the kernels cannot take (dtype other than bf16/fp16, a dimension that is not a multiple of
+8, a non-contiguous operand) run the torch reference instead, with one warning per program and
+reason. The first call of each program and shape is timed and logged (it compiles and, unless
+``CODA_TITAN_AUTOTUNE=0``, autotunes; both are cached on disk, see the package docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.library import (
+    dswiglu_rstd_preact_mod,
+    rms_bwd_apply_epi,
+    rms_bwd_apply_last_epi,
+    rms_partial_epi,
+    rstd_swiglu_preact_epi,
+)
+from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
+from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
+from quack.gemm_interface import gemm as quack_gemm
+from quack.gemm_interface import gemm_add_inplace
+from quack.rms_final_reduce import rms_final_reduce
+
+from .. import ops as _ops
+from ..lm_head_ce import IGNORE_INDEX
+from ..norm_rope import rope_cos_sin
+
+logger = logging.getLogger("coda_titan")
+
+__all__ = [f"{name}_cute" for name in _ops.OPS] + ["rstd_lse_target_epi"]
+
+_TUNE = os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0"
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# --- our own epilogue ----------------------------------------------------------------------------
+
+_target_idx = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"rstd": ColVecLoad("rstd")},
+    outs={
+        "lse": OnlineLSEReduce("lse"),
+        "target_logit": ColVecSelect("target_logit", idx_op=_target_idx),
+    },
+    extra_ops=(_target_idx,),
+)
+def rstd_lse_target_epi(acc, rstd):
+    """F4's epilogue: logits = r * acc (deferred final-norm rstd), written as D; the online
+    (max, sum exp) partials of each row; the row's target logit gathered exactly in fp32 (rows
+    whose target is -100 are left untouched)."""
+    v = acc * rstd
+    return {"D": v, "lse": v, "target_logit": v}
+
+
+# --- plumbing --------------------------------------------------------------------------------------
+
+_warned: set[tuple[str, str]] = set()
+_seen: set[tuple] = set()
+
+
+def _fallback(name: str, why: str, *args):
+    if (name, why) not in _warned:
+        _warned.add((name, why))
+        logger.warning(f"coda_titan: cute {name} cannot take {why}; running the torch reference for it")
+    return _ops.REF[name](*args)
+
+
+def _unsupported(*tensors: torch.Tensor) -> str | None:
+    for t in tensors:
+        if not t.is_cuda:
+            return f"a {t.device} tensor"
+        if t.dtype not in _KERNEL_DTYPES:
+            return f"dtype {t.dtype}"
+        if t.dim() != 2 or t.stride(-1) != 1 or t.shape[-1] % 8 or (t.shape[0] > 1 and t.stride(0) % 8):
+            return f"shape {tuple(t.shape)} / stride {t.stride()} (need 2-D, contiguous rows, width % 8 == 0)"
+        if t.shape[0] == 0:
+            return "an empty tensor"
+    return None
+
+
+class _first_call:
+    """Logs the wall time of the first call of a program for a shape (compile + autotune)."""
+
+    def __init__(self, name: str, *tensors: torch.Tensor):
+        self.key = (name, *((tuple(t.shape), t.dtype) for t in tensors))
+        self.first = self.key not in _seen
+
+    def __enter__(self):
+        if self.first:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.first and exc[0] is None:
+            torch.cuda.synchronize()
+            _seen.add(self.key)
+            logger.info(
+                f"coda_titan: cute {self.key[0]} {[s for s, _ in self.key[1:]]} ready in "
+                f"{time.perf_counter() - self.t0:.1f} s (first call: compile{' + autotune' if _TUNE else ''})"
+            )
+        return False
+
+
+def _gemm(mod, a, b_kn, c, out, **operands):
+    return mod(a, b_kn, c, out=out, tuned=_TUNE, **operands)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _fused(name: str, fn):
+    """``fn`` compiled by inductor into fused kernels (one per shape); eager if compiling fails."""
+    if name not in _compiled:
+        try:
+            _compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager, say so once
+            logger.warning(f"coda_titan: could not compile {name} ({e}); running it eagerly")
+            _compiled[name] = fn
+    return _compiled[name]
+
+
+_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _cached(key: tuple, make):
+    t = _tables.get(key)
+    if t is None:
+        if len(_tables) > 64:
+            _tables.clear()
+        t = _tables[key] = make()
+    return t
+
+
+# --- forward programs ------------------------------------------------------------------------------
+
+
+@torch.library.register_kernel("coda::rms_partial", "cuda")
+def _rms_partial(x, gamma, tile_n):
+    # The embedding-norm prologue: no GEMM, once per step.
+    xf = x.float()
+    h = (xf * gamma.float()).to(x.dtype)
+    return h, (xf * xf).sum(-1, keepdim=True)
+
+
+@torch.library.register_kernel("coda::residual_rms", "cuda")
+def _residual_rms(y, weight, residual, gamma, tile_n):
+    why = _unsupported(y, weight, residual)
+    if why:
+        return _fallback("residual_rms", why, y, weight, residual, gamma, tile_n)
+    x = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    with _first_call("residual_rms", y, weight):
+        res = _gemm(rms_partial_epi, y, weight.t(), residual, {"D": h, "resid_out": x}, weight=gamma.float())
+    return x, h, res["sqsum"].unsqueeze(1)
+
+
+@torch.library.register_kernel("coda::rstd_finalize", "cuda")
+def _rstd_finalize(partials, dim, eps):
+    if partials.dtype != torch.float32 or not partials.is_contiguous():
+        return _fallback("rstd_finalize", f"partials of dtype {partials.dtype}", partials, dim, eps)
+    return rms_final_reduce(partials, 1.0 / dim, eps)
+
+
+@torch.library.register_kernel("coda::norm_swiglu", "cuda")
+def _norm_swiglu(h, rstd, w13):
+    why = _unsupported(h, w13)
+    if why or w13.shape[0] % 16:
+        return _fallback("norm_swiglu", why or f"hidden {w13.shape[0] // 2} (need % 8)", h, rstd, w13)
+    m, f2 = h.shape[0], w13.shape[0]
+    a = h.new_empty((m, f2))
+    y = h.new_empty((m, f2 // 2))
+    with _first_call("norm_swiglu", h, w13):
+        _gemm(rstd_swiglu_preact_epi, h, w13.t(), None, {"D": a, "postact": y}, rstd=rstd.float())
+    return y, a
+
+
+@torch.library.register_kernel("coda::norm_rope", "cuda")
+def _norm_rope(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim):
+    why = _unsupported(h, weight)
+    m, q = h.shape[0], weight.shape[0]
+    rot = n_rope_heads * head_dim
+    if why is None and (head_dim % 2 or m % seqlen or rot > q):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
+    if why:
+        return _fallback("norm_rope", why, h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim)
+    dev = h.device
+    freq = _cached(
+        ("freq", freqs.data_ptr(), freqs._version, rot, q, head_dim, dev),
+        lambda: make_interleaved_inv_freq(freqs.double(), rot, q - rot, head_dim).float().to(dev),
+    )
+    pos = _cached(("pos", m, seqlen, dev), lambda: (torch.arange(m, device=dev) % seqlen).float())
+    out = h.new_empty((m, q))
+    with _first_call("norm_rope", h, weight):
+        _gemm(rstd_rope_posfreq_epi, h, weight.t(), None, {"D": out}, pos=pos, freq=freq, rstd=rstd.float())
+    return out
+
+
+def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
+    """da = r * (softmax - onehot) and zdz = sum logits * (softmax - onehot); zero on ignored rows."""
+    lf = logits.float()
+    valid = targets != IGNORE_INDEX
+    p = torch.exp(lf - lse[:, None])
+    zdz = torch.where(valid, (p * lf).sum(-1) - tgt_logit, 0.0)
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == targets[:, None]
+    r = torch.where(valid, rstd, 0.0)
+    da = ((p - onehot.float()) * r[:, None]).to(logits.dtype)
+    return da, zdz
+
+
+@torch.library.register_kernel("coda::lm_head_ce", "cuda")
+def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
+    why = _unsupported(h, x, weight)
+    if why:
+        return _fallback("lm_head_ce", why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    m, d = h.shape
+    vocab = weight.shape[0]
+    loss = torch.zeros((), device=h.device, dtype=torch.float32)
+    rstd = rstd.float()
+    gamma32 = gamma.float()
+    if compute_grad:
+        dx = torch.empty_like(x)
+        dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
+        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32)
+    logits_buf = h.new_empty((min(chunk_rows, m), vocab))
+    grad_fn = _fused("ce_grad", _ce_grad_math)
+    for i, start in enumerate(range(0, m, chunk_rows)):
+        stop = min(start + chunk_rows, m)
+        hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
+        logits = logits_buf[: stop - start]
+        with _first_call("lm_head_ce", hc, weight):
+            res = _gemm(rstd_lse_target_epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
+        lse, tl = res["lse"], res["target_logit"]
+        loss = loss + torch.where(t != IGNORE_INDEX, lse - tl, 0.0).sum()
+        if not compute_grad:
+            continue
+        da, zdz = grad_fn(logits, lse, tl, t, r)
+        corr = -(r * r / d) * zdz
+        out = _gemm(rms_bwd_apply_last_epi, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
+        dgamma += out["dw"]
+        if i == 0:
+            quack_gemm(da.t(), hc, out=dw, tuned=_TUNE)
+        else:
+            gemm_add_inplace(da.t(), hc, dw, tuned=_TUNE)
+    if not compute_grad:
+        return _ops._ce_outputs(loss, None, None, None, h, gamma, weight)
+    return loss, dx, dgamma, dw.to(weight.dtype)
+
+
+# --- backward programs -----------------------------------------------------------------------------
+
+
+def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    m = dy.shape[0]
+    seqlen = cos.shape[0]
+    dyf = dy.float()
+    zdz = (y.float() * dyf).sum(-1)
+    t = dyf[:, :rot].reshape(m // seqlen, seqlen, rot // head_dim, head_dim // 2, 2)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x0, x1 = t[..., 0], t[..., 1]
+    back = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).reshape(m, rot)
+    da = torch.cat([back, dyf[:, rot:]], dim=-1) * rstd[:, None]
+    return da.to(dy.dtype), zdz
+
+
+@torch.library.register_kernel("coda::rope_bwd", "cuda")
+def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    why = _unsupported(dy, y)
+    m = dy.shape[0]
+    if why is None and (head_dim % 2 or m % seqlen):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
+    if why:
+        return _fallback("rope_bwd", why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+    cos, sin = _cached(
+        ("cossin", freqs.data_ptr(), freqs._version, seqlen, dy.device),
+        lambda: rope_cos_sin(freqs, seqlen, torch.float32),
+    )
+    with _first_call("rope_bwd", dy):
+        return _fused("rope_bwd", _rope_bwd_math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+
+@torch.library.register_kernel("coda::norm_residual_bwd", "cuda")
+def _norm_residual_bwd(da, weight, x, gamma, rstd, zdz, dresidual):
+    ops_ = (da, weight, x) if dresidual is None else (da, weight, x, dresidual)
+    why = _unsupported(*ops_)
+    if why:
+        return _fallback("norm_residual_bwd", why, da, weight, x, gamma, rstd, zdz, dresidual)
+    d = x.shape[1]
+    r = rstd.float()
+    corr = -(r * r / d) * zdz.float()
+    out = torch.empty_like(x)
+    with _first_call("norm_residual_bwd", da, weight):
+        if dresidual is None:
+            res = _gemm(rms_bwd_apply_last_epi, da, weight, None, {"D": out}, y=x, w=gamma.float(), corr=corr)
+        else:
+            res = _gemm(rms_bwd_apply_epi, da, weight, dresidual, {"D": out}, y=x, w=gamma.float(), corr=corr)
+    return out, res["dw"]
+
+
+@torch.library.register_kernel("coda::swiglu_bwd", "cuda")
+def _swiglu_bwd(dout, w_down, a, rstd):
+    why = _unsupported(dout, w_down, a)
+    if why:
+        return _fallback("swiglu_bwd", why, dout, w_down, a, rstd)
+    r = rstd.float()
+    da = torch.empty_like(a)
+    y = a.new_empty((a.shape[0], a.shape[1] // 2))
+    with _first_call("swiglu_bwd", dout, w_down):
+        res = _gemm(dswiglu_rstd_preact_mod, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
+    return da, y, res["dsum"] * r
+
+
+@torch.library.register_kernel("coda::wgrad", "cuda")
+def _wgrad(grad, inp, out_dtype):
+    if grad.dtype not in _KERNEL_DTYPES or inp.dtype != grad.dtype:
+        return _fallback("wgrad", f"dtype {grad.dtype}/{inp.dtype}", grad, inp, out_dtype)
+    out = grad.t() @ inp
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+@torch.library.register_kernel("coda::dgrad", "cuda")
+def _dgrad(grad, weight, out_dtype):
+    if grad.dtype not in _KERNEL_DTYPES or weight.dtype != grad.dtype:
+        return _fallback("dgrad", f"dtype {grad.dtype}/{weight.dtype}", grad, weight, out_dtype)
+    out = grad @ weight
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+# --- the backend's programs (keyword-only, like the torch reference) --------------------------------
+
+for _name in _ops.OPS:
+    globals()[f"{_name}_cute"] = _ops.program(_name)
+del _name

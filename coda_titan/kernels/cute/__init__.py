@@ -32,7 +32,10 @@ def cache_root() -> str:
 
 
 # quack reads QUACK_CACHE_DIR when it is first imported: set it before anything imports quack.
-os.environ.setdefault("QUACK_CACHE_DIR", cache_root())
+# (Only when unset: quack's forked compile workers import this module again and inherit the
+# variable, and they must not touch CUDA to name the GPU.)
+if not os.environ.get("QUACK_CACHE_DIR"):
+    os.environ["QUACK_CACHE_DIR"] = cache_root()
 
 from .programs import *  # noqa: E402,F401,F403
 from .programs import __all__  # noqa: E402,F401

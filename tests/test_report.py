@@ -1,0 +1,39 @@
+"""The README's kernel table is generated from the committed benchmark JSON, and targets are judged right."""
+
+import json
+
+from scripts import report
+
+
+def _doc(rows):
+    return {"device": "X", "date": "2026-01-01", "versions": {"torch": "t", "quack": "q"}, "results": rows}
+
+
+def _row(op, direction, coda, gemm, compile_ms, peak=None):
+    r = {"op": op, "direction": direction, "M": 16384, "d": 2048,
+         "ms": {"coda": coda, "bare_gemm": gemm, "eager": 2 * compile_ms, "torch_compile": compile_ms, "liger": None}}
+    if peak:
+        r["peak_gib"] = {"coda": peak[0], "eager_full_logits": peak[1]}
+    return r
+
+
+def test_targets_judged_from_numbers():
+    doc = _doc([
+        _row("residual_rms", "fwd", 1.05, 1.0, 1.2),  # 1.05x GEMM: met
+        _row("norm_swiglu", "fwd", 1.2, 1.0, 1.3),  # 1.2x GEMM: missed
+        _row("swiglu_bwd", "bwd", 1.0, 0.9, 1.5),  # 1.5x compile: met
+        _row("norm_residual_bwd", "bwd", 1.0, 0.9, 1.5),  # 1.5x < 1.6: missed
+        _row("lm_head_ce", "fwd", 1.0, 1.0, 1.0, peak=(1.0, 10.0)),  # 0.1 <= 1/8: met
+    ])
+    met = {t["op"]: t["met"] for t in report.targets(doc)}
+    assert met == {"residual_rms": True, "norm_swiglu": False, "swiglu_bwd": True,
+                   "norm_residual_bwd": False, "lm_head_ce": True}
+    assert all("why" in t for t in report.targets(doc) if not t["met"])
+    assert report.table(doc).count("\n| ") == 1 + len(doc["results"])  # separator + one row each
+
+
+def test_readme_table_is_generated_from_committed_json():
+    paths = [p for p in report.RESULTS.glob("kernels_*.json") if "_d" not in p.stem.rsplit("_", 1)[-1]]
+    readme = (report.ROOT / "README.md").read_text()
+    for path in paths:
+        assert report.table(json.loads(path.read_text())) in readme, f"README table is stale for {path.name}"

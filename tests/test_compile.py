@@ -1,12 +1,21 @@
-"""The CODA layers compile with torch.compile(fullgraph=True): no graph breaks around the programs."""
+"""The CODA layers compile with torch.compile(fullgraph=True): no graph breaks around the programs.
 
+Two program sets: the torch reference functions, and the ``torch.ops.coda`` custom ops (one opaque
+node per program; on CPU they run the reference, so the numbers must match exactly as eager).
+"""
+
+import dataclasses
+
+import pytest
 import torch
 
+from coda_titan.kernels import PROGRAMS, Backend, ops
 from coda_titan.model.args import CodaModelArgs
 from coda_titan.model.model import CodaTransformer
 
 
-def test_layers_compile_fullgraph_and_match_eager():
+@pytest.mark.parametrize("programs", ["torch", "custom_ops"])
+def test_layers_compile_fullgraph_and_match_eager(programs):
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32))
@@ -18,6 +27,11 @@ def test_layers_compile_fullgraph_and_match_eager():
     eager.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    if programs == "custom_ops":
+        cfg = dataclasses.replace(
+            model.program_config(), backend=Backend("ops", {name: ops.program(name) for name in PROGRAMS})
+        )
+        model.program_config = lambda: cfg
     for layer in model.layers.values():
         layer.compile(fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises
     compiled = model(tokens, labels=labels)

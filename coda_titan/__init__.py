@@ -1,8 +1,9 @@
 """coda_titan: TorchTitan plug-in that trains LLaMA-3 models rewritten as GEMM-epilogue programs.
 
 ``--experimental.custom_import coda_titan`` (what ``coda-titan train`` passes) imports this package,
-which registers the ``coda_llama3`` train spec, the offline datasets, and the flavors stock
-``llama3`` lacks (1B, 3B, debugmodel_gqa) so a baseline config can name the same flavor.
+which registers the ``coda_llama3`` train spec, the offline datasets, the ``fa4`` model converter
+(FlashAttention-4 for stock and CODA models alike), and the flavors stock ``llama3`` lacks (1B, 3B,
+debugmodel_gqa) so a baseline config can name the same flavor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def _register() -> None:
     from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
     from .data import register_datasets
+    from .model import attention
     from .model.args import stock_flavor_additions
     from .train_spec import NAME, get_train_spec
 
@@ -27,6 +29,7 @@ def _register() -> None:
     for flavor, args in stock_flavor_additions().items():
         stock.llama3_args.setdefault(flavor, args)
     register_datasets()
+    attention.register()  # the "fa4" model converter (FlashAttention-4), for either model
 
 
 _register()

@@ -124,6 +124,7 @@ def validate(config) -> None:
         print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
         if config.coda.tile_n <= 0 or config.coda.ce_chunk_rows <= 0:
             raise UserError("[coda] tile_n and ce_chunk_rows must be positive integers")
+    _check_converters(config)
     dataset = config.training.dataset.lower()
     if dataset not in known_datasets():
         raise UserError(f"unknown training.dataset {config.training.dataset!r}; choose one of: {', '.join(known_datasets())}")
@@ -137,6 +138,26 @@ def validate(config) -> None:
         config.model.hf_assets_path = ensure_tokenizer(config.model.hf_assets_path, log=_say)
     except DataError as e:
         raise UserError(str(e)) from None
+
+
+def _check_converters(config) -> None:
+    import torchtitan.components.quantization  # noqa: F401  (registers TorchTitan's float8/mx converters)
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    from .model.attention import NAME as FA4, fa4_unavailable_reason
+
+    for name in config.model.converters:
+        if name not in _registry_model_converter_cls:
+            raise UserError(
+                f"unknown model.converters entry {name!r}; registered: {', '.join(sorted(_registry_model_converter_cls))}"
+            )
+    if FA4 in config.model.converters:
+        reason = fa4_unavailable_reason()
+        if reason is not None:
+            raise UserError(f"model.converters lists {FA4!r} (FlashAttention-4) but {reason}; remove it to use SDPA")
+        print("coda-titan: attention = FlashAttention-4 (model.converters 'fa4')", flush=True)
+    else:
+        print("coda-titan: attention = SDPA (add 'fa4' to model.converters for FlashAttention-4)", flush=True)
 
 
 def _say(msg: str) -> None:

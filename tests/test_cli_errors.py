@@ -86,3 +86,14 @@ def test_error_from_a_real_process(tmp_path, cache_dir):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip().startswith("coda-titan: error:") and "not valid TOML" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_fa4_without_gpu(capsys):
+    _fails(capsys, ["train", str(CONFIGS / "debug_cpu_baseline.toml"), "--model.converters", "fa4"],
+           "'fa4' (FlashAttention-4)", "no CUDA GPU", "remove it to use SDPA")
+
+
+def test_unknown_converter(capsys):
+    _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.converters", "fa5"],
+           "unknown model.converters entry 'fa5'", "fa4")

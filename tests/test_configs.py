@@ -11,7 +11,15 @@ from torchtitan.models.llama3 import llama3_args
 
 from .conftest import CONFIGS
 
-PAIRS = [("debug_cpu_baseline.toml", "debug_cpu_coda.toml"), ("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_coda.toml")]
+PAIRS = [
+    ("debug_cpu_baseline.toml", "debug_cpu_coda.toml"),
+    ("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_coda.toml"),
+    ("llama3_1b_bf16_baseline_compile.toml", "llama3_1b_bf16_coda_compile.toml"),
+    ("llama3_8b_bf16_baseline.toml", "llama3_8b_bf16_coda.toml"),
+]
+# each *_compile config is its eager twin plus [compile] (and its own output folder)
+COMPILE_TWINS = [("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_baseline_compile.toml"),
+                 ("llama3_1b_bf16_coda.toml", "llama3_1b_bf16_coda_compile.toml")]
 OUTPUT_ONLY = {("job", "dump_folder"), ("job", "description")}
 
 
@@ -58,3 +66,17 @@ def test_1b_shape():
         m = CodaTransformer(type(a)(**{**a.__dict__, "backend": "torch"}))
     assert m.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
     assert m.layers["0"].attention.wk.weight.shape == (512, 2048)
+
+
+@pytest.mark.parametrize("eager,compiled", COMPILE_TWINS)
+def test_compile_twin_differs_only_in_compile(eager, compiled):
+    e = dict(_flatten(cli._load_toml(CONFIGS / eager)))
+    c = dict(_flatten(cli._load_toml(CONFIGS / compiled)))
+    diff = {k for k in e.keys() | c.keys() if e.get(k) != c.get(k)} - OUTPUT_ONLY
+    assert diff == {("compile", "enable"), ("compile", "components")}
+    assert c[("compile", "enable")] is True and e[("compile", "enable")] is False
+
+
+def test_1b_and_8b_configs_use_fa4_on_both_sides():
+    for p in list(CONFIGS.glob("llama3_1b_*.toml")) + list(CONFIGS.glob("llama3_8b_*.toml")):
+        assert cli._load_toml(p)["model"]["converters"] == ["fa4"], p.name

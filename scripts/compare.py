@@ -1,0 +1,669 @@
+"""Step-time comparison of training configs, a loss-parity mode, and a kernel profile.
+
+    python -m scripts.compare CONFIG.toml [CONFIG.toml ...] [--steps 40] [--warmup 10]
+    python -m scripts.compare --loss-curve BASELINE.toml CODA.toml [--steps 300]
+    python -m scripts.compare --profile CONFIG.toml [--steps 20]
+    python -m scripts.compare --report          # tables, plots and README from the committed JSON
+
+Every run is a real ``coda-titan train`` in its own process (TorchTitan's Trainer, same data and seed),
+with ``metrics.log_freq = 1`` and its own output folder. The numbers are TorchTitan's own metrics as it
+prints them each step (loss, peak reserved memory, tokens/s, MFU); the step time is tokens per step /
+tokens/s. The first ``--warmup`` steps (compilation, autotuning, allocator growth) are excluded from the
+timing; the loss list holds every step. Each run's W&B history is read back from its offline run folder
+and checked to hold the loss series.
+
+``--attention fa4|sdpa`` sets the attention of every config (the default keeps what each config says),
+so a comparison changes one thing at a time. ``--set KEY=VALUE`` passes a TorchTitan override to every
+run (for example ``--set compile.enable=true``).
+
+Results go to ``benchmarks/results/`` (``--out``): ``compare_<gpu>_<date>.json`` (+ ``.png``),
+``loss_curve_<gpu>_<date>.json`` (+ ``.png``), ``profile_<config>_<gpu>_<date>.json``. Each JSON
+holds the device, date, versions, exactly what was run and the raw per-step values. ``--report``
+regenerates the plots and the README section from those files only; no number is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+TARGET_SPEEDUP = 1.20  # CODA tokens/s over the compiled baseline's
+TARGET_MEMORY = 0.90  # CODA peak memory over the compiled baseline's
+PARITY_TOL = 0.01  # relative loss deviation allowed after PARITY_SKIP steps
+PARITY_SKIP = 20
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<gn>\S+)\s+"
+    r"memory:\s*(?P<mem>[0-9.]+)GiB\((?P<mem_pct>[0-9.]+)%\)\s+tps:\s*(?P<tps>[0-9,]+)\s+"
+    r"tflops:\s*(?P<tflops>[0-9.,]+)\s+mfu:\s*(?P<mfu>[0-9.]+)%"
+)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def parse_log(text: str) -> list[dict]:
+    """TorchTitan's per-step console metrics, in step order (ANSI colors removed)."""
+    rows = {}
+    for m in _STEP.finditer(_ANSI.sub("", text)):
+        rows[int(m["step"])] = {
+            "step": int(m["step"]),
+            "loss": float(m["loss"]),  # "nan" / "inf" parse too
+            "grad_norm": float(m["gn"]),
+            "memory_gib": float(m["mem"]),
+            "tps": float(m["tps"].replace(",", "")),
+            "tflops": float(m["tflops"].replace(",", "")),
+            "mfu": float(m["mfu"]),
+        }
+    return [rows[s] for s in sorted(rows)]
+
+
+def summarize(rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """Timing over the steps after ``warmup``; loss over all steps."""
+    timed = [r for r in rows if r["step"] > warmup]
+    if not timed:
+        raise ValueError(f"no step after the {warmup} warm-up steps was logged")
+    step_s = [tokens_per_step / r["tps"] for r in timed]
+    return {
+        "steps": len(timed),
+        "warmup_steps": warmup,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step * len(timed) / sum(step_s),
+        "step_ms": 1e3 * statistics.median(step_s),
+        "step_ms_raw": [round(1e3 * s, 3) for s in step_s],
+        "peak_gib": max(r["memory_gib"] for r in rows),
+        "mfu": statistics.fmean(r["mfu"] for r in timed),
+        "loss": [r["loss"] for r in rows],
+        "first_step": rows[0]["step"],
+    }
+
+
+# --- TOML (the configs are flat tables of scalars and string lists) ------------------------------
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def dump_toml(doc: dict, prefix: str = "") -> str:
+    out = []
+    scalars = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+    if scalars:
+        if prefix:
+            out.append(f"[{prefix}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+        out.append("")
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out.append(dump_toml(v, f"{prefix}.{k}" if prefix else k))
+    return "\n".join(out)
+
+
+def with_attention(doc: dict, attention: str) -> dict:
+    """The config with FA4 added to or removed from ``model.converters``."""
+    doc = json.loads(json.dumps(doc))
+    model = doc.setdefault("model", {})
+    conv = [c for c in model.get("converters", []) if c != "fa4"]
+    model["converters"] = (conv + ["fa4"]) if attention == "fa4" else conv
+    return doc
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+def _load_toml(path: Path) -> dict:
+    from coda_titan.cli import _load_toml as load
+
+    return load(path)
+
+
+def _attention_of(doc: dict) -> str:
+    return "fa4" if "fa4" in doc.get("model", {}).get("converters", []) else "sdpa"
+
+
+def _say(msg: str) -> None:
+    print(f"[compare] {msg}", flush=True)
+
+
+def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=()) -> dict:
+    """Train ``config`` for ``steps`` steps in a fresh process; returns the parsed log and run facts."""
+    from coda_titan.cli import parse_config
+
+    doc = _load_toml(config)
+    if attention != "config":
+        doc = with_attention(doc, attention)
+    stem = config.stem
+    run_dir = workdir / stem
+    run_dir.mkdir(parents=True, exist_ok=True)
+    derived = run_dir / f"{stem}.toml"  # same stem: the W&B run name stays the config's
+    derived.write_text(f"# {config} as run by scripts/compare.py\n" + dump_toml(doc))
+    overrides = [
+        "--training.steps", str(steps),
+        "--metrics.log_freq", "1",
+        "--job.dump_folder", str(run_dir / "out"),
+        "--checkpoint.no-enable",
+    ]
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        if value.lower() in ("true", "false"):
+            overrides.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
+        else:
+            overrides += [f"--{key}", value]
+    overrides += list(extra)
+    job = parse_config(str(derived), overrides)
+    tokens_per_step = job.training.local_batch_size * job.training.seq_len
+    cmd = [sys.executable, "-m", "coda_titan.cli", "train", str(derived), *overrides]
+    _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable} -> {run_dir}/train.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("WANDB_SILENT", "true")
+    t0 = time.time()
+    lines = []
+    with open(run_dir / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line)
+                row = parse_log(line)
+                if row and (row[0]["step"] % 10 == 0 or row[0]["step"] in (1, steps)):
+                    r = row[0]
+                    _say(f"  {stem} step {r['step']}/{steps} loss {r['loss']:.4f} tps {r['tps']:,.0f} mem {r['memory_gib']:.1f}GiB")
+            proc.wait(timeout=max(1, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines)
+    rows = parse_log(text)
+    result = {
+        "config": os.path.relpath(config, ROOT) if config.is_absolute() else str(config),
+        "config_run": dump_toml(doc),
+        "overrides": overrides,
+        "attention": _attention_of(doc),
+        "compile": bool(job.compile.enable),
+        "precision": _precision(job),
+        "model": f"{job.model.name}/{job.model.flavor}",
+        "seq_len": job.training.seq_len,
+        "local_batch_size": job.training.local_batch_size,
+        "returncode": proc.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "rows": rows,
+        "tokens_per_step": tokens_per_step,
+    }
+    if proc.returncode != 0 or len(rows) < steps:
+        tail = "".join(lines[-15:])
+        result["error"] = f"exit {proc.returncode}, {len(rows)}/{steps} steps logged; log tail:\n{tail}"
+        _say(f"{stem} FAILED ({result['error'].splitlines()[0]})")
+    result["wandb"] = _wandb_check(run_dir / "out", rows)
+    return result
+
+
+def _precision(job) -> str:
+    if any("float8" in c for c in job.model.converters):
+        return "fp8"
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(job.training.dtype, job.training.dtype)
+
+
+def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
+    """Find the run's W&B folder and check that its history holds the logged loss series."""
+    from coda_titan.wandb_history import read_history
+
+    runs = sorted(glob.glob(str(dump_folder / "**" / "wandb" / "*run-*"), recursive=True), key=os.path.getmtime)
+    if not runs:
+        return {"run_dir": None, "loss_steps": 0, "matches_console": False}
+    hist = [h for h in read_history(runs[-1]) if "loss_metrics/global_avg_loss" in h]
+    by_step = {int(h["_step"]): h["loss_metrics/global_avg_loss"] for h in hist if "_step" in h}
+    console = {r["step"]: r["loss"] for r in rows}
+    match = bool(console) and all(
+        s in by_step and (abs(by_step[s] - v) <= 1e-4 * max(1.0, abs(v)) or (math.isnan(v) and math.isnan(by_step[s])))
+        for s, v in console.items()
+    )
+    return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match}
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    for dist in ("torchtitan", "quack-kernels", "nvidia-cutlass-dsl", "flash-attn-4", "torchao", "coda-titan"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        out["coda_titan_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        out["coda_titan_commit"] = None
+    return out
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", s).strip("_")
+
+
+def _header(kind: str) -> dict:
+    return {
+        "kind": kind,
+        "device": _device(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "versions": _versions(),
+        "command": " ".join(["python -m scripts.compare", *sys.argv[1:]]),
+    }
+
+
+def _out_path(out: Path, kind: str, device: str, date: str, extra: str = "") -> Path:
+    return out / f"{kind}_{extra}{_slug(device)}_{date[:10]}.json"
+
+
+# --- targets -------------------------------------------------------------------------------------
+
+
+def _baseline_for(config: str) -> str | None:
+    stem = Path(config).stem
+    if "_coda" not in stem:
+        return None
+    return re.sub(r"_coda(_compile)?$", "_baseline_compile", stem)
+
+
+def targets(doc: dict) -> list[dict]:
+    """CODA vs the compiled stock baseline of the same model (tokens/s and peak memory)."""
+    ok = {Path(r["config"]).stem: r for r in doc["runs"] if "error" not in r}
+    out = []
+    for r in doc["runs"]:
+        base = _baseline_for(r["config"])
+        if base is None:
+            continue
+        stem = Path(r["config"]).stem
+        b = ok.get(base)
+        for goal, key, thr, better in (
+            (f">= {TARGET_SPEEDUP:.2f}x tokens/s of {base}", "tokens_per_s", TARGET_SPEEDUP, "higher"),
+            (f"<= {TARGET_MEMORY:.2f}x peak memory of {base}", "peak_gib", TARGET_MEMORY, "lower"),
+        ):
+            t = {"config": stem, "baseline": base, "goal": goal, "threshold": thr}
+            if b is None or stem not in ok:
+                t.update(value=None, met=False, why=f"{base if b is None else stem} has no result in this run")
+            else:
+                v = ok[stem][key] / b[key]
+                t.update(value=round(v, 4), met=(v >= thr) if better == "higher" else (v <= thr))
+                if not t["met"]:
+                    t["why"] = f"measured {v:.3f}x, target {thr:.2f}x"
+            out.append(t)
+    return out
+
+
+# --- modes ---------------------------------------------------------------------------------------
+
+
+def compare(args) -> Path:
+    doc = _header("compare")
+    doc.update(steps=args.steps, warmup=args.warmup, attention=args.attention, sets=args.set, runs=[])
+    for cfg in args.configs:
+        r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
+                       sets=args.set, timeout=args.timeout)
+        rows = r.pop("rows")
+        if "error" not in r:
+            r.update(summarize(rows, args.warmup, r["tokens_per_step"]))
+        else:
+            r["loss"] = [x["loss"] for x in rows]
+        doc["runs"].append(r)
+    doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+    doc["targets"] = targets(doc)
+    path = _out_path(Path(args.out), "compare", doc["device"], doc["date"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(compare_table(doc))
+    plot_compare(doc, path.with_suffix(".png"))
+    _say(f"wrote {path} and {path.with_suffix('.png').name}")
+    return path
+
+
+def parity(a: list[float], b: list[float], skip: int = PARITY_SKIP) -> dict:
+    """Largest |b - a| / |a| over the steps after ``skip`` (1-based steps), and NaN checks."""
+    n = min(len(a), len(b))
+    devs = [abs(b[i] - a[i]) / abs(a[i]) for i in range(skip, n)]
+    worst = max(range(len(devs)), key=lambda i: devs[i]) if devs else None
+    nan_a = any(not math.isfinite(x) for x in a)
+    nan_b = any(not math.isfinite(x) for x in b)
+    return {
+        "compared_steps": len(devs),
+        "after_step": skip,
+        "max_rel_dev": max(devs) if devs else None,
+        "max_rel_dev_step": (worst + skip + 1) if worst is not None else None,
+        "non_finite": {"baseline": nan_a, "candidate": nan_b},
+        "tolerance": PARITY_TOL,
+        "met": bool(devs) and max(devs) <= PARITY_TOL and not nan_a and not nan_b and len(a) == len(b),
+    }
+
+
+def loss_curve(args) -> Path:
+    doc = _header("loss_curve")
+    doc.update(steps=args.steps, attention=args.attention, sets=args.set, runs=[])
+    for cfg in args.configs:
+        r = run_config(Path(cfg), steps=args.steps, workdir=Path(args.workdir), attention=args.attention,
+                       sets=args.set, timeout=args.timeout)
+        r["loss"] = [x["loss"] for x in r.pop("rows")]
+        doc["runs"].append(r)
+    doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+    a, b = doc["runs"][0]["loss"], doc["runs"][1]["loss"]
+    doc["parity"] = parity(a, b)
+    path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    plot_loss_curve(doc, path.with_suffix(".png"))
+    p = doc["parity"]
+    _say(f"max relative loss deviation after step {p['after_step']}: {p['max_rel_dev']} "
+         f"(step {p['max_rel_dev_step']}), tolerance {PARITY_TOL}: {'met' if p['met'] else 'MISSED'}")
+    _say(f"wrote {path}")
+    return path
+
+
+def summarize_trace(trace_path: str, top: int = 25) -> dict:
+    """GPU kernel time by kernel name from a chrome trace (one profiled step)."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    total = sum(e["dur"] for e in kernels)
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    cats: dict[str, float] = {}
+    for name, durs in by_name.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + sum(durs)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    return {
+        "gpu_kernel_ms": total / 1e3,
+        "gpu_span_ms": span / 1e3,
+        "kernel_launches": len(kernels),
+        "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d),
+             "pct": round(100 * sum(d) / total, 2)}
+            for n, d in ranked[:top]
+        ],
+    }
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n or "flashattn" in n:
+        return "attention"
+    if any(s in n for s in ("epi", "quack", "gemmsm90", "gemm_sm90", "cutlass_cute", "kernel_cutlass")) and "gemm" in n:
+        return "coda/quack gemm+epilogue"
+    if any(s in n for s in ("gemm", "sm90_xmma", "cublas", "nvjet", "cutlass")):
+        return "gemm (cuBLAS/other)"
+    if "triton" in n:
+        return "triton (inductor)"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "nccl" in n:
+        return "communication"
+    if any(s in n for s in ("elementwise", "reduce", "vectorized", "copy", "cat", "index", "softmax", "norm")):
+        return "elementwise/reduction (eager)"
+    return "other"
+
+
+def profile(args) -> Path:
+    doc = _header("profile")
+    cfg = Path(args.configs[0])
+    steps = args.steps
+    extra = ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
+             "--profiling.profiler_warmup", "3", "--profiling.profiler_active", "1"]
+    r = run_config(cfg, steps=steps, workdir=Path(args.workdir), attention=args.attention, sets=args.set,
+                   timeout=args.timeout, extra=extra)
+    rows = r.pop("rows")
+    traces = sorted(glob.glob(str(Path(args.workdir) / cfg.stem / "out" / "**" / "rank0_trace.json"), recursive=True))
+    if not traces:
+        raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
+    doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]))
+    doc["run"]["loss"] = [x["loss"] for x in rows]
+    path = _out_path(Path(args.out), "profile", doc["device"], doc["date"], extra=f"{cfg.stem}_")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(profile_table(doc))
+    _say(f"wrote {path}")
+    return path
+
+
+# --- tables, plots, README -----------------------------------------------------------------------
+
+
+def _f(v, nd=1, suffix=""):
+    return "n/a" if v is None else f"{v:,.{nd}f}{suffix}"
+
+
+def compare_table(doc: dict) -> str:
+    base = {Path(r["config"]).stem: r for r in doc["runs"] if "error" not in r}
+    lines = [
+        f"Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
+        f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "
+        f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')}",
+        "",
+        "| config | attention | tokens/s | step ms (median) | peak GiB | MFU % | vs compiled baseline | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["runs"]:
+        stem = Path(r["config"]).stem
+        if "error" in r:
+            lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            continue
+        ref = base.get(re.sub(r"_(coda|baseline)(_compile)?$", "_baseline_compile", stem))
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
+        lines.append(
+            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {_f(r['peak_gib'], 2)} | "
+            f"{_f(r['mfu'], 1)} | {ratio} | {r['loss'][-1]:.4f} |"
+        )
+    if doc.get("targets"):
+        lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
+        for t in doc["targets"]:
+            lines.append(f"| {t['config']}: {t['goal']} | {_f(t['value'], 3, 'x')} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def profile_table(doc: dict, top: int = 12) -> str:
+    s = doc["summary"]
+    lines = [
+        f"Profile of `{Path(doc['config']).stem}` step {doc['profiled_step']} on {doc['device']}: "
+        f"{s['gpu_kernel_ms']:.1f} ms of GPU kernel time in {s['kernel_launches']} launches "
+        f"(span {s['gpu_span_ms']:.1f} ms).",
+        "",
+        "| category | ms | share |",
+        "|---|---:|---:|",
+    ]
+    for k, v in s["categories_ms"].items():
+        lines.append(f"| {k} | {v:.1f} | {100 * v / s['gpu_kernel_ms']:.1f}% |")
+    lines += ["", "| top kernel | category | calls | ms | share |", "|---|---|---:|---:|---:|"]
+    for k in s["top_kernels"][:top]:
+        name = k["name"].replace("|", "/")
+        name = name if len(name) <= 70 else name[:67] + "..."
+        lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['pct']:.1f}% |")
+    return "\n".join(lines)
+
+
+def plot_compare(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in doc["runs"] if "error" not in r]
+    names = [Path(r["config"]).stem.replace("llama3_", "") for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2))
+    colors = ["tab:orange" if "coda" in n else "tab:gray" for n in names]
+    ax = axes[0]
+    ax.barh(names, [r["tokens_per_s"] for r in runs], color=colors)
+    for i, r in enumerate(runs):
+        ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
+    ax.set_xlabel("tokens/s (higher is better)")
+    ax.invert_yaxis()
+    ax = axes[1]
+    ax.barh(names, [r["peak_gib"] for r in runs], color=colors)
+    for i, r in enumerate(runs):
+        ax.text(r["peak_gib"], i, f" {r['peak_gib']:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("peak reserved memory, GiB (lower is better)")
+    ax.invert_yaxis()
+    ax.set_yticklabels([])
+    fig.suptitle(f"{doc['device']}, {doc['date'][:10]}: {doc['steps']} timed steps per config")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_loss_curve(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for r in doc["runs"]:
+        axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    a, b = doc["runs"][0]["loss"], doc["runs"][1]["loss"]
+    n = min(len(a), len(b))
+    axes[1].plot(range(1, n + 1), [100 * (b[i] - a[i]) / abs(a[i]) for i in range(n)], lw=1, color="tab:red")
+    axes[1].axhline(100 * PARITY_TOL, ls="--", color="k", lw=0.7)
+    axes[1].axhline(-100 * PARITY_TOL, ls="--", color="k", lw=0.7)
+    axes[1].axvline(PARITY_SKIP, ls=":", color="k", lw=0.7)
+    axes[1].set_ylabel("rel. diff %")
+    axes[1].set_xlabel("step")
+    p = doc["parity"]
+    fig.suptitle(f"Loss parity on {doc['device']}: max |rel. diff| after step {p['after_step']} = "
+                 f"{100 * p['max_rel_dev']:.3f}%" if p["max_rel_dev"] is not None else "Loss parity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _latest(kind: str) -> list[Path]:
+    """Newest result file of ``kind`` per device (and per config, for profiles)."""
+    best: dict[str, Path] = {}
+    for p in sorted(RESULTS.glob(f"{kind}_*.json")):
+        key = re.sub(r"_\d{4}-\d{2}-\d{2}\.json$", "", p.name)
+        best[key] = p  # sorted by name: the later date wins
+    return sorted(best.values())
+
+
+def readme_section() -> str:
+    parts = []
+    for p in _latest("compare"):
+        doc = json.loads(p.read_text())
+        parts += [compare_table(doc), "", f"![step-time comparison](benchmarks/results/{p.with_suffix('.png').name})", ""]
+    for p in _latest("loss_curve"):
+        doc = json.loads(p.read_text())
+        q = doc["parity"]
+        names = " vs ".join(Path(r["config"]).stem for r in doc["runs"])
+        dev = "n/a" if q["max_rel_dev"] is None else f"{100 * q['max_rel_dev']:.3f}% (step {q['max_rel_dev_step']})"
+        parts += [
+            f"Loss parity, {names}, {doc['steps']} steps on {doc['device']} ({doc['date'][:10]}): largest relative "
+            f"deviation after step {q['after_step']} = {dev}; tolerance {100 * q['tolerance']:.0f}%: "
+            f"{'met' if q['met'] else 'missed'}; non-finite losses: {any(q['non_finite'].values())}.",
+            "",
+            f"![loss curves](benchmarks/results/{p.with_suffix('.png').name})",
+            "",
+        ]
+    for p in _latest("profile"):
+        parts += [profile_table(json.loads(p.read_text())), ""]
+    return "\n".join(parts).rstrip()
+
+
+def update_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    begin, end = "<!-- compare:begin -->", "<!-- compare:end -->"
+    block = f"{begin}\n{text}\n{end}"
+    if begin in body:
+        body = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, body, flags=re.S)
+    else:
+        body = body.rstrip() + "\n\n## Training comparison (1B, one GPU)\n\n" + block + "\n"
+    readme.write_text(body)
+
+
+def report() -> None:
+    for p in _latest("compare"):
+        plot_compare(json.loads(p.read_text()), p.with_suffix(".png"))
+    for p in _latest("loss_curve"):
+        plot_loss_curve(json.loads(p.read_text()), p.with_suffix(".png"))
+    update_readme(readme_section())
+    _say("README comparison section regenerated from benchmarks/results")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("configs", nargs="*", help="TOML configs, run in this order")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--loss-curve", action="store_true", help="train two configs (baseline first) and compare losses")
+    mode.add_argument("--profile", action="store_true", help="profile one step of one config (torch profiler)")
+    mode.add_argument("--report", action="store_true", help="regenerate plots and README from the committed JSON")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (compare: 40), total steps (loss curve: 300, profile: 20)")
+    ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing (compare)")
+    ap.add_argument("--attention", choices=["config", "fa4", "sdpa"], default="config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TorchTitan override for every run")
+    ap.add_argument("--out", default=str(RESULTS), help="where result JSON and PNG go")
+    ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    args = ap.parse_args(argv)
+    if args.report:
+        report()
+        return 0
+    if not args.configs:
+        ap.error("name at least one config")
+    for c in args.configs:
+        if not Path(c).is_file():
+            ap.error(f"config {c!r} not found")
+    for kv in args.set:
+        if "=" not in kv:
+            ap.error(f"--set takes KEY=VALUE, got {kv!r}")
+    if args.loss_curve:
+        if len(args.configs) != 2:
+            ap.error("--loss-curve takes exactly two configs: the baseline, then the candidate")
+        args.steps = args.steps or 300
+        loss_curve(args)
+    elif args.profile:
+        if len(args.configs) != 1:
+            ap.error("--profile takes one config")
+        args.steps = args.steps or 20
+        profile(args)
+    else:
+        args.steps = args.steps or 40
+        path = compare(args)
+        failed = [r["config"] for r in json.loads(path.read_text())["runs"] if "error" in r]
+        if failed:
+            _say(f"failed runs: {', '.join(failed)}")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# On the GPU host (after `source .gpu/part2/activate.sh`): the end-to-end training work of one device
+# call. Everything goes to $OUT (default outputs/gpu_train).
+#
+#   bash scripts/gpu_train.sh PHASE [PHASE ...]
+#     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
+#     compare  scripts/compare.py over the four 1B BF16 configs (40 timed steps after 10 warm-up)
+#     parity   scripts/compare.py --loss-curve, 1B baseline vs coda, 300 steps
+#     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
+#     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
+#
+# quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune holds a copy from an earlier
+# call it is restored first, and the current cache is copied back to $OUT/tune at the end, so a fresh
+# host does not re-tune (the tuning result is a choice among configs; it does not change numerics).
+set -uo pipefail
+out=${OUT:-outputs/gpu_train}; mkdir -p "$out"
+export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 WANDB_SILENT=true
+slug=$(python3 -c "import re, torch; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name()).strip('_'))")
+if [ -d .gpu/tune ]; then mkdir -p "$CODA_TITAN_CACHE" && cp -rn .gpu/tune/. "$CODA_TITAN_CACHE/"; fi
+python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$out/env.txt"
+save_tune() {
+  mkdir -p "$out/tune"
+  (cd "$CODA_TITAN_CACHE" && find . -name '*.autotune.json' -o -path './tokenizers/*' -type f | cpio -pdm "$out/tune" 2>/dev/null)
+}
+trap save_tune EXIT
+cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
+for phase in "$@"; do
+  echo "=== $phase $(date +%T)"
+  t0=$SECONDS
+  case $phase in
+    check)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention.py 2>&1 | tail -5 | tee "$out/pytest_attention.txt"
+      python3 -m coda_titan.cli train configs/llama3_1b_bf16_coda_compile.toml --training.steps 12 --metrics.log_freq 1 \
+        --metrics.disable_color_printing --job.dump_folder /tmp/check > "$out/check_coda_compile.log" 2>&1
+      echo "coda_compile rc=$?"; grep -E "step: |rror|first call" "$out/check_coda_compile.log" | sed 's/.*INFO - //' | tail -30
+      ;;
+    compare)
+      $cmp configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_baseline_compile.toml \
+        configs/llama3_1b_bf16_coda.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" --warmup 10
+      ;;
+    parity)
+      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_coda.toml --steps "${PARITY_STEPS:-300}"
+      ;;
+    profile)
+      $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15
+      $cmp --profile configs/llama3_1b_bf16_baseline_compile.toml --steps 15
+      ;;
+    8b)
+      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7
+      ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+  echo "=== $phase done in $((SECONDS - t0)) s"
+done
+cp -r /tmp/compare/*/train.log "$out/" 2>/dev/null || true
+for d in /tmp/compare/*/; do [ -f "$d/train.log" ] && cp "$d/train.log" "$out/$(basename "$d").log"; done

@@ -172,6 +172,7 @@ def test_fa4_in_a_compiled_1b_layer():
     args = TransformerModelArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=512, max_seq_len=2048)
     with torch.device("cuda"):
         model = Transformer(args)
+    with torch.no_grad():
         model.init_weights()
     model = model.to(torch.bfloat16)
     fa.swap_attention(model)

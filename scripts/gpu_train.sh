@@ -9,30 +9,33 @@
 #     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #
-# quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune holds a copy from an earlier
-# call it is restored first, and the current cache is copied back to $OUT/tune at the end, so a fresh
-# host does not re-tune (the tuning result is a choice among configs; it does not change numerics).
+# Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
+# quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune.tar holds a copy from an earlier
+# call it is restored first, and the cache is saved to $OUT/tune.tar at the end, so a fresh host does
+# not re-tune (the tuning result is a choice among kernel configs; it does not change numerics).
 set -uo pipefail
 out=${OUT:-outputs/gpu_train}; mkdir -p "$out"
+logs=/tmp/gpu_logs; mkdir -p "$logs"
 export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 WANDB_SILENT=true
 slug=$(python3 -c "import re, torch; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name()).strip('_'))")
-if [ -d .gpu/tune ]; then mkdir -p "$CODA_TITAN_CACHE" && cp -rn .gpu/tune/. "$CODA_TITAN_CACHE/"; fi
-python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$out/env.txt"
-save_tune() {
-  mkdir -p "$out/tune"
-  (cd "$CODA_TITAN_CACHE" && find . -name '*.autotune.json' -o -path './tokenizers/*' -type f | tar cf - -T - | tar xf - -C "$out/tune")
+if [ -f .gpu/tune.tar ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf .gpu/tune.tar -C "$CODA_TITAN_CACHE"; fi
+python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"
+finish() {
+  (cd "$CODA_TITAN_CACHE" && find . -name '*.autotune.json' -o -path './tokenizers/*' -type f | tar cf "$out/tune.tar" -T -)
+  for d in /tmp/compare/*/; do [ -f "$d/train.log" ] && cp "$d/train.log" "$logs/$(basename "$d").log"; done
+  tar cf "$out/logs.tar" -C "$logs" .
 }
-trap save_tune EXIT
+trap finish EXIT
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   t0=$SECONDS
   case $phase in
     check)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention.py 2>&1 | tail -5 | tee "$out/pytest_attention.txt"
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_bf16_coda_compile.toml --training.steps 12 --metrics.log_freq 1 \
-        --metrics.disable_color_printing --job.dump_folder /tmp/check > "$out/check_coda_compile.log" 2>&1
-      echo "coda_compile rc=$?"; grep -E "step: |rror|first call" "$out/check_coda_compile.log" | sed 's/.*INFO - //' | tail -30
+        --metrics.disable_color_printing --job.dump_folder /tmp/check > "$logs/check_coda_compile.log" 2>&1
+      echo "coda_compile rc=$?"; grep -E "step: |rror|first call" "$logs/check_coda_compile.log" | sed 's/.*INFO - //' | tail -30
       ;;
     compare)
       $cmp configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_baseline_compile.toml \
@@ -53,4 +56,3 @@ for phase in "$@"; do
   echo "=== $phase done in $((SECONDS - t0)) s"
 done
 
-for d in /tmp/compare/*/; do [ -f "$d/train.log" ] && cp "$d/train.log" "$out/$(basename "$d").log"; done

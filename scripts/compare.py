@@ -1,7 +1,7 @@
 """Step-time comparison of training configs, a loss-parity mode, and a kernel profile.
 
     python -m scripts.compare CONFIG.toml [CONFIG.toml ...] [--steps 40] [--warmup 10]
-    python -m scripts.compare --loss-curve BASELINE.toml CODA.toml [--steps 300]
+    python -m scripts.compare --loss-curve BASELINE.toml CODA.toml [MORE.toml ...] [--steps 300]
     python -m scripts.compare --profile CONFIG.toml [--steps 20]
     python -m scripts.compare --report          # tables, plots and README from the committed JSON
 
@@ -375,15 +375,18 @@ def loss_curve(args) -> Path:
         r["loss"] = [x["loss"] for x in r.pop("rows")]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
-    a, b = doc["runs"][0]["loss"], doc["runs"][1]["loss"]
-    doc["parity"] = parity(a, b)
+    ref = doc["runs"][0]
+    doc["parity"] = [
+        {"baseline": Path(ref["config"]).stem, "candidate": Path(r["config"]).stem, **parity(ref["loss"], r["loss"])}
+        for r in doc["runs"][1:]
+    ]
     path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     plot_loss_curve(doc, path.with_suffix(".png"))
-    p = doc["parity"]
-    _say(f"max relative loss deviation after step {p['after_step']}: {p['max_rel_dev']} "
-         f"(step {p['max_rel_dev_step']}), tolerance {PARITY_TOL}: {'met' if p['met'] else 'MISSED'}")
+    for p in doc["parity"]:
+        _say(f"{p['candidate']} vs {p['baseline']}: max relative loss deviation after step {p['after_step']}: "
+             f"{p['max_rel_dev']} (step {p['max_rel_dev_step']}), tolerance {PARITY_TOL}: {'met' if p['met'] else 'MISSED'}")
     _say(f"wrote {path}")
     return path
 
@@ -510,6 +513,21 @@ def profile_table(doc: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def parity_table(doc: dict) -> str:
+    lines = [
+        f"Loss parity on {doc['device']} ({doc['date'][:10]}): {doc['steps']} steps, same data and seed; "
+        f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}.",
+        "",
+        "| candidate | max rel. deviation | at step | non-finite loss | within 1% |",
+        "|---|---:|---:|:---:|:---:|",
+    ]
+    for q in doc["parity"]:
+        dev = "n/a" if q["max_rel_dev"] is None else f"{100 * q['max_rel_dev']:.3f}%"
+        lines.append(f"| {q['candidate']} | {dev} | {q['max_rel_dev_step']} | "
+                     f"{'yes' if q['non_finite']['candidate'] else 'no'} | {'yes' if q['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def plot_compare(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -550,17 +568,19 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
         axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
     axes[0].set_ylabel("loss")
     axes[0].legend()
-    a, b = doc["runs"][0]["loss"], doc["runs"][1]["loss"]
-    n = min(len(a), len(b))
-    axes[1].plot(range(1, n + 1), [100 * (b[i] - a[i]) / abs(a[i]) for i in range(n)], lw=1, color="tab:red")
+    a = doc["runs"][0]["loss"]
+    for r in doc["runs"][1:]:
+        b = r["loss"]
+        n = min(len(a), len(b))
+        axes[1].plot(range(1, n + 1), [100 * (b[i] - a[i]) / abs(a[i]) for i in range(n)], lw=1,
+                     label=f"{Path(r['config']).stem} vs {Path(doc['runs'][0]['config']).stem}")
     axes[1].axhline(100 * PARITY_TOL, ls="--", color="k", lw=0.7)
     axes[1].axhline(-100 * PARITY_TOL, ls="--", color="k", lw=0.7)
     axes[1].axvline(PARITY_SKIP, ls=":", color="k", lw=0.7)
     axes[1].set_ylabel("rel. diff %")
     axes[1].set_xlabel("step")
-    p = doc["parity"]
-    fig.suptitle(f"Loss parity on {doc['device']}: max |rel. diff| after step {p['after_step']} = "
-                 f"{100 * p['max_rel_dev']:.3f}%" if p["max_rel_dev"] is not None else "Loss parity")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Loss curves on {doc['device']} ({doc['date'][:10]}), same data and seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -582,17 +602,7 @@ def readme_section() -> str:
         parts += [compare_table(doc), "", f"![step-time comparison](benchmarks/results/{p.with_suffix('.png').name})", ""]
     for p in _latest("loss_curve"):
         doc = json.loads(p.read_text())
-        q = doc["parity"]
-        names = " vs ".join(Path(r["config"]).stem for r in doc["runs"])
-        dev = "n/a" if q["max_rel_dev"] is None else f"{100 * q['max_rel_dev']:.3f}% (step {q['max_rel_dev_step']})"
-        parts += [
-            f"Loss parity, {names}, {doc['steps']} steps on {doc['device']} ({doc['date'][:10]}): largest relative "
-            f"deviation after step {q['after_step']} = {dev}; tolerance {100 * q['tolerance']:.0f}%: "
-            f"{'met' if q['met'] else 'missed'}; non-finite losses: {any(q['non_finite'].values())}.",
-            "",
-            f"![loss curves](benchmarks/results/{p.with_suffix('.png').name})",
-            "",
-        ]
+        parts += [parity_table(doc), "", f"![loss curves](benchmarks/results/{p.with_suffix('.png').name})", ""]
     for p in _latest("profile"):
         parts += [profile_table(json.loads(p.read_text())), ""]
     return "\n".join(parts).rstrip()
@@ -623,7 +633,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("configs", nargs="*", help="TOML configs, run in this order")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--loss-curve", action="store_true", help="train two configs (baseline first) and compare losses")
+    mode.add_argument("--loss-curve", action="store_true", help="train configs on the same data and seed; losses vs the first")
     mode.add_argument("--profile", action="store_true", help="profile one step of one config (torch profiler)")
     mode.add_argument("--report", action="store_true", help="regenerate plots and README from the committed JSON")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (compare: 40), total steps (loss curve: 300, profile: 20)")
@@ -646,8 +656,8 @@ def main(argv=None) -> int:
         if "=" not in kv:
             ap.error(f"--set takes KEY=VALUE, got {kv!r}")
     if args.loss_curve:
-        if len(args.configs) != 2:
-            ap.error("--loss-curve takes exactly two configs: the baseline, then the candidate")
+        if len(args.configs) < 2:
+            ap.error("--loss-curve takes two or more configs: the reference first, then the candidates")
         args.steps = args.steps or 300
         loss_curve(args)
     elif args.profile:

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     compare  scripts/compare.py over the four 1B BF16 configs (40 timed steps after 10 warm-up)
-#     parity   scripts/compare.py --loss-curve, 1B baseline vs coda, 300 steps
+#     parity   scripts/compare.py --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
 #     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #
@@ -42,7 +42,8 @@ for phase in "$@"; do
         configs/llama3_1b_bf16_coda.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" --warmup 10
       ;;
     parity)
-      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_coda.toml --steps "${PARITY_STEPS:-300}"
+      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_coda.toml \
+        configs/llama3_1b_bf16_baseline_compile.toml --steps "${PARITY_STEPS:-300}"
       ;;
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15

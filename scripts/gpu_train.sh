@@ -50,7 +50,7 @@ for phase in "$@"; do
       $cmp --profile configs/llama3_1b_bf16_baseline_compile.toml --steps 15
       ;;
     8b)
-      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7
+      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -562,12 +562,14 @@ def plot_compare(doc: dict, path: Path) -> None:
     ax.barh(names, [r["tokens_per_s"] for r in runs], color=colors)
     for i, r in enumerate(runs):
         ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.18 * max(r["tokens_per_s"] for r in runs))
     ax.set_xlabel("tokens/s (higher is better)")
     ax.invert_yaxis()
     ax = axes[1]
     ax.barh(names, [r["peak_gib"] for r in runs], color=colors)
     for i, r in enumerate(runs):
         ax.text(r["peak_gib"], i, f" {r['peak_gib']:.1f}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.15 * max(r["peak_gib"] for r in runs))
     ax.set_xlabel("peak reserved memory, GiB (lower is better)")
     ax.invert_yaxis()
     ax.set_yticklabels([])

@@ -1,0 +1,162 @@
+"""scripts/compare.py: log parsing, timing and parity arithmetic, targets, the derived-config writer,
+a real (CPU) comparison run end to end, and that the README section is the one generated from the
+committed results."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from scripts import compare
+
+from .conftest import CONFIGS, ROOT
+
+LINE = ("[titan] 2026-11-21 21:03:10,096 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss: {loss:8.5f}  "
+        "\x1b[38;2;180;60;0mgrad_norm:  1.1330  \x1b[38;2;54;234;195mmemory: {mem:5.2f}GiB(2.78%)  "
+        "\x1b[34mtps: {tps:,}  \x1b[36mtflops: 1,234.50  \x1b[35mmfu: {mfu:.2f}%\x1b[39m\n")
+
+
+def _log(rows):
+    return "noise line\n" + "".join(LINE.format(**r) for r in rows)
+
+
+def test_parse_log_reads_every_field_and_strips_colors():
+    rows = [dict(step=s, loss=10.0 - s, mem=20.0 + s, tps=1000 * s, mfu=s / 10) for s in (1, 2, 3)]
+    text = _log(rows).replace("loss:  7.00000", "loss:      nan")
+    got = compare.parse_log(text)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got[1]["loss"] == 8.0 and math.isnan(got[2]["loss"])
+    assert got[2]["memory_gib"] == 23.0 and got[2]["tps"] == 3000 and got[2]["tflops"] == 1234.5
+    assert got[0]["mfu"] == pytest.approx(0.1)
+
+
+def test_summarize_excludes_warmup_from_timing_but_keeps_all_losses_and_peak():
+    tps = [100, 200, 1000, 500, 1000]
+    rows = [dict(step=i + 1, loss=float(i), memory_gib=[9.0, 1, 1, 1, 1][i], tps=t, tflops=0, mfu=float(i)) for i, t in enumerate(tps)]
+    s = compare.summarize(rows, warmup=2, tokens_per_step=1000)
+    assert s["steps"] == 3
+    assert s["step_ms_raw"] == [1000.0, 2000.0, 1000.0]
+    assert s["step_ms"] == 1000.0  # median
+    assert s["tokens_per_s"] == pytest.approx(3000 / 4.0)  # total tokens / total time, not the mean of tps
+    assert s["peak_gib"] == 9.0 and s["loss"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert s["mfu"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="warm-up"):
+        compare.summarize(rows, warmup=5, tokens_per_step=1000)
+
+
+def test_parity_statistics():
+    a = [10.0] * 30
+    b = [10.0] * 30
+    b[25] = 10.5  # 5% at step 26
+    b[5] = 20.0  # before step 20: ignored
+    p = compare.parity(a, b)
+    assert p["max_rel_dev"] == pytest.approx(0.05) and p["max_rel_dev_step"] == 26
+    assert p["steps_over_tolerance"] == 1 and p["compared_steps"] == 10 and not p["met"]
+    assert p["max_rel_dev_10step_mean"] == pytest.approx(0.005)
+    assert compare.parity(a, a)["met"]
+    b2 = list(a)
+    b2[-1] = float("nan")
+    assert compare.parity(a, b2)["non_finite"]["candidate"] and not compare.parity(a, b2)["met"]
+
+
+def test_targets_compare_coda_with_the_compiled_baseline_only():
+    def run(stem, tps, mem):
+        return {"config": f"configs/{stem}.toml", "tokens_per_s": tps, "peak_gib": mem}
+
+    doc = {"runs": [run("x_baseline", 90, 60), run("x_baseline_compile", 100, 40), run("x_coda", 125, 30),
+                    run("x_coda_compile", 110, 39)]}
+    t = {(x["config"], x["goal"].split()[1]): x for x in compare.targets(doc)}
+    assert t[("x_coda", "1.20x")]["met"] and t[("x_coda", "1.20x")]["value"] == 1.25
+    assert t[("x_coda", "0.90x")]["met"] and t[("x_coda", "0.90x")]["value"] == 0.75
+    assert not t[("x_coda_compile", "1.20x")]["met"] and "1.100x" in t[("x_coda_compile", "1.20x")]["why"]
+    assert not t[("x_coda_compile", "0.90x")]["met"]
+    # a failed CODA run is a missed target, a comparison without the compiled baseline has none
+    doc["runs"][2]["error"] = "exit 1"
+    assert not [x for x in compare.targets(doc) if x["config"] == "x_coda"][0]["met"]
+    assert compare.targets({"runs": [run("y_baseline", 1, 1), run("y_coda", 2, 1)]}) == []
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+def test_derived_config_round_trips(name, tmp_path):
+    from coda_titan.cli import _load_toml
+
+    doc = _load_toml(CONFIGS / name)
+    out = tmp_path / name
+    out.write_text(compare.dump_toml(doc))
+    assert _load_toml(out) == doc
+    for attention in ("fa4", "sdpa"):
+        changed = compare.with_attention(doc, attention)
+        assert compare._attention_of(changed) == attention
+        assert {k: v for k, v in changed.items() if k != "model"} == {k: v for k, v in doc.items() if k != "model"}
+
+
+def test_trace_summary_groups_kernels(tmp_path):
+    events = [
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 0, "dur": 300},
+        {"cat": "kernel", "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90", "ts": 300, "dur": 200},
+        {"cat": "kernel", "name": "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_rms_partial_epi", "ts": 500, "dur": 400},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 900, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["gpu_kernel_ms"] == 1.0 and s["kernel_launches"] == 4 and s["gpu_span_ms"] == 1.0
+    assert s["categories_ms"] == {"coda/quack gemm+epilogue": 0.4, "gemm (cuBLAS/other)": 0.4, "attention": 0.2}
+    assert s["top_kernels"][0]["calls"] in (1, 2)
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
+    """Two real runs through coda-titan train; the JSON holds what was run and W&B holds the losses."""
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rc = compare.main([str(CONFIGS / "debug_cpu_baseline.toml"), str(CONFIGS / "debug_cpu_coda.toml"),
+                       "--steps", "2", "--warmup", "1", "--set", "metrics.enable_wandb=true",
+                       "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    assert rc == 0
+    (path,) = (tmp_path / "res").glob("compare_cpu_*.json")
+    doc = json.loads(path.read_text())
+    assert path.with_suffix(".png").is_file()
+    assert doc["device"] == "cpu" and doc["versions"]["torchtitan"] == "0.2.2"
+    for r in doc["runs"]:
+        assert r["returncode"] == 0 and r["steps"] == 2 and len(r["loss"]) == 3 and len(r["step_ms_raw"]) == 2
+        assert r["wandb"]["loss_steps"] == 3 and r["wandb"]["matches_console"], r["wandb"]
+        assert "--training.steps" in r["overrides"] and "[model]" in r["config_run"]
+    # same data and seed: the CODA reference programs track the baseline closely
+    a, b = (r["loss"] for r in doc["runs"])
+    assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-3
+
+
+# --- the committed results --------------------------------------------------------------------------
+
+
+RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+
+
+def test_readme_section_is_generated_from_the_committed_json():
+    body = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- compare:begin -->\n(.*)\n<!-- compare:end -->", body, flags=re.S)
+    assert m, "README lacks the generated comparison section"
+    assert m.group(1) == compare.readme_section()
+
+
+@pytest.mark.parametrize("path", [p for p in RESULTS if p.name.startswith(("compare_", "loss_curve_"))], ids=lambda p: p.name)
+def test_committed_results_are_complete_and_consistent(path):
+    doc = json.loads(path.read_text())
+    for key in ("device", "date", "versions", "runs", "command"):
+        assert doc[key], key
+    assert doc["versions"]["torch"] and doc["versions"]["torchtitan"] == "0.2.2"
+    derived = json.loads(json.dumps(doc))
+    assert compare.refresh(derived) == doc  # targets / parity are what the raw values give
+    for r in doc["runs"]:
+        assert r["returncode"] == 0 and "error" not in r
+        assert r["wandb"]["matches_console"] and r["wandb"]["loss_steps"] == len(r["loss"])
+        assert all(math.isfinite(x) for x in r["loss"])
+        if doc["kind"] == "compare":
+            assert len(r["step_ms_raw"]) == r["steps"] == doc["steps"]
+            assert len(r["loss"]) == doc["steps"] + doc["warmup"]
+            assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] * r["steps"] / (sum(r["step_ms_raw"]) / 1e3), rel=1e-4)
+        else:
+            assert len(r["loss"]) == doc["steps"]

@@ -7,6 +7,7 @@
 #     compare  scripts/compare.py over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   scripts/compare.py --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
 #     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
+#     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
@@ -48,6 +49,10 @@ for phase in "$@"; do
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15
       $cmp --profile configs/llama3_1b_bf16_baseline_compile.toml --steps 15
+      ;;
+    sdpa)
+      $cmp --attention sdpa configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag sdpa
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

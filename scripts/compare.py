@@ -548,6 +548,27 @@ def parity_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+GROUPS = {
+    "GEMM (incl. fused epilogues)": ("coda/quack gemm+epilogue", "gemm (cuBLAS/other)"),
+    "attention": ("attention",),
+    "elementwise / norms / losses outside GEMMs": ("triton (inductor)", "elementwise/reduction (eager)"),
+    "optimizer": ("optimizer",),
+    "other": ("other", "communication"),
+}
+
+
+def profile_side_by_side(docs: list[dict]) -> str:
+    """GPU time of one profiled step per group of kernels, for each profiled config."""
+    names = [Path(d["config"]).stem for d in docs]
+    lines = ["GPU kernel time of one profiled step, ms (`--profile`):", "",
+             "| kernels | " + " | ".join(names) + " |", "|---|" + "---:|" * len(docs)]
+    for group, cats in GROUPS.items():
+        vals = [sum(d["summary"]["categories_ms"].get(c, 0.0) for c in cats) for d in docs]
+        lines.append(f"| {group} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    lines.append("| total | " + " | ".join(f"{d['summary']['gpu_kernel_ms']:.1f}" for d in docs) + " |")
+    return "\n".join(lines)
+
+
 def plot_compare(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -625,8 +646,11 @@ def readme_section() -> str:
     for p in _latest("loss_curve"):
         doc = json.loads(p.read_text())
         parts += [parity_table(doc), "", f"![loss curves](benchmarks/results/{p.with_suffix('.png').name})", ""]
-    for p in _latest("profile"):
-        parts += [profile_table(json.loads(p.read_text())), ""]
+    profiles = [json.loads(p.read_text()) for p in _latest("profile")]
+    if len(profiles) > 1:
+        parts += [profile_side_by_side(profiles), ""]
+    for doc in profiles:
+        parts += [profile_table(doc), ""]
     return "\n".join(parts).rstrip()
 
 

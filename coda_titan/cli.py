@@ -151,6 +151,15 @@ def _check_converters(config) -> None:
             raise UserError(
                 f"unknown model.converters entry {name!r}; registered: {', '.join(sorted(_registry_model_converter_cls))}"
             )
+    from .train_spec import NAME
+
+    quantized = [c for c in config.model.converters if c.startswith("quantize.")]
+    if config.model.name == NAME and quantized:
+        raise UserError(
+            f"model.converters {quantized} cannot apply to {NAME}: its GEMMs run inside the CODA programs, which "
+            "TorchTitan's float8/mx linears would not reach. CODA FP8 programs are not implemented yet; "
+            "use model.name = 'llama3' for TorchTitan's FP8 baseline"
+        )
     if FA4 in config.model.converters:
         reason = fa4_unavailable_reason()
         if reason is not None:

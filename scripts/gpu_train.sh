@@ -8,6 +8,7 @@
 #     parity   scripts/compare.py --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
 #     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
+#     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
@@ -53,6 +54,12 @@ for phase in "$@"; do
     sdpa)
       $cmp --attention sdpa configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda.toml \
         --steps "${STEPS:-40}" --warmup 10 --tag sdpa
+      ;;
+    fp8)
+      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_fp8_baseline_compile.toml \
+        configs/llama3_1b_fp8_baseline.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml --set quantize.linear.float8.recipe_name=rowwise \
+        --steps "${STEPS:-40}" --warmup 10 --tag fp8_rowwise
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

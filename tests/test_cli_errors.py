@@ -97,3 +97,8 @@ def test_fa4_without_gpu(capsys):
 def test_unknown_converter(capsys):
     _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.converters", "fa5"],
            "unknown model.converters entry 'fa5'", "fa4")
+
+
+def test_float8_converter_refused_for_coda(capsys):
+    _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.converters", "quantize.linear.float8"],
+           "cannot apply to coda_llama3", "not implemented yet", "model.name = 'llama3'")

@@ -77,6 +77,19 @@ def test_compile_twin_differs_only_in_compile(eager, compiled):
     assert c[("compile", "enable")] is True and e[("compile", "enable")] is False
 
 
+@pytest.mark.parametrize("kind", ["baseline", "baseline_compile"])
+def test_fp8_baseline_is_its_bf16_twin_plus_float8(kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+    diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
+    assert diff == {("model", "converters"), ("quantize", "linear", "float8", "recipe_name"),
+                    ("quantize", "linear", "float8", "filter_fqns")}
+    assert f[("model", "converters")] == ["fa4", "quantize.linear.float8"]
+    assert f[("quantize", "linear", "float8", "filter_fqns")] == ["output"]  # LM head in bf16
+    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    assert config.quantize.linear.float8.recipe_name == "tensorwise"
+
+
 def test_1b_and_8b_configs_use_fa4_on_both_sides():
     for p in list(CONFIGS.glob("llama3_1b_*.toml")) + list(CONFIGS.glob("llama3_8b_*.toml")):
-        assert cli._load_toml(p)["model"]["converters"] == ["fa4"], p.name
+        assert cli._load_toml(p)["model"]["converters"][0] == "fa4", p.name

@@ -476,8 +476,13 @@ def _f(v, nd=1, suffix=""):
 
 def compare_table(doc: dict) -> str:
     base = {Path(r["config"]).stem: r for r in doc["runs"] if "error" not in r}
+    what = f"**{doc['tag']}** · " if doc.get("tag") else ""
+    if doc.get("sets"):
+        what += "overrides: " + ", ".join(f"`{kv}`" for kv in doc["sets"]) + " · "
+    if doc.get("attention", "config") != "config":
+        what += f"attention forced to {doc['attention']} · "
     lines = [
-        f"Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
+        f"{what}Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
         f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "
         f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')} · "
         f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}",

@@ -581,6 +581,9 @@ def plot_compare(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in doc["runs"] if "error" not in r]
+    if not runs:
+        _say("no run succeeded: no chart")
+        return
     names = [Path(r["config"]).stem.replace("llama3_", "") for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2))
     colors = ["tab:orange" if "coda" in n else "tab:gray" for n in names]

@@ -160,3 +160,26 @@ def test_committed_results_are_complete_and_consistent(path):
             assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] * r["steps"] / (sum(r["step_ms_raw"]) / 1e3), rel=1e-4)
         else:
             assert len(r["loss"]) == doc["steps"]
+
+
+def test_a_failing_run_is_recorded_and_fails_the_command(tmp_path, cache_dir, monkeypatch):
+    """A run that dies (here: a config error) is kept in the JSON with its log tail; exit status 1."""
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    rc = compare.main([str(CONFIGS / "debug_cpu_coda.toml"), "--steps", "2", "--warmup", "1",
+                       "--set", "coda.backend=triton", "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    assert rc == 1
+    (path,) = (tmp_path / "res").glob("compare_*.json")
+    (run,) = json.loads(path.read_text())["runs"]
+    assert run["returncode"] != 0 and "must be one of 'auto', 'torch', 'cute'" in run["error"]
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "missing.toml")])
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["--loss-curve", str(CONFIGS / "debug_cpu_coda.toml")])
+    assert "two or more configs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main([str(CONFIGS / "debug_cpu_coda.toml"), "--set", "training.steps"])
+    assert "KEY=VALUE" in capsys.readouterr().err

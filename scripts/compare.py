@@ -662,18 +662,6 @@ def readme_section() -> str:
     return "\n".join(parts).rstrip()
 
 
-def update_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    begin, end = "<!-- compare:begin -->", "<!-- compare:end -->"
-    block = f"{begin}\n{text}\n{end}"
-    if begin in body:
-        body = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, body, flags=re.S)
-    else:
-        body = body.rstrip() + "\n\n## Training comparison (1B, one GPU)\n\n" + block + "\n"
-    readme.write_text(body)
-
-
 def refresh(doc: dict) -> dict:
     """Recompute the derived fields (targets, parity) of a result from its raw per-step values."""
     if doc["kind"] == "compare":
@@ -693,7 +681,9 @@ def report() -> None:
             doc = refresh(json.loads(p.read_text()))
             p.write_text(json.dumps(doc, indent=1) + "\n")
             (plot_compare if kind == "compare" else plot_loss_curve)(doc, p.with_suffix(".png"))
-    update_readme(readme_section())
+    from scripts.report import update_readme
+
+    update_readme(readme_section(), name="compare", heading="Training comparison (one H100)")
     _say("README comparison section regenerated from benchmarks/results")
 
 

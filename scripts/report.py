@@ -158,15 +158,17 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def update_readme(text: str) -> None:
+def update_readme(text: str, name: str = "kernels", heading: str = "Kernel benchmark") -> None:
+    """Replace the README block between ``<!-- name:begin -->`` and ``<!-- name:end -->`` (appended
+    under ``## heading`` the first time)."""
     readme = ROOT / "README.md"
     body = readme.read_text()
-    begin, end = "<!-- kernels:begin -->", "<!-- kernels:end -->"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     block = f"{begin}\n{text}\n{end}"
     if begin in body:
         body = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, body, flags=re.S)
     else:
-        body = body.rstrip() + "\n\n## Kernel benchmark\n\n" + block + "\n"
+        body = body.rstrip() + f"\n\n## {heading}\n\n" + block + "\n"
     readme.write_text(body)
 
 

@@ -93,27 +93,6 @@ def test_module_swap_keeps_the_model_function(family):
         torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_layer_with_fa4_compiles_fullgraph():
-    torch.manual_seed(0)
-    kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32))
-    with torch.no_grad():
-        model.init_weights()
-    _swap_to_reference_ops(model)
-    tokens, labels = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
-    eager = model(tokens, labels=labels)
-    eager.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    for layer in model.layers.values():
-        layer.compile(fullgraph=True, backend="aot_eager")
-    compiled = model(tokens, labels=labels)
-    compiled.backward()
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
-
-
 def test_module_refuses_mismatched_heads_without_gqa():
     q, k, v = (t.transpose(1, 2) for t in _qkv())
     with pytest.raises(ValueError, match="enable_gqa"):

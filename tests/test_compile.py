@@ -1,7 +1,8 @@
 """The CODA layers compile with torch.compile(fullgraph=True): no graph breaks around the programs.
 
 Two program sets: the torch reference functions, and the ``torch.ops.coda`` custom ops (one opaque
-node per program; on CPU they run the reference, so the numbers must match exactly as eager).
+node per program; on CPU they run the reference, so the numbers must match exactly as eager). And
+the FA4 attention op in place of SDPA (again one opaque node, with its CPU reference kernel).
 """
 
 import dataclasses
@@ -11,16 +12,19 @@ import torch
 
 from coda_titan.kernels import PROGRAMS, Backend, ops
 from coda_titan.model.args import CodaModelArgs
+from coda_titan.model.attention import swap_attention
 from coda_titan.model.model import CodaTransformer
 
 
-@pytest.mark.parametrize("programs", ["torch", "custom_ops"])
-def test_layers_compile_fullgraph_and_match_eager(programs):
+@pytest.mark.parametrize("programs,attention", [("torch", "sdpa"), ("custom_ops", "sdpa"), ("torch", "fa4_op")])
+def test_layers_compile_fullgraph_and_match_eager(programs, attention):
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32))
     with torch.no_grad():
         model.init_weights()
+    if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)
+        assert swap_attention(model) == len(model.layers)
     tokens = torch.randint(0, 61, (2, 16))
     labels = torch.randint(0, 61, (2, 16))
     eager = model(tokens, labels=labels)

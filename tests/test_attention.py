@@ -5,8 +5,6 @@ fakes, the autograd formula and the (b, h, s, d) <-> (b, s, h, d) plumbing in bo
 On the GPU (``gpu`` mark) FA4's kernels must be as close to float64 attention as SDPA in bf16 is.
 """
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -19,7 +19,6 @@ set -uo pipefail
 out=${OUT:-outputs/gpu_train}; mkdir -p "$out"
 logs=/tmp/gpu_logs; mkdir -p "$logs"
 export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 WANDB_SILENT=true
-slug=$(python3 -c "import re, torch; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name()).strip('_'))")
 if [ -f .gpu/tune.tar ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf .gpu/tune.tar -C "$CODA_TITAN_CACHE"; fi
 python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"
 finish() {

@@ -339,7 +339,7 @@ def compare(args) -> Path:
             r["loss"] = [x["loss"] for x in rows]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
-    doc["targets"] = targets(doc)
+    refresh(doc)  # targets
     path = _out_path(Path(args.out), "compare", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -384,11 +384,7 @@ def loss_curve(args) -> Path:
         r["loss"] = [x["loss"] for x in r.pop("rows")]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
-    ref = doc["runs"][0]
-    doc["parity"] = [
-        {"baseline": Path(ref["config"]).stem, "candidate": Path(r["config"]).stem, **parity(ref["loss"], r["loss"])}
-        for r in doc["runs"][1:]
-    ]
+    refresh(doc)  # parity of each candidate against the first run
     path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -587,21 +583,17 @@ def plot_compare(doc: dict, path: Path) -> None:
     names = [Path(r["config"]).stem.replace("llama3_", "") for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2))
     colors = ["tab:orange" if "coda" in n else "tab:gray" for n in names]
-    ax = axes[0]
-    ax.barh(names, [r["tokens_per_s"] for r in runs], color=colors)
-    for i, r in enumerate(runs):
-        ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
-    ax.set_xlim(0, 1.18 * max(r["tokens_per_s"] for r in runs))
-    ax.set_xlabel("tokens/s (higher is better)")
-    ax.invert_yaxis()
-    ax = axes[1]
-    ax.barh(names, [r["peak_gib"] for r in runs], color=colors)
-    for i, r in enumerate(runs):
-        ax.text(r["peak_gib"], i, f" {r['peak_gib']:.1f}", va="center", fontsize=8)
-    ax.set_xlim(0, 1.15 * max(r["peak_gib"] for r in runs))
-    ax.set_xlabel("peak reserved memory, GiB (lower is better)")
-    ax.invert_yaxis()
-    ax.set_yticklabels([])
+    panels = (("tokens_per_s", "{:,.0f}", 1.18, "tokens/s (higher is better)"),
+              ("peak_gib", "{:.1f}", 1.15, "peak reserved memory, GiB (lower is better)"))
+    for ax, (key, fmt, margin, label) in zip(axes, panels):
+        values = [r[key] for r in runs]
+        ax.barh(names, values, color=colors)
+        for i, v in enumerate(values):
+            ax.text(v, i, " " + fmt.format(v), va="center", fontsize=8)
+        ax.set_xlim(0, margin * max(values))
+        ax.set_xlabel(label)
+        ax.invert_yaxis()
+    axes[1].set_yticklabels([])
     fig.suptitle(f"{doc['device']}, {doc['date'][:10]}: {doc['steps']} timed steps per config")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -255,7 +255,7 @@ def _versions() -> dict:
             out[dist] = None
     try:
         out["coda_titan_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except Exception:
         out["coda_titan_commit"] = None

@@ -7,6 +7,8 @@
     backend = "auto"        # "auto" | "torch" | "cute"
     tile_n = 128            # column-tile width of the partial RMS sums
     ce_chunk_rows = 4096    # token rows per chunk of the LM head + cross-entropy
+    precision = "bf16"      # "bf16" | "fp8" (e4m3 F2/F3 GEMMs, see coda_titan/kernels/fp8.py)
+    fp8_amax_history = 16   # steps of activation amax history behind the delayed fp8 scales
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +25,14 @@ class Coda:
 
     ce_chunk_rows: int = 4096
     """Token rows per chunk of the LM head + cross-entropy program; logits held at once = rows x vocab."""
+
+    precision: str = "bf16"
+    """GEMM operand precision of the programs: "bf16", or "fp8" = e4m3 operands for the QKV (F3) and
+    gate/up (F2) GEMMs, tensorwise scales (delayed for activations, current for weights), fp32
+    accumulation, bf16 backward. The parameters stay bf16/fp32 either way (same checkpoints)."""
+
+    fp8_amax_history: int = 16
+    """precision = "fp8": steps of per-site activation amax history; the scale uses their max."""
 
 
 @dataclass

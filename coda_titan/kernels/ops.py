@@ -22,6 +22,13 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype
+from .fp8 import (
+    norm_rope_fp8_torch,
+    norm_swiglu_fp8_torch,
+    quantize_tensorwise_torch,
+    residual_rms_fp8_torch,
+    rms_partial_fp8_torch,
+)
 from .lm_head_ce import lm_head_ce_torch
 from .norm_residual_bwd import norm_residual_bwd_torch
 from .norm_rope import norm_rope_torch, rope_bwd_torch
@@ -152,6 +159,96 @@ def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     return loss, torch.empty_like(x), gamma.new_empty(gamma.shape, dtype=ct), torch.empty_like(weight)
 
 
+# --- FP8 forward programs (``coda_titan.kernels.fp8``) ------------------------------------------
+
+
+@_op
+def rms_partial_fp8(
+    x: torch.Tensor, gamma: torch.Tensor, tile_n: int, inv_scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, s, hq, amax = rms_partial_fp8_torch(x=x, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale)
+    return h, s.sum(-1, keepdim=True), hq, amax
+
+
+@rms_partial_fp8.register_fake
+def _(x, gamma, tile_n, inv_scale):
+    ct = _acc(x, gamma)
+    return (
+        torch.empty_like(x), x.new_empty((x.shape[0], 1), dtype=ct),
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((), dtype=ct),
+    )
+
+
+@_op
+def residual_rms_fp8(
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    tile_n: int,
+    inv_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s, hq, amax = residual_rms_fp8_torch(
+        y=y, weight=weight, residual=residual, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale
+    )
+    return x, h, s.sum(-1, keepdim=True), hq, amax
+
+
+@residual_rms_fp8.register_fake
+def _(y, weight, residual, gamma, tile_n, inv_scale):
+    ct = _acc(y, weight)
+    return (
+        torch.empty_like(residual), torch.empty_like(residual), residual.new_empty((residual.shape[0], 1), dtype=ct),
+        residual.new_empty(residual.shape, dtype=torch.float8_e4m3fn), residual.new_empty((), dtype=ct),
+    )
+
+
+@_op
+def quantize_tensorwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tensorwise_torch(w=w)
+
+
+@quantize_tensorwise.register_fake
+def _(w):
+    return w.new_empty(w.shape, dtype=torch.float8_e4m3fn), w.new_empty((), dtype=_acc(w))
+
+
+@_op
+def norm_swiglu_fp8(
+    hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_swiglu_fp8_torch(hq=hq, rstd=rstd, w13q=w13q, scale=scale, out_dtype=out_dtype)
+
+
+@norm_swiglu_fp8.register_fake
+def _(hq, rstd, w13q, scale, out_dtype):
+    m, f2 = hq.shape[0], w13q.shape[0]
+    return hq.new_empty((m, f2 // 2), dtype=out_dtype), hq.new_empty((m, f2), dtype=out_dtype)
+
+
+@_op
+def norm_rope_fp8(
+    hq: torch.Tensor,
+    rstd: torch.Tensor,
+    weight_q: torch.Tensor,
+    scale: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
+    n_rope_heads: int,
+    head_dim: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return norm_rope_fp8_torch(
+        hq=hq, rstd=rstd, weight_q=weight_q, scale=scale, freqs=freqs, seqlen=seqlen,
+        n_rope_heads=n_rope_heads, head_dim=head_dim, out_dtype=out_dtype,
+    )
+
+
+@norm_rope_fp8.register_fake
+def _(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtype):
+    return hq.new_empty((hq.shape[0], weight_q.shape[0]), dtype=out_dtype)
+
+
 # --- backward programs -------------------------------------------------------------------------
 
 
@@ -238,6 +335,11 @@ OPS = {
     "swiglu_bwd": swiglu_bwd,
     "wgrad": wgrad,
     "dgrad": dgrad,
+    "quantize_tensorwise": quantize_tensorwise,
+    "rms_partial_fp8": rms_partial_fp8,
+    "residual_rms_fp8": residual_rms_fp8,
+    "norm_swiglu_fp8": norm_swiglu_fp8,
+    "norm_rope_fp8": norm_rope_fp8,
 }
 
 

@@ -23,6 +23,8 @@ class CodaModelArgs(TransformerModelArgs):
     backend: str = "auto"  # resolved to "torch" / "cute" when the model is built
     tile_n: int = 128  # column-tile width of the partial RMS sums (the GEMM's tile_N)
     ce_chunk_rows: int = 4096  # token rows per LM-head/CE chunk: peak logits memory = rows * V
+    precision: str = "bf16"  # "bf16" | "fp8" (e4m3 F2/F3 GEMM operands)
+    fp8_amax_history: int = 16  # fp8: steps of activation amax history (delayed scaling)
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
@@ -31,6 +33,8 @@ class CodaModelArgs(TransformerModelArgs):
             self.backend = coda.backend
             self.tile_n = coda.tile_n
             self.ce_chunk_rows = coda.ce_chunk_rows
+            self.precision = coda.precision
+            self.fp8_amax_history = coda.fp8_amax_history
 
 
 def _flavors(cls) -> dict[str, TransformerModelArgs]:

@@ -28,38 +28,64 @@ from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 
 from ..kernels import get_backend, resolve_backend
 from .args import CodaModelArgs
-from .programs import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
+from ..kernels.fp8 import inv_scale_from_amax
+from .programs import (
+    LMHeadCE,
+    NormRoPE,
+    NormRoPEFp8,
+    NormSwiGLUResidual,
+    NormSwiGLUResidualFp8,
+    ProgramConfig,
+    ResidualRMS,
+    ResidualRMSFp8,
+)
+
+PRECISIONS = ("bf16", "fp8")
 from .rope import rope_freqs
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
-    def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig):
+    def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8=None):
+        """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last): e4m3 H of
+        this layer's input and the delayed inverse scales of its two consumer sites and of the next
+        layer's input (None = calibrate with the current amax). Returns (x, h, rstd) for bf16 and
+        (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
         m = x.shape[0]
         bs = m // seqlen
         hd = attn.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        qkv, x = NormRoPE.apply(
-            h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight, attn.wv.weight,
-            freqs, seqlen, cfg, n_q + n_kv, hd,
-        )
+        qkv_weights = (self.attention_norm.weight, attn.wq.weight, attn.wk.weight, attn.wv.weight)
+        if fp8 is None:
+            qkv, x = NormRoPE.apply(h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd)
+        else:
+            hq, inv_attn, inv_ffn, inv_next, last = fp8
+            qkv, x = NormRoPEFp8.apply(hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn)
         q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
         q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
         k = k.view(bs, seqlen, n_kv, hd).transpose(1, 2)  # (bs, n_kv_heads, seqlen, head_dim)
         v = v.view(bs, seqlen, n_kv, hd).transpose(1, 2)
         o = attn.inner_attention(q, k, v, enable_gqa=attn.enable_gqa)  # (bs, n_heads, seqlen, head_dim)
         o = o.transpose(1, 2).reshape(m, n_q * hd)
-        x, h, s = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg)
-        rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         ff = self.feed_forward
-        x, h, s = NormSwiGLUResidual.apply(
-            h, rstd, x, self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next, cfg
-        )
+        mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
+        if fp8 is None:
+            x, h, s = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg)
+            rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+            x, h, s = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg)
+            rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+            return x, h, rstd
+        x, h, s, hq, amax_ffn = ResidualRMSFp8.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, inv_ffn)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd
+        inv_ffn = inv_scale_from_amax(amax_ffn) if inv_ffn is None else inv_ffn  # calibration: current
+        out = NormSwiGLUResidualFp8.apply(hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next)
+        x, h, s = out[:3]
+        hq_next, amax_next = (None, None) if last else out[3:]
+        rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
+        return x, h, rstd, hq_next, amax_ffn, amax_next
 
 
 class CodaTransformer(Transformer):
@@ -86,6 +112,22 @@ class CodaTransformer(Transformer):
             {str(i): CodaTransformerBlock(i, model_args) for i in range(model_args.n_layers)}
         )
         self._freqs_cache: dict[torch.device, torch.Tensor] = {}
+        if model_args.precision not in PRECISIONS:
+            raise ValueError(f"[coda] precision must be one of {PRECISIONS}, got {model_args.precision!r}")
+        if model_args.fp8_amax_history <= 0:
+            raise ValueError(f"[coda] fp8_amax_history must be positive, got {model_args.fp8_amax_history}")
+        # precision = "fp8": amax history of the 2 per layer activation sites (F3's and F2's input H),
+        # newest first. Not persistent: checkpoints stay stock llama3's; a resumed run recalibrates.
+        self.register_buffer(
+            "fp8_amax_history", torch.zeros(2 * model_args.n_layers, model_args.fp8_amax_history), persistent=False
+        )
+        self.fp8_calibrated = False
+
+    def init_weights(self, buffer_device=None):
+        super().init_weights(buffer_device=buffer_device)
+        device = buffer_device or self.fp8_amax_history.device
+        self.fp8_amax_history = torch.zeros_like(self.fp8_amax_history, device=device)
+        self.fp8_calibrated = False
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args
@@ -110,11 +152,19 @@ class CodaTransformer(Transformer):
         layers = list(self.layers.values())
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
             gamma0 = layers[0].attention_norm.weight if layers else self.norm.weight
-            h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
+            fp8 = self.model_args.precision == "fp8" and bool(layers)
+            if fp8:
+                inv = self._fp8_inv_scales()
+                h, s, hq, amax0 = cfg.backend.rms_partial_fp8(x=x, gamma=gamma0, tile_n=cfg.tile_n, inv_scale=inv[0])
+            else:
+                h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        for i, layer in enumerate(layers):
-            gamma_next = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else self.norm.weight
-            x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
+        if fp8:
+            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers)
+        else:
+            for i, layer in enumerate(layers):
+                gamma_next = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else self.norm.weight
+                x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
             logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
             return logits.to(h.dtype).view(bs, seqlen, -1)
@@ -124,3 +174,36 @@ class CodaTransformer(Transformer):
         return LMHeadCE.apply(
             h, rstd, x, self.norm.weight, self.output.weight, labels.reshape(-1), cfg, compute_grad
         )
+
+    # --- precision = "fp8" -----------------------------------------------------------------------
+
+    def _fp8_inv_scales(self) -> list:
+        """Per-site inverse scales 448 / max(amax history), or all None on the calibration step."""
+        if not self.fp8_calibrated:
+            return [None] * self.fp8_amax_history.shape[0]
+        return list(inv_scale_from_amax(self.fp8_amax_history.amax(-1)).unbind(0))
+
+    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers):
+        """The layer chain with e4m3 F2/F3 operands. Site 2i is layer i's attention input, 2i + 1 its
+        MLP input; a training forward records each site's current amax in the history."""
+        amaxes = [amax0]
+        for i, layer in enumerate(layers):
+            last = i + 1 == len(layers)
+            gamma_next = self.norm.weight if last else layers[i + 1].attention_norm.weight
+            # calibration step: the producer quantized with the current amax, and so must the consumer
+            inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
+            inv_next = None if last else inv[2 * i + 2]
+            x, h, rstd, hq, amax_ffn, amax_next = layer(
+                x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last)
+            )
+            amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
+        if self.training:
+            self._fp8_record(amaxes)
+        return x, h, rstd
+
+    @torch.no_grad()
+    def _fp8_record(self, amaxes) -> None:
+        hist = self.fp8_amax_history
+        new = torch.stack([a.to(hist.dtype) for a in amaxes])
+        hist.copy_(torch.cat([new[:, None], hist[:, :-1]], dim=1))
+        self.fp8_calibrated = True

@@ -136,3 +136,77 @@ class LMHeadCE(torch.autograd.Function):
         g = dloss.to(dgamma.dtype)
         dgamma = (dgamma * g).to(ctx.gamma_dtype)
         return None, None, dx * g.to(dx.dtype), dgamma, dw * g.to(dw.dtype), None, None, None
+
+
+# --- FP8 forward ([coda] precision = "fp8"; coda_titan.kernels.fp8 has the recipe) -----------------
+# Each Function below runs the FP8 forward program and then *is* its BF16 twin in the backward: the
+# quantization is straight-through, and the saved tensors (bf16 H, bf16 weights) are the same.
+
+
+class ResidualRMSFp8(torch.autograd.Function):
+    """F1 whose epilogue also writes e4m3 H (scale ``inv_scale``, None = current amax) and amax |H|."""
+
+    @staticmethod
+    def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, inv_scale):
+        x, h, s, hq, amax = cfg.backend.residual_rms_fp8(
+            y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=cfg.tile_n, inv_scale=inv_scale
+        )
+        ctx.mark_non_differentiable(h, s, hq, amax)
+        ctx.save_for_backward(y, weight)
+        ctx.cfg = cfg
+        return x, h, s, hq, amax
+
+    @staticmethod
+    def backward(ctx, dx, *_):
+        return (*ResidualRMS.backward(ctx, dx, None, None), None)
+
+
+def _dequant_scale(inv_a, s_w):
+    """s_a * s_w: the accumulator's unit, folded into the consumer's epilogue vector."""
+    return (s_w / inv_a).to(torch.float32 if inv_a.dtype != torch.float64 else torch.float64).reshape(())
+
+
+class NormRoPEFp8(torch.autograd.Function):
+    """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv quantized here; backward = NormRoPE's."""
+
+    @staticmethod
+    def forward(ctx, hq, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads, head_dim, inv_a):
+        w8, s_w = cfg.backend.quantize_tensorwise(w=torch.cat([wq, wk, wv]))
+        qkv = cfg.backend.norm_rope_fp8(
+            hq=hq, rstd=rstd, weight_q=w8, scale=_dequant_scale(inv_a, s_w), freqs=freqs, seqlen=seqlen,
+            n_rope_heads=n_rope_heads, head_dim=head_dim, out_dtype=h.dtype,
+        )
+        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv)
+        ctx.cfg, ctx.seqlen, ctx.n_rope_heads, ctx.head_dim = cfg, seqlen, n_rope_heads, head_dim
+        return qkv, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dqkv, dx_res):
+        return (None, *NormRoPE.backward(ctx, dqkv, dx_res), None)
+
+
+class NormSwiGLUResidualFp8(torch.autograd.Function):
+    """F2 on e4m3 Hq and W13 quantized here, then F1 (bf16 GEMM: its A operand, the SwiGLU output,
+    cannot be stored as e4m3 by quack's SM90 paired-column epilogue) writing e4m3 H for the next
+    layer's F3 when ``inv_next`` is given (``quantize_next``). Backward = NormSwiGLUResidual's."""
+
+    @staticmethod
+    def forward(ctx, hq, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, inv_a, quantize_next, inv_next):
+        be = cfg.backend
+        w13_8, s_w = be.quantize_tensorwise(w=interleave_rows(w1, w3))
+        y, a = be.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=w13_8, scale=_dequant_scale(inv_a, s_w), out_dtype=h.dtype)
+        if quantize_next:
+            x_out, h_out, s_out, hq_out, amax = be.residual_rms_fp8(
+                y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n, inv_scale=inv_next
+            )
+            outs = (x_out, h_out, s_out, hq_out, amax)
+        else:
+            outs = be.residual_rms(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a)
+        ctx.cfg = cfg
+        return outs
+
+    @staticmethod
+    def backward(ctx, dx_out, *_):
+        return (None, *NormSwiGLUResidual.backward(ctx, dx_out, None, None), None, None, None)

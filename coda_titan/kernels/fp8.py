@@ -1,0 +1,142 @@
+"""FP8 forward programs: F2 and F3 with e4m3 operands, and the producers that quantize their input.
+
+Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice):
+
+* **e4m3, tensorwise scales, fp32 accumulation.** A scale ``inv = 448 / amax`` maps a tensor onto
+  the e4m3 range, ``q = sat(t * inv)`` rounded to nearest even (torchao's ``amax_to_scale`` and
+  saturated cast), and ``t ~= q * s`` with ``s = 1 / inv``.
+* **Weights: dynamic.** Each forward quantizes W13 and W_qkv from their current bf16 values
+  (``quantize_tensorwise``, the weight pass), as torchao's tensorwise recipe does.
+* **Activations: delayed.** The A operand of F2 / F3 is H = X * gamma, written by the *producer*
+  epilogue (F1, or the prologue) tile by tile. A current-amax scale is known only after the last
+  tile of the whole tensor is written, so the producer quantizes with the scale of the amax
+  history of that site (the max over the last ``history`` steps, Transformer Engine's delayed
+  scaling) and reports the current amax, which enters the history. Values beyond the history's
+  range saturate at +-448 instead of overflowing. The first step has no history: it is
+  calibrated with current scaling (``inv_scale=None`` below).
+* **Scales in the epilogue.** The consumer's accumulator is in units of ``s_a * s_w``. That scalar
+  multiplies the deferred-rstd column vector (F3: r' = r * s_a * s_w) or the accumulator itself
+  (F2, which must also save the true-scale pre-activation for its backward).
+* **Backward in bf16.** Gradients flow straight through the quantization (torchao's convention)
+  and the backward programs are the BF16 ones, on the bf16 H and weights the forward saved.
+  Unlike torchao's tensorwise recipe, gradients are not cast to e5m2.
+
+Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
+which is how the CPU tests check the algebra):
+
+    rms_partial_fp8    prologue: H = X * gamma, S, Hq = sat(H * inv), amax |H|
+    residual_rms_fp8   F1 (bf16 GEMM) whose epilogue also writes Hq and amax |H|
+    norm_swiglu_fp8    F2: acc = Hq @ W13q^T; v = s * acc; a = v (saved); y = SwiGLU(r * v)
+    norm_rope_fp8      F3: acc = Hq @ Wq^T;  p = (r * s) * acc; y = RoPE(p)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import acc_dtype, check_2d, tile_sumsq
+from .norm_rope import norm_rope_torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_EPS = 1e-12  # torchao's floor on amax (an all-zero tensor gets a finite scale)
+
+
+def inv_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``448 / amax`` in fp32 (fp64 for fp64 amax), with amax floored at 1e-12."""
+    dt = torch.float64 if amax.dtype == torch.float64 else torch.float32
+    return E4M3_MAX / amax.to(dt).clamp(min=AMAX_EPS)
+
+
+def quantize_e4m3(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """sat(t * inv_scale) rounded to nearest even e4m3. ``t`` in its compute dtype, inv a scalar."""
+    return (t * inv_scale.to(t.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_tensorwise_torch(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wq, s): current-amax tensorwise e4m3 of ``w`` and its dequantization scale s = 1/inv (0-dim)."""
+    wf = w.to(acc_dtype(w))
+    inv = inv_scale_from_amax(wf.abs().amax())
+    return quantize_e4m3(wf, inv), inv.reciprocal()
+
+
+def _h_and_q(xf: torch.Tensor, gamma: torch.Tensor, inv_scale: torch.Tensor | None, out_dtype: torch.dtype):
+    hf = xf * gamma.to(xf.dtype)
+    amax = hf.abs().amax()
+    inv = inv_scale_from_amax(amax) if inv_scale is None else inv_scale
+    return hf.to(out_dtype), quantize_e4m3(hf, inv), amax
+
+
+def rms_partial_fp8_torch(
+    *, x: torch.Tensor, gamma: torch.Tensor, tile_n: int, inv_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(H, S, Hq, amax) of the prologue; ``inv_scale=None`` quantizes with the current amax."""
+    check_2d("x", x, gamma.shape[0])
+    xf = x.to(acc_dtype(x, gamma))
+    h, hq, amax = _h_and_q(xf, gamma, inv_scale, x.dtype)
+    return h, tile_sumsq(xf, tile_n), hq, amax
+
+
+def residual_rms_fp8_torch(
+    *,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    tile_n: int,
+    inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, H, S, Hq, amax): F1 (bf16 GEMM) whose epilogue also quantizes H for the next consumer."""
+    check_2d("y", y, weight.shape[1])
+    check_2d("residual", residual, weight.shape[0])
+    ct = acc_dtype(y, weight)
+    xf = (y @ weight.t()).to(ct) + residual.to(ct)
+    h, hq, amax = _h_and_q(xf, gamma, inv_scale, residual.dtype)
+    return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
+
+
+def _fp8_mm(aq: torch.Tensor, bq: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    """aq @ bq^T with e4m3 operands, products exact and accumulated in ``ct`` (the tensor core's
+    fp32 accumulation; fp64 for the tests)."""
+    if aq.dtype != E4M3 or bq.dtype != E4M3:
+        raise TypeError(f"fp8 programs take e4m3 operands, got {aq.dtype} and {bq.dtype}")
+    return aq.to(ct) @ bq.to(ct).t()
+
+
+def _compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if out_dtype == torch.float64 else torch.float32
+
+
+def norm_swiglu_fp8_torch(
+    *, hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, a) as ``norm_swiglu``, from e4m3 Hq and W13q; ``scale`` = s_a * s_w (0-dim)."""
+    check_2d("hq", hq, w13q.shape[1])
+    ct = _compute_dtype(out_dtype)
+    v = _fp8_mm(hq, w13q, ct) * scale.to(ct)
+    z = v * rstd.to(ct)[:, None]
+    y = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    return y.to(out_dtype), v.to(out_dtype)
+
+
+def norm_rope_fp8_torch(
+    *,
+    hq: torch.Tensor,
+    rstd: torch.Tensor,
+    weight_q: torch.Tensor,
+    scale: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
+    n_rope_heads: int,
+    head_dim: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Post-RoPE qkv as ``norm_rope``, from e4m3 Hq and W_qkv,q; the rstd vector carries ``scale``."""
+    check_2d("hq", hq, weight_q.shape[1])
+    _fp8_mm(hq[:0], weight_q[:0], torch.float32)  # dtype check only
+    ct = _compute_dtype(out_dtype)
+    y = norm_rope_torch(
+        h=hq.to(ct), rstd=rstd.to(ct) * scale.to(ct), weight=weight_q.to(ct), freqs=freqs,
+        seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
+    )
+    return y.to(out_dtype)

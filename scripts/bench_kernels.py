@@ -215,6 +215,111 @@ def cases(d, gen):
     return out
 
 
+def _float8_linears(*weights):
+    """torchao float8 (tensorwise) linears holding ``weights``: the FP8 baseline's own layers."""
+    import torch.nn as nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mods = nn.ModuleList()
+    for w in weights:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+        lin.weight.data.copy_(w)
+        mods.append(lin)
+    convert_to_float8_training(mods, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return list(mods)
+
+
+def fp8_cases(d, gen):
+    """precision = "fp8" programs: the coda fp8 program, the same GEMM as one cuBLAS fp8 _scaled_mm
+    (bare_gemm), stock's computation with torchao float8 tensorwise linears (eager / torch_compile),
+    and the bf16 coda program (coda_bf16)."""
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels._common import interleave_rows
+    from coda_titan.kernels.fp8 import E4M3, inv_scale_from_amax, quantize_e4m3
+    from coda_titan.model.rope import rope_freqs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+    from torchtitan.models.llama3.model.model import apply_rotary_emb, precompute_freqs_cis
+
+    be = get_backend("cute")
+    ff, hq, hkv, hd = SHAPES[d]
+    q = (hq + 2 * hkv) * hd
+    bf = torch.bfloat16
+    seqlen = 8192
+    bs = M // seqlen
+
+    def r(*shape, scale=1.0, dtype=bf):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    rstd = torch.rand(M, generator=gen, device="cuda") + 0.5
+    gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(bf)
+    h = r(M, d)
+    inv_h = inv_scale_from_amax(h.float().abs().amax())
+    h8 = quantize_e4m3(h.float(), inv_h)
+    one = torch.ones((), device="cuda")
+    out = []
+
+    def scaled_mm(a8, w8):
+        return lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=bf, use_fast_accum=True)
+
+    # F1 producing e4m3 H (bf16 GEMM; its A operand is the attention / SwiGLU output)
+    y, wo, res = r(M, hq * hd), r(d, hq * hd, scale=(hq * hd) ** -0.5), r(M, d)
+    f8_wo = _float8_linears(wo)[0]
+
+    def f1_eager(y=y, res=res):
+        x = res + f8_wo(y)
+        return x, F.rms_norm(x, (d,), gamma, EPS)
+
+    out.append(("residual_rms_fp8", "fwd", dict(
+        coda=lambda: be.residual_rms_fp8(y=y, weight=wo, residual=res, gamma=gamma, tile_n=128, inv_scale=inv_h),
+        coda_bf16=lambda: be.residual_rms(y=y, weight=wo, residual=res, gamma=gamma, tile_n=128),
+        bare_gemm=[lambda: torch.mm(y, wo.t())], eager=f1_eager)))
+
+    # F2 on e4m3 operands
+    w1, w3 = r(ff, d, scale=d**-0.5), r(ff, d, scale=d**-0.5)
+    w13 = interleave_rows(w1, w3)
+    w13q, s_w13 = be.quantize_tensorwise(w=w13)
+    f8_w1, f8_w3 = _float8_linears(w1, w3)
+
+    def f2_eager(h=h):
+        n = F.rms_norm(h, (d,), None, EPS)
+        return F.silu(f8_w1(n)) * f8_w3(n)
+
+    out.append(("norm_swiglu_fp8", "fwd", dict(
+        coda=lambda: be.norm_swiglu_fp8(hq=h8, rstd=rstd, w13q=w13q, scale=s_w13 / inv_h, out_dtype=bf),
+        coda_bf16=lambda: be.norm_swiglu(h=h, rstd=rstd, w13=w13),
+        bare_gemm=[scaled_mm(h8, w13q)], eager=f2_eager)))
+
+    # F3 on e4m3 operands
+    wqkv = r(q, d, scale=d**-0.5)
+    wq, wk, wv = wqkv.split([hq * hd, hkv * hd, hkv * hd])
+    wqkv8, s_qkv = be.quantize_tensorwise(w=wqkv)
+    f8_wq, f8_wk, f8_wv = _float8_linears(wq, wk, wv)
+    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
+    freqs_cis = precompute_freqs_cis(hd, seqlen, 500000.0, RoPEScalingArgs()).cuda()
+
+    def f3_eager(h=h):
+        n = F.rms_norm(h, (d,), None, EPS)
+        xq = f8_wq(n).view(bs, seqlen, hq, hd)
+        xk = f8_wk(n).view(bs, seqlen, hkv, hd)
+        xv = f8_wv(n)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        return xq, xk, xv
+
+    out.append(("norm_rope_fp8", "fwd", dict(
+        coda=lambda: be.norm_rope_fp8(hq=h8, rstd=rstd, weight_q=wqkv8, scale=s_qkv / inv_h, freqs=freqs,
+                                      seqlen=seqlen, n_rope_heads=hq + hkv, head_dim=hd, out_dtype=bf),
+        coda_bf16=lambda: be.norm_rope(h=h, rstd=rstd, weight=wqkv, freqs=freqs, seqlen=seqlen,
+                                       n_rope_heads=hq + hkv, head_dim=hd),
+        bare_gemm=[scaled_mm(h8, wqkv8)], eager=f3_eager)))
+
+    # the per-step weight pass (amax + cast of W13)
+    out.append(("quantize_tensorwise", "fwd", dict(
+        coda=lambda: be.quantize_tensorwise(w=w13), bare_gemm=[], eager=lambda: quantize_e4m3(
+            w13.float(), inv_scale_from_amax(w13.float().abs().amax())))))
+    assert h8.dtype == E4M3
+    return out
+
+
 def _liger_flce(hf, wout, tgt):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -233,6 +338,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--ops", nargs="*", default=None)
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the e4m3 programs, written to kernels_fp8_<gpu>_d<d>.json")
     args = ap.parse_args()
 
     import quack
@@ -245,12 +352,14 @@ def main():
     for d in args.dims:
         gen = torch.Generator(device="cuda").manual_seed(d)
         results = []
-        for op, direction, fns in cases(d, gen):
+        for op, direction, fns in (fp8_cases if args.precision == "fp8" else cases)(d, gen):
             if args.ops and op not in args.ops:
                 continue
             t0 = time.perf_counter()
-            row = {"op": op, "direction": direction, "M": M, "d": d, "ms": {}}
+            row = {"op": op, "direction": direction, "M": M, "d": d, "precision": args.precision, "ms": {}}
             row["ms"]["coda"] = _bench(fns["coda"])
+            if "coda_bf16" in fns:
+                row["ms"]["coda_bf16"] = _bench(fns["coda_bf16"])
             row["first_call_s"] = round(time.perf_counter() - t0, 1)
             gemms = [_bench(g) for g in fns["bare_gemm"]]
             row["ms"]["bare_gemm"] = sum(gemms) if gemms else None
@@ -285,7 +394,8 @@ def main():
             "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
             "results": results,
         }
-        path = os.path.join(out_dir, f"kernels_{slug}_d{d}.json")
+        prefix = "kernels_fp8_" if args.precision == "fp8" else "kernels_"
+        path = os.path.join(out_dir, f"{prefix}{slug}_d{d}.json")
         os.makedirs(out_dir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)

@@ -10,6 +10,10 @@
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
+#     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
+#     fp8bench   scripts/bench_kernels.py --precision fp8 at d = 2048 (1B)
+#     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
+#     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8, 300 steps
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
 # quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune.tar holds a copy from an earlier
@@ -59,6 +63,23 @@ for phase in "$@"; do
         configs/llama3_1b_fp8_baseline.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8
       $cmp configs/llama3_1b_fp8_baseline_compile.toml --set quantize.linear.float8.recipe_name=rowwise \
         --steps "${STEPS:-40}" --warmup 10 --tag fp8_rowwise
+      ;;
+    fp8check)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -s 2>&1 | tail -25 | tee "$logs/pytest_fp8.txt"
+      python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
+        --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
+      echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
+      ;;
+    fp8bench)
+      python3 -m scripts.bench_kernels --precision fp8 --dims 2048 2>&1 | tail -12
+      ;;
+    fp8compare)
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
+        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
+      ;;
+    fp8parity)
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

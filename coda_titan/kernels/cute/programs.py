@@ -42,19 +42,24 @@ from quack.epilogue.library import (
     rms_partial_epi,
     rstd_swiglu_preact_epi,
 )
-from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
+from quack.activation import swiglu
+from quack.epilogue.math import pack, unpack
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
 from quack.gemm_interface import gemm as quack_gemm
 from quack.gemm_interface import gemm_add_inplace
 from quack.rms_final_reduce import rms_final_reduce
 
 from .. import ops as _ops
+from ..fp8 import E4M3, quantize_tensorwise_torch, rms_partial_fp8_torch
 from ..lm_head_ce import IGNORE_INDEX
 from ..norm_rope import rope_cos_sin
 
 logger = logging.getLogger("coda_titan")
 
-__all__ = [f"{name}_cute" for name in _ops.OPS] + ["rstd_lse_target_epi"]
+__all__ = [f"{name}_cute" for name in _ops.OPS] + [
+    "rstd_lse_target_epi", "rms_partial_fp8_epi", "fp8_rstd_swiglu_preact_epi",
+]
 
 _TUNE = os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -79,6 +84,34 @@ def rstd_lse_target_epi(acc, rstd):
     whose target is -100 are left untouched)."""
     v = acc * rstd
     return {"D": v, "lse": v, "target_logit": v}
+
+
+@gemm_epilogue(
+    outputs=("resid_out", "hq"),
+    ops={"weight": RowVecLoad("weight"), "inv_scale": Scalar("inv_scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def rms_partial_fp8_epi(acc, c, weight, inv_scale):
+    """F1's epilogue for precision = "fp8": X = acc + residual (resid_out), H = X * gamma (D, bf16),
+    per-tile sum X^2, and the next consumer's e4m3 operand hq = sat(H * inv_scale) (the f32 -> e4m3
+    store converts with cvt.rn.satfinite), with the per-row amax |H| for the scale history."""
+    x = acc + c
+    h = x * weight
+    return {"D": h, "resid_out": x, "sqsum": (x, x), "hq": h * inv_scale, "amax": h}
+
+
+@gemm_epilogue(
+    outputs=("postact",),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale")},
+    mode="acc_pair",
+)
+def fp8_rstd_swiglu_preact_epi(acc, rstd, scale):
+    """F2's epilogue on e4m3 operands: v = (s_a * s_w) * acc is the true-scale pre-activation, saved
+    as D for the (bf16) backward; y = SwiGLU(r * v) as the paired-column postact."""
+    v = acc * scale
+    g, u = unpack(v)
+    gs, us = unpack(v * rstd)
+    return {"D": pack(g, u), "postact": swiglu(gs, us)}
 
 
 # --- plumbing --------------------------------------------------------------------------------------
@@ -273,6 +306,99 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     if not compute_grad:
         return _ops._ce_outputs(loss, None, None, None, h, gamma, weight)
     return loss, dx, dgamma, dw.to(weight.dtype)
+
+
+# --- FP8 forward programs ([coda] precision = "fp8") ------------------------------------------------
+
+
+def _unsupported_fp8(*tensors: torch.Tensor) -> str | None:
+    for t in tensors:
+        if not t.is_cuda:
+            return f"a {t.device} tensor"
+        if t.dtype != E4M3:
+            return f"dtype {t.dtype} (need float8_e4m3fn)"
+        if t.dim() != 2 or not t.is_contiguous() or t.shape[-1] % 16 or t.shape[0] == 0:
+            return f"shape {tuple(t.shape)} / stride {t.stride()} (need 2-D, contiguous, width % 16 == 0)"
+    return None
+
+
+def _scalar32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).reshape(1).contiguous()
+
+
+@torch.library.register_kernel("coda::quantize_tensorwise", "cuda")
+def _quantize_tensorwise(w):
+    # amax reduction + saturated cast: two inductor kernels, once per weight and step
+    return _fused("quantize_tensorwise", lambda t: quantize_tensorwise_torch(w=t))(w)
+
+
+@torch.library.register_kernel("coda::rms_partial_fp8", "cuda")
+def _rms_partial_fp8(x, gamma, tile_n, inv_scale):
+    # The embedding-norm prologue (no GEMM, once per step): one fused pass
+    h, s, hq, amax = _fused(f"rms_partial_fp8_{tile_n}_{inv_scale is None}", lambda x_, g_, i_: rms_partial_fp8_torch(
+        x=x_, gamma=g_, tile_n=tile_n, inv_scale=i_))(x, gamma, inv_scale)
+    return h, s.sum(-1, keepdim=True), hq, amax
+
+
+@torch.library.register_kernel("coda::residual_rms_fp8", "cuda")
+def _residual_rms_fp8(y, weight, residual, gamma, tile_n, inv_scale):
+    why = _unsupported(y, weight, residual)
+    if why is None and residual.shape[1] % 16:
+        why = f"width {residual.shape[1]} (e4m3 H needs % 16)"
+    if why is None and inv_scale is None:
+        # the calibration step (no amax history yet): a current-amax scale needs the whole of H
+        # before its first element is quantized, so that one step runs the reference
+        why = "a current-amax scale (the calibration step)"
+    if why:
+        return _fallback("residual_rms_fp8", why, y, weight, residual, gamma, tile_n, inv_scale)
+    x = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
+    with _first_call("residual_rms_fp8", y, weight):
+        res = _gemm(
+            rms_partial_fp8_epi, y, weight.t(), residual, {"D": h, "resid_out": x, "hq": hq},
+            weight=gamma.float(), inv_scale=_scalar32(inv_scale),
+        )
+    return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
+
+
+@torch.library.register_kernel("coda::norm_swiglu_fp8", "cuda")
+def _norm_swiglu_fp8(hq, rstd, w13q, scale, out_dtype):
+    why = _unsupported_fp8(hq, w13q)
+    if why is None and (w13q.shape[0] % 32 or out_dtype not in _KERNEL_DTYPES):
+        why = f"hidden {w13q.shape[0] // 2} / out dtype {out_dtype} (need % 16, bf16/fp16)"
+    if why:
+        return _fallback("norm_swiglu_fp8", why, hq, rstd, w13q, scale, out_dtype)
+    m, f2 = hq.shape[0], w13q.shape[0]
+    a = torch.empty((m, f2), device=hq.device, dtype=out_dtype)
+    y = torch.empty((m, f2 // 2), device=hq.device, dtype=out_dtype)
+    with _first_call("norm_swiglu_fp8", hq, w13q):
+        _gemm(fp8_rstd_swiglu_preact_epi, hq, w13q.t(), None, {"D": a, "postact": y},
+              rstd=rstd.float(), scale=_scalar32(scale))
+    return y, a
+
+
+@torch.library.register_kernel("coda::norm_rope_fp8", "cuda")
+def _norm_rope_fp8(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtype):
+    why = _unsupported_fp8(hq, weight_q)
+    m, q = hq.shape[0], weight_q.shape[0]
+    rot = n_rope_heads * head_dim
+    if why is None and (head_dim % 2 or m % seqlen or rot > q or out_dtype not in _KERNEL_DTYPES):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen} / out dtype {out_dtype}"
+    if why:
+        return _fallback("norm_rope_fp8", why, hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtype)
+    dev = hq.device
+    freq = _cached(
+        ("freq", freqs.data_ptr(), freqs._version, rot, q, head_dim, dev),
+        lambda: make_interleaved_inv_freq(freqs.double(), rot, q - rot, head_dim).float().to(dev),
+    )
+    pos = _cached(("pos", m, seqlen, dev), lambda: (torch.arange(m, device=dev) % seqlen).float())
+    out = torch.empty((m, q), device=dev, dtype=out_dtype)
+    with _first_call("norm_rope_fp8", hq, weight_q):
+        # the dequantization scale s_a * s_w rides the deferred-rstd column vector
+        _gemm(rstd_rope_posfreq_epi, hq, weight_q.t(), None, {"D": out}, pos=pos, freq=freq,
+              rstd=rstd.float() * scale.float())
+    return out
 
 
 # --- backward programs -----------------------------------------------------------------------------

@@ -381,9 +381,10 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend():
         losses[be] = loss.float().item()
         grads[be] = {n: p.grad.float() for n, p in model.named_parameters()}
         assert all(g.isfinite().all() for g in grads[be].values()), be
-    assert abs(losses["cute"] - losses["torch"]) <= 1e-2 * abs(losses["torch"])
     worst = min(
         (torch.nn.functional.cosine_similarity(grads["cute"][n].flatten(), g.flatten(), dim=0).item(), n)
         for n, g in grads["torch"].items()
     )
+    print(f"model: loss cute {losses['cute']:.6f} torch {losses['torch']:.6f}; lowest gradient cosine {worst}")
+    assert abs(losses["cute"] - losses["torch"]) <= 1e-2 * abs(losses["torch"])
     assert worst[0] >= 0.999, f"lowest gradient cosine {worst[0]:.5f} at {worst[1]}"

@@ -29,6 +29,7 @@ reason. The first call of each program and shape is timed and logged (it compile
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -63,6 +64,38 @@ __all__ = [f"{name}_cute" for name in _ops.OPS] + [
 
 _TUNE = os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# --- fp8 accumulation -----------------------------------------------------------------------------
+
+
+def _fp8_fast_accumulation() -> bool:
+    """Make quack's SM90 GEMMs with e4m3 operands use fast accumulation (the WGMMA accumulates the
+    whole K loop in its own registers), as torchao's float8 forward and cuBLAS ``use_fast_accum``
+    do. quack 0.6.5's frontend builds every fp8 GEMM with its slow-accumulation path instead, which
+    drains the tensor pipe at every k-tile to promote into a second fp32 accumulator: measured on the
+    H100, that made the fp8 F2 GEMM slower than the bf16 one. ``CODA_TITAN_FP8_SLOW_ACCUM=1`` keeps
+    quack's default. Only fp8 GEMMs read the flag; bf16 GEMMs are unchanged."""
+    if os.environ.get("CODA_TITAN_FP8_SLOW_ACCUM", "0") != "0":
+        return False
+    from quack.gemm_sm90 import GemmSm90
+
+    init = GemmSm90.__init__
+    if getattr(init, "_coda_fast_accum", False):
+        return True
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if len(args) < 7:  # fp8_fast_accum is the 7th positional parameter
+            kwargs.setdefault("fp8_fast_accum", True)
+        init(self, *args, **kwargs)
+
+    __init__._coda_fast_accum = True
+    GemmSm90.__init__ = __init__
+    return True
+
+
+FP8_FAST_ACCUM = _fp8_fast_accumulation()
 
 
 # --- our own epilogue ----------------------------------------------------------------------------

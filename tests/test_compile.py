@@ -2,7 +2,8 @@
 
 Two program sets: the torch reference functions, and the ``torch.ops.coda`` custom ops (one opaque
 node per program; on CPU they run the reference, so the numbers must match exactly as eager). And
-the FA4 attention op in place of SDPA (again one opaque node, with its CPU reference kernel).
+the FA4 attention op in place of SDPA (again one opaque node, with its CPU reference kernel). And
+precision = "fp8" (its Functions share the bf16 backward bodies, which dynamo must trace).
 """
 
 import dataclasses
@@ -16,19 +17,28 @@ from coda_titan.model.attention import swap_attention
 from coda_titan.model.model import CodaTransformer
 
 
-@pytest.mark.parametrize("programs,attention", [("torch", "sdpa"), ("custom_ops", "sdpa"), ("torch", "fa4_op")])
-def test_layers_compile_fullgraph_and_match_eager(programs, attention):
+@pytest.mark.parametrize(
+    "programs,attention,precision",
+    [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
+     ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8")],
+)
+def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32))
+    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32, precision=precision))
     with torch.no_grad():
         model.init_weights()
     if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)
         assert swap_attention(model) == len(model.layers)
     tokens = torch.randint(0, 61, (2, 16))
     labels = torch.randint(0, 61, (2, 16))
+    if precision == "fp8":  # calibrate first, so that eager and compiled both use the delayed scales
+        with torch.no_grad():
+            model(tokens, labels=labels)
+    history = model.fp8_amax_history.clone()
     eager = model(tokens, labels=labels)
     eager.backward()
+    model.fp8_amax_history.copy_(history)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     if programs == "custom_ops":

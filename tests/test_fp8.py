@@ -350,6 +350,10 @@ def test_cute_f1_writes_e4m3_h():
 
 @gpu
 def test_whole_1b_fp8_model_cute_matches_torch_backend():
+    """The 1B model, fp8, cute vs torch backend: their gradients must differ by much less than fp8
+    quantization itself moves them (torch fp8 vs torch bf16 programs). The backends' F1 GEMMs sum in
+    different orders, so a value at an e4m3 rounding boundary may land one step apart: the fp8 model
+    cannot match to bf16-program accuracy, only to a fraction of its own quantization error."""
     import dataclasses
 
     from coda_titan.model.args import coda_llama3_args
@@ -357,34 +361,37 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend():
 
     seqlen, bs = 2048, 2
     models = {}
-    for be in ("torch", "cute"):
-        args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, backend=be, precision="fp8")
+    for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("bf16", "torch", "bf16")):
+        args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, backend=be, precision=precision)
         torch.manual_seed(0)
         with torch.device("cuda"):
-            models[be] = CodaTransformer(args)
+            models[name] = CodaTransformer(args)
             with torch.no_grad():
-                models[be].init_weights()
-        models[be] = models[be].to(BF)
-    models["cute"].load_state_dict(models["torch"].state_dict())
+                models[name].init_weights()
+        models[name] = models[name].to(BF)
+    for name in ("cute", "bf16"):
+        models[name].load_state_dict(models["torch"].state_dict())
     gen = torch.Generator(device="cuda").manual_seed(1)
     vocab = models["torch"].model_args.vocab_size
     tokens = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
     labels = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
-    with torch.no_grad():  # calibration step on the torch backend; both then share its history
+    with torch.no_grad():  # calibration step on the torch backend; both fp8 models then share its history
         models["torch"](tokens, labels=labels)
     models["cute"].fp8_amax_history.copy_(models["torch"].fp8_amax_history)
     models["cute"].fp8_calibrated = True
     losses, grads = {}, {}
-    for be, model in models.items():
+    for name, model in models.items():
         loss = model(tokens, labels=labels)
         loss.backward()
-        losses[be] = loss.float().item()
-        grads[be] = {n: p.grad.float() for n, p in model.named_parameters()}
-        assert all(g.isfinite().all() for g in grads[be].values()), be
-    worst = min(
-        (torch.nn.functional.cosine_similarity(grads["cute"][n].flatten(), g.flatten(), dim=0).item(), n)
-        for n, g in grads["torch"].items()
-    )
-    print(f"model: loss cute {losses['cute']:.6f} torch {losses['torch']:.6f}; lowest gradient cosine {worst}")
-    assert abs(losses["cute"] - losses["torch"]) <= 1e-2 * abs(losses["torch"])
-    assert worst[0] >= 0.999, f"lowest gradient cosine {worst[0]:.5f} at {worst[1]}"
+        losses[name] = loss.float().item()
+        grads[name] = {n: p.grad.float() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        assert all(g.isfinite().all() for g in grads[name].values()), name
+    ratios = {
+        n: _rel(grads["cute"][n], g) / max(_rel(grads["bf16"][n], g), 1e-12) for n, g in grads["torch"].items()
+    }
+    worst = max(ratios, key=ratios.get)
+    print(f"model: loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} bf16 {losses['bf16']:.6f}; "
+          f"worst gradient deviation / fp8 effect {ratios[worst]:.3f} at {worst}")
+    assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])
+    assert ratios[worst] <= 0.5

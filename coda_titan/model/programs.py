@@ -50,11 +50,19 @@ class ResidualRMS(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx, _dh, _ds):
-        y, weight = ctx.saved_tensors
-        be = ctx.cfg.backend
-        dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
-        dw = be.wgrad(grad=dx, inp=y, out_dtype=weight.dtype)
-        return dy, dw, dx, None, None
+        return _residual_rms_backward(ctx, dx)
+
+
+# The backward bodies are plain functions so that the FP8 Functions below can share them (dynamo
+# cannot trace one Function's backward calling another Function's).
+
+
+def _residual_rms_backward(ctx, dx):
+    y, weight = ctx.saved_tensors
+    be = ctx.cfg.backend
+    dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
+    dw = be.wgrad(grad=dx, inp=y, out_dtype=weight.dtype)
+    return dy, dw, dx, None, None
 
 
 class NormRoPE(torch.autograd.Function):
@@ -72,17 +80,21 @@ class NormRoPE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        h, rstd, x, gamma, wq, wk, wv, freqs, qkv = ctx.saved_tensors
-        be = ctx.cfg.backend
-        da, zdz = be.rope_bwd(
-            dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
-            n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim,
-        )
-        w = torch.cat([wq, wk, wv])
-        dx, dgamma = be.norm_residual_bwd(da=da, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
-        dw = be.wgrad(grad=da, inp=h, out_dtype=w.dtype)
-        dwq, dwk, dwv = _split_rows(dw, (wq.shape[0], wk.shape[0], wv.shape[0]))
-        return None, None, dx, dgamma.to(gamma.dtype), dwq, dwk, dwv, None, None, None, None, None
+        return _norm_rope_backward(ctx, dqkv, dx_res)
+
+
+def _norm_rope_backward(ctx, dqkv, dx_res):
+    h, rstd, x, gamma, wq, wk, wv, freqs, qkv = ctx.saved_tensors
+    be = ctx.cfg.backend
+    da, zdz = be.rope_bwd(
+        dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
+        n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim,
+    )
+    w = torch.cat([wq, wk, wv])
+    dx, dgamma = be.norm_residual_bwd(da=da, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
+    dw = be.wgrad(grad=da, inp=h, out_dtype=w.dtype)
+    dwq, dwk, dwv = _split_rows(dw, (wq.shape[0], wk.shape[0], wv.shape[0]))
+    return None, None, dx, dgamma.to(gamma.dtype), dwq, dwk, dwv, None, None, None, None, None
 
 
 class NormSwiGLUResidual(torch.autograd.Function):
@@ -105,15 +117,19 @@ class NormSwiGLUResidual(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_out, _dh, _ds):
-        h, rstd, x, gamma, w1, w3, w2, a = ctx.saved_tensors
-        be = ctx.cfg.backend
-        da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
-        dw2 = be.wgrad(grad=dx_out, inp=y, out_dtype=w2.dtype)
-        w13 = interleave_rows(w1, w3)
-        dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_out)
-        dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
-        dw1, dw3 = deinterleave_rows(dw13)
-        return None, None, dx, dgamma.to(gamma.dtype), dw1, dw3, dw2, None, None
+        return _norm_swiglu_residual_backward(ctx, dx_out)
+
+
+def _norm_swiglu_residual_backward(ctx, dx_out):
+    h, rstd, x, gamma, w1, w3, w2, a = ctx.saved_tensors
+    be = ctx.cfg.backend
+    da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
+    dw2 = be.wgrad(grad=dx_out, inp=y, out_dtype=w2.dtype)
+    w13 = interleave_rows(w1, w3)
+    dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_out)
+    dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
+    dw1, dw3 = deinterleave_rows(dw13)
+    return None, None, dx, dgamma.to(gamma.dtype), dw1, dw3, dw2, None, None
 
 
 class LMHeadCE(torch.autograd.Function):
@@ -158,7 +174,7 @@ class ResidualRMSFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx, *_):
-        return (*ResidualRMS.backward(ctx, dx, None, None), None)
+        return (*_residual_rms_backward(ctx, dx), None)
 
 
 def _dequant_scale(inv_a, s_w):
@@ -182,7 +198,7 @@ class NormRoPEFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        return (None, *NormRoPE.backward(ctx, dqkv, dx_res), None)
+        return (None, *_norm_rope_backward(ctx, dqkv, dx_res), None)
 
 
 class NormSwiGLUResidualFp8(torch.autograd.Function):
@@ -209,4 +225,4 @@ class NormSwiGLUResidualFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_out, *_):
-        return (None, *NormSwiGLUResidual.backward(ctx, dx_out, None, None), None, None, None)
+        return (None, *_norm_swiglu_residual_backward(ctx, dx_out), None, None, None)

@@ -13,6 +13,7 @@
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   scripts/bench_kernels.py --precision fp8 at d = 2048 (1B)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
+#     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8, 300 steps
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
@@ -78,6 +79,10 @@ for phase in "$@"; do
     fp8compare)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
         configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
+      ;;
+    fp8model)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -k whole -s --tb=short -W ignore::DeprecationWarning 2>&1 \
+        | grep -E "^\.*model:|passed|failed|^E " | tail -8
       ;;
     fp8parity)
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \

@@ -536,12 +536,13 @@ def profile_table(doc: dict, top: int = 12) -> str:
 
 
 def parity_table(doc: dict) -> str:
+    tol = f"{100 * max((q.get('tolerance', PARITY_TOL) for q in doc['parity']), default=PARITY_TOL):g}%"
     lines = [
         f"Loss parity on {doc['device']} ({doc['date'][:10]}): {doc['steps']} steps, same data and seed; "
         f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}.",
         "",
-        "| candidate | max rel. deviation | at step | steps over 1% | mean abs. deviation | max over 10-step means | "
-        "non-finite loss | every step within 1% |",
+        f"| candidate | max rel. deviation | at step | steps over {tol} | mean abs. deviation | max over 10-step means | "
+        f"non-finite loss | every step within {tol} |",
         "|---|---:|---:|---:|---:|---:|:---:|:---:|",
     ]
     pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731

@@ -19,7 +19,8 @@ PAIRS = [
 ]
 # each *_compile config is its eager twin plus [compile] (and its own output folder)
 COMPILE_TWINS = [("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_baseline_compile.toml"),
-                 ("llama3_1b_bf16_coda.toml", "llama3_1b_bf16_coda_compile.toml")]
+                 ("llama3_1b_bf16_coda.toml", "llama3_1b_bf16_coda_compile.toml"),
+                 ("llama3_1b_fp8_coda.toml", "llama3_1b_fp8_coda_compile.toml")]
 OUTPUT_ONLY = {("job", "dump_folder"), ("job", "description")}
 
 
@@ -93,3 +94,13 @@ def test_fp8_baseline_is_its_bf16_twin_plus_float8(kind):
 def test_1b_and_8b_configs_use_fa4_on_both_sides():
     for p in list(CONFIGS.glob("llama3_1b_*.toml")) + list(CONFIGS.glob("llama3_8b_*.toml")):
         assert cli._load_toml(p)["model"]["converters"][0] == "fa4", p.name
+
+
+@pytest.mark.parametrize("kind", ["coda", "coda_compile"])
+def test_fp8_coda_is_its_bf16_twin_plus_precision(kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+    diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
+    assert diff == {("coda", "precision"), ("coda", "fp8_amax_history")}
+    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    assert config.coda.precision == "fp8" and config.model.converters == ["fa4"]

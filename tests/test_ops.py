@@ -51,7 +51,8 @@ def test_every_program_has_an_op():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", sorted(PROGRAMS))
+# (the fp8 programs' ops are checked in tests/test_fp8.py: CPU float8 tensors lack test_schema's arithmetic)
+@pytest.mark.parametrize("name", sorted(p for p in PROGRAMS if not p.endswith("_fp8") and p != "quantize_tensorwise"))
 def test_opcheck(name, dtype):
     args = _cases(dtype)[name]
     opcheck(getattr(torch.ops.coda, name).default, args)

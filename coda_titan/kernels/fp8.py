@@ -36,6 +36,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, tile_sumsq
 from .norm_rope import norm_rope_torch
+from .residual_rms import residual_acc
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -87,19 +88,20 @@ def residual_rms_fp8_torch(
     inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X, H, S, Hq, amax): F1 (bf16 GEMM) whose epilogue also quantizes H for the next consumer."""
-    check_2d("y", y, weight.shape[1])
-    check_2d("residual", residual, weight.shape[0])
-    ct = acc_dtype(y, weight)
-    xf = (y @ weight.t()).to(ct) + residual.to(ct)
+    xf = residual_acc(y, weight, residual)
     h, hq, amax = _h_and_q(xf, gamma, inv_scale, residual.dtype)
     return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
+
+
+def _check_e4m3(aq: torch.Tensor, bq: torch.Tensor) -> None:
+    if aq.dtype != E4M3 or bq.dtype != E4M3:
+        raise TypeError(f"fp8 programs take e4m3 operands, got {aq.dtype} and {bq.dtype}")
 
 
 def _fp8_mm(aq: torch.Tensor, bq: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     """aq @ bq^T with e4m3 operands, products exact and accumulated in ``ct`` (the tensor core's
     fp32 accumulation; fp64 for the tests)."""
-    if aq.dtype != E4M3 or bq.dtype != E4M3:
-        raise TypeError(f"fp8 programs take e4m3 operands, got {aq.dtype} and {bq.dtype}")
+    _check_e4m3(aq, bq)
     return aq.to(ct) @ bq.to(ct).t()
 
 
@@ -133,7 +135,7 @@ def norm_rope_fp8_torch(
 ) -> torch.Tensor:
     """Post-RoPE qkv as ``norm_rope``, from e4m3 Hq and W_qkv,q; the rstd vector carries ``scale``."""
     check_2d("hq", hq, weight_q.shape[1])
-    _fp8_mm(hq[:0], weight_q[:0], torch.float32)  # dtype check only
+    _check_e4m3(hq, weight_q)
     ct = _compute_dtype(out_dtype)
     y = norm_rope_torch(
         h=hq.to(ct), rstd=rstd.to(ct) * scale.to(ct), weight=weight_q.to(ct), freqs=freqs,

@@ -20,15 +20,20 @@ import torch
 from ._common import acc_dtype, check_2d, mm, tile_sumsq
 
 
+def residual_acc(y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """X = y @ W^T + x_res in the accumulator dtype (not yet rounded): F1's GEMM and residual add."""
+    check_2d("y", y, weight.shape[1])
+    check_2d("residual", residual, weight.shape[0])
+    acc = mm(y, weight.t())
+    return acc + residual.to(acc.dtype)
+
+
 def residual_rms_torch(
     *, y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X, H, S) for one F1 program. y (M, K), weight (d, K), residual (M, d), gamma (d,)."""
-    check_2d("y", y, weight.shape[1])
-    check_2d("residual", residual, weight.shape[0])
-    acc = mm(y, weight.t())
-    x = acc + residual.to(acc.dtype)
-    h = (x * gamma.to(acc.dtype)).to(residual.dtype)
+    x = residual_acc(y, weight, residual)
+    h = (x * gamma.to(x.dtype)).to(residual.dtype)
     s = tile_sumsq(x, tile_n)
     # The stored residual is rounded once; S and H come from the same fp32 value, as in the epilogue.
     return x.to(residual.dtype), h, s

@@ -179,7 +179,7 @@ class ResidualRMSFp8(torch.autograd.Function):
 
 def _dequant_scale(inv_a, s_w):
     """s_a * s_w: the accumulator's unit, folded into the consumer's epilogue vector."""
-    return (s_w / inv_a).to(torch.float32 if inv_a.dtype != torch.float64 else torch.float64).reshape(())
+    return (s_w / inv_a).reshape(())
 
 
 class NormRoPEFp8(torch.autograd.Function):

@@ -418,12 +418,46 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
         "gpu_kernel_ms": total / 1e3,
         "gpu_span_ms": span / 1e3,
         "kernel_launches": len(kernels),
+        **idle_gaps(events, kernels),
         "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
             {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d),
              "pct": round(100 * sum(d) / total, 2)}
             for n, d in ranked[:top]
         ],
+    }
+
+
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
+    """Where the GPU waited for the host: the time inside the step's kernel span covered by no
+    kernel, its largest intervals with the kernels on both sides and the CPU ops running at the
+    interval's middle (the host work the GPU waited for), and the blocking CUDA runtime calls."""
+    ivs = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels)
+    gaps, end, prev = [], None, None
+    for t0, t1, name in ivs:
+        if end is not None and t0 > end:
+            gaps.append((t0 - end, end, t0, prev, name))
+        if end is None or t1 > end:
+            end, prev = t1, name
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    lo, hi = (ivs[0][0], end) if ivs else (0, 0)
+    syncs = [e for e in runtime if lo <= e["ts"] <= hi and e["name"] in SYNC_CALLS]
+    tops = []
+    for dur, g0, g1, before, after in sorted(gaps, reverse=True)[:top]:
+        mid = (g0 + g1) / 2
+        host = sorted((e for e in cpu if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        tops.append({"us": round(dur, 1), "after_kernel": before[:100], "before_kernel": after[:100],
+                     "host_ops": [e["name"][:100] for e in host[:4]]})
+    return {
+        "gpu_idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "gpu_idle_intervals": len(gaps),
+        "blocking_runtime_calls": {"count": len(syncs), "ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
+                                   "names": sorted({e["name"] for e in syncs})},
+        "top_idle": tops,
     }
 
 
@@ -516,6 +550,12 @@ def profile_table(doc: dict, top: int = 12) -> str:
         f"{s['gpu_kernel_ms']:.1f} ms of GPU kernel time in {s['kernel_launches']} launches "
         f"(span {s['gpu_span_ms']:.1f} ms).",
         "",
+    ]
+    if "gpu_idle_ms" in s:
+        b = s["blocking_runtime_calls"]
+        lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
+                  f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    lines += [
         "| category | ms | share |",
         "|---|---:|---:|",
     ]
@@ -527,6 +567,11 @@ def profile_table(doc: dict, top: int = 12) -> str:
         lines += ["", f"GEMMs + attention + optimizer take {floor:.1f} ms of this step's {s['gpu_kernel_ms']:.1f} ms: "
                   f"a program that fuses away everything else but runs its GEMMs at cuBLAS speed is at most "
                   f"{s['gpu_kernel_ms'] / floor:.3f}x faster than this step."]
+    if s.get("top_idle"):
+        lines += ["", "| largest GPU idle (us) | after kernel | host op running meanwhile |", "|---:|---|---|"]
+        for g in s["top_idle"][:5]:
+            host = " / ".join(g["host_ops"][:2]).replace("|", "/") or "n/a"
+            lines.append(f"| {g['us']:.0f} | `{g['after_kernel'][:50].replace('|', '/')}` | {host[:90]} |")
     lines += ["", "| top kernel | category | calls | ms | share |", "|---|---|---:|---:|---:|"]
     for k in s["top_kernels"][:top]:
         name = k["name"].replace("|", "/")

@@ -15,6 +15,7 @@
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8, 300 steps
+#     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled)
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
 # quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune.tar holds a copy from an earlier
@@ -87,6 +88,10 @@ for phase in "$@"; do
     fp8parity)
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
         --steps "${PARITY_STEPS:-300}" --tag fp8
+      ;;
+    fp8profile)
+      [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15
+      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

@@ -98,11 +98,25 @@ def test_trace_summary_groups_kernels(tmp_path):
         {"cat": "kernel", "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90", "ts": 300, "dur": 200},
         {"cat": "kernel", "name": "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_rms_partial_epi", "ts": 500, "dur": 400},
         {"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 900, "dur": 100},
+        {"cat": "kernel", "name": "triton_poi_fused_add", "ts": 1250, "dur": 50},  # after 250 us idle
+        {"cat": "kernel", "name": "triton_poi_fused_mul", "ts": 1260, "dur": 10},  # overlaps: no gap
         {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 1100, "dur": 100},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1110, "dur": 80},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1200, "dur": 5},
     ]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     s = compare.summarize_trace(str(tmp_path / "t.json"))
-    assert s["gpu_kernel_ms"] == 1.0 and s["kernel_launches"] == 4 and s["gpu_span_ms"] == 1.0
+    assert s["kernel_launches"] == 6 and s["gpu_span_ms"] == 1.3
+    assert s["gpu_idle_ms"] == 0.25 and s["gpu_idle_intervals"] == 1
+    assert s["blocking_runtime_calls"] == {"count": 1, "ms": 0.08, "names": ["cudaStreamSynchronize"]}
+    (gap,) = s["top_idle"]
+    assert gap["us"] == 250 and gap["after_kernel"] == "nvjet_sm90_tst_256x128" and gap["before_kernel"] == "triton_poi_fused_add"
+    assert gap["host_ops"] == ["aten::item", "aten::mm"]
+    events = events[:4] + events[6:7]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["gpu_kernel_ms"] == 1.0 and s["kernel_launches"] == 4 and s["gpu_span_ms"] == 1.0 and s["gpu_idle_ms"] == 0
     assert s["categories_ms"] == {"coda/quack gemm+epilogue": 0.4, "gemm (cuBLAS/other)": 0.4, "attention": 0.2}
     assert s["top_kernels"][0]["calls"] in (1, 2)
 

@@ -70,6 +70,25 @@ def test_tensorwise_weight_quantization():
     assert ((deq - w.float()).abs() <= 2**-4 * w.float().abs() + 1e-30)[big].all()
 
 
+def test_layer_weight_pass_is_the_per_weight_quantization():
+    from coda_titan.kernels._common import interleave_rows
+
+    gen = torch.Generator().manual_seed(11)
+    d, f, nq, nkv, layers = 32, 48, 32, 16, 3
+    mk = lambda n, scale=1.0: [(torch.randn(n, d, generator=gen) * scale * (i + 1)).to(torch.bfloat16) for i in range(layers)]  # noqa: E731
+    w1, w3, wq, wk, wv = mk(f), mk(f, 2.0), mk(nq), mk(nkv, 0.5), mk(nkv, 3.0)
+    w13q, s13, qkvq, sqkv = TORCH.fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
+    assert len(w13q) == len(qkvq) == layers and s13.shape == sqkv.shape == (layers,)
+    for i in range(layers):
+        want, s = TORCH.quantize_tensorwise(w=interleave_rows(w1[i], w3[i]))
+        assert torch.equal(w13q[i].float(), want.float()) and s13[i] == s
+        want, s = TORCH.quantize_tensorwise(w=torch.cat([wq[i], wk[i], wv[i]]))
+        assert torch.equal(qkvq[i].float(), want.float()) and sqkv[i] == s
+    assert s13[0] != s13[1]  # per weight, not one scale for all
+    with pytest.raises(ValueError, match="one weight of each kind per layer"):
+        TORCH.fp8_layer_weights(w1=w1, w3=w3[:2], wq=wq, wk=wk, wv=wv)
+
+
 def _fp8_operands(m, k, n, gen, dtype=torch.float32):
     h = torch.randn(m, k, generator=gen, dtype=dtype) * 3
     w = torch.randn(n, k, generator=gen, dtype=dtype) * k**-0.5
@@ -152,6 +171,8 @@ def test_fp8_ops_schemas_and_fakes():
         opcheck(torch.ops.coda.residual_rms_fp8.default, (y, wo, res, g, 16, inv), test_utils=("test_faketensor",))
         opcheck(torch.ops.coda.rms_partial_fp8.default, (res, g, 16, inv), test_utils=("test_faketensor",))
     opcheck(torch.ops.coda.quantize_tensorwise.default, (wo,), test_utils=("test_faketensor",))
+    ws = [[torch.randn(n, 16) for _ in range(2)] for n in (8, 8, 8, 4, 4)]
+    opcheck(torch.ops.coda.fp8_layer_weights.default, tuple(ws), test_utils=("test_faketensor",))
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -310,6 +331,11 @@ def test_cute_fp8_programs_match_reference_within_torchao_error():
     q = (hq_ + 2 * hkv) * hd
     wqkv = (torch.randn(q, d, generator=gen, device="cuda") * d**-0.5).to(BF)
     wq8, s_q = cute.quantize_tensorwise(w=wqkv)
+    # the batched weight pass of the model (one compiled call for all layers) is the same bits
+    lw = [w1, w3, wqkv[: hq_ * hd], wqkv[hq_ * hd: (hq_ + hkv) * hd], wqkv[(hq_ + hkv) * hd:]]
+    w13_l, s13_l, qkv_l, sqkv_l = cute.fp8_layer_weights(**{k: [w, w] for k, w in zip(("w1", "w3", "wq", "wk", "wv"), lw)})
+    assert all(torch.equal(t.view(torch.uint8), ref_q.view(torch.uint8)) for t in w13_l) and torch.equal(s13_l[1], ref_s)
+    assert all(torch.equal(t.view(torch.uint8), wq8.view(torch.uint8)) for t in qkv_l) and torch.equal(sqkv_l[0], s_q)
     freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
     kw = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=hq_ + hkv, head_dim=hd, out_dtype=BF)
     out = cute.norm_rope_fp8(hq=hq, rstd=rstd, weight_q=wq8, scale=s_q / inv, **kw)

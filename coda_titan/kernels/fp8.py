@@ -6,7 +6,8 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   the e4m3 range, ``q = sat(t * inv)`` rounded to nearest even (torchao's ``amax_to_scale`` and
   saturated cast), and ``t ~= q * s`` with ``s = 1 / inv``.
 * **Weights: dynamic.** Each forward quantizes W13 and W_qkv from their current bf16 values
-  (``quantize_tensorwise``, the weight pass), as torchao's tensorwise recipe does.
+  (``quantize_tensorwise``, the weight pass), as torchao's tensorwise recipe does: every layer's
+  in one call at the start of the forward (``fp8_layer_weights``).
 * **Activations: delayed.** The A operand of F2 / F3 is H = X * gamma, written by the *producer*
   epilogue (F1, or the prologue) tile by tile. A current-amax scale is known only after the last
   tile of the whole tensor is written, so the producer quantizes with the scale of the amax
@@ -24,6 +25,7 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
 which is how the CPU tests check the algebra):
 
+    fp8_layer_weights  the weight pass of all layers: W13q, W_qkv,q and their scales
     rms_partial_fp8    prologue: H = X * gamma, S, Hq = sat(H * inv), amax |H|
     residual_rms_fp8   F1 (bf16 GEMM) whose epilogue also writes Hq and amax |H|
     norm_swiglu_fp8    F2: acc = Hq @ W13q^T; v = s * acc; a = v (saved); y = SwiGLU(r * v)
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import acc_dtype, check_2d, tile_sumsq
+from ._common import acc_dtype, check_2d, interleave_rows, tile_sumsq
 from .norm_rope import norm_rope_torch
 from .residual_rms import residual_acc
 
@@ -59,6 +61,21 @@ def quantize_tensorwise_torch(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     wf = w.to(acc_dtype(w))
     inv = inv_scale_from_amax(wf.abs().amax())
     return quantize_e4m3(wf, inv), inv.reciprocal()
+
+
+def fp8_layer_weights_torch(
+    *, w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
+    wv: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The weight pass of every layer at once: (W13q per layer, their scales (L,), W_qkv,q per layer,
+    their scales (L,)), with W13 = interleave_rows(w1, w3) and W_qkv = cat(wq, wk, wv), each quantized
+    as ``quantize_tensorwise``. One call per forward, so that the host launches it once, not 2 L times."""
+    if not (len(w1) == len(w3) == len(wq) == len(wk) == len(wv)):
+        raise ValueError(f"need one weight of each kind per layer, got {[len(t) for t in (w1, w3, wq, wk, wv)]}")
+    w13 = [quantize_tensorwise_torch(w=interleave_rows(a, b)) for a, b in zip(w1, w3)]
+    qkv = [quantize_tensorwise_torch(w=torch.cat([q, k, v])) for q, k, v in zip(wq, wk, wv)]
+    stack = lambda pairs, like: torch.stack([sc for _, sc in pairs]) if pairs else like.new_empty(0)  # noqa: E731
+    return [q for q, _ in w13], stack(w13, torch.empty(0)), [q for q, _ in qkv], stack(qkv, torch.empty(0))
 
 
 def _h_and_q(xf: torch.Tensor, gamma: torch.Tensor, inv_scale: torch.Tensor | None, out_dtype: torch.dtype):

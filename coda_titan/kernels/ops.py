@@ -23,6 +23,7 @@ import torch
 
 from ._common import acc_dtype
 from .fp8 import (
+    fp8_layer_weights_torch,
     norm_rope_fp8_torch,
     norm_swiglu_fp8_torch,
     quantize_tensorwise_torch,
@@ -214,6 +215,25 @@ def _(w):
 
 
 @_op
+def fp8_layer_weights(
+    w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
+    wv: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    return fp8_layer_weights_torch(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
+
+
+@fp8_layer_weights.register_fake
+def _(w1, w3, wq, wk, wv):
+    e4 = torch.float8_e4m3fn
+    n = len(w1)
+    ct = _acc(w1[0]) if n else torch.float32
+    w13 = [a.new_empty((2 * a.shape[0], a.shape[1]), dtype=e4) for a in w1]
+    qkv = [q.new_empty((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), dtype=e4) for q, k, v in zip(wq, wk, wv)]
+    dev = w1[0].device if n else None
+    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev)
+
+
+@_op
 def norm_swiglu_fp8(
     hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,6 +356,7 @@ OPS = {
     "wgrad": wgrad,
     "dgrad": dgrad,
     "quantize_tensorwise": quantize_tensorwise,
+    "fp8_layer_weights": fp8_layer_weights,
     "rms_partial_fp8": rms_partial_fp8,
     "residual_rms_fp8": residual_rms_fp8,
     "norm_swiglu_fp8": norm_swiglu_fp8,

@@ -48,9 +48,10 @@ class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8=None):
-        """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last): e4m3 H of
-        this layer's input and the delayed inverse scales of its two consumer sites and of the next
-        layer's input (None = calibrate with the current amax). Returns (x, h, rstd) for bf16 and
+        """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last, wqkv_q,
+        s_qkv, w13_q, s_13): e4m3 H of this layer's input, the delayed inverse scales of its two
+        consumer sites and of the next layer's input (None = calibrate with the current amax), and the
+        layer's e4m3 weights with their scales (``fp8_layer_weights``). Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -62,8 +63,10 @@ class CodaTransformerBlock(TransformerBlock):
         if fp8 is None:
             qkv, x = NormRoPE.apply(h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd)
         else:
-            hq, inv_attn, inv_ffn, inv_next, last = fp8
-            qkv, x = NormRoPEFp8.apply(hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn)
+            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, w13_q, s_13 = fp8
+            qkv, x = NormRoPEFp8.apply(
+                hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn, wqkv_q, s_qkv
+            )
         q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
         q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
         k = k.view(bs, seqlen, n_kv, hd).transpose(1, 2)  # (bs, n_kv_heads, seqlen, head_dim)
@@ -81,7 +84,7 @@ class CodaTransformerBlock(TransformerBlock):
         x, h, s, hq, amax_ffn = ResidualRMSFp8.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, inv_ffn)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if inv_ffn is None else inv_ffn  # calibration: current
-        out = NormSwiGLUResidualFp8.apply(hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next)
+        out = NormSwiGLUResidualFp8.apply(hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13)
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if last else out[3:]
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
@@ -187,6 +190,12 @@ class CodaTransformer(Transformer):
         """The layer chain with e4m3 F2/F3 operands. Site 2i is layer i's attention input, 2i + 1 its
         MLP input; a training forward records each site's current amax in the history."""
         amaxes = [amax0]
+        with torch.no_grad():  # the weight pass (straight-through: the backward uses the bf16 weights)
+            w13_q, s_13, wqkv_q, s_qkv = cfg.backend.fp8_layer_weights(
+                w1=[l.feed_forward.w1.weight for l in layers], w3=[l.feed_forward.w3.weight for l in layers],
+                wq=[l.attention.wq.weight for l in layers], wk=[l.attention.wk.weight for l in layers],
+                wv=[l.attention.wv.weight for l in layers],
+            )
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else layers[i + 1].attention_norm.weight
@@ -194,7 +203,8 @@ class CodaTransformer(Transformer):
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             inv_next = None if last else inv[2 * i + 2]
             x, h, rstd, hq, amax_ffn, amax_next = layer(
-                x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last)
+                x, h, rstd, freqs, seqlen, gamma_next, cfg,
+                fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i], w13_q[i], s_13[i]),
             )
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
         if self.training:

@@ -183,11 +183,12 @@ def _dequant_scale(inv_a, s_w):
 
 
 class NormRoPEFp8(torch.autograd.Function):
-    """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv quantized here; backward = NormRoPE's."""
+    """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv,q = w8 (scale s_w, from ``fp8_layer_weights``);
+    backward = NormRoPE's, on the bf16 weights."""
 
     @staticmethod
-    def forward(ctx, hq, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads, head_dim, inv_a):
-        w8, s_w = cfg.backend.quantize_tensorwise(w=torch.cat([wq, wk, wv]))
+    def forward(ctx, hq, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads, head_dim, inv_a,
+                w8, s_w):
         qkv = cfg.backend.norm_rope_fp8(
             hq=hq, rstd=rstd, weight_q=w8, scale=_dequant_scale(inv_a, s_w), freqs=freqs, seqlen=seqlen,
             n_rope_heads=n_rope_heads, head_dim=head_dim, out_dtype=h.dtype,
@@ -198,18 +199,18 @@ class NormRoPEFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        return (None, *_norm_rope_backward(ctx, dqkv, dx_res), None)
+        return (None, *_norm_rope_backward(ctx, dqkv, dx_res), None, None, None)
 
 
 class NormSwiGLUResidualFp8(torch.autograd.Function):
-    """F2 on e4m3 Hq and W13 quantized here, then F1 (bf16 GEMM: its A operand, the SwiGLU output,
+    """F2 on e4m3 Hq and W13q = w13_8 (scale s_w, from ``fp8_layer_weights``), then F1 (bf16 GEMM: its A operand, the SwiGLU output,
     cannot be stored as e4m3 by quack's SM90 paired-column epilogue) writing e4m3 H for the next
     layer's F3 when ``inv_next`` is given (``quantize_next``). Backward = NormSwiGLUResidual's."""
 
     @staticmethod
-    def forward(ctx, hq, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, inv_a, quantize_next, inv_next):
+    def forward(ctx, hq, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, inv_a, quantize_next, inv_next,
+                w13_8, s_w):
         be = cfg.backend
-        w13_8, s_w = be.quantize_tensorwise(w=interleave_rows(w1, w3))
         y, a = be.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=w13_8, scale=_dequant_scale(inv_a, s_w), out_dtype=h.dtype)
         if quantize_next:
             x_out, h_out, s_out, hq_out, amax = be.residual_rms_fp8(
@@ -225,4 +226,4 @@ class NormSwiGLUResidualFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_out, *_):
-        return (None, *_norm_swiglu_residual_backward(ctx, dx_out), None, None, None)
+        return (None, *_norm_swiglu_residual_backward(ctx, dx_out), None, None, None, None, None)

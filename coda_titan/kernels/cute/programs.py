@@ -52,7 +52,7 @@ from quack.gemm_interface import gemm_add_inplace
 from quack.rms_final_reduce import rms_final_reduce
 
 from .. import ops as _ops
-from ..fp8 import E4M3, quantize_tensorwise_torch, rms_partial_fp8_torch
+from ..fp8 import E4M3, fp8_layer_weights_torch, quantize_tensorwise_torch, rms_partial_fp8_torch
 from ..lm_head_ce import IGNORE_INDEX
 from ..norm_rope import rope_cos_sin
 
@@ -363,6 +363,14 @@ def _scalar32(t: torch.Tensor) -> torch.Tensor:
 def _quantize_tensorwise(w):
     # amax reduction + saturated cast: two inductor kernels, once per weight and step
     return _fused("quantize_tensorwise", lambda t: quantize_tensorwise_torch(w=t))(w)
+
+
+@torch.library.register_kernel("coda::fp8_layer_weights", "cuda")
+def _fp8_layer_weights(w1, w3, wq, wk, wv):
+    # every layer's weight pass in one compiled call: per weight, one amax reduction and one pass
+    # that interleaves (W13) or concatenates (W_qkv) while it casts
+    return _fused("fp8_layer_weights", lambda *ws: fp8_layer_weights_torch(
+        w1=ws[0], w3=ws[1], wq=ws[2], wk=ws[3], wv=ws[4]))(list(w1), list(w3), list(wq), list(wk), list(wv))
 
 
 @torch.library.register_kernel("coda::rms_partial_fp8", "cuda")

@@ -618,6 +618,8 @@ def profile_side_by_side(docs: list[dict]) -> str:
         vals = [sum(d["summary"]["categories_ms"].get(c, 0.0) for c in cats) for d in docs]
         lines.append(f"| {group} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
     lines.append("| total | " + " | ".join(f"{d['summary']['gpu_kernel_ms']:.1f}" for d in docs) + " |")
+    lines.append("| span: first to last kernel (total + GPU idle) | "
+                 + " | ".join(f"{d['summary']['gpu_span_ms']:.1f}" for d in docs) + " |")
     return "\n".join(lines)
 
 

@@ -69,7 +69,7 @@ for phase in "$@"; do
     fp8check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -s --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_fp8.txt" 2>&1
-      grep -E "^(F2|F3|model):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
+      grep -E "(F2|F3|B2 fp8 .*|model):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30

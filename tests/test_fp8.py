@@ -77,13 +77,14 @@ def test_layer_weight_pass_is_the_per_weight_quantization():
     d, f, nq, nkv, layers = 32, 48, 32, 16, 3
     mk = lambda n, scale=1.0: [(torch.randn(n, d, generator=gen) * scale * (i + 1)).to(torch.bfloat16) for i in range(layers)]  # noqa: E731
     w1, w3, wq, wk, wv = mk(f), mk(f, 2.0), mk(nq), mk(nkv, 0.5), mk(nkv, 3.0)
-    w13q, s13, qkvq, sqkv = TORCH.fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
+    w13q, s13, qkvq, sqkv, qkvt = TORCH.fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
     assert len(w13q) == len(qkvq) == layers and s13.shape == sqkv.shape == (layers,)
     for i in range(layers):
         want, s = TORCH.quantize_tensorwise(w=interleave_rows(w1[i], w3[i]))
         assert torch.equal(w13q[i].float(), want.float()) and s13[i] == s
         want, s = TORCH.quantize_tensorwise(w=torch.cat([wq[i], wk[i], wv[i]]))
         assert torch.equal(qkvq[i].float(), want.float()) and sqkv[i] == s
+        assert torch.equal(qkvt[i].float(), want.float().t()) and qkvt[i].is_contiguous()
     assert s13[0] != s13[1]  # per weight, not one scale for all
     with pytest.raises(ValueError, match="one weight of each kind per layer"):
         TORCH.fp8_layer_weights(w1=w1, w3=w3[:2], wq=wq, wk=wk, wv=wv)
@@ -133,6 +134,56 @@ def test_norm_rope_fp8_matches_fp64_emulation():
     assert y.dtype == torch.float32 and y.shape == (2 * seqlen, q)
 
 
+def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_scale():
+    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(12)
+    hd, nh, seqlen = 16, 3, 8
+    q = (nh + 1) * hd
+    dy, y = torch.randn(2 * seqlen, q, generator=gen) * 1e-3, torch.randn(2 * seqlen, q, generator=gen)
+    rstd = torch.rand(2 * seqlen, generator=gen) + 0.5
+    kw = dict(dy=dy, y=y, rstd=rstd, freqs=rope_freqs(hd, 500000.0, RoPEScalingArgs()), seqlen=seqlen,
+              n_rope_heads=nh, head_dim=hd)
+    da, zdz, daq, s = TORCH.rope_bwd_fp8(**kw)
+    da0, zdz0 = TORCH.rope_bwd(**kw)
+    assert torch.equal(da, da0) and torch.equal(zdz, zdz0)  # the bf16 outputs are B1's own
+    assert daq.dtype == E5M2 and daq.shape == da.shape and s.shape == ()
+    assert daq.float().abs().max() == E5M2_MAX  # current scale: the amax lands on the top of the range
+    da32 = _rotate(dy, kw["freqs"], seqlen, n_rope_heads=nh, head_dim=hd, inverse=True) * rstd[:, None]
+    inv = inv_scale_from_amax(da32.abs().amax(), E5M2_MAX)
+    assert torch.equal(daq.float(), quantize_e5m2(da32, inv).float()) and s == inv.reciprocal()  # cast from fp32 da
+    rel = ((daq.double() * s.double() - da.double()).abs() / da.double().abs().clamp(min=1e-30))
+    big = da.double().abs() > da.double().abs().max() * 2.0**-14  # e5m2 normals under this scale
+    assert (rel[big] <= 2.0**-3 + 1e-6).all()  # 2 mantissa bits: half a step is 2^-3 relative
+
+
+def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
+    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.norm_residual_bwd import norm_residual_apply
+
+    gen = torch.Generator().manual_seed(13)
+    m, n, d = 24, 96, 64
+    da = torch.randn(m, n, generator=gen) * 1e-2
+    w = torch.randn(n, d, generator=gen) * d**-0.5
+    x, dres = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    gamma, rstd, zdz = torch.rand(d, generator=gen) + 0.5, torch.rand(m, generator=gen) + 0.5, torch.randn(m, generator=gen)
+    inv_da = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    daq = quantize_e5m2(da, inv_da)
+    wq, s_w = TORCH.quantize_tensorwise(w=w)
+    scale = s_w / inv_da
+    for dresidual in (dres, None):
+        kw = dict(x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+        out, dgamma = TORCH.norm_residual_bwd_fp8(daq=daq, weight_tq=wq.t().contiguous(), scale=scale, **kw)
+        acc = (daq.double() @ wq.double()) * scale.double()  # exact products, fp64 sum
+        want, want_dg = norm_residual_apply(acc, **{k: (v.double() if v is not None else None) for k, v in kw.items()})
+        assert _rel(out, want) < 1e-6 and _rel(dgamma, want_dg) < 1e-6
+        ref, ref_dg = TORCH.norm_residual_bwd(da=da, weight=w, **kw)  # no quantization
+        assert 1e-4 < _rel(out, ref) < 0.1 and _rel(dgamma, ref_dg) < 0.1
+    with pytest.raises(TypeError, match="e5m2/e4m3"):
+        TORCH.norm_residual_bwd_fp8(daq=da, weight_tq=wq.t().contiguous(), scale=scale, **kw)
+    assert daq.dtype == E5M2
+
+
 @pytest.mark.parametrize("current", [True, False])
 def test_producers_write_h_and_its_e4m3_copy(current):
     gen = torch.Generator().manual_seed(4)
@@ -173,6 +224,16 @@ def test_fp8_ops_schemas_and_fakes():
     opcheck(torch.ops.coda.quantize_tensorwise.default, (wo,), test_utils=("test_faketensor",))
     ws = [[torch.randn(n, 16) for _ in range(2)] for n in (8, 8, 8, 4, 4)]
     opcheck(torch.ops.coda.fp8_layer_weights.default, tuple(ws), test_utils=("test_faketensor",))
+    freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
+    dy, yq = torch.randn(16, 48), torch.randn(16, 48)
+    opcheck(torch.ops.coda.rope_bwd_fp8.default, (dy, yq, torch.rand(16) + 0.5, freqs, 8, 2, 16),
+            test_utils=("test_faketensor",))
+    daq = TORCH.rope_bwd_fp8(dy=dy, y=yq, rstd=torch.rand(16), freqs=freqs, seqlen=8, n_rope_heads=2, head_dim=16)[2]
+    wt = TORCH.quantize_tensorwise(w=torch.randn(48, 64))[0].t().contiguous()
+    for dres in (res[:16], None):
+        opcheck(torch.ops.coda.norm_residual_bwd_fp8.default,
+                (daq, wt, torch.tensor(0.5), res[:16], g, torch.rand(16), torch.randn(16), dres),
+                test_utils=("test_faketensor",))
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -333,7 +394,7 @@ def test_cute_fp8_programs_match_reference_within_torchao_error():
     wq8, s_q = cute.quantize_tensorwise(w=wqkv)
     # the batched weight pass of the model (one compiled call for all layers) is the same bits
     lw = [w1, w3, wqkv[: hq_ * hd], wqkv[hq_ * hd: (hq_ + hkv) * hd], wqkv[(hq_ + hkv) * hd:]]
-    w13_l, s13_l, qkv_l, sqkv_l = cute.fp8_layer_weights(**{k: [w, w] for k, w in zip(("w1", "w3", "wq", "wk", "wv"), lw)})
+    w13_l, s13_l, qkv_l, sqkv_l, _ = cute.fp8_layer_weights(**{k: [w, w] for k, w in zip(("w1", "w3", "wq", "wk", "wv"), lw)})
     assert all(torch.equal(t.view(torch.uint8), ref_q.view(torch.uint8)) for t in w13_l) and torch.equal(s13_l[1], ref_s)
     assert all(torch.equal(t.view(torch.uint8), wq8.view(torch.uint8)) for t in qkv_l) and torch.equal(sqkv_l[0], s_q)
     freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
@@ -345,6 +406,44 @@ def test_cute_fp8_programs_match_reference_within_torchao_error():
     ao_err = _torchao_linear_error(normed, wqkv, p)
     print(f"F3: torchao {ao_err:.4g}, coda fp8 {_rel(out, exact):.4g}, kernel vs reference {_rel(out, out_ref):.3g}")
     assert _rel(out, out_ref) < 0.1 * ao_err and _rel(out, exact) < 2 * ao_err
+
+
+@gpu
+def test_cute_fp8_qkv_dgrad_matches_reference():
+    """B1 -> B2 of F3 in fp8 (e5m2 gradient x e4m3 W_qkv^T) on the cute backend against the torch
+    reference on the same operands, bounded by what the fp8 cast itself moves B2's output."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.fp8 import E5M2
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    seqlen, bs, d, hd, nq, nkv = 1024, 2, 2048, 64, 32, 8
+    m, q = bs * seqlen, (nq + 2 * nkv) * hd
+    dy = (torch.randn(m, q, generator=gen, device="cuda") * 1e-3).to(BF)
+    y = torch.randn(m, q, generator=gen, device="cuda").to(BF)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
+    kw = dict(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=nq + nkv, head_dim=hd)
+    da, zdz, daq, s_da = cute.rope_bwd_fp8(**kw)
+    da_r, zdz_r, daq_r, s_da_r = TORCH.rope_bwd_fp8(**kw)
+    assert daq.dtype == E5M2 and torch.allclose(s_da, s_da_r, rtol=1e-6)
+    step_apart = (daq.float() != daq_r.float()).float().mean().item()  # cos/sin tables vs _rotate: ulps
+    assert _rel(da, da_r) < 1e-2 and step_apart < 1e-3, step_apart
+    w = (torch.randn(q, d, generator=gen, device="cuda") * d**-0.5).to(BF)
+    x, dres = torch.randn(m, d, generator=gen, device="cuda").to(BF), torch.randn(m, d, generator=gen, device="cuda").to(BF)
+    gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(BF)
+    wq8, s_w = cute.quantize_tensorwise(w=w)
+    for dresidual in (dres, None):
+        bkw = dict(daq=daq_r, weight_tq=wq8.t().contiguous(), scale=s_da_r * s_w, x=x, gamma=gamma, rstd=rstd,
+                   zdz=zdz_r, dresidual=dresidual)
+        out, dg = cute.norm_residual_bwd_fp8(**bkw)
+        out_r, dg_r = TORCH.norm_residual_bwd_fp8(**bkw)
+        bf, bf_dg = TORCH.norm_residual_bwd(da=da_r, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz_r, dresidual=dresidual)
+        effect = _rel(out_r - (dres if dresidual is not None else 0), bf - (dres if dresidual is not None else 0))
+        print(f"B2 fp8 (residual {dresidual is not None}): kernel vs reference {_rel(out, out_r):.3g} / dgamma "
+              f"{_rel(dg, dg_r):.3g}; fp8 effect {effect:.3g}")
+        assert out.isfinite().all() and _rel(out, out_r) < 0.1 * effect and _rel(dg, dg_r) < 0.1 * max(_rel(dg_r, bf_dg), 1e-3)
 
 
 @gpu

@@ -31,13 +31,15 @@ PROGRAMS: dict[str, str] = {
     "swiglu_bwd": "norm_swiglu",  # B3: GEMM + SwiGLU bwd + zdz
     "wgrad": "wgrad",  # dW GEMMs (row-scale folding)
     "dgrad": "wgrad",  # plain dX GEMM
-    # FP8 forward ([coda] precision = "fp8"; the backward programs are the ones above)
+    # FP8 ([coda] precision = "fp8"; the other backward programs are the ones above)
     "quantize_tensorwise": "fp8",  # weight -> e4m3 + scale
     "fp8_layer_weights": "fp8",  # every layer's W13 and W_qkv -> e4m3 + scales, once per forward
     "rms_partial_fp8": "fp8",  # prologue + e4m3 H
     "residual_rms_fp8": "fp8",  # F1 + e4m3 H for the next consumer
     "norm_swiglu_fp8": "fp8",  # F2 on e4m3 operands
     "norm_rope_fp8": "fp8",  # F3 on e4m3 operands
+    "rope_bwd_fp8": "fp8",  # B1 + e5m2 da
+    "norm_residual_bwd_fp8": "fp8",  # B2 on e5m2 da and e4m3 W^T
 }
 
 BACKENDS = ("torch", "cute")

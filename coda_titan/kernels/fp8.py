@@ -18,9 +18,12 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
 * **Scales in the epilogue.** The consumer's accumulator is in units of ``s_a * s_w``. That scalar
   multiplies the deferred-rstd column vector (F3: r' = r * s_a * s_w) or the accumulator itself
   (F2, which must also save the true-scale pre-activation for its backward).
-* **Backward in bf16.** Gradients flow straight through the quantization (torchao's convention)
-  and the backward programs are the BF16 ones, on the bf16 H and weights the forward saved.
-  Unlike torchao's tensorwise recipe, gradients are not cast to e5m2.
+* **Backward.** Gradients flow straight through the quantization (torchao's convention). F3's
+  dgrad (B1 -> B2) runs on fp8: B1 casts da to e5m2 with a current tensorwise scale, as torchao
+  casts gradients, and B2 multiplies it with the e4m3 W_qkv^T of the weight pass; the scale
+  s_da * s_w rides B2's gamma row vector and its dgamma partials. The other backward programs
+  and every wgrad are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
+  says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major).
 
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
 which is how the CPU tests check the algebra):
@@ -30,6 +33,8 @@ which is how the CPU tests check the algebra):
     residual_rms_fp8   F1 (bf16 GEMM) whose epilogue also writes Hq and amax |H|
     norm_swiglu_fp8    F2: acc = Hq @ W13q^T; v = s * acc; a = v (saved); y = SwiGLU(r * v)
     norm_rope_fp8      F3: acc = Hq @ Wq^T;  p = (r * s) * acc; y = RoPE(p)
+    rope_bwd_fp8       B1 + e5m2 da (current scale)
+    norm_residual_bwd_fp8  B2 of F3 on e5m2 da and e4m3 W_qkv^T
 """
 
 from __future__ import annotations
@@ -37,23 +42,31 @@ from __future__ import annotations
 import torch
 
 from ._common import acc_dtype, check_2d, interleave_rows, tile_sumsq
-from .norm_rope import norm_rope_torch
+from .norm_residual_bwd import norm_residual_apply
+from .norm_rope import _rotate, norm_rope_torch
 from .residual_rms import residual_acc
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+E5M2 = torch.float8_e5m2  # gradients (torchao's tensorwise recipe): range over precision
+E5M2_MAX = 57344.0
 AMAX_EPS = 1e-12  # torchao's floor on amax (an all-zero tensor gets a finite scale)
 
 
-def inv_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """``448 / amax`` in fp32 (fp64 for fp64 amax), with amax floored at 1e-12."""
+def inv_scale_from_amax(amax: torch.Tensor, fmax: float = E4M3_MAX) -> torch.Tensor:
+    """``fmax / amax`` in fp32 (fp64 for fp64 amax), with amax floored at 1e-12."""
     dt = torch.float64 if amax.dtype == torch.float64 else torch.float32
-    return E4M3_MAX / amax.to(dt).clamp(min=AMAX_EPS)
+    return fmax / amax.to(dt).clamp(min=AMAX_EPS)
 
 
 def quantize_e4m3(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """sat(t * inv_scale) rounded to nearest even e4m3. ``t`` in its compute dtype, inv a scalar."""
     return (t * inv_scale.to(t.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """sat(t * inv_scale) rounded to nearest even e5m2 (the gradient format)."""
+    return (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
 
 
 def quantize_tensorwise_torch(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,16 +79,17 @@ def quantize_tensorwise_torch(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def fp8_layer_weights_torch(
     *, w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
     wv: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """The weight pass of every layer at once: (W13q per layer, their scales (L,), W_qkv,q per layer,
-    their scales (L,)), with W13 = interleave_rows(w1, w3) and W_qkv = cat(wq, wk, wv), each quantized
+    their scales (L,), W_qkv,q^T per layer), with W13 = interleave_rows(w1, w3) and W_qkv = cat(wq, wk, wv), each quantized
     as ``quantize_tensorwise``. One call per forward, so that the host launches it once, not 2 L times."""
     if not (len(w1) == len(w3) == len(wq) == len(wk) == len(wv)):
         raise ValueError(f"need one weight of each kind per layer, got {[len(t) for t in (w1, w3, wq, wk, wv)]}")
     w13 = [quantize_tensorwise_torch(w=interleave_rows(a, b)) for a, b in zip(w1, w3)]
     qkv = [quantize_tensorwise_torch(w=torch.cat([q, k, v])) for q, k, v in zip(wq, wk, wv)]
-    stack = lambda pairs, like: torch.stack([sc for _, sc in pairs]) if pairs else like.new_empty(0)  # noqa: E731
-    return [q for q, _ in w13], stack(w13, torch.empty(0)), [q for q, _ in qkv], stack(qkv, torch.empty(0))
+    stack = lambda pairs: torch.stack([sc for _, sc in pairs]) if pairs else torch.empty(0)  # noqa: E731
+    # W_qkv,q^T: B2's dgrad operand (fp8 WGMMA operands must be K-major, and B2 contracts over N)
+    return [q for q, _ in w13], stack(w13), [q for q, _ in qkv], stack(qkv), [q.t().contiguous() for q, _ in qkv]
 
 
 def _h_and_q(xf: torch.Tensor, gamma: torch.Tensor, inv_scale: torch.Tensor | None, out_dtype: torch.dtype):
@@ -159,3 +173,51 @@ def norm_rope_fp8_torch(
         seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
     )
     return y.to(out_dtype)
+
+
+# --- FP8 backward: B1 -> B2 of the QKV consumer -----------------------------------------------------
+
+
+def rope_bwd_fp8_torch(
+    *,
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
+    n_rope_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, zdz, daq, s): B1 as ``rope_bwd``, which also casts its output to e5m2 with a current
+    tensorwise scale (torchao's treatment of gradients): daq = sat(da * inv), s = 1 / inv. B1 is a
+    pass of its own (no GEMM), so the amax is one more reduction in it, not a round trip."""
+    check_2d("dy", dy, y.shape[1])
+    ct = acc_dtype(dy, y)
+    dyf = dy.to(ct)
+    zdz = (y.to(ct) * dyf).sum(-1)
+    da = _rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True) * rstd.to(ct)[:, None]
+    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
+
+
+def norm_residual_bwd_fp8_torch(
+    *,
+    daq: torch.Tensor,
+    weight_tq: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    rstd: torch.Tensor,
+    zdz: torch.Tensor,
+    dresidual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """B2 on fp8 operands: acc = daq @ weight_tq^T (e5m2 x e4m3, exact products, fp32 sum; weight_tq
+    is W^T, (d, N)), in units of ``scale`` = s_da * s_w, then ``norm_residual_bwd``'s epilogue. The
+    kernel folds ``scale`` into the gamma row vector and the dgamma partials."""
+    check_2d("daq", daq, weight_tq.shape[1])
+    check_2d("x", x, weight_tq.shape[0])
+    if daq.dtype not in (E4M3, E5M2) or weight_tq.dtype != E4M3:
+        raise TypeError(f"B2 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {daq.dtype} and {weight_tq.dtype}")
+    ct = _compute_dtype(x.dtype)
+    acc = (daq.to(ct) @ weight_tq.to(ct).t()) * scale.to(ct)
+    return norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)

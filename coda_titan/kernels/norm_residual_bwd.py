@@ -35,7 +35,14 @@ def norm_residual_bwd_torch(
     """(D, dgamma). da (M, N), weight (N, d), x (M, d), rstd/zdz (M,), dresidual (M, d) or None."""
     check_2d("da", da, weight.shape[0])
     check_2d("x", x, weight.shape[1])
-    acc = mm(da, weight)
+    return norm_residual_apply(mm(da, weight), x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+
+
+def norm_residual_apply(
+    acc: torch.Tensor, *, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor,
+    dresidual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """B2's epilogue on the dgrad accumulator ``acc`` = da @ W (its compute dtype): (D, dgamma)."""
     ct = acc.dtype
     r = rstd.to(ct)
     xf = x.to(ct)

@@ -24,6 +24,8 @@ import torch
 from ._common import acc_dtype
 from .fp8 import (
     fp8_layer_weights_torch,
+    norm_residual_bwd_fp8_torch,
+    rope_bwd_fp8_torch,
     norm_rope_fp8_torch,
     norm_swiglu_fp8_torch,
     quantize_tensorwise_torch,
@@ -218,7 +220,7 @@ def _(w):
 def fp8_layer_weights(
     w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
     wv: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     return fp8_layer_weights_torch(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
 
 
@@ -230,7 +232,8 @@ def _(w1, w3, wq, wk, wv):
     w13 = [a.new_empty((2 * a.shape[0], a.shape[1]), dtype=e4) for a in w1]
     qkv = [q.new_empty((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), dtype=e4) for q, k, v in zip(wq, wk, wv)]
     dev = w1[0].device if n else None
-    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev)
+    qkv_t = [t.new_empty((t.shape[1], t.shape[0])) for t in qkv]
+    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev), qkv_t
 
 
 @_op
@@ -311,6 +314,50 @@ def _(da, weight, x, gamma, rstd, zdz, dresidual):
 
 
 @_op
+def rope_bwd_fp8(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    freqs: torch.Tensor,
+    seqlen: int,
+    n_rope_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rope_bwd_fp8_torch(
+        dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim
+    )
+
+
+@rope_bwd_fp8.register_fake
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    ct = _acc(dy, y)
+    return (torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=ct),
+            dy.new_empty(dy.shape, dtype=torch.float8_e5m2), dy.new_empty((), dtype=ct))
+
+
+@_op
+def norm_residual_bwd_fp8(
+    daq: torch.Tensor,
+    weight_tq: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    rstd: torch.Tensor,
+    zdz: torch.Tensor,
+    dresidual: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_residual_bwd_fp8_torch(
+        daq=daq, weight_tq=weight_tq, scale=scale, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual
+    )
+
+
+@norm_residual_bwd_fp8.register_fake
+def _(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=ct)
+
+
+@_op
 def swiglu_bwd(
     dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -361,6 +408,8 @@ OPS = {
     "residual_rms_fp8": residual_rms_fp8,
     "norm_swiglu_fp8": norm_swiglu_fp8,
     "norm_rope_fp8": norm_rope_fp8,
+    "rope_bwd_fp8": rope_bwd_fp8,
+    "norm_residual_bwd_fp8": norm_residual_bwd_fp8,
 }
 
 

@@ -49,7 +49,7 @@ class CodaTransformerBlock(TransformerBlock):
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8=None):
         """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last, wqkv_q,
-        s_qkv, w13_q, s_13): e4m3 H of this layer's input, the delayed inverse scales of its two
+        s_qkv, wqkv_qt, w13_q, s_13): e4m3 H of this layer's input, the delayed inverse scales of its two
         consumer sites and of the next layer's input (None = calibrate with the current amax), and the
         layer's e4m3 weights with their scales (``fp8_layer_weights``). Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
@@ -63,9 +63,9 @@ class CodaTransformerBlock(TransformerBlock):
         if fp8 is None:
             qkv, x = NormRoPE.apply(h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd)
         else:
-            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, w13_q, s_13 = fp8
+            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, wqkv_qt, w13_q, s_13 = fp8
             qkv, x = NormRoPEFp8.apply(
-                hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn, wqkv_q, s_qkv
+                hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn, wqkv_q, s_qkv, wqkv_qt
             )
         q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
         q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
@@ -191,7 +191,7 @@ class CodaTransformer(Transformer):
         MLP input; a training forward records each site's current amax in the history."""
         amaxes = [amax0]
         with torch.no_grad():  # the weight pass (straight-through: the backward uses the bf16 weights)
-            w13_q, s_13, wqkv_q, s_qkv = cfg.backend.fp8_layer_weights(
+            w13_q, s_13, wqkv_q, s_qkv, wqkv_qt = cfg.backend.fp8_layer_weights(
                 w1=[l.feed_forward.w1.weight for l in layers], w3=[l.feed_forward.w3.weight for l in layers],
                 wq=[l.attention.wq.weight for l in layers], wk=[l.attention.wk.weight for l in layers],
                 wv=[l.attention.wv.weight for l in layers],
@@ -204,7 +204,7 @@ class CodaTransformer(Transformer):
             inv_next = None if last else inv[2 * i + 2]
             x, h, rstd, hq, amax_ffn, amax_next = layer(
                 x, h, rstd, freqs, seqlen, gamma_next, cfg,
-                fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i], w13_q[i], s_13[i]),
+                fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i], wqkv_qt[i], w13_q[i], s_13[i]),
             )
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
         if self.training:

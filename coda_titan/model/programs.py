@@ -84,14 +84,20 @@ class NormRoPE(torch.autograd.Function):
 
 
 def _norm_rope_backward(ctx, dqkv, dx_res):
-    h, rstd, x, gamma, wq, wk, wv, freqs, qkv = ctx.saved_tensors
+    h, rstd, x, gamma, wq, wk, wv, freqs, qkv, *fp8 = ctx.saved_tensors
     be = ctx.cfg.backend
-    da, zdz = be.rope_bwd(
-        dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
-        n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim,
-    )
+    kw = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
+              n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim)
     w = torch.cat([wq, wk, wv])
-    dx, dgamma = be.norm_residual_bwd(da=da, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
+    if fp8:  # NormRoPEFp8: B1 casts da to e5m2, B2 runs on it and the e4m3 W_qkv^T
+        w_t8, s_w = fp8
+        da, zdz, daq, s_da = be.rope_bwd_fp8(**kw)
+        dx, dgamma = be.norm_residual_bwd_fp8(
+            daq=daq, weight_tq=w_t8, scale=s_da * s_w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res
+        )
+    else:
+        da, zdz = be.rope_bwd(**kw)
+        dx, dgamma = be.norm_residual_bwd(da=da, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_res)
     dw = be.wgrad(grad=da, inp=h, out_dtype=w.dtype)
     dwq, dwk, dwv = _split_rows(dw, (wq.shape[0], wk.shape[0], wv.shape[0]))
     return None, None, dx, dgamma.to(gamma.dtype), dwq, dwk, dwv, None, None, None, None, None
@@ -154,9 +160,10 @@ class LMHeadCE(torch.autograd.Function):
         return None, None, dx * g.to(dx.dtype), dgamma, dw * g.to(dw.dtype), None, None, None
 
 
-# --- FP8 forward ([coda] precision = "fp8"; coda_titan.kernels.fp8 has the recipe) -----------------
-# Each Function below runs the FP8 forward program and then *is* its BF16 twin in the backward: the
-# quantization is straight-through, and the saved tensors (bf16 H, bf16 weights) are the same.
+# --- FP8 ([coda] precision = "fp8"; coda_titan.kernels.fp8 has the recipe) -------------------------
+# Each Function below runs the FP8 forward program; the quantization is straight-through, and the
+# backward is its BF16 twin's on the same saved bf16 tensors, except that F3's dgrad (B1 -> B2) runs
+# on an e5m2 gradient and the e4m3 weight.
 
 
 class ResidualRMSFp8(torch.autograd.Function):
@@ -183,23 +190,23 @@ def _dequant_scale(inv_a, s_w):
 
 
 class NormRoPEFp8(torch.autograd.Function):
-    """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv,q = w8 (scale s_w, from ``fp8_layer_weights``);
-    backward = NormRoPE's, on the bf16 weights."""
+    """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv,q = w8 (scale s_w, from ``fp8_layer_weights``).
+    Backward: B1 with an e5m2 copy of da, B2 on it and W_qkv,q^T = w8_t, bf16 wgrad."""
 
     @staticmethod
     def forward(ctx, hq, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads, head_dim, inv_a,
-                w8, s_w):
+                w8, s_w, w8_t):
         qkv = cfg.backend.norm_rope_fp8(
             hq=hq, rstd=rstd, weight_q=w8, scale=_dequant_scale(inv_a, s_w), freqs=freqs, seqlen=seqlen,
             n_rope_heads=n_rope_heads, head_dim=head_dim, out_dtype=h.dtype,
         )
-        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv)
+        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w)
         ctx.cfg, ctx.seqlen, ctx.n_rope_heads, ctx.head_dim = cfg, seqlen, n_rope_heads, head_dim
         return qkv, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        return (None, *_norm_rope_backward(ctx, dqkv, dx_res), None, None, None)
+        return (None, *_norm_rope_backward(ctx, dqkv, dx_res), None, None, None, None)
 
 
 class NormSwiGLUResidualFp8(torch.autograd.Function):

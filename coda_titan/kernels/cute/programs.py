@@ -12,9 +12,11 @@ F3 norm_rope        ``rstd_rope_posfreq_epi``: r * acc, then rotation by +theta 
 F4 lm_head_ce       ``rstd_lse_target_epi`` (below): logits = r * acc, online (max, sum exp) and
                     the target logit in the epilogue, per token chunk; then one fused pass makes
                     da = r * (softmax - onehot) and zdz; B2 and dW GEMMs per chunk
-B1 rope_bwd         one inductor-fused elementwise + row-reduction pass (no GEMM involved)
+B1 rope_bwd         one inductor-fused elementwise + row-reduction pass (no GEMM involved);
+                    ``rope_bwd_fp8`` also casts da to e5m2 (current tensorwise scale)
 B2 norm_resid_bwd   ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc * gamma + dres + X * corr,
-                    corr = -(r^2/d) zdz, dgamma partials in the epilogue
+                    corr = -(r^2/d) zdz, dgamma partials in the epilogue; ``..._fp8``: the
+                    same epilogue on e5m2 da x e4m3 W^T, s_da * s_w folded into gamma
 B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
 wgrad / dgrad       plain GEMMs (cuBLAS, fp32 accumulation): every backward program already
                     folded r into da, so there is nothing to fuse
@@ -52,7 +54,16 @@ from quack.gemm_interface import gemm_add_inplace
 from quack.rms_final_reduce import rms_final_reduce
 
 from .. import ops as _ops
-from ..fp8 import E4M3, fp8_layer_weights_torch, quantize_tensorwise_torch, rms_partial_fp8_torch
+from ..fp8 import (
+    E4M3,
+    E5M2,
+    E5M2_MAX,
+    fp8_layer_weights_torch,
+    inv_scale_from_amax,
+    quantize_e5m2,
+    quantize_tensorwise_torch,
+    rms_partial_fp8_torch,
+)
 from ..lm_head_ce import IGNORE_INDEX
 from ..norm_rope import rope_cos_sin
 
@@ -344,12 +355,12 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
 # --- FP8 forward programs ([coda] precision = "fp8") ------------------------------------------------
 
 
-def _unsupported_fp8(*tensors: torch.Tensor) -> str | None:
+def _unsupported_fp8(*tensors: torch.Tensor, dtypes=(E4M3,)) -> str | None:
     for t in tensors:
         if not t.is_cuda:
             return f"a {t.device} tensor"
-        if t.dtype != E4M3:
-            return f"dtype {t.dtype} (need float8_e4m3fn)"
+        if t.dtype not in dtypes:
+            return f"dtype {t.dtype} (need {' or '.join(str(d) for d in dtypes)})"
         if t.dim() != 2 or not t.is_contiguous() or t.shape[-1] % 16 or t.shape[0] == 0:
             return f"shape {tuple(t.shape)} / stride {t.stride()} (need 2-D, contiguous, width % 16 == 0)"
     return None
@@ -445,7 +456,7 @@ def _norm_rope_fp8(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_
 # --- backward programs -----------------------------------------------------------------------------
 
 
-def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+def _rope_bwd_f32(dy, y, rstd, cos, sin, rot: int, head_dim: int):
     m = dy.shape[0]
     seqlen = cos.shape[0]
     dyf = dy.float()
@@ -454,8 +465,18 @@ def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     x0, x1 = t[..., 0], t[..., 1]
     back = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).reshape(m, rot)
-    da = torch.cat([back, dyf[:, rot:]], dim=-1) * rstd[:, None]
+    return torch.cat([back, dyf[:, rot:]], dim=-1) * rstd[:, None], zdz
+
+
+def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
     return da.to(dy.dtype), zdz
+
+
+def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
+    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
 
 
 @torch.library.register_kernel("coda::rope_bwd", "cuda")
@@ -472,6 +493,43 @@ def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
     )
     with _first_call("rope_bwd", dy):
         return _fused("rope_bwd", _rope_bwd_math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+
+@torch.library.register_kernel("coda::rope_bwd_fp8", "cuda")
+def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    why = _unsupported(dy, y)
+    m = dy.shape[0]
+    if why is None and (head_dim % 2 or m % seqlen):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
+    if why:
+        return _fallback("rope_bwd_fp8", why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+    cos, sin = _cached(
+        ("cossin", freqs.data_ptr(), freqs._version, seqlen, dy.device),
+        lambda: rope_cos_sin(freqs, seqlen, torch.float32),
+    )
+    with _first_call("rope_bwd_fp8", dy):
+        # one inductor program: the amax reduction, then da in bf16 and e5m2 in one pointwise pass
+        return _fused("rope_bwd_fp8", _rope_bwd_fp8_math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+
+@torch.library.register_kernel("coda::norm_residual_bwd_fp8", "cuda")
+def _norm_residual_bwd_fp8(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
+    why = _unsupported(*((x,) if dresidual is None else (x, dresidual)))
+    why = why or _unsupported_fp8(daq, dtypes=(E4M3, E5M2)) or _unsupported_fp8(weight_tq)
+    if why:
+        return _fallback("norm_residual_bwd_fp8", why, daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual)
+    d = x.shape[1]
+    r = rstd.float()
+    corr = -(r * r / d) * zdz.float()
+    sc = _scalar32(scale)
+    w = gamma.float() * sc  # the accumulator's unit s_da * s_w rides the gamma row vector ...
+    out = torch.empty_like(x)
+    with _first_call("norm_residual_bwd_fp8", daq, weight_tq):
+        if dresidual is None:
+            res = _gemm(rms_bwd_apply_last_epi, daq, weight_tq.t(), None, {"D": out}, y=x, w=w, corr=corr)
+        else:
+            res = _gemm(rms_bwd_apply_epi, daq, weight_tq.t(), dresidual, {"D": out}, y=x, w=w, corr=corr)
+    return out, res["dw"] * sc  # ... and multiplies the dgamma partials once, after the reduction
 
 
 @torch.library.register_kernel("coda::norm_residual_bwd", "cuda")

@@ -312,6 +312,29 @@ def fp8_cases(d, gen):
                                        n_rope_heads=hq + hkv, head_dim=hd),
         bare_gemm=[scaled_mm(h8, wqkv8)], eager=f3_eager)))
 
+    # B1 with its e5m2 copy of da (current scale), then F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T
+    from coda_titan.kernels.fp8 import E5M2_MAX, quantize_e5m2
+
+    dqkv, qkv = r(M, q, scale=1e-3), r(M, q)
+    b1 = dict(dy=dqkv, y=qkv, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=hq + hkv, head_dim=hd)
+    out.append(("rope_bwd_fp8", "bwd", dict(
+        coda=lambda: be.rope_bwd_fp8(**b1), coda_bf16=lambda: be.rope_bwd(**b1), bare_gemm=[],
+        eager=lambda: quantize_e5m2(dqkv.float(), inv_scale_from_amax(dqkv.float().abs().amax(), E5M2_MAX)))))
+    da, zdz, daq, s_da = be.rope_bwd_fp8(**b1)
+    wqkv8_t = wqkv8.t().contiguous()
+    x, dres = r(M, d), r(M, d)
+
+    def b2_eager(x=x, dres=dres):
+        g = torch._scaled_mm(daq, wqkv8_t.t(), scale_a=s_da.float(), scale_b=s_qkv.float(), out_dtype=bf)
+        dx, dgamma = _rms_bwd_unfused(g, x, gamma, rstd)
+        return (dx + dres.float()).to(bf), dgamma
+
+    out.append(("norm_residual_bwd_fp8", "bwd", dict(
+        coda=lambda: be.norm_residual_bwd_fp8(daq=daq, weight_tq=wqkv8_t, scale=s_da * s_qkv, x=x, gamma=gamma,
+                                              rstd=rstd, zdz=zdz, dresidual=dres),
+        coda_bf16=lambda: be.norm_residual_bwd(da=da, weight=wqkv, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dres),
+        bare_gemm=[scaled_mm(daq, wqkv8_t)], eager=b2_eager)))
+
     # the per-step weight pass (amax + cast of W13)
     out.append(("quantize_tensorwise", "fwd", dict(
         coda=lambda: be.quantize_tensorwise(w=w13), bare_gemm=[], eager=lambda: quantize_e4m3(

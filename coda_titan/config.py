@@ -9,6 +9,7 @@
     ce_chunk_rows = 4096    # token rows per chunk of the LM head + cross-entropy
     precision = "bf16"      # "bf16" | "fp8" (e4m3 F2/F3 GEMMs, see coda_titan/kernels/fp8.py)
     fp8_amax_history = 16   # steps of activation amax history behind the delayed fp8 scales
+    fp8_dgrad = false       # fp8: F3's dgrad (B1 -> B2) on an e5m2 gradient (measured slower, see README)
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ class Coda:
 
     fp8_amax_history: int = 16
     """precision = "fp8": steps of per-site activation amax history; the scale uses their max."""
+
+    fp8_dgrad: bool = False
+    """precision = "fp8": also run F3's dgrad (B1 -> B2) on fp8, an e5m2 gradient with a current scale
+    (torchao's treatment of gradients) times the e4m3 W_qkv^T. Off by default: on the H100 at 1B the
+    e5m2 cast costs B1 more than the fp8 GEMM saves B2 (README, FP8 kernel table)."""
 
 
 @dataclass

@@ -14,7 +14,7 @@
 #     fp8bench   scripts/bench_kernels.py --precision fp8 at d = 2048 (1B)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8model   the whole-model GPU test of the fp8 programs only
-#     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8, 300 steps
+#     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled)
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
@@ -87,7 +87,7 @@ for phase in "$@"; do
       ;;
     fp8parity)
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8
+        configs/llama3_1b_fp8_baseline.toml --steps "${PARITY_STEPS:-300}" --tag fp8
       ;;
     fp8profile)
       [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15

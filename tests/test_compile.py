@@ -20,19 +20,21 @@ from coda_titan.model.model import CodaTransformer
 @pytest.mark.parametrize(
     "programs,attention,precision",
     [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
-     ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8")],
+     ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad")],
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
+    torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32, precision=precision))
+    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32, precision=precision.replace("_dgrad", ""),
+                                          fp8_dgrad=precision == "fp8_dgrad"))
     with torch.no_grad():
         model.init_weights()
     if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)
         assert swap_attention(model) == len(model.layers)
     tokens = torch.randint(0, 61, (2, 16))
     labels = torch.randint(0, 61, (2, 16))
-    if precision == "fp8":  # calibrate first, so that eager and compiled both use the delayed scales
+    if precision.startswith("fp8"):  # calibrate first, so that eager and compiled both use the delayed scales
         with torch.no_grad():
             model(tokens, labels=labels)
     history = model.fp8_amax_history.clone()

@@ -251,6 +251,7 @@ def _models(**kw):
         bf16.init_weights()
     fp8_args = copy.deepcopy(args)
     fp8_args.precision = kw.get("precision", "fp8")
+    fp8_args.fp8_dgrad = kw.get("fp8_dgrad", False)
     fp8 = CodaTransformer(fp8_args)
     fp8.load_state_dict(bf16.state_dict())
     return bf16, fp8
@@ -265,8 +266,9 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints():
-    bf16, fp8 = _models()
+@pytest.mark.parametrize("fp8_dgrad", [False, True])
+def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad):
+    bf16, fp8 = _models(fp8_dgrad=fp8_dgrad)
     tokens, labels = _batch(bf16.model_args.vocab_size)
     loss = bf16(tokens, labels=labels)
     loss.backward()
@@ -284,6 +286,15 @@ def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints():
     # parameters and state dict are stock llama3's: the amax history is not checkpointed
     assert fp8.state_dict().keys() == bf16.state_dict().keys()
     assert "fp8_amax_history" not in fp8.state_dict()
+    if fp8_dgrad:  # the e5m2 dgrad moves exactly the gradients that flow through F3's B2, and only those
+        _, plain = _models()
+        plain(tokens, labels=labels)  # calibrate like fp8 above
+        plain(tokens, labels=labels).backward()
+        fp8.zero_grad()
+        fp8(tokens, labels=labels).backward()
+        g8, gp = _grads(fp8), _grads(plain)
+        assert not torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"])
+        assert torch.equal(g8["output.weight"], gp["output.weight"]) and torch.equal(g8["norm.weight"], gp["norm.weight"])
 
 
 def test_delayed_scales_come_from_the_history():

@@ -25,6 +25,7 @@ class CodaModelArgs(TransformerModelArgs):
     ce_chunk_rows: int = 4096  # token rows per LM-head/CE chunk: peak logits memory = rows * V
     precision: str = "bf16"  # "bf16" | "fp8" (e4m3 F2/F3 GEMM operands)
     fp8_amax_history: int = 16  # fp8: steps of activation amax history (delayed scaling)
+    fp8_dgrad: bool = False  # fp8: F3's dgrad on an e5m2 gradient and the e4m3 weight
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
@@ -35,6 +36,7 @@ class CodaModelArgs(TransformerModelArgs):
             self.ce_chunk_rows = coda.ce_chunk_rows
             self.precision = coda.precision
             self.fp8_amax_history = coda.fp8_amax_history
+            self.fp8_dgrad = coda.fp8_dgrad
 
 
 def _flavors(cls) -> dict[str, TransformerModelArgs]:

@@ -51,7 +51,8 @@ class CodaTransformerBlock(TransformerBlock):
         """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last, wqkv_q,
         s_qkv, wqkv_qt, w13_q, s_13): e4m3 H of this layer's input, the delayed inverse scales of its two
         consumer sites and of the next layer's input (None = calibrate with the current amax), and the
-        layer's e4m3 weights with their scales (``fp8_layer_weights``). Returns (x, h, rstd) for bf16 and
+        layer's e4m3 weights with their scales (``fp8_layer_weights``; wqkv_qt, the transposed copy for
+        F3's fp8 dgrad, is None unless ``fp8_dgrad``). Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -204,7 +205,8 @@ class CodaTransformer(Transformer):
             inv_next = None if last else inv[2 * i + 2]
             x, h, rstd, hq, amax_ffn, amax_next = layer(
                 x, h, rstd, freqs, seqlen, gamma_next, cfg,
-                fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i], wqkv_qt[i], w13_q[i], s_13[i]),
+                fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i],
+                     wqkv_qt[i] if self.model_args.fp8_dgrad else None, w13_q[i], s_13[i]),
             )
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
         if self.training:

@@ -89,7 +89,7 @@ def _norm_rope_backward(ctx, dqkv, dx_res):
     kw = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, seqlen=ctx.seqlen,
               n_rope_heads=ctx.n_rope_heads, head_dim=ctx.head_dim)
     w = torch.cat([wq, wk, wv])
-    if fp8:  # NormRoPEFp8: B1 casts da to e5m2, B2 runs on it and the e4m3 W_qkv^T
+    if fp8 and fp8[0] is not None:  # NormRoPEFp8 with fp8_dgrad: B1 casts da to e5m2, B2 runs on it and W_qkv,q^T
         w_t8, s_w = fp8
         da, zdz, daq, s_da = be.rope_bwd_fp8(**kw)
         dx, dgamma = be.norm_residual_bwd_fp8(
@@ -191,7 +191,8 @@ def _dequant_scale(inv_a, s_w):
 
 class NormRoPEFp8(torch.autograd.Function):
     """F3 on e4m3 Hq (scale 1/inv_a) and W_qkv,q = w8 (scale s_w, from ``fp8_layer_weights``).
-    Backward: B1 with an e5m2 copy of da, B2 on it and W_qkv,q^T = w8_t, bf16 wgrad."""
+    Backward: NormRoPE's; with W_qkv,q^T = w8_t given (``fp8_dgrad``), B1 also casts da to e5m2 and
+    B2 runs on it and w8_t. The wgrad is bf16 either way."""
 
     @staticmethod
     def forward(ctx, hq, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads, head_dim, inv_a,

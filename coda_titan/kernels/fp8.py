@@ -18,11 +18,12 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
 * **Scales in the epilogue.** The consumer's accumulator is in units of ``s_a * s_w``. That scalar
   multiplies the deferred-rstd column vector (F3: r' = r * s_a * s_w) or the accumulator itself
   (F2, which must also save the true-scale pre-activation for its backward).
-* **Backward.** Gradients flow straight through the quantization (torchao's convention). F3's
-  dgrad (B1 -> B2) runs on fp8: B1 casts da to e5m2 with a current tensorwise scale, as torchao
-  casts gradients, and B2 multiplies it with the e4m3 W_qkv^T of the weight pass; the scale
-  s_da * s_w rides B2's gamma row vector and its dgamma partials. The other backward programs
-  and every wgrad are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
+* **Backward.** Gradients flow straight through the quantization (torchao's convention). With
+  ``[coda] fp8_dgrad = true`` (off by default: measured slower, docs/fp8_design.md) F3's dgrad
+  (B1 -> B2) runs on fp8: B1 casts da to e5m2 with a current tensorwise scale, as torchao casts
+  gradients, and B2 multiplies it with the e4m3 W_qkv^T of the weight pass; the scale s_da * s_w
+  rides B2's gamma row vector and its dgamma partials. The other backward programs and every
+  wgrad are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
   says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major).
 
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,

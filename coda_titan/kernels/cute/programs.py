@@ -479,37 +479,31 @@ def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
     return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
 
 
-@torch.library.register_kernel("coda::rope_bwd", "cuda")
-def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+def _rope_bwd_pass(name, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math) as one inductor program."""
     why = _unsupported(dy, y)
     m = dy.shape[0]
     if why is None and (head_dim % 2 or m % seqlen):
         why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
     if why:
-        return _fallback("rope_bwd", why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+        return _fallback(name, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
     cos, sin = _cached(
         ("cossin", freqs.data_ptr(), freqs._version, seqlen, dy.device),
         lambda: rope_cos_sin(freqs, seqlen, torch.float32),
     )
-    with _first_call("rope_bwd", dy):
-        return _fused("rope_bwd", _rope_bwd_math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+    with _first_call(name, dy):
+        return _fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+
+@torch.library.register_kernel("coda::rope_bwd", "cuda")
+def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    return _rope_bwd_pass("rope_bwd", _rope_bwd_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
 
 
 @torch.library.register_kernel("coda::rope_bwd_fp8", "cuda")
 def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
-    why = _unsupported(dy, y)
-    m = dy.shape[0]
-    if why is None and (head_dim % 2 or m % seqlen):
-        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
-    if why:
-        return _fallback("rope_bwd_fp8", why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
-    cos, sin = _cached(
-        ("cossin", freqs.data_ptr(), freqs._version, seqlen, dy.device),
-        lambda: rope_cos_sin(freqs, seqlen, torch.float32),
-    )
-    with _first_call("rope_bwd_fp8", dy):
-        # one inductor program: the amax reduction, then da in bf16 and e5m2 in one pointwise pass
-        return _fused("rope_bwd_fp8", _rope_bwd_fp8_math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+    # the amax reduction, then da in bf16 and e5m2 in one pointwise pass
+    return _rope_bwd_pass("rope_bwd_fp8", _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
 
 
 @torch.library.register_kernel("coda::norm_residual_bwd_fp8", "cuda")

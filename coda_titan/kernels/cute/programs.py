@@ -487,8 +487,8 @@ def _rope_bwd_pass(name, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_di
         why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
     if why:
         return _fallback(name, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
-    cos, sin = _cached(
-        ("cossin", freqs.data_ptr(), freqs._version, seqlen, dy.device),
+    cos, sin = _cached(  # (the shape too: a freed freqs' address can come back for another head_dim)
+        ("cossin", freqs.data_ptr(), freqs._version, tuple(freqs.shape), seqlen, dy.device),
         lambda: rope_cos_sin(freqs, seqlen, torch.float32),
     )
     with _first_call(name, dy):

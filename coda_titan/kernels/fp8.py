@@ -44,7 +44,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, interleave_rows, tile_sumsq
 from .norm_residual_bwd import norm_residual_apply
-from .norm_rope import _rotate, norm_rope_torch
+from .norm_rope import norm_rope_torch, rope_bwd_acc
 from .residual_rms import residual_acc
 
 E4M3 = torch.float8_e4m3fn
@@ -192,11 +192,7 @@ def rope_bwd_fp8_torch(
     """(da, zdz, daq, s): B1 as ``rope_bwd``, which also casts its output to e5m2 with a current
     tensorwise scale (torchao's treatment of gradients): daq = sat(da * inv), s = 1 / inv. B1 is a
     pass of its own (no GEMM), so the amax is one more reduction in it, not a round trip."""
-    check_2d("dy", dy, y.shape[1])
-    ct = acc_dtype(dy, y)
-    dyf = dy.to(ct)
-    zdz = (y.to(ct) * dyf).sum(-1)
-    da = _rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True) * rstd.to(ct)[:, None]
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
     inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
     return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
 

@@ -82,9 +82,15 @@ def rope_bwd_torch(
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+    return da.to(dy.dtype), zdz
+
+
+def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim: int):
+    """``rope_bwd``'s (da, zdz) with da still in the accumulator dtype (the fp8 B1 casts from it)."""
     check_2d("dy", dy, y.shape[1])
     ct = acc_dtype(dy, y)
     dyf = dy.to(ct)
     zdz = (y.to(ct) * dyf).sum(-1)
     dp = _rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
-    return (dp * rstd.to(ct)[:, None]).to(dy.dtype), zdz
+    return dp * rstd.to(ct)[:, None], zdz

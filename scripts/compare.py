@@ -27,10 +27,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import gzip
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -449,7 +451,7 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
     tops = []
     for dur, g0, g1, before, after in sorted(gaps, reverse=True)[:top]:
         mid = (g0 + g1) / 2
-        host = sorted((e for e in cpu if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        host = sorted((e for e in cpu + runtime if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
         tops.append({"us": round(dur, 1), "after_kernel": before[:100], "before_kernel": after[:100],
                      "host_ops": [e["name"][:100] for e in host[:4]]})
     return {
@@ -458,7 +460,24 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
         "blocking_runtime_calls": {"count": len(syncs), "ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
                                    "names": sorted({e["name"] for e in syncs})},
         "top_idle": tops,
+        "allocator_calls": _allocator_calls(runtime, lo, hi),
     }
+
+
+ALLOC_CALLS = ("Malloc", "Free", "MemMap", "MemUnmap", "MemCreate", "MemRelease", "MemSetAccess", "MemAddressReserve")
+
+
+def _allocator_calls(runtime: list[dict], lo: float, hi: float) -> dict:
+    """CUDA runtime/driver memory calls inside the step's kernel span: name -> [count, ms]. The
+    caching allocator makes them only when it has to grow or give back memory; each can stall the host
+    (cudaFree synchronizes the device)."""
+    out: dict[str, list] = {}
+    for e in runtime:
+        if lo <= e["ts"] <= hi and any(k in e["name"] for k in ALLOC_CALLS):
+            c = out.setdefault(e["name"], [0, 0.0])
+            c[0] += 1
+            c[1] = round(c[1] + e["dur"] / 1e3, 3)
+    return out
 
 
 def kernel_category(name: str) -> str:
@@ -497,6 +516,11 @@ def profile(args) -> Path:
     path = _out_path(Path(args.out), "profile", doc["device"], doc["date"], extra=f"{cfg.stem}_")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
+    if getattr(args, "keep_trace", False):
+        kept = path.with_name(f"trace_{cfg.stem}.json.gz")
+        with open(traces[-1], "rb") as src, gzip.open(kept, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        _say(f"kept the trace as {kept} ({kept.stat().st_size / 2**20:.1f} MiB)")
     print(profile_table(doc))
     _say(f"wrote {path}")
     return path
@@ -749,6 +773,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
     ap.add_argument("--tag", default="", help="name part of the result file (compare_<tag>_<gpu>_<date>.json, loss_curve_<tag>_...)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--keep-trace", action="store_true", help="profile: also write the chrome trace, gzipped, next to the JSON")
     args = ap.parse_args(argv)
     if args.report:
         report()

@@ -15,7 +15,8 @@
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
-#     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled)
+#     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
+#                SKIP_BASELINE=1 skips the baseline, KEEP_TRACE=1 also returns the gzipped chrome traces
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
 # quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune.tar holds a copy from an earlier
@@ -34,6 +35,7 @@ finish() {
 }
 trap finish EXIT
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
+keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   t0=$SECONDS
@@ -90,8 +92,8 @@ for phase in "$@"; do
         configs/llama3_1b_fp8_baseline.toml --steps "${PARITY_STEPS:-300}" --tag fp8
       ;;
     fp8profile)
-      [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15
-      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15
+      [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep
+      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15 $keep
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

@@ -104,6 +104,8 @@ def test_trace_summary_groups_kernels(tmp_path):
         {"cat": "cpu_op", "name": "aten::item", "ts": 1100, "dur": 100},
         {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1110, "dur": 80},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1200, "dur": 5},
+        {"cat": "cuda_runtime", "name": "cudaMalloc", "ts": 1210, "dur": 30},
+        {"cat": "cuda_runtime", "name": "cudaMalloc", "ts": 9000, "dur": 30},  # outside the step's span
     ]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     s = compare.summarize_trace(str(tmp_path / "t.json"))
@@ -112,7 +114,8 @@ def test_trace_summary_groups_kernels(tmp_path):
     assert s["blocking_runtime_calls"] == {"count": 1, "ms": 0.08, "names": ["cudaStreamSynchronize"]}
     (gap,) = s["top_idle"]
     assert gap["us"] == 250 and gap["after_kernel"] == "nvjet_sm90_tst_256x128" and gap["before_kernel"] == "triton_poi_fused_add"
-    assert gap["host_ops"] == ["aten::item", "aten::mm"]
+    assert gap["host_ops"] == ["cudaStreamSynchronize", "aten::item", "aten::mm"]
+    assert s["allocator_calls"] == {"cudaMalloc": [1, 0.03]}
     events = events[:4] + events[6:7]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     s = compare.summarize_trace(str(tmp_path / "t.json"))

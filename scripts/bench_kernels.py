@@ -335,6 +335,31 @@ def fp8_cases(d, gen):
         coda_bf16=lambda: be.norm_residual_bwd(da=da, weight=wqkv, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dres),
         bare_gemm=[scaled_mm(daq, wqkv8_t)], eager=b2_eager)))
 
+    # fp8_mlp_dgrad: B3 also writing e5m2 da (delayed scale), then the MLP's dgrad B2 on e5m2 da x e4m3 W13^T
+    w2 = r(d, ff, scale=ff**-0.5)
+    dout, a = r(M, d, scale=1e-2), r(M, 2 * ff)
+    da13, _, zdz13 = be.swiglu_bwd(dout=dout, w_down=w2, a=a, rstd=rstd)
+    inv_g = inv_scale_from_amax(da13.float().abs().amax(), E5M2_MAX)
+    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    out.append(("swiglu_bwd_fp8", "bwd", dict(
+        coda=lambda: be.swiglu_bwd_fp8(**b3, inv_scale=inv_g), coda_bf16=lambda: be.swiglu_bwd(**b3),
+        bare_gemm=[lambda: torch.mm(dout, w2)],
+        eager=lambda: quantize_e5m2(da13.float(), inv_scale_from_amax(da13.float().abs().amax(), E5M2_MAX)))))
+    daq13 = be.swiglu_bwd_fp8(**b3, inv_scale=inv_g)[3]
+    w13q_t = w13q.t().contiguous()
+    s_g = inv_g.reciprocal()
+
+    def b2_13_eager(x=x, dres=dres):
+        g = torch._scaled_mm(daq13, w13q_t.t(), scale_a=s_g.float(), scale_b=s_w13.float(), out_dtype=bf)
+        dx, dgamma = _rms_bwd_unfused(g, x, gamma, rstd)
+        return (dx + dres.float()).to(bf), dgamma
+
+    out.append(("norm_residual_bwd_fp8_w13", "bwd", dict(
+        coda=lambda: be.norm_residual_bwd_fp8(daq=daq13, weight_tq=w13q_t, scale=s_g * s_w13, x=x, gamma=gamma,
+                                              rstd=rstd, zdz=zdz13, dresidual=dres),
+        coda_bf16=lambda: be.norm_residual_bwd(da=da13, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz13, dresidual=dres),
+        bare_gemm=[scaled_mm(daq13, w13q_t)], eager=b2_13_eager)))
+
     # the per-step weight pass (amax + cast of W13)
     out.append(("quantize_tensorwise", "fwd", dict(
         coda=lambda: be.quantize_tensorwise(w=w13), bare_gemm=[], eager=lambda: quantize_e4m3(

@@ -12,7 +12,9 @@
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   scripts/bench_kernels.py --precision fp8 at d = 2048 (1B)
+#                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
+#     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
@@ -71,17 +73,21 @@ for phase in "$@"; do
     fp8check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -s --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_fp8.txt" 2>&1
-      grep -E "(F2|F3|B2 fp8 .*|model):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
+      grep -E "(F2|F3|B[23] fp8.*|model.*):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
       ;;
     fp8bench)
-      python3 -m scripts.bench_kernels --precision fp8 --dims 2048 2>&1 | tail -12
+      python3 -m scripts.bench_kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
       ;;
     fp8compare)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
         configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
+      ;;
+    fp8mlp)
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml configs/llama3_1b_fp8_coda_compile.toml \
+        --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_dgrad
       ;;
     fp8model)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -k whole -s --tb=short -W ignore::DeprecationWarning 2>&1 \

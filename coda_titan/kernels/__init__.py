@@ -40,6 +40,7 @@ PROGRAMS: dict[str, str] = {
     "norm_rope_fp8": "fp8",  # F3 on e4m3 operands
     "rope_bwd_fp8": "fp8",  # B1 + e5m2 da
     "norm_residual_bwd_fp8": "fp8",  # B2 on e5m2 da and e4m3 W^T
+    "swiglu_bwd_fp8": "fp8",  # B3 + e5m2 da (delayed scale) and amax |da|
 }
 
 BACKENDS = ("torch", "cute")

@@ -22,7 +22,9 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   ``[coda] fp8_dgrad = true`` (off by default: measured slower, docs/fp8_design.md) F3's dgrad
   (B1 -> B2) runs on fp8: B1 casts da to e5m2 with a current tensorwise scale, as torchao casts
   gradients, and B2 multiplies it with the e4m3 W_qkv^T of the weight pass; the scale s_da * s_w
-  rides B2's gamma row vector and its dgamma partials. The other backward programs and every
+  rides B2's gamma row vector and its dgamma partials. ``[coda] fp8_mlp_dgrad = true`` (off: measured
+  slower) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a delayed
+  gradient scale (the amax history of that site). The other backward programs and every
   wgrad are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
   says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major).
 
@@ -35,7 +37,8 @@ which is how the CPU tests check the algebra):
     norm_swiglu_fp8    F2: acc = Hq @ W13q^T; v = s * acc; a = v (saved); y = SwiGLU(r * v)
     norm_rope_fp8      F3: acc = Hq @ Wq^T;  p = (r * s) * acc; y = RoPE(p)
     rope_bwd_fp8       B1 + e5m2 da (current scale)
-    norm_residual_bwd_fp8  B2 of F3 on e5m2 da and e4m3 W_qkv^T
+    norm_residual_bwd_fp8  B2 on e5m2 da and e4m3 W^T (F3's, or the MLP's with ``fp8_mlp_dgrad``)
+    swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad``) and amax |da|
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from ._common import acc_dtype, check_2d, interleave_rows, tile_sumsq
 from .norm_residual_bwd import norm_residual_apply
 from .norm_rope import norm_rope_torch, rope_bwd_acc
+from .norm_swiglu import swiglu_bwd_acc
 from .residual_rms import residual_acc
 
 E4M3 = torch.float8_e4m3fn
@@ -79,18 +83,21 @@ def quantize_tensorwise_torch(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def fp8_layer_weights_torch(
     *, w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
-    wv: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    wv: list[torch.Tensor], w13_t: bool = False, wqkv_t: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The weight pass of every layer at once: (W13q per layer, their scales (L,), W_qkv,q per layer,
-    their scales (L,), W_qkv,q^T per layer), with W13 = interleave_rows(w1, w3) and W_qkv = cat(wq, wk, wv), each quantized
-    as ``quantize_tensorwise``. One call per forward, so that the host launches it once, not 2 L times."""
+    their scales (L,), W13q^T per layer if ``w13_t``, W_qkv,q^T per layer if ``wqkv_t``), with W13 =
+    interleave_rows(w1, w3) and W_qkv = cat(wq, wk, wv), each quantized as ``quantize_tensorwise``.
+    The transposed copies are B2's fp8 dgrad operands (fp8 WGMMA operands must be K-major, and B2
+    contracts over the weight's rows); empty lists when not asked for. One call per forward, so that
+    the host launches it once, not 2 L times."""
     if not (len(w1) == len(w3) == len(wq) == len(wk) == len(wv)):
         raise ValueError(f"need one weight of each kind per layer, got {[len(t) for t in (w1, w3, wq, wk, wv)]}")
     w13 = [quantize_tensorwise_torch(w=interleave_rows(a, b)) for a, b in zip(w1, w3)]
     qkv = [quantize_tensorwise_torch(w=torch.cat([q, k, v])) for q, k, v in zip(wq, wk, wv)]
     stack = lambda pairs: torch.stack([sc for _, sc in pairs]) if pairs else torch.empty(0)  # noqa: E731
-    # W_qkv,q^T: B2's dgrad operand (fp8 WGMMA operands must be K-major, and B2 contracts over N)
-    return [q for q, _ in w13], stack(w13), [q for q, _ in qkv], stack(qkv), [q.t().contiguous() for q, _ in qkv]
+    t = lambda pairs, want: [q.t().contiguous() for q, _ in pairs] if want else []  # noqa: E731
+    return [q for q, _ in w13], stack(w13), [q for q, _ in qkv], stack(qkv), t(w13, w13_t), t(qkv, wqkv_t)
 
 
 def _h_and_q(xf: torch.Tensor, gamma: torch.Tensor, inv_scale: torch.Tensor | None, out_dtype: torch.dtype):
@@ -218,3 +225,25 @@ def norm_residual_bwd_fp8_torch(
     ct = _compute_dtype(x.dtype)
     acc = (daq.to(ct) @ weight_tq.to(ct).t()) * scale.to(ct)
     return norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+
+
+# --- FP8 backward: B3 -> B2 of the MLP --------------------------------------------------------------
+
+
+def swiglu_bwd_fp8_torch(
+    *,
+    dout: torch.Tensor,
+    w_down: torch.Tensor,
+    a: torch.Tensor,
+    rstd: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, y, zdz, daq, amax): B3 as ``swiglu_bwd`` (bf16 GEMM), whose epilogue also writes da as
+    e5m2, daq = sat(da * inv_scale) from the fp32 da (before its bf16 rounding), in da's interleaved
+    gate/up column order, and reports amax |da|. The scale is delayed, like the activations' (B3's
+    epilogue writes daq tile by tile, before the amax of the whole da is known): the max of the
+    gradient site's amax history; ``inv_scale=None`` (the calibration step) uses the current amax."""
+    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax

@@ -41,6 +41,15 @@ def swiglu_bwd_torch(
     *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,)."""
+    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    return da.to(a.dtype), y.to(a.dtype), zdz
+
+
+def swiglu_bwd_acc(
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd``'s math in the accumulation dtype, before its outputs are cast (the fp8 B3
+    quantizes da from these values)."""
     check_2d("dout", dout, w_down.shape[0])
     check_2d("a", a, 2 * w_down.shape[1])
     dy = mm(dout, w_down)
@@ -54,4 +63,4 @@ def swiglu_bwd_torch(
     dzg = dy * zu * s * (1 + zg * (1 - s))
     zdz = (zg * dzg).sum(-1) + (zu * dzu).sum(-1)
     da = torch.stack([dzg * r, dzu * r], dim=-1).reshape(af.shape)
-    return da.to(a.dtype), (silu * zu).to(a.dtype), zdz
+    return da, silu * zu, zdz

@@ -31,6 +31,7 @@ from .fp8 import (
     quantize_tensorwise_torch,
     residual_rms_fp8_torch,
     rms_partial_fp8_torch,
+    swiglu_bwd_fp8_torch,
 )
 from .lm_head_ce import lm_head_ce_torch
 from .norm_residual_bwd import norm_residual_bwd_torch
@@ -219,21 +220,22 @@ def _(w):
 @_op
 def fp8_layer_weights(
     w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
-    wv: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-    return fp8_layer_weights_torch(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv)
+    wv: list[torch.Tensor], w13_t: bool, wqkv_t: bool,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    return fp8_layer_weights_torch(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv, w13_t=w13_t, wqkv_t=wqkv_t)
 
 
 @fp8_layer_weights.register_fake
-def _(w1, w3, wq, wk, wv):
+def _(w1, w3, wq, wk, wv, w13_t, wqkv_t):
     e4 = torch.float8_e4m3fn
     n = len(w1)
     ct = _acc(w1[0]) if n else torch.float32
     w13 = [a.new_empty((2 * a.shape[0], a.shape[1]), dtype=e4) for a in w1]
     qkv = [q.new_empty((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), dtype=e4) for q, k, v in zip(wq, wk, wv)]
     dev = w1[0].device if n else None
-    qkv_t = [t.new_empty((t.shape[1], t.shape[0])) for t in qkv]
-    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev), qkv_t
+    w13_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in w13] if w13_t else []
+    qkv_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in qkv] if wqkv_t else []
+    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev), w13_ts, qkv_ts
 
 
 @_op
@@ -371,6 +373,21 @@ def _(dout, w_down, a, rstd):
 
 
 @_op
+def swiglu_bwd_fp8(
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_fp8_torch(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+
+
+@swiglu_bwd_fp8.register_fake
+def _(dout, w_down, a, rstd, inv_scale):
+    m = a.shape[0]
+    ct = _acc(dout, w_down)
+    return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
+            a.new_empty(a.shape, dtype=torch.float8_e5m2), a.new_empty((), dtype=ct))
+
+
+@_op
 def wgrad(grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return wgrad_torch(grad=grad, inp=inp, out_dtype=out_dtype)
 
@@ -410,6 +427,7 @@ OPS = {
     "norm_rope_fp8": norm_rope_fp8,
     "rope_bwd_fp8": rope_bwd_fp8,
     "norm_residual_bwd_fp8": norm_residual_bwd_fp8,
+    "swiglu_bwd_fp8": swiglu_bwd_fp8,
 }
 
 

@@ -26,6 +26,7 @@ class CodaModelArgs(TransformerModelArgs):
     precision: str = "bf16"  # "bf16" | "fp8" (e4m3 F2/F3 GEMM operands)
     fp8_amax_history: int = 16  # fp8: steps of activation amax history (delayed scaling)
     fp8_dgrad: bool = False  # fp8: F3's dgrad on an e5m2 gradient and the e4m3 weight
+    fp8_mlp_dgrad: bool = False  # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient (delayed scale)
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
@@ -37,6 +38,7 @@ class CodaModelArgs(TransformerModelArgs):
             self.precision = coda.precision
             self.fp8_amax_history = coda.fp8_amax_history
             self.fp8_dgrad = coda.fp8_dgrad
+            self.fp8_mlp_dgrad = coda.fp8_mlp_dgrad
 
 
 def _flavors(cls) -> dict[str, TransformerModelArgs]:

@@ -28,7 +28,7 @@ from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 
 from ..kernels import get_backend, resolve_backend
 from .args import CodaModelArgs
-from ..kernels.fp8 import inv_scale_from_amax
+from ..kernels.fp8 import E5M2_MAX, inv_scale_from_amax
 from .programs import (
     LMHeadCE,
     NormRoPE,
@@ -49,10 +49,12 @@ class CodaTransformerBlock(TransformerBlock):
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8=None):
         """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last, wqkv_q,
-        s_qkv, wqkv_qt, w13_q, s_13): e4m3 H of this layer's input, the delayed inverse scales of its two
-        consumer sites and of the next layer's input (None = calibrate with the current amax), and the
-        layer's e4m3 weights with their scales (``fp8_layer_weights``; wqkv_qt, the transposed copy for
-        F3's fp8 dgrad, is None unless ``fp8_dgrad``). Returns (x, h, rstd) for bf16 and
+        s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_grad, grad_sink): e4m3 H of this layer's input, the
+        delayed inverse scales of its two consumer sites and of the next layer's input (None = calibrate
+        with the current amax), and the layer's e4m3 weights with their scales (``fp8_layer_weights``;
+        the transposed copies wqkv_qt / w13_qt for the fp8 dgrads are None unless ``fp8_dgrad`` /
+        ``fp8_mlp_dgrad``); with w13_qt, the delayed inverse scale of the MLP's e5m2 gradient and the
+        tensor whose gradient receives its amax. Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -64,7 +66,7 @@ class CodaTransformerBlock(TransformerBlock):
         if fp8 is None:
             qkv, x = NormRoPE.apply(h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd)
         else:
-            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, wqkv_qt, w13_q, s_13 = fp8
+            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_g, g_sink = fp8
             qkv, x = NormRoPEFp8.apply(
                 hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn, wqkv_q, s_qkv, wqkv_qt
             )
@@ -85,7 +87,9 @@ class CodaTransformerBlock(TransformerBlock):
         x, h, s, hq, amax_ffn = ResidualRMSFp8.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, inv_ffn)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if inv_ffn is None else inv_ffn  # calibration: current
-        out = NormSwiGLUResidualFp8.apply(hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13)
+        out = NormSwiGLUResidualFp8.apply(
+            hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13, w13_qt, inv_g, g_sink
+        )
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if last else out[3:]
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
@@ -126,12 +130,22 @@ class CodaTransformer(Transformer):
             "fp8_amax_history", torch.zeros(2 * model_args.n_layers, model_args.fp8_amax_history), persistent=False
         )
         self.fp8_calibrated = False
+        # fp8_mlp_dgrad: the amax history of each layer's MLP gradient da (e5m2, B3 -> B2), fed by the
+        # gradient of ``_fp8_grad_sink`` (see NormSwiGLUResidualFp8); not persistent either
+        self.register_buffer(
+            "fp8_grad_amax_history", torch.zeros(model_args.n_layers, model_args.fp8_amax_history), persistent=False
+        )
+        self.fp8_grad_calibrated = False
+        self._fp8_grad_sink: torch.Tensor | None = None
 
     def init_weights(self, buffer_device=None):
         super().init_weights(buffer_device=buffer_device)
         device = buffer_device or self.fp8_amax_history.device
         self.fp8_amax_history = torch.zeros_like(self.fp8_amax_history, device=device)
         self.fp8_calibrated = False
+        self.fp8_grad_amax_history = torch.zeros_like(self.fp8_grad_amax_history, device=device)
+        self.fp8_grad_calibrated = False
+        self._fp8_grad_sink = None
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args
@@ -191,12 +205,16 @@ class CodaTransformer(Transformer):
         """The layer chain with e4m3 F2/F3 operands. Site 2i is layer i's attention input, 2i + 1 its
         MLP input; a training forward records each site's current amax in the history."""
         amaxes = [amax0]
+        a = self.model_args
+        mlp_dgrad = a.fp8_mlp_dgrad and torch.is_grad_enabled()  # (the transposed weights serve the backward only)
+        qkv_dgrad = a.fp8_dgrad and torch.is_grad_enabled()
         with torch.no_grad():  # the weight pass (straight-through: the backward uses the bf16 weights)
-            w13_q, s_13, wqkv_q, s_qkv, wqkv_qt = cfg.backend.fp8_layer_weights(
+            w13_q, s_13, wqkv_q, s_qkv, w13_qt, wqkv_qt = cfg.backend.fp8_layer_weights(
                 w1=[l.feed_forward.w1.weight for l in layers], w3=[l.feed_forward.w3.weight for l in layers],
                 wq=[l.attention.wq.weight for l in layers], wk=[l.attention.wk.weight for l in layers],
-                wv=[l.attention.wv.weight for l in layers],
+                wv=[l.attention.wv.weight for l in layers], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
             )
+            inv_g, sink = self._fp8_grad_sites(x.device, mlp_dgrad)
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else layers[i + 1].attention_norm.weight
@@ -206,12 +224,34 @@ class CodaTransformer(Transformer):
             x, h, rstd, hq, amax_ffn, amax_next = layer(
                 x, h, rstd, freqs, seqlen, gamma_next, cfg,
                 fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i],
-                     wqkv_qt[i] if self.model_args.fp8_dgrad else None, w13_q[i], s_13[i]),
+                     wqkv_qt[i] if qkv_dgrad else None, w13_q[i], s_13[i],
+                     *((w13_qt[i], inv_g[i], sink[i]) if mlp_dgrad else (None, None, None))),
             )
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
         if self.training:
             self._fp8_record(amaxes)
         return x, h, rstd
+
+    def _fp8_grad_sites(self, device, enabled: bool):
+        """fp8_mlp_dgrad: (per-layer delayed inverse e5m2 scales, or Nones to calibrate, and a fresh
+        per-layer sink whose gradient will hold the amax of each layer's da). First moves the amaxes
+        that the last backward left in the previous sink into the history."""
+        n = self.fp8_grad_amax_history.shape[0]
+        if self._fp8_grad_sink is not None and self._fp8_grad_sink.grad is not None:
+            hist = self.fp8_grad_amax_history
+            new = self._fp8_grad_sink.grad.to(device=hist.device, dtype=hist.dtype)
+            hist.copy_(torch.cat([new[:, None], hist[:, :-1]], dim=1))
+            self.fp8_grad_calibrated = True
+        self._fp8_grad_sink = None
+        if not enabled:
+            return [None] * n, [None] * n
+        if self.fp8_grad_calibrated:
+            inv = list(inv_scale_from_amax(self.fp8_grad_amax_history.amax(-1), E5M2_MAX).unbind(0))
+        else:
+            inv = [None] * n
+        self._fp8_grad_sink = torch.zeros(n, device=device, dtype=torch.float32, requires_grad=True)
+        with torch.enable_grad():
+            return inv, list(self._fp8_grad_sink.unbind(0))
 
     @torch.no_grad()
     def _fp8_record(self, amaxes) -> None:

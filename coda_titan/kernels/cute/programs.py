@@ -17,7 +17,8 @@ B1 rope_bwd         one inductor-fused elementwise + row-reduction pass (no GEMM
 B2 norm_resid_bwd   ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc * gamma + dres + X * corr,
                     corr = -(r^2/d) zdz, dgamma partials in the epilogue; ``..._fp8``: the
                     same epilogue on e5m2 da x e4m3 W^T, s_da * s_w folded into gamma
-B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
+B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials;
+                    ``swiglu_bwd_fp8``: ``dswiglu_rstd_preact_fp8_epi`` (below) also packs e5m2 da
 wgrad / dgrad       plain GEMMs (cuBLAS, fp32 accumulation): every backward program already
                     folded r into da, so there is nothing to fuse
 prologue            rms_partial: H = X * gamma and sum X^2 once per step (torch ops)
@@ -45,7 +46,11 @@ from quack.epilogue.library import (
     rms_partial_epi,
     rstd_swiglu_preact_epi,
 )
-from quack.activation import swiglu
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from quack.activation import dswiglu, swiglu
 from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
@@ -70,7 +75,7 @@ from ..norm_rope import rope_cos_sin
 logger = logging.getLogger("coda_titan")
 
 __all__ = [f"{name}_cute" for name in _ops.OPS] + [
-    "rstd_lse_target_epi", "rms_partial_fp8_epi", "fp8_rstd_swiglu_preact_epi",
+    "rstd_lse_target_epi", "rms_partial_fp8_epi", "fp8_rstd_swiglu_preact_epi", "dswiglu_rstd_preact_fp8_epi",
 ]
 
 _TUNE = os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0"
@@ -156,6 +161,48 @@ def fp8_rstd_swiglu_preact_epi(acc, rstd, scale):
     g, u = unpack(v)
     gs, us = unpack(v * rstd)
     return {"D": pack(g, u), "postact": swiglu(gs, us)}
+
+
+@dsl_user_op
+def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
+    """Two saturated e5m2 values (lo, hi) packed into one 16-bit word, returned as the f32 value of
+    that word read as an f16 (always finite: a satfinite e5m2 never has an all-ones exponent). A
+    16-bit output stores it back bit-exactly (f16 -> f32 -> f16 is exact), so a float16 buffer of
+    width N holds the e5m2 pairs [lo_j, hi_j], i.e. an e5m2 tensor of width 2N."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            "{.reg .b16 t;\ncvt.rn.satfinite.e5m2x2.f32 t, $1, $2;\ncvt.f32.f16 $0, t;}",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    mode="packed_cd_b16x2",
+)
+def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
+    """B3's epilogue (quack's ``dgated_rstd_preact_mod("swiglu")``) that also writes da as e5m2 for
+    B2's fp8 dgrad: daq = sat(da * inv_scale) for the (gate, up) pair of each column, packed into the
+    16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da| for the history."""
+    g, u = unpack(c)
+    gs, us = g * rstd, u * rstd
+    dgs, dus, s = dswiglu(gs, us, acc)
+    dg, du = dgs * rstd, dus * rstd
+    return {
+        "D": pack(dg, du),
+        "postact": s,
+        "dsum": dgs * g + dus * u,
+        "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
+        "amax": cute.arch.fmax(dg, du, abs=True),
+    }
 
 
 # --- plumbing --------------------------------------------------------------------------------------
@@ -377,11 +424,12 @@ def _quantize_tensorwise(w):
 
 
 @torch.library.register_kernel("coda::fp8_layer_weights", "cuda")
-def _fp8_layer_weights(w1, w3, wq, wk, wv):
+def _fp8_layer_weights(w1, w3, wq, wk, wv, w13_t, wqkv_t):
     # every layer's weight pass in one compiled call: per weight, one amax reduction and one pass
-    # that interleaves (W13) or concatenates (W_qkv) while it casts
-    return _fused("fp8_layer_weights", lambda *ws: fp8_layer_weights_torch(
-        w1=ws[0], w3=ws[1], wq=ws[2], wk=ws[3], wv=ws[4]))(list(w1), list(w3), list(wq), list(wk), list(wv))
+    # that interleaves (W13) or concatenates (W_qkv) while it casts (and the transposed copies asked for)
+    return _fused(f"fp8_layer_weights_{w13_t:d}{wqkv_t:d}", lambda *ws: fp8_layer_weights_torch(
+        w1=ws[0], w3=ws[1], wq=ws[2], wk=ws[3], wv=ws[4], w13_t=w13_t, wqkv_t=wqkv_t,
+    ))(list(w1), list(w3), list(wq), list(wk), list(wv))
 
 
 @torch.library.register_kernel("coda::rms_partial_fp8", "cuda")
@@ -555,6 +603,26 @@ def _swiglu_bwd(dout, w_down, a, rstd):
     with _first_call("swiglu_bwd", dout, w_down):
         res = _gemm(dswiglu_rstd_preact_mod, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
     return da, y, res["dsum"] * r
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
+def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
+    why = _unsupported(dout, w_down, a)
+    if why is None and inv_scale is None:
+        why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+    if why:
+        return _fallback("swiglu_bwd_fp8", why, dout, w_down, a, rstd, inv_scale)
+    r = rstd.float()
+    m, f2 = a.shape
+    da = torch.empty_like(a)
+    y = a.new_empty((m, f2 // 2))
+    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
+    with _first_call("swiglu_bwd_fp8", dout, w_down):
+        # quack's default config, not autotuned: on the H200 one of the autotuner's candidate configs of
+        # this epilogue (two 16-bit aux outputs in packed_cd mode) never finished (measured 2026-11-22)
+        res = dswiglu_rstd_preact_fp8_epi(dout, w_down, a, out={"D": da, "postact": y, "daq": daq}, tuned=False,
+                                          rstd=r, inv_scale=_scalar32(inv_scale))
+    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
 
 
 @torch.library.register_kernel("coda::wgrad", "cuda")

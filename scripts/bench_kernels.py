@@ -324,16 +324,19 @@ def fp8_cases(d, gen):
     wqkv8_t = wqkv8.t().contiguous()
     x, dres = r(M, d), r(M, d)
 
-    def b2_eager(x=x, dres=dres):
-        g = torch._scaled_mm(daq, wqkv8_t.t(), scale_a=s_da.float(), scale_b=s_qkv.float(), out_dtype=bf)
-        dx, dgamma = _rms_bwd_unfused(g, x, gamma, rstd)
-        return (dx + dres.float()).to(bf), dgamma
+    def b2_eager(dq, w8_t, s_g, s_w):
+        """Stock's B2 on fp8: one _scaled_mm (e5m2 x e4m3), then the unfused norm backward."""
+        def run():
+            g = torch._scaled_mm(dq, w8_t.t(), scale_a=s_g.float(), scale_b=s_w.float(), out_dtype=bf)
+            dx, dgamma = _rms_bwd_unfused(g, x, gamma, rstd)
+            return (dx + dres.float()).to(bf), dgamma
+        return run
 
     out.append(("norm_residual_bwd_fp8", "bwd", dict(
         coda=lambda: be.norm_residual_bwd_fp8(daq=daq, weight_tq=wqkv8_t, scale=s_da * s_qkv, x=x, gamma=gamma,
                                               rstd=rstd, zdz=zdz, dresidual=dres),
         coda_bf16=lambda: be.norm_residual_bwd(da=da, weight=wqkv, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dres),
-        bare_gemm=[scaled_mm(daq, wqkv8_t)], eager=b2_eager)))
+        bare_gemm=[scaled_mm(daq, wqkv8_t)], eager=b2_eager(daq, wqkv8_t, s_da, s_qkv))))
 
     # fp8_mlp_dgrad: B3 also writing e5m2 da (delayed scale), then the MLP's dgrad B2 on e5m2 da x e4m3 W13^T
     w2 = r(d, ff, scale=ff**-0.5)
@@ -349,16 +352,11 @@ def fp8_cases(d, gen):
     w13q_t = w13q.t().contiguous()
     s_g = inv_g.reciprocal()
 
-    def b2_13_eager(x=x, dres=dres):
-        g = torch._scaled_mm(daq13, w13q_t.t(), scale_a=s_g.float(), scale_b=s_w13.float(), out_dtype=bf)
-        dx, dgamma = _rms_bwd_unfused(g, x, gamma, rstd)
-        return (dx + dres.float()).to(bf), dgamma
-
     out.append(("norm_residual_bwd_fp8_w13", "bwd", dict(
         coda=lambda: be.norm_residual_bwd_fp8(daq=daq13, weight_tq=w13q_t, scale=s_g * s_w13, x=x, gamma=gamma,
                                               rstd=rstd, zdz=zdz13, dresidual=dres),
         coda_bf16=lambda: be.norm_residual_bwd(da=da13, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz13, dresidual=dres),
-        bare_gemm=[scaled_mm(daq13, w13q_t)], eager=b2_13_eager)))
+        bare_gemm=[scaled_mm(daq13, w13q_t)], eager=b2_eager(daq13, w13q_t, s_g, s_w13))))
 
     # the per-step weight pass (amax + cast of W13)
     out.append(("quantize_tensorwise", "fwd", dict(

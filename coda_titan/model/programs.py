@@ -138,7 +138,7 @@ def _norm_swiglu_residual_backward(ctx, dx_out):
         da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=inv_g)
         inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g  # None: calibrated on amax
         dx, dgamma = be.norm_residual_bwd_fp8(
-            daq=daq, weight_tq=w_t8, scale=(s_w / inv).reshape(()), x=x, gamma=gamma, rstd=rstd, zdz=zdz,
+            daq=daq, weight_tq=w_t8, scale=_dequant_scale(inv, s_w), x=x, gamma=gamma, rstd=rstd, zdz=zdz,
             dresidual=dx_out,
         )
     else:

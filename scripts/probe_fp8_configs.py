@@ -1,0 +1,203 @@
+"""Probe (GPU): quack SM90 tile configs of the fp8 MLP dgrad programs, against bf16 and cuBLAS.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probe_fp8_configs
+
+At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinned ``GemmConfig``:
+
+* ``b2_fp8``: B2 of W13 (``rms_bwd_apply_epi`` on e5m2 da x e4m3 W13^T, K = 2F), the fp8 dgrad
+  that ``[coda] fp8_mlp_dgrad`` runs; ``plain_fp8``: the same fp8 GEMM with an identity epilogue
+  (is the mainloop or the epilogue slow?); ``b2_bf16``: the bf16 program on the same config;
+* ``b3_fp8`` / ``b3_bf16``: B3 (dout @ W2 with the dSwiGLU epilogue) with and without the e5m2
+  output. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every B3
+  config runs in a child process with a timeout; a hang is recorded as such.
+
+and once: cuBLAS bf16 (``torch.mm``) and fp8 (``torch._scaled_mm``, fast accumulation) of both GEMMs.
+Inputs are random; each time is the median of CUDA-event timings of 20 calls after 3 warm-up calls
+(the first compiles). Writes ``$OUT/probe_fp8_configs_<gpu>.json`` after every row (so a
+timed-out call still returns what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+M, D, F = 16384, 2048, 8192
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n): quack's SM90 space holds these
+CONFIGS = [
+    (128, 128, True, 1, 2), (128, 128, True, 2, 1), (128, 192, True, 2, 1), (192, 128, True, 1, 2),
+    (128, 256, False, 2, 1), (256, 128, False, 1, 2), (256, 160, False, 1, 2),
+]
+B3_TIMEOUT_S = 150
+
+
+def _cfg(t):
+    from quack.gemm_config import GemmConfig
+
+    tm, tn, pp, cm, cn = t
+    return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
+def _time(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "raw_ms": ts}
+
+
+def _inputs(gen):
+    from coda_titan.kernels.fp8 import E4M3, E5M2
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    t = {
+        "da": rnd(M, 2 * F, scale=1e-3), "w13": rnd(2 * F, D, scale=0.02), "x": rnd(M, D),
+        "dres": rnd(M, D, scale=1e-3), "gamma": torch.rand(D, device="cuda", generator=gen) + 0.5,
+        "rstd": torch.rand(M, device="cuda", generator=gen) + 0.5, "zdz": rnd(M, D).float()[:, 0].contiguous(),
+        "dout": rnd(M, D, scale=1e-3), "w2": rnd(D, F, scale=0.02), "a": rnd(M, 2 * F),
+    }
+    t["daq"] = (t["da"].float() * 2**14).clamp(-57344, 57344).to(E5M2)
+    t["w13q_t"] = (t["w13"].float() * 2**8).clamp(-448, 448).to(E4M3).t().contiguous()
+    return t
+
+
+def _meta():
+    import quack
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
+        "shapes": {"M": M, "d": D, "F": F},
+        "timing": "CUDA events, median of 20 calls after 3 warm-up calls (the first compiles)",
+    }
+
+
+def _b3_child(idx: int) -> dict:
+    from coda_titan.kernels.cute import programs as P  # noqa: F401  (fast fp8 accumulation, our epilogues)
+    from quack.epilogue.library import dswiglu_rstd_preact_mod
+
+    t = _inputs(torch.Generator(device="cuda").manual_seed(0))
+    cfg = _cfg(CONFIGS[idx])
+    r = t["rstd"]
+    inv = torch.full((1,), 2.0**14, device="cuda")
+    da = torch.empty_like(t["a"])
+    y = t["a"].new_empty((M, F))
+    daq = torch.empty((M, F), device="cuda", dtype=torch.float16)
+    row = {}
+    row["b3_bf16"] = _time(lambda: dswiglu_rstd_preact_mod(
+        t["dout"], t["w2"], t["a"], out={"D": da, "postact": y}, config=cfg, tuned=False, rstd=r))
+    row["b3_fp8"] = _time(lambda: P.dswiglu_rstd_preact_fp8_epi(
+        t["dout"], t["w2"], t["a"], out={"D": da, "postact": y, "daq": daq}, config=cfg, tuned=False,
+        rstd=r, inv_scale=inv))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child-b3", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: b2 b3 cublas")
+    args = ap.parse_args()
+    if args.child_b3 is not None:
+        print("ROW " + json.dumps(_b3_child(args.child_b3)), flush=True)
+        return
+
+    from coda_titan.kernels.cute import programs as P  # noqa: F401  (fast fp8 accumulation)
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.library import rms_bwd_apply_epi
+
+    @gemm_epilogue()
+    def plain_epi(acc):
+        return {"D": acc}
+
+    doc = _meta()
+    doc["configs"] = [dict(zip(("tile_m", "tile_n", "pingpong", "cluster_m", "cluster_n"), c)) for c in CONFIGS]
+    doc["rows"] = []
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
+    out_dir = os.environ.get("OUT", "benchmarks/results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"probe_fp8_configs_{slug}.json")
+
+    def emit(row):
+        doc["rows"].append(row)
+        print(json.dumps({k: (v["median_ms"] if isinstance(v, dict) and "median_ms" in v else v) for k, v in row.items()}),
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+    t = _inputs(torch.Generator(device="cuda").manual_seed(0))
+    if "cublas" not in args.skip:
+        one = torch.ones((), device="cuda")
+        w2q_t = (t["w2"].float() * 2**8).clamp(-448, 448).to(torch.float8_e4m3fn)  # (D, F): B = w2q_t.t() is K-major
+        doutq = (t["dout"].float() * 2**14).clamp(-57344, 57344).to(torch.float8_e5m2)
+        emit({"part": "cublas", "gemm": "da @ W13 (B2-W13)", "bf16": _time(lambda: torch.mm(t["da"], t["w13"])),
+              "fp8": _time(lambda: torch._scaled_mm(t["daq"], t["w13q_t"].t(), one, one, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=True))})
+        w2q_kn = w2q_t.t().contiguous().t()  # (D, F) with D contiguous: K-major B for the (M, D) x (D, F) GEMM
+        emit({"part": "cublas", "gemm": "dout @ W2 (B3)", "bf16": _time(lambda: torch.mm(t["dout"], t["w2"])),
+              "fp8": _time(lambda: torch._scaled_mm(doutq, w2q_kn, one, one, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=True))})
+
+    if "b2" not in args.skip:
+        r = t["rstd"]
+        corr = -(r * r / D) * t["zdz"]
+        w = t["gamma"].float()
+        out = torch.empty_like(t["x"])
+        for i, c in enumerate(CONFIGS):
+            cfg = _cfg(c)
+            row = {"part": "b2_w13", "config": i}
+            t0 = time.perf_counter()
+            try:
+                row["plain_fp8"] = _time(lambda: plain_epi(t["daq"], t["w13q_t"].t(), None, out={"D": out},
+                                                           config=cfg, tuned=False))
+                row["b2_fp8"] = _time(lambda: rms_bwd_apply_epi(t["daq"], t["w13q_t"].t(), t["dres"], out={"D": out},
+                                                                config=cfg, tuned=False, y=t["x"], w=w, corr=corr))
+                row["b2_bf16"] = _time(lambda: rms_bwd_apply_epi(t["da"], t["w13"], t["dres"], out={"D": out},
+                                                                 config=cfg, tuned=False, y=t["x"], w=w, corr=corr))
+            except Exception as e:  # noqa: BLE001 - a config quack rejects is a result too
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            emit(row)
+
+    if "b3" not in args.skip:
+        del t
+        torch.cuda.empty_cache()
+        for i in range(len(CONFIGS)):
+            row = {"part": "b3", "config": i}
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, "-m", "scripts.probe_fp8_configs", "--child-b3", str(i)],
+                                   capture_output=True, text=True, timeout=B3_TIMEOUT_S)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+                if lines:
+                    row.update(json.loads(lines[-1][4:]))
+                else:
+                    row["error"] = f"rc {p.returncode}: {(p.stderr or '')[-400:]}"
+            except subprocess.TimeoutExpired:
+                row["error"] = f"timed out after {B3_TIMEOUT_S} s (hang)"
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            emit(row)
+    print("wrote", path, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,7 @@ from quack.activation import dswiglu, swiglu
 from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
+from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm as quack_gemm
 from quack.gemm_interface import gemm_add_inplace
 from quack.rms_final_reduce import rms_final_reduce
@@ -85,29 +86,39 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # --- fp8 accumulation -----------------------------------------------------------------------------
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _fp8_fast_accumulation() -> bool:
-    """Make quack's SM90 GEMMs with e4m3 operands use fast accumulation (the WGMMA accumulates the
+    """Make quack's SM90 GEMMs with 8-bit operands use fast accumulation (the WGMMA accumulates the
     whole K loop in its own registers), as torchao's float8 forward and cuBLAS ``use_fast_accum``
     do. quack 0.6.5's frontend builds every fp8 GEMM with its slow-accumulation path instead, which
     drains the tensor pipe at every k-tile to promote into a second fp32 accumulator: measured on the
     H100, that made the fp8 F2 GEMM slower than the bf16 one. ``CODA_TITAN_FP8_SLOW_ACCUM=1`` keeps
-    quack's default. Only fp8 GEMMs read the flag; bf16 GEMMs are unchanged."""
+    quack's default. Only fp8 GEMMs are touched; bf16 GEMMs are unchanged.
+
+    The switch rides quack's own ``post_init_attrs`` (attributes set on the kernel object before it
+    is traced): they are part of the compile key and they travel with the key to quack's compile
+    workers. The autotuner compiles its candidates in forked worker processes, where a patch made in
+    this process does not exist, and its ``.o`` cache would hand a kernel compiled there back to this
+    process under the same key (measured 2026-11-22 on the H100: after autotuning, B2 of W13 on
+    fp8 ran at about twice the time of the same config compiled here)."""
     if os.environ.get("CODA_TITAN_FP8_SLOW_ACCUM", "0") != "0":
         return False
-    from quack.gemm_sm90 import GemmSm90
+    from quack.epilogue.frontend import EpiMod
 
-    init = GemmSm90.__init__
-    if getattr(init, "_coda_fast_accum", False):
+    gemm = EpiMod.gemm
+    if getattr(gemm, "_coda_fast_accum", False):
         return True
 
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        if len(args) < 7:  # fp8_fast_accum is the 7th positional parameter
-            kwargs.setdefault("fp8_fast_accum", True)
-        init(self, *args, **kwargs)
+    @functools.wraps(gemm)
+    def fast_accum_gemm(self, A, *args, post_init_attrs=(), **kwargs):
+        if getattr(A, "dtype", None) in _FP8_DTYPES and all(k != "fp8_slow_accum" for k, _ in post_init_attrs):
+            post_init_attrs = (*post_init_attrs, ("fp8_slow_accum", False))
+        return gemm(self, A, *args, post_init_attrs=post_init_attrs, **kwargs)
 
-    __init__._coda_fast_accum = True
-    GemmSm90.__init__ = __init__
+    fast_accum_gemm._coda_fast_accum = True
+    EpiMod.gemm = fast_accum_gemm
     return True
 
 
@@ -605,6 +616,14 @@ def _swiglu_bwd(dout, w_down, a, rstd):
     return da, y, res["dsum"] * r
 
 
+@functools.cache
+def _b3_fp8_config(device):
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None  # quack's per-arch default
+    return GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
 @torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
 def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
     why = _unsupported(dout, w_down, a)
@@ -618,10 +637,12 @@ def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
     y = a.new_empty((m, f2 // 2))
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     with _first_call("swiglu_bwd_fp8", dout, w_down):
-        # quack's default config, not autotuned: on the H200 one of the autotuner's candidate configs of
-        # this epilogue (two 16-bit aux outputs in packed_cd mode) never finished (measured 2026-11-22)
+        # a pinned config, not autotuned: one of the autotuner's candidates of this epilogue (two 16-bit
+        # aux outputs in packed_cd mode), 256 x 160 cooperative with a 1 x 2 cluster, never finishes
+        # (measured on the H200 and the H100). The pin is the fastest of the others on the H100
+        # (benchmarks/results/probe_fp8_configs_*.json) and the bf16 B3's autotuned choice there.
         res = dswiglu_rstd_preact_fp8_epi(dout, w_down, a, out={"D": da, "postact": y, "daq": daq}, tuned=False,
-                                          rstd=r, inv_scale=_scalar32(inv_scale))
+                                          config=_b3_fp8_config(a.device), rstd=r, inv_scale=_scalar32(inv_scale))
     return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
 
 

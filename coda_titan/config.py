@@ -11,6 +11,7 @@
     fp8_amax_history = 16   # steps of activation amax history behind the delayed fp8 scales
     fp8_dgrad = false       # fp8: F3's dgrad (B1 -> B2) on an e5m2 gradient (measured slower, see README)
     fp8_mlp_dgrad = false   # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient, delayed scale
+    fp8_grad_margin = 8     # fp8_mlp_dgrad: log2 headroom of the delayed e5m2 gradient scale
 """
 
 from dataclasses import dataclass, field
@@ -46,6 +47,12 @@ class Coda:
     writes da as e5m2 as well, with a delayed scale (the max of the last ``fp8_amax_history`` steps'
     gradient amax; the first backward calibrates with the current amax), and B2 multiplies it with
     the e4m3 W13^T of the weight pass. The wgrads stay bf16."""
+
+    fp8_grad_margin: int = 8
+    """fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two: the scale maps
+    2**margin times the history's amax to e5m2's largest value, so a step whose gradient grows up to
+    2**margin-fold over the history does not saturate. e5m2 spans about 32 binades, so the default
+    (256-fold) only moves values below 2**-22 of the amax into its subnormals."""
 
 
 @dataclass

@@ -293,6 +293,7 @@ def _models(**kw):
     fp8_args.precision = kw.get("precision", "fp8")
     fp8_args.fp8_dgrad = kw.get("fp8_dgrad", False)
     fp8_args.fp8_mlp_dgrad = kw.get("fp8_mlp_dgrad", False)
+    fp8_args.fp8_grad_margin = kw.get("fp8_grad_margin", fp8_args.fp8_grad_margin)
     fp8 = CodaTransformer(fp8_args)
     fp8.load_state_dict(bf16.state_dict())
     return bf16, fp8
@@ -377,7 +378,9 @@ def test_delayed_scales_come_from_the_history():
 
 
 def test_mlp_gradient_scales_come_from_the_gradient_history():
-    _, fp8 = _models(fp8_mlp_dgrad=True)
+    # no headroom, so that the delayed scale is exactly the calibration step's (with headroom the two
+    # grids differ by a power of two, which moves values in and out of e5m2's subnormals)
+    _, fp8 = _models(fp8_mlp_dgrad=True, fp8_grad_margin=0)
     tokens, labels = _batch(fp8.model_args.vocab_size)
     hist = fp8.fp8_grad_amax_history
     assert hist.shape == (fp8.model_args.n_layers, fp8.model_args.fp8_amax_history)
@@ -401,6 +404,41 @@ def test_mlp_gradient_scales_come_from_the_gradient_history():
     with torch.no_grad():  # evaluation neither needs the transposed weights nor records gradients
         fp8(tokens, labels=labels)
     assert fp8._fp8_grad_sink is None and torch.equal(fp8.fp8_grad_amax_history[:, 0], hist[:, 0])
+
+
+def _mlp_dgrad_error(margin: int, grown: float) -> float:
+    """Worst relative gradient deviation of the e5m2 MLP dgrad from the bf16 dgrad of the same model
+    (same weights, same e4m3 forward), on a step whose gradient amax is ``grown`` times the history's."""
+    ref = _models()[1]
+    model = _models(fp8_mlp_dgrad=True, fp8_grad_margin=margin)[1]
+    tokens, labels = _batch(model.model_args.vocab_size)
+    for m in (ref, model):  # calibrates the activation scales of both and the gradient scales of one
+        m(tokens, labels=labels).backward()
+        m.zero_grad()
+    model(tokens, labels=labels)  # (moves the calibration amaxes into the gradient history) ...
+    model.fp8_grad_amax_history.div_(grown)  # ... which is then made `grown`-fold too small
+    model._fp8_grad_sink = None
+    model.zero_grad()
+    for m in (ref, model):
+        m(tokens, labels=labels).backward()
+    g_ref, g = _grads(ref), _grads(model)
+    return max(((g[n] - g_ref[n]).norm() / g_ref[n].norm()).item() for n in g_ref)
+
+
+def test_mlp_gradient_scale_headroom_keeps_a_grown_gradient_from_saturating():
+    """A step whose MLP gradient is 64x the history's amax: with the default 2**8 headroom its e5m2
+    codes stay in range and the gradients are as close to the bf16 dgrad's as on an ordinary step;
+    without headroom da saturates and they are not."""
+    ok, ok_grown = _mlp_dgrad_error(8, 1.0), _mlp_dgrad_error(8, 64.0)
+    bare, bare_grown = _mlp_dgrad_error(0, 1.0), _mlp_dgrad_error(0, 64.0)
+    assert 0 < ok < 0.2 and 0 < bare < 0.2
+    assert ok_grown < 1.5 * ok, (ok, ok_grown)
+    assert bare_grown > 3 * bare, (bare, bare_grown)
+
+
+def test_fp8_grad_margin_is_validated():
+    with pytest.raises(ValueError, match="fp8_grad_margin"):
+        _models(fp8_mlp_dgrad=True, fp8_grad_margin=-1)
 
 
 def test_fp8_model_trains():

@@ -124,6 +124,8 @@ class CodaTransformer(Transformer):
             raise ValueError(f"[coda] precision must be one of {PRECISIONS}, got {model_args.precision!r}")
         if model_args.fp8_amax_history <= 0:
             raise ValueError(f"[coda] fp8_amax_history must be positive, got {model_args.fp8_amax_history}")
+        if not 0 <= model_args.fp8_grad_margin <= 24:
+            raise ValueError(f"[coda] fp8_grad_margin must be in 0..24 (a power-of-two exponent), got {model_args.fp8_grad_margin}")
         # precision = "fp8": amax history of the 2 per layer activation sites (F3's and F2's input H),
         # newest first. Not persistent: checkpoints stay stock llama3's; a resumed run recalibrates.
         self.register_buffer(
@@ -246,7 +248,8 @@ class CodaTransformer(Transformer):
         if not enabled:
             return [None] * n, [None] * n
         if self.fp8_grad_calibrated:
-            inv = list(inv_scale_from_amax(self.fp8_grad_amax_history.amax(-1), E5M2_MAX).unbind(0))
+            headroom = 2.0 ** self.model_args.fp8_grad_margin  # (a step's amax may outgrow the history)
+            inv = list(inv_scale_from_amax(self.fp8_grad_amax_history.amax(-1) * headroom, E5M2_MAX).unbind(0))
         else:
             inv = [None] * n
         self._fp8_grad_sink = torch.zeros(n, device=device, dtype=torch.float32, requires_grad=True)

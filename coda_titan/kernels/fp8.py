@@ -22,11 +22,12 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   ``[coda] fp8_dgrad = true`` (off by default: measured slower, docs/fp8_design.md) F3's dgrad
   (B1 -> B2) runs on fp8: B1 casts da to e5m2 with a current tensorwise scale, as torchao casts
   gradients, and B2 multiplies it with the e4m3 W_qkv^T of the weight pass; the scale s_da * s_w
-  rides B2's gamma row vector and its dgamma partials. ``[coda] fp8_mlp_dgrad`` (on by default: measured
-  faster) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a delayed
-  gradient scale (the amax history of that site, with ``fp8_grad_margin`` powers of two of headroom). The other backward programs and every
-  wgrad are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
-  says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major).
+  rides B2's gamma row vector and its dgamma partials. ``[coda] fp8_mlp_dgrad`` (on by default:
+  measured faster) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a
+  delayed gradient scale (the amax history of that site, with ``fp8_grad_margin`` powers of two of
+  headroom). The other backward programs and every wgrad are the BF16 ones, on the bf16 tensors
+  the forward saved (docs/fp8_design.md says why: quack's SM90 packed-pair stores are 16-bit, and
+  fp8 WGMMA operands must be K-major).
 
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
 which is how the CPU tests check the algebra):

@@ -86,7 +86,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # --- fp8 accumulation -----------------------------------------------------------------------------
 
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_DTYPES = (E4M3, E5M2)
 
 
 def _fp8_fast_accumulation() -> bool:

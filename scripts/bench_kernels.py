@@ -36,6 +36,17 @@ SHAPES = {2048: (8192, 32, 8, 64), 4096: (14336, 32, 8, 128), 8192: (28672, 64, 
 EPS = 1e-5
 
 
+def header() -> dict:
+    """device, date and versions: the first keys of every kernel result file."""
+    import quack
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
+    }
+
+
 def _bench(fn, reps=None):
     from triton.testing import do_bench
 
@@ -388,8 +399,6 @@ def main():
                     help="fp8: the e4m3 programs, written to kernels_fp8_<gpu>_d<d>.json")
     args = ap.parse_args()
 
-    import quack
-
     torch.backends.cuda.matmul.allow_tf32 = False
     have_liger = _liger()
     device = torch.cuda.get_device_name()
@@ -432,10 +441,7 @@ def main():
             results.append(row)
             torch.cuda.empty_cache()
         doc = {
-            "device": device,
-            "date": datetime.date.today().isoformat(),
-            "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"),
-                         "cuda": torch.version.cuda},
+            **header(),
             "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
             "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
             "results": results,

@@ -20,7 +20,6 @@ timed-out call still returns what it measured).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -81,12 +80,10 @@ def _inputs(gen):
 
 
 def _meta():
-    import quack
+    from scripts.bench_kernels import header
 
     return {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.date.today().isoformat(),
-        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
+        **header(),
         "shapes": {"M": M, "d": D, "F": F},
         "timing": "CUDA events, median of 20 calls after 3 warm-up calls (the first compiles)",
     }

@@ -11,6 +11,7 @@
     fp8_amax_history = 16   # steps of activation amax history behind the delayed fp8 scales
     fp8_dgrad = false       # fp8: F3's dgrad (B1 -> B2) on an e5m2 gradient (measured slower, see README)
     fp8_mlp_dgrad = true    # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient, delayed scale
+    fp8_mlp_wgrad = true    # fp8: W13's weight gradient on the same e5m2 gradient and the e4m3 H
     fp8_grad_margin = 8     # fp8_mlp_dgrad: log2 headroom of the delayed e5m2 gradient scale
 """
 
@@ -46,13 +47,23 @@ class Coda:
     """precision = "fp8": also run the MLP's largest dgrad, da @ W13 (B2 of F2), on fp8: B3's epilogue
     writes da as e5m2 as well, with a delayed scale (the max of the last ``fp8_amax_history`` steps'
     gradient amax; the first backward calibrates with the current amax), and B2 multiplies it with
-    the e4m3 W13^T of the weight pass. The wgrads stay bf16. On by default: measured faster than the
-    bf16 MLP dgrad on the H100 (README, FP8), with loss parity inside the float8 baseline's own noise."""
+    the e4m3 W13^T of the weight pass (W13's wgrad: ``fp8_mlp_wgrad``). On by default: measured
+    faster than the bf16 MLP dgrad on the H100 (README, FP8), with loss parity inside the float8
+    baseline's own noise."""
+
+    fp8_mlp_wgrad: bool = True
+    """precision = "fp8": also compute W13's weight gradient dW13 = da^T H on fp8: the e5m2 da that
+    B3 writes (as for ``fp8_mlp_dgrad``, same delayed scale) times the e4m3 H that F1 wrote for F2
+    (saved instead of the bf16 H). SM90 fp8 MMAs read K-major operands only and K is the token axis
+    here, so the kernel makes token-major copies of both (8-bit transposes) and runs cuBLAS's fp8
+    GEMM with slow accumulation, as torchao's weight gradients. The other wgrads stay bf16: their
+    operands exist only in bf16, and an amax + cast-transpose pass costs more than the fp8 GEMM saves
+    (``scripts/probe_fp8_wgrad.py``)."""
 
     fp8_grad_margin: int = 8
-    """fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two: the scale maps
-    2**margin times the history's amax to e5m2's largest value, so a step whose gradient grows up to
-    2**margin-fold over the history does not saturate. e5m2 spans about 32 binades, so the default
+    """fp8_mlp_dgrad / fp8_mlp_wgrad: headroom of the delayed e5m2 gradient scale, as a power of two:
+    the scale maps 2**margin times the history's amax to e5m2's largest value, so a step whose
+    gradient grows up to 2**margin-fold over the history does not saturate. e5m2 spans about 32 binades, so the default
     (256-fold) only moves values below 2**-22 of the amax into its subnormals."""
 
 

@@ -324,7 +324,7 @@ def fp8_cases(d, gen):
         bare_gemm=[scaled_mm(h8, wqkv8)], eager=f3_eager)))
 
     # B1 with its e5m2 copy of da (current scale), then F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T
-    from coda_titan.kernels.fp8 import E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.fp8 import E4M3_MAX, E5M2, E5M2_MAX, quantize_e5m2
 
     dqkv, qkv = r(M, q, scale=1e-3), r(M, q)
     b1 = dict(dy=dqkv, y=qkv, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=hq + hkv, head_dim=hd)
@@ -368,6 +368,25 @@ def fp8_cases(d, gen):
                                               rstd=rstd, zdz=zdz13, dresidual=dres),
         coda_bf16=lambda: be.norm_residual_bwd(da=da13, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz13, dresidual=dres),
         bare_gemm=[scaled_mm(daq13, w13q_t)], eager=b2_eager(daq13, w13q_t, s_g, s_w13))))
+
+    # fp8_mlp_wgrad: dW13 on the same e5m2 da and the e4m3 H (token-major copies in the program);
+    # bare GEMM: cuBLAS fp8 on copies made beforehand; eager: torchao's float8 weight gradient (amax,
+    # cast-and-transpose of both bf16 operands, _scaled_mm with slow accumulation)
+    daq13_t, h8_t = daq13.t().contiguous(), h8.t().contiguous()
+
+    def cast_t(t, dtype, fmax):
+        inv = inv_scale_from_amax(t.float().abs().amax(), fmax)
+        return (t.float() * inv).clamp(-fmax, fmax).to(dtype).t().contiguous(), inv.reciprocal()
+
+    def wgrad_eager():
+        (g8, s_g8), (x8, s_x8) = cast_t(da13, E5M2, E5M2_MAX), cast_t(h, E4M3, E4M3_MAX)
+        return torch._scaled_mm(g8, x8.t(), scale_a=s_g8, scale_b=s_x8, out_dtype=bf, use_fast_accum=False)
+
+    out.append(("wgrad_fp8_w13", "bwd", dict(
+        coda=lambda: be.wgrad_fp8(grad_q=daq13, inp_q=h8, scale=s_g / inv_h, out_dtype=bf),
+        coda_bf16=lambda: be.wgrad(grad=da13, inp=h, out_dtype=bf),
+        bare_gemm=[lambda: torch._scaled_mm(daq13_t, h8_t.t(), scale_a=one, scale_b=one, out_dtype=bf)],
+        eager=wgrad_eager)))
 
     # the per-step weight pass (amax + cast of W13)
     out.append(("quantize_tensorwise", "fwd", dict(

@@ -299,7 +299,8 @@ def _baseline_for(config: str) -> str | None:
     stem = Path(config).stem
     if "_coda" not in stem:
         return None
-    return re.sub(r"_coda(_compile)?$", "_baseline_compile", stem)
+    base, n = re.subn(r"_coda(_compile)?$", "_baseline_compile", stem)
+    return base if n else None  # (a variant named otherwise has no target, rather than itself)
 
 
 def targets(doc: dict) -> list[dict]:

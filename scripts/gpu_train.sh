@@ -15,6 +15,7 @@
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
+#     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled, with and without [coda] fp8_mlp_wgrad (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
@@ -73,7 +74,7 @@ for phase in "$@"; do
     fp8check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -s --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_fp8.txt" 2>&1
-      grep -E "(F2|F3|B[23] fp8.*|model.*):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
+      grep -E "(F2|F3|B[23] fp8.*|dW13 fp8.*|model.*):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
@@ -88,6 +89,14 @@ for phase in "$@"; do
     fp8mlp)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml configs/llama3_1b_fp8_coda_compile.toml \
         --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_dgrad
+      ;;
+    fp8wgrad)
+      # the A/B variant: the same config with fp8_mlp_wgrad = false (its stem has no _coda suffix: no target)
+      ab=/tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml
+      sed 's/^\[coda\]$/[coda]\nfp8_mlp_wgrad = false/' configs/llama3_1b_fp8_coda_compile.toml > $ab
+      grep -q "^fp8_mlp_wgrad = false" $ab || { echo "could not derive $ab"; exit 2; }
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml $ab \
+        --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
       ;;
     fp8model)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -k whole -s --tb=short -W ignore::DeprecationWarning 2>&1 \

@@ -21,14 +21,15 @@ from coda_titan.model.model import CodaTransformer
     "programs,attention,precision",
     [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
      ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
-     ("custom_ops", "sdpa", "fp8_mlp_dgrad")],
+     ("custom_ops", "sdpa", "fp8_mlp_dgrad")],  # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults)
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32, precision=precision.split("_")[0],
-                                          fp8_dgrad=precision == "fp8_dgrad", fp8_mlp_dgrad=precision == "fp8_mlp_dgrad"))
+                                          fp8_dgrad=precision == "fp8_dgrad", fp8_mlp_dgrad=precision == "fp8_mlp_dgrad",
+                                          fp8_mlp_wgrad=precision == "fp8_mlp_dgrad"))
     with torch.no_grad():
         model.init_weights()
     if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)

@@ -219,6 +219,30 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
     assert ((daq.float()[:, 0::2] != 0) | (da64[:, 0::2] == 0)).all()
 
 
+def test_wgrad_fp8_matches_fp64_emulation_and_its_bf16_twin():
+    from coda_titan.kernels.fp8 import E5M2_MAX, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(9)
+    m, n, k = 96, 32, 48
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * torch.rand(m, 1, generator=gen, dtype=torch.float64)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
+    inv_g, inv_x = inv_scale_from_amax(g.abs().amax(), E5M2_MAX), inv_scale_from_amax(x.abs().amax())
+    gq, xq = quantize_e5m2(g, inv_g), quantize_e4m3(x, inv_x)
+    scale = 1 / (inv_g * inv_x)
+    dw = TORCH.wgrad_fp8(grad_q=gq, inp_q=xq, scale=scale, out_dtype=torch.float64)
+    # fp64 emulation written out: every (token) product of the two decoded codes, summed
+    want = torch.einsum("mn,mk->nk", gq.double() / inv_g, xq.double() / inv_x)
+    assert dw.shape == (n, k) and _rel(dw, want) < 1e-12
+    # it is the bf16 wgrad up to e5m2 / e4m3 rounding of the operands
+    exact = TORCH.wgrad(grad=g, inp=x, out_dtype=torch.float64)
+    assert 1e-4 < _rel(dw, exact) < 0.2
+    assert TORCH.wgrad_fp8(grad_q=gq, inp_q=xq, scale=scale, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="e4m3 input"):
+        TORCH.wgrad_fp8(grad_q=gq, inp_q=gq, scale=scale, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="same rows"):
+        TORCH.wgrad_fp8(grad_q=gq[1:], inp_q=xq, scale=scale, out_dtype=torch.float64)
+
+
 @pytest.mark.parametrize("current", [True, False])
 def test_producers_write_h_and_its_e4m3_copy(current):
     gen = torch.Generator().manual_seed(4)
@@ -274,6 +298,8 @@ def test_fp8_ops_schemas_and_fakes():
         opcheck(torch.ops.coda.norm_residual_bwd_fp8.default,
                 (daq, wt, torch.tensor(0.5), res[:16], g, torch.rand(16), torch.randn(16), dres),
                 test_utils=("test_faketensor",))
+    opcheck(torch.ops.coda.wgrad_fp8.default, (daq, TORCH.quantize_tensorwise(w=res[:16])[0], torch.tensor(0.25),
+                                                torch.float32), test_utils=("test_faketensor",))
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -293,6 +319,7 @@ def _models(**kw):
     fp8_args.precision = kw.get("precision", "fp8")
     fp8_args.fp8_dgrad = kw.get("fp8_dgrad", False)
     fp8_args.fp8_mlp_dgrad = kw.get("fp8_mlp_dgrad", False)
+    fp8_args.fp8_mlp_wgrad = kw.get("fp8_mlp_wgrad", False)
     fp8_args.fp8_grad_margin = kw.get("fp8_grad_margin", fp8_args.fp8_grad_margin)
     fp8 = CodaTransformer(fp8_args)
     fp8.load_state_dict(bf16.state_dict())
@@ -308,9 +335,11 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("fp8_dgrad,fp8_mlp_dgrad", [(False, False), (True, False), (False, True)])
-def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_mlp_dgrad):
-    bf16, fp8 = _models(fp8_dgrad=fp8_dgrad, fp8_mlp_dgrad=fp8_mlp_dgrad)
+@pytest.mark.parametrize("fp8_dgrad,fp8_mlp_dgrad,fp8_mlp_wgrad",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
+                          (False, True, True)])
+def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_mlp_dgrad, fp8_mlp_wgrad):
+    bf16, fp8 = _models(fp8_dgrad=fp8_dgrad, fp8_mlp_dgrad=fp8_mlp_dgrad, fp8_mlp_wgrad=fp8_mlp_wgrad)
     tokens, labels = _batch(bf16.model_args.vocab_size)
     loss = bf16(tokens, labels=labels)
     loss.backward()
@@ -337,7 +366,7 @@ def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_
         g8, gp = _grads(fp8), _grads(plain)
         assert not torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"])
         assert torch.equal(g8["output.weight"], gp["output.weight"]) and torch.equal(g8["norm.weight"], gp["norm.weight"])
-    if fp8_mlp_dgrad:  # the e5m2 dgrad of the MLPs moves what flows through their B2 only
+    if fp8_mlp_dgrad or fp8_mlp_wgrad:
         last = f"layers.{fp8.model_args.n_layers - 1}."
         _, plain = _models()
         plain(tokens, labels=labels)
@@ -345,10 +374,16 @@ def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_
         fp8.zero_grad()
         fp8(tokens, labels=labels).backward()
         g8, gp = _grads(fp8), _grads(plain)
-        assert not torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"])
-        assert not torch.equal(g8[last + "ffn_norm.weight"], gp[last + "ffn_norm.weight"])  # B2's dgamma
-        for n in ("output.weight", "norm.weight", last + "feed_forward.w2.weight", last + "feed_forward.w1.weight"):
-            assert torch.equal(g8[n], gp[n]), n  # upstream of B2, or bf16 wgrads of bf16 tensors
+        for n in ("output.weight", "norm.weight", last + "feed_forward.w2.weight"):
+            assert torch.equal(g8[n], gp[n]), n  # upstream of the MLP's B2 and dW13
+        w13 = (last + "feed_forward.w1.weight", last + "feed_forward.w3.weight")
+        for n in w13:  # the e5m2 x e4m3 dW13 moves W13's gradient, the bf16 one does not
+            assert torch.equal(g8[n], gp[n]) != fp8_mlp_wgrad, n
+        # the e5m2 dgrad moves what flows through the MLP's B2: its dgamma and everything below
+        assert torch.equal(g8[last + "ffn_norm.weight"], gp[last + "ffn_norm.weight"]) != fp8_mlp_dgrad
+        assert torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"]) != fp8_mlp_dgrad
+        if not fp8_mlp_dgrad:  # the wgrad alone moves W13's gradients and nothing else
+            assert all(torch.equal(g8[n], gp[n]) for n in g8 if not n.endswith(("w1.weight", "w3.weight")))
 
 
 def test_delayed_scales_come_from_the_history():
@@ -624,6 +659,16 @@ def test_cute_fp8_mlp_dgrad_matches_reference():
     effect = _rel(out_r - dres, bf - dres)
     print(f"B2 fp8 (W13): kernel vs reference {_rel(out, out_r):.3g} / dgamma {_rel(dg, dg_r):.3g}; fp8 effect {effect:.3g}")
     assert out.isfinite().all() and _rel(out, out_r) < 0.1 * effect and _rel(dg, dg_r) < 0.1 * max(_rel(dg_r, bf_dg), 1e-3)
+    # fp8_mlp_wgrad: dW13 = da^T H on the same e5m2 da and an e4m3 H (token-major copies, cuBLAS fp8)
+    inv_h = inv_scale_from_amax(x.float().abs().amax())
+    hq = quantize_e4m3(x.float(), inv_h)
+    for out_dtype in (torch.float32, BF):
+        wkw = dict(grad_q=daq_r, inp_q=hq, scale=1 / (inv_g * inv_h), out_dtype=out_dtype)
+        dw, dw_r = cute.wgrad_fp8(**wkw), TORCH.wgrad_fp8(**wkw)
+        effect = _rel(dw_r, TORCH.wgrad(grad=da_r, inp=x, out_dtype=torch.float32))
+        print(f"dW13 fp8 ({out_dtype}): kernel vs reference {_rel(dw, dw_r):.3g}; fp8 effect {effect:.3g}")
+        assert dw.dtype == out_dtype and dw.shape == (2 * ff, d) and dw.isfinite().all()
+        assert _rel(dw, dw_r) < (1e-4 if out_dtype == torch.float32 else 1e-2) and _rel(dw, dw_r) < 0.1 * effect
 
 
 @gpu
@@ -654,7 +699,7 @@ def test_cute_f1_writes_e4m3_h():
 
 
 @gpu
-@pytest.mark.parametrize("mlp_dgrad", [False, True])
+@pytest.mark.parametrize("mlp_dgrad", [False, True])  # True: fp8_mlp_dgrad and fp8_mlp_wgrad (the defaults)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad):
     """The 1B model, fp8, cute vs torch backend: their gradients must differ by much less than fp8
     quantization itself moves them (torch fp8 vs torch bf16 programs). The backends' F1 GEMMs sum in
@@ -671,7 +716,7 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad):
     models = {}
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("bf16", "torch", "bf16")):
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, backend=be, precision=precision,
-                                   fp8_mlp_dgrad=mlp_dgrad)
+                                   fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_dgrad)
         torch.manual_seed(0)
         with torch.device("cuda"):
             models[name] = CodaTransformer(args)

@@ -41,6 +41,7 @@ PROGRAMS: dict[str, str] = {
     "rope_bwd_fp8": "fp8",  # B1 + e5m2 da
     "norm_residual_bwd_fp8": "fp8",  # B2 on e5m2 da and e4m3 W^T
     "swiglu_bwd_fp8": "fp8",  # B3 + e5m2 da (delayed scale) and amax |da|
+    "wgrad_fp8": "fp8",  # dW on an e5m2 gradient and e4m3 input (token-major copies in the kernel)
 }
 
 BACKENDS = ("torch", "cute")

@@ -25,9 +25,11 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   rides B2's gamma row vector and its dgamma partials. ``[coda] fp8_mlp_dgrad`` (on by default:
   measured faster) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a
   delayed gradient scale (the amax history of that site, with ``fp8_grad_margin`` powers of two of
-  headroom). The other backward programs and every wgrad are the BF16 ones, on the bf16 tensors
-  the forward saved (docs/fp8_design.md says why: quack's SM90 packed-pair stores are 16-bit, and
-  fp8 WGMMA operands must be K-major).
+  headroom). ``[coda] fp8_mlp_wgrad`` (on by default: measured faster) computes W13's weight gradient
+  from the same e5m2 da and the e4m3 H that F1 wrote for F2 (``wgrad_fp8``). The other backward
+  programs and wgrads are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
+  says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major, so
+  a weight gradient needs token-major copies, which pay off only where both fp8 operands exist).
 
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
 which is how the CPU tests check the algebra):
@@ -39,7 +41,8 @@ which is how the CPU tests check the algebra):
     norm_rope_fp8      F3: acc = Hq @ Wq^T;  p = (r * s) * acc; y = RoPE(p)
     rope_bwd_fp8       B1 + e5m2 da (current scale)
     norm_residual_bwd_fp8  B2 on e5m2 da and e4m3 W^T (F3's, or the MLP's with ``fp8_mlp_dgrad``)
-    swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad``) and amax |da|
+    swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad`` / ``fp8_mlp_wgrad``) and amax |da|
+    wgrad_fp8          dW = Gq^T @ Xq on an e5m2 gradient and e4m3 input (W13's, ``fp8_mlp_wgrad``)
 """
 
 from __future__ import annotations
@@ -248,3 +251,20 @@ def swiglu_bwd_fp8_torch(
     amax = da.abs().amax()
     inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+
+
+def wgrad_fp8_torch(
+    *, grad_q: torch.Tensor, inp_q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """dW = (grad_q^T @ inp_q) * scale: a weight gradient on fp8 operands (an e5m2 or e4m3 gradient
+    (M, N), an e4m3 input (M, K), both token-major as their producers wrote them), exact products
+    summed in fp32 (fp64 when ``out_dtype`` is fp64); ``scale`` = s_grad * s_inp (0-dim). The kernel
+    transposes both operands (SM90 fp8 MMAs read K-major operands only, and K is the token axis)."""
+    check_2d("grad_q", grad_q)
+    check_2d("inp_q", inp_q)
+    if grad_q.shape[0] != inp_q.shape[0]:
+        raise ValueError(f"grad_q and inp_q need the same rows, got {tuple(grad_q.shape)} and {tuple(inp_q.shape)}")
+    if grad_q.dtype not in (E4M3, E5M2) or inp_q.dtype != E4M3:
+        raise TypeError(f"wgrad fp8 takes an e5m2/e4m3 gradient and an e4m3 input, got {grad_q.dtype} and {inp_q.dtype}")
+    ct = _compute_dtype(out_dtype)
+    return ((grad_q.to(ct).t() @ inp_q.to(ct)) * scale.to(ct)).to(out_dtype)

@@ -32,6 +32,7 @@ from .fp8 import (
     residual_rms_fp8_torch,
     rms_partial_fp8_torch,
     swiglu_bwd_fp8_torch,
+    wgrad_fp8_torch,
 )
 from .lm_head_ce import lm_head_ce_torch
 from .norm_residual_bwd import norm_residual_bwd_torch
@@ -398,6 +399,16 @@ def _(grad, inp, out_dtype):
 
 
 @_op
+def wgrad_fp8(grad_q: torch.Tensor, inp_q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return wgrad_fp8_torch(grad_q=grad_q, inp_q=inp_q, scale=scale, out_dtype=out_dtype)
+
+
+@wgrad_fp8.register_fake
+def _(grad_q, inp_q, scale, out_dtype):
+    return grad_q.new_empty((grad_q.shape[1], inp_q.shape[1]), dtype=out_dtype)
+
+
+@_op
 def dgrad(grad: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return dgrad_torch(grad=grad, weight=weight, out_dtype=out_dtype)
 
@@ -428,6 +439,7 @@ OPS = {
     "rope_bwd_fp8": rope_bwd_fp8,
     "norm_residual_bwd_fp8": norm_residual_bwd_fp8,
     "swiglu_bwd_fp8": swiglu_bwd_fp8,
+    "wgrad_fp8": wgrad_fp8,
 }
 
 

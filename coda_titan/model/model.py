@@ -49,12 +49,13 @@ class CodaTransformerBlock(TransformerBlock):
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8=None):
         """One layer. ``fp8`` (precision = "fp8") is (hq, inv_attn, inv_ffn, inv_next, last, wqkv_q,
-        s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_grad, grad_sink): e4m3 H of this layer's input, the
-        delayed inverse scales of its two consumer sites and of the next layer's input (None = calibrate
-        with the current amax), and the layer's e4m3 weights with their scales (``fp8_layer_weights``;
-        the transposed copies wqkv_qt / w13_qt for the fp8 dgrads are None unless ``fp8_dgrad`` /
-        ``fp8_mlp_dgrad``); with w13_qt, the delayed inverse scale of the MLP's e5m2 gradient and the
-        tensor whose gradient receives its amax. Returns (x, h, rstd) for bf16 and
+        s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_grad, grad_sink, mlp_wgrad): e4m3 H of this layer's
+        input, the delayed inverse scales of its two consumer sites and of the next layer's input (None
+        = calibrate with the current amax), and the layer's e4m3 weights with their scales
+        (``fp8_layer_weights``; the transposed copies wqkv_qt / w13_qt for the fp8 dgrads are None
+        unless ``fp8_dgrad`` / ``fp8_mlp_dgrad``); when the MLP's gradient is e5m2 (``fp8_mlp_dgrad``
+        or ``fp8_mlp_wgrad``), its delayed inverse scale and the tensor whose gradient receives its
+        amax (else None, None), and whether dW13 runs on fp8. Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -66,7 +67,7 @@ class CodaTransformerBlock(TransformerBlock):
         if fp8 is None:
             qkv, x = NormRoPE.apply(h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd)
         else:
-            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_g, g_sink = fp8
+            hq, inv_attn, inv_ffn, inv_next, last, wqkv_q, s_qkv, wqkv_qt, w13_q, s_13, w13_qt, inv_g, g_sink, wgrad8 = fp8
             qkv, x = NormRoPEFp8.apply(
                 hq, h, rstd, x, *qkv_weights, freqs, seqlen, cfg, n_q + n_kv, hd, inv_attn, wqkv_q, s_qkv, wqkv_qt
             )
@@ -88,7 +89,7 @@ class CodaTransformerBlock(TransformerBlock):
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if inv_ffn is None else inv_ffn  # calibration: current
         out = NormSwiGLUResidualFp8.apply(
-            hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13, w13_qt, inv_g, g_sink
+            hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13, w13_qt, inv_g, g_sink, wgrad8
         )
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if last else out[3:]
@@ -124,6 +125,9 @@ class CodaTransformer(Transformer):
             raise ValueError(f"[coda] precision must be one of {PRECISIONS}, got {model_args.precision!r}")
         if model_args.fp8_amax_history <= 0:
             raise ValueError(f"[coda] fp8_amax_history must be positive, got {model_args.fp8_amax_history}")
+        for flag in ("fp8_dgrad", "fp8_mlp_dgrad", "fp8_mlp_wgrad"):
+            if not isinstance(getattr(model_args, flag), bool):
+                raise ValueError(f"[coda] {flag} must be true or false, got {getattr(model_args, flag)!r}")
         if not 0 <= model_args.fp8_grad_margin <= 24:
             raise ValueError(f"[coda] fp8_grad_margin must be in 0..24 (a power-of-two exponent), got {model_args.fp8_grad_margin}")
         # precision = "fp8": amax history of the 2 per layer activation sites (F3's and F2's input H),
@@ -209,6 +213,7 @@ class CodaTransformer(Transformer):
         amaxes = [amax0]
         a = self.model_args
         mlp_dgrad = a.fp8_mlp_dgrad and torch.is_grad_enabled()  # (the transposed weights serve the backward only)
+        mlp_wgrad = a.fp8_mlp_wgrad and torch.is_grad_enabled()
         qkv_dgrad = a.fp8_dgrad and torch.is_grad_enabled()
         with torch.no_grad():  # the weight pass (straight-through: the backward uses the bf16 weights)
             w13_q, s_13, wqkv_q, s_qkv, w13_qt, wqkv_qt = cfg.backend.fp8_layer_weights(
@@ -216,7 +221,7 @@ class CodaTransformer(Transformer):
                 wq=[l.attention.wq.weight for l in layers], wk=[l.attention.wk.weight for l in layers],
                 wv=[l.attention.wv.weight for l in layers], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
             )
-            inv_g, sink = self._fp8_grad_sites(x.device, mlp_dgrad)
+            inv_g, sink = self._fp8_grad_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else layers[i + 1].attention_norm.weight
@@ -227,7 +232,7 @@ class CodaTransformer(Transformer):
                 x, h, rstd, freqs, seqlen, gamma_next, cfg,
                 fp8=(hq, inv_attn, inv[2 * i + 1], inv_next, last, wqkv_q[i], s_qkv[i],
                      wqkv_qt[i] if qkv_dgrad else None, w13_q[i], s_13[i],
-                     *((w13_qt[i], inv_g[i], sink[i]) if mlp_dgrad else (None, None, None))),
+                     w13_qt[i] if mlp_dgrad else None, inv_g[i], sink[i], mlp_wgrad),
             )
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
         if self.training:
@@ -235,7 +240,7 @@ class CodaTransformer(Transformer):
         return x, h, rstd
 
     def _fp8_grad_sites(self, device, enabled: bool):
-        """fp8_mlp_dgrad: (per-layer delayed inverse e5m2 scales, or Nones to calibrate, and a fresh
+        """fp8_mlp_dgrad / fp8_mlp_wgrad: (per-layer delayed inverse e5m2 scales, or Nones to calibrate, and a fresh
         per-layer sink whose gradient will hold the amax of each layer's da). First moves the amaxes
         that the last backward left in the previous sink into the history."""
         n = self.fp8_grad_amax_history.shape[0]

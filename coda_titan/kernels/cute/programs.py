@@ -21,6 +21,8 @@ B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(
                     ``swiglu_bwd_fp8``: ``dswiglu_rstd_preact_fp8_epi`` (below) also packs e5m2 da
 wgrad / dgrad       plain GEMMs (cuBLAS, fp32 accumulation): every backward program already
                     folded r into da, so there is nothing to fuse
+wgrad_fp8           token-major copies of both fp8 operands (one inductor transpose each), then
+                    cuBLAS ``_scaled_mm`` (slow accumulation, as torchao's weight gradients)
 prologue            rms_partial: H = X * gamma and sum X^2 once per step (torch ops)
 ==================  ===========================================================================
 
@@ -652,6 +654,27 @@ def _wgrad(grad, inp, out_dtype):
         return _fallback("wgrad", f"dtype {grad.dtype}/{inp.dtype}", grad, inp, out_dtype)
     out = grad.t() @ inp
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _transpose(t):
+    return t.t().contiguous()
+
+
+@torch.library.register_kernel("coda::wgrad_fp8", "cuda")
+def _wgrad_fp8(grad_q, inp_q, scale, out_dtype):
+    why = _unsupported_fp8(grad_q, dtypes=(E4M3, E5M2)) or _unsupported_fp8(inp_q)
+    if why is None and (grad_q.shape[0] != inp_q.shape[0] or grad_q.shape[0] % 16):
+        why = f"rows {grad_q.shape[0]} / {inp_q.shape[0]} (need equal, % 16)"
+    if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        why = f"out dtype {out_dtype}"
+    if why:
+        return _fallback("wgrad_fp8", why, grad_q, inp_q, scale, out_dtype)
+    # SM90 fp8 MMAs read both operands K-major, and a weight gradient contracts over the tokens: both
+    # need token-major copies (an 8-bit transpose each, the passes torchao's float8 recipe runs too)
+    t = _fused("fp8_transpose", _transpose)
+    one = _cached(("one", grad_q.device), lambda: torch.ones((), device=grad_q.device, dtype=torch.float32))
+    return torch._scaled_mm(t(grad_q), t(inp_q).t(), scale_a=scale.to(torch.float32).reshape(()), scale_b=one,
+                            out_dtype=out_dtype, use_fast_accum=False)
 
 
 @torch.library.register_kernel("coda::dgrad", "cuda")

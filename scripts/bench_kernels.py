@@ -369,10 +369,11 @@ def fp8_cases(d, gen):
         coda_bf16=lambda: be.norm_residual_bwd(da=da13, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz13, dresidual=dres),
         bare_gemm=[scaled_mm(daq13, w13q_t)], eager=b2_eager(daq13, w13q_t, s_g, s_w13))))
 
-    # fp8_mlp_wgrad: dW13 on the same e5m2 da and the e4m3 H (token-major copies in the program);
-    # bare GEMM: cuBLAS fp8 on copies made beforehand; eager: torchao's float8 weight gradient (amax,
-    # cast-and-transpose of both bf16 operands, _scaled_mm with slow accumulation)
+    # fp8_mlp_wgrad: dW13 = da^T H as torchao's float8 weight gradient, with the amaxes B3 and F1 report
+    # (the program: cast-and-transpose of both bf16 operands, _scaled_mm with slow accumulation); bare
+    # GEMM: cuBLAS fp8 on copies made beforehand; eager: torchao's steps, amax passes included
     daq13_t, h8_t = daq13.t().contiguous(), h8.t().contiguous()
+    amax13, amax_h = da13.float().abs().amax(), h.float().abs().amax()
 
     def cast_t(t, dtype, fmax):
         inv = inv_scale_from_amax(t.float().abs().amax(), fmax)
@@ -383,7 +384,7 @@ def fp8_cases(d, gen):
         return torch._scaled_mm(g8, x8.t(), scale_a=s_g8, scale_b=s_x8, out_dtype=bf, use_fast_accum=False)
 
     out.append(("wgrad_fp8_w13", "bwd", dict(
-        coda=lambda: be.wgrad_fp8(grad_q=daq13, inp_q=h8, scale=s_g / inv_h, out_dtype=bf),
+        coda=lambda: be.wgrad_fp8(grad=da13, grad_amax=amax13, inp=h, inp_amax=amax_h, out_dtype=bf),
         coda_bf16=lambda: be.wgrad(grad=da13, inp=h, out_dtype=bf),
         bare_gemm=[lambda: torch._scaled_mm(daq13_t, h8_t.t(), scale_a=one, scale_b=one, out_dtype=bf)],
         eager=wgrad_eager)))

@@ -25,11 +25,11 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   rides B2's gamma row vector and its dgamma partials. ``[coda] fp8_mlp_dgrad`` (on by default:
   measured faster) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a
   delayed gradient scale (the amax history of that site, with ``fp8_grad_margin`` powers of two of
-  headroom). ``[coda] fp8_mlp_wgrad`` (on by default: measured faster) computes W13's weight gradient
-  from the same e5m2 da and the e4m3 H that F1 wrote for F2 (``wgrad_fp8``). The other backward
-  programs and wgrads are the BF16 ones, on the bf16 tensors the forward saved (docs/fp8_design.md
-  says why: quack's SM90 packed-pair stores are 16-bit, and fp8 WGMMA operands must be K-major, so
-  a weight gradient needs token-major copies, which pay off only where both fp8 operands exist).
+  headroom). ``[coda] fp8_mlp_wgrad`` computes W13's weight gradient on fp8 as torchao does
+  (``wgrad_fp8``: current scales, token-major e5m2 da and e4m3 H), with the amaxes that B3 and F1
+  already reported. The other backward programs and wgrads are the BF16 ones, on the bf16 tensors
+  the forward saved (docs/fp8_design.md says why: quack's SM90 packed-pair stores are 16-bit, and
+  fp8 WGMMA operands must be K-major, so a weight gradient needs token-major copies).
 
 Programs (all return the bf16 outputs in ``out_dtype``; fp64 throughout when the inputs are fp64,
 which is how the CPU tests check the algebra):
@@ -41,8 +41,8 @@ which is how the CPU tests check the algebra):
     norm_rope_fp8      F3: acc = Hq @ Wq^T;  p = (r * s) * acc; y = RoPE(p)
     rope_bwd_fp8       B1 + e5m2 da (current scale)
     norm_residual_bwd_fp8  B2 on e5m2 da and e4m3 W^T (F3's, or the MLP's with ``fp8_mlp_dgrad``)
-    swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad`` / ``fp8_mlp_wgrad``) and amax |da|
-    wgrad_fp8          dW = Gq^T @ Xq on an e5m2 gradient and e4m3 input (W13's, ``fp8_mlp_wgrad``)
+    swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad``) and amax |da|
+    wgrad_fp8          dW = G^T X on e5m2 G and e4m3 X, current scales (W13's, ``fp8_mlp_wgrad``)
 """
 
 from __future__ import annotations
@@ -253,18 +253,34 @@ def swiglu_bwd_fp8_torch(
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
 
 
+def wgrad_fp8_operands(
+    grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gq, s_g, xq, s_x): grad as e5m2 and inp as e4m3, each with the current tensorwise scale of
+    its amax (computed here when None), in the compute dtype's arithmetic (fp64 for fp64 inputs)."""
+    ct = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    g, x = grad.to(ct), inp.to(ct)
+    inv_g = inv_scale_from_amax(g.abs().amax() if grad_amax is None else grad_amax.to(ct), E5M2_MAX)
+    inv_x = inv_scale_from_amax(x.abs().amax() if inp_amax is None else inp_amax.to(ct))
+    return quantize_e5m2(g, inv_g), inv_g.reciprocal(), quantize_e4m3(x, inv_x), inv_x.reciprocal()
+
+
 def wgrad_fp8_torch(
-    *, grad_q: torch.Tensor, inp_q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+    *, grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """dW = (grad_q^T @ inp_q) * scale: a weight gradient on fp8 operands (an e5m2 or e4m3 gradient
-    (M, N), an e4m3 input (M, K), both token-major as their producers wrote them), exact products
-    summed in fp32 (fp64 when ``out_dtype`` is fp64); ``scale`` = s_grad * s_inp (0-dim). The kernel
-    transposes both operands (SM90 fp8 MMAs read K-major operands only, and K is the token axis)."""
-    check_2d("grad_q", grad_q)
-    check_2d("inp_q", inp_q)
-    if grad_q.shape[0] != inp_q.shape[0]:
-        raise ValueError(f"grad_q and inp_q need the same rows, got {tuple(grad_q.shape)} and {tuple(inp_q.shape)}")
-    if grad_q.dtype not in (E4M3, E5M2) or inp_q.dtype != E4M3:
-        raise TypeError(f"wgrad fp8 takes an e5m2/e4m3 gradient and an e4m3 input, got {grad_q.dtype} and {inp_q.dtype}")
+    """dW = grad^T @ inp on fp8 operands, torchao's float8 weight gradient: grad (M, N) cast to e5m2
+    and inp (M, K) to e4m3, each with a *current* tensorwise scale, exact products summed in fp32
+    (fp64 when ``out_dtype`` is fp64), times s_g * s_x. The amaxes come from the epilogues that
+    produced the two tensors (B3 reports amax |da|, F1 amax |H|), so no pass of its own computes
+    them (None: computed here). Current, not delayed, scales: a gradient that outgrows a delayed
+    scale saturates, and a weight gradient takes that saturation straight into the update. The
+    kernel makes the casts token-major copies (SM90 fp8 MMAs read K-major operands only, and K is the
+    token axis), one cast-and-transpose pass per operand, as torchao's recipe does."""
+    check_2d("grad", grad)
+    check_2d("inp", inp)
+    if grad.shape[0] != inp.shape[0]:
+        raise ValueError(f"grad and inp need the same rows, got {tuple(grad.shape)} and {tuple(inp.shape)}")
+    gq, s_g, xq, s_x = wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
     ct = _compute_dtype(out_dtype)
-    return ((grad_q.to(ct).t() @ inp_q.to(ct)) * scale.to(ct)).to(out_dtype)
+    return ((gq.to(ct).t() @ xq.to(ct)) * (s_g * s_x).to(ct)).to(out_dtype)

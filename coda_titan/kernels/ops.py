@@ -399,13 +399,16 @@ def _(grad, inp, out_dtype):
 
 
 @_op
-def wgrad_fp8(grad_q: torch.Tensor, inp_q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return wgrad_fp8_torch(grad_q=grad_q, inp_q=inp_q, scale=scale, out_dtype=out_dtype)
+def wgrad_fp8(
+    grad: torch.Tensor, grad_amax: Optional[torch.Tensor], inp: torch.Tensor, inp_amax: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return wgrad_fp8_torch(grad=grad, grad_amax=grad_amax, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
 
 
 @wgrad_fp8.register_fake
-def _(grad_q, inp_q, scale, out_dtype):
-    return grad_q.new_empty((grad_q.shape[1], inp_q.shape[1]), dtype=out_dtype)
+def _(grad, grad_amax, inp, inp_amax, out_dtype):
+    return grad.new_empty((grad.shape[1], inp.shape[1]), dtype=out_dtype)
 
 
 @_op

@@ -55,7 +55,8 @@ class CodaTransformerBlock(TransformerBlock):
         (``fp8_layer_weights``; the transposed copies wqkv_qt / w13_qt for the fp8 dgrads are None
         unless ``fp8_dgrad`` / ``fp8_mlp_dgrad``); when the MLP's gradient is e5m2 (``fp8_mlp_dgrad``
         or ``fp8_mlp_wgrad``), its delayed inverse scale and the tensor whose gradient receives its
-        amax (else None, None), and whether dW13 runs on fp8. Returns (x, h, rstd) for bf16 and
+        amax (else None, None), and whether dW13 runs on fp8 (torchao's recipe: current scales, from
+        the amaxes of da and H that B3 and F1 report). Returns (x, h, rstd) for bf16 and
         (x, h, rstd, hq_next, amax_ffn, amax_next) for fp8 (hq_next / amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -89,7 +90,8 @@ class CodaTransformerBlock(TransformerBlock):
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if inv_ffn is None else inv_ffn  # calibration: current
         out = NormSwiGLUResidualFp8.apply(
-            hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13, w13_qt, inv_g, g_sink, wgrad8
+            hq, h, rstd, x, *mlp_weights, cfg, inv_ffn, not last, inv_next, w13_q, s_13, w13_qt, inv_g, g_sink,
+            amax_ffn if wgrad8 else None,
         )
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if last else out[3:]

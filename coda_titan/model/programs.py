@@ -134,7 +134,7 @@ def _norm_swiglu_residual_backward(ctx, dx_out):
     w13 = interleave_rows(w1, w3)
     amax = daq = None
     if fp8:  # NormSwiGLUResidualFp8 with fp8_mlp_dgrad and/or fp8_mlp_wgrad: B3 also writes e5m2 da
-        w_t8, s_w, inv_g, hq, inv_h = fp8
+        w_t8, s_w, inv_g, h_amax = fp8  # and reports amax |da|
         da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=inv_g)
         inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g  # None: calibrated on amax
     else:
@@ -147,8 +147,8 @@ def _norm_swiglu_residual_backward(ctx, dx_out):
     else:
         dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dx_out)
     dw2 = be.wgrad(grad=dx_out, inp=y, out_dtype=w2.dtype)
-    if fp8 and hq is not None:  # fp8_mlp_wgrad: dW13 on e5m2 da x e4m3 H (F1 wrote it for F2)
-        dw13 = be.wgrad_fp8(grad_q=daq, inp_q=hq, scale=_dequant_scale(inv_h, inv.reciprocal()), out_dtype=w13.dtype)
+    if fp8 and h_amax is not None:  # fp8_mlp_wgrad: torchao's fp8 dW, current scales from B3's and F1's amaxes
+        dw13 = be.wgrad_fp8(grad=da, grad_amax=amax, inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
     else:
         dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
     dw1, dw3 = deinterleave_rows(dw13)
@@ -232,15 +232,16 @@ class NormSwiGLUResidualFp8(torch.autograd.Function):
     cannot be stored as e4m3 by quack's SM90 paired-column epilogue) writing e4m3 H for the next
     layer's F3 when ``inv_next`` is given (``quantize_next``). Backward = NormSwiGLUResidual's, except
     that with ``g_sink`` given (``fp8_mlp_dgrad`` or ``fp8_mlp_wgrad``) B3 also writes da as e5m2 with
-    the delayed inverse scale ``inv_g`` (None: calibrate on the current amax); then B2 runs on it and
-    W13q^T = w13_8t when that is given (``fp8_mlp_dgrad``), and dW13 on it and Hq when ``wgrad8``
-    (``fp8_mlp_wgrad``: Hq is saved instead of H). The backward returns amax |da| as the gradient
-    of ``g_sink``: the model reads it there to update the gradient site's amax history (a side
-    channel through autograd, so it works compiled too)."""
+    the delayed inverse scale ``inv_g`` (None: calibrate on the current amax) and reports amax |da|;
+    then B2 runs on e5m2 da and W13q^T = w13_8t when that is given (``fp8_mlp_dgrad``), and dW13 is
+    torchao's fp8 weight gradient of da and H with current scales when ``h_amax`` (amax |H|, from F1)
+    is given (``fp8_mlp_wgrad``). The backward returns amax |da| as the gradient of ``g_sink``: the
+    model reads it there to update the gradient site's amax history (a side channel through
+    autograd, so it works compiled too)."""
 
     @staticmethod
     def forward(ctx, hq, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, inv_a, quantize_next, inv_next,
-                w13_8, s_w, w13_8t=None, inv_g=None, g_sink=None, wgrad8=False):
+                w13_8, s_w, w13_8t=None, inv_g=None, g_sink=None, h_amax=None):
         be = cfg.backend
         y, a = be.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=w13_8, scale=_dequant_scale(inv_a, s_w), out_dtype=h.dtype)
         if quantize_next:
@@ -251,8 +252,8 @@ class NormSwiGLUResidualFp8(torch.autograd.Function):
         else:
             outs = be.residual_rms(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
         ctx.mark_non_differentiable(*outs[1:])
-        fp8 = (w13_8t, s_w, inv_g, *((hq, inv_a) if wgrad8 else (None, None))) if g_sink is not None else ()
-        ctx.save_for_backward(None if fp8 and wgrad8 else h, rstd, x, gamma, w1, w3, w2, a, *fp8)
+        fp8 = (w13_8t, s_w, inv_g, h_amax) if g_sink is not None else ()
+        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *fp8)
         ctx.cfg = cfg
         return outs
 

@@ -21,8 +21,9 @@ B3 swiglu_bwd       ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(
                     ``swiglu_bwd_fp8``: ``dswiglu_rstd_preact_fp8_epi`` (below) also packs e5m2 da
 wgrad / dgrad       plain GEMMs (cuBLAS, fp32 accumulation): every backward program already
                     folded r into da, so there is nothing to fuse
-wgrad_fp8           token-major copies of both fp8 operands (one inductor transpose each), then
-                    cuBLAS ``_scaled_mm`` (slow accumulation, as torchao's weight gradients)
+wgrad_fp8           e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
+                    pass each, current scales), then cuBLAS ``_scaled_mm`` (slow accumulation, as
+                    torchao's weight gradients)
 prologue            rms_partial: H = X * gamma and sum X^2 once per step (torch ops)
 ==================  ===========================================================================
 
@@ -71,6 +72,7 @@ from ..fp8 import (
     quantize_e5m2,
     quantize_tensorwise_torch,
     rms_partial_fp8_torch,
+    wgrad_fp8_operands,
 )
 from ..lm_head_ce import IGNORE_INDEX
 from ..norm_rope import rope_cos_sin
@@ -656,25 +658,26 @@ def _wgrad(grad, inp, out_dtype):
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def _transpose(t):
-    return t.t().contiguous()
+def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):
+    gq, s_g, xq, s_x = wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
+    return gq.t().contiguous(), s_g, xq.t().contiguous(), s_x
 
 
 @torch.library.register_kernel("coda::wgrad_fp8", "cuda")
-def _wgrad_fp8(grad_q, inp_q, scale, out_dtype):
-    why = _unsupported_fp8(grad_q, dtypes=(E4M3, E5M2)) or _unsupported_fp8(inp_q)
-    if why is None and (grad_q.shape[0] != inp_q.shape[0] or grad_q.shape[0] % 16):
-        why = f"rows {grad_q.shape[0]} / {inp_q.shape[0]} (need equal, % 16)"
+def _wgrad_fp8(grad, grad_amax, inp, inp_amax, out_dtype):
+    why = _unsupported(grad, inp)
+    if why is None and (grad.shape[0] != inp.shape[0] or grad.shape[0] % 16 or grad.shape[1] % 16 or inp.shape[1] % 16):
+        why = f"shapes {tuple(grad.shape)} / {tuple(inp.shape)} (need equal rows, all % 16)"
     if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         why = f"out dtype {out_dtype}"
     if why:
-        return _fallback("wgrad_fp8", why, grad_q, inp_q, scale, out_dtype)
-    # SM90 fp8 MMAs read both operands K-major, and a weight gradient contracts over the tokens: both
-    # need token-major copies (an 8-bit transpose each, the passes torchao's float8 recipe runs too)
-    t = _fused("fp8_transpose", _transpose)
-    one = _cached(("one", grad_q.device), lambda: torch.ones((), device=grad_q.device, dtype=torch.float32))
-    return torch._scaled_mm(t(grad_q), t(inp_q).t(), scale_a=scale.to(torch.float32).reshape(()), scale_b=one,
-                            out_dtype=out_dtype, use_fast_accum=False)
+        return _fallback("wgrad_fp8", why, grad, grad_amax, inp, inp_amax, out_dtype)
+    # SM90 fp8 MMAs read both operands K-major, and a weight gradient contracts over the tokens:
+    # token-major e5m2 / e4m3 copies, one cast-and-transpose pass each (inductor), as torchao's recipe
+    fn = _fused(f"wgrad_fp8_operands_{grad_amax is None:d}{inp_amax is None:d}", _wgrad_fp8_operands_t)
+    with _first_call("wgrad_fp8", grad, inp):
+        gt, s_g, xt, s_x = fn(grad, grad_amax, inp, inp_amax)
+        return torch._scaled_mm(gt, xt.t(), scale_a=s_g, scale_b=s_x, out_dtype=out_dtype, use_fast_accum=False)
 
 
 @torch.library.register_kernel("coda::dgrad", "cuda")

@@ -555,7 +555,9 @@ def compare_table(doc: dict) -> str:
         if "error" in r:
             lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | |")
             continue
-        ref = base.get(re.sub(r"_(coda|baseline)(_compile)?$", "_baseline_compile", stem))
+        # (a variant such as <model>_coda_compile_<what> is set against the same compiled baseline)
+        name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+        ref = base.get(name) if n else None
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
         lines.append(
             f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {_f(r['peak_gib'], 2)} | "

@@ -3,7 +3,8 @@
     python -m scripts.report [--parts DIR ...]
 
 ``--parts``: folders holding ``kernels_<gpu>_d<d>.json`` written by ``scripts/bench_kernels.py``
-(for example the device tool's output folders). They are merged (newest file per d wins) into
+(for example the device tool's output folders). They are merged (newest file per d wins; its rows
+replace those of the same d and program) into
 ``benchmarks/results/kernels_<gpu>.json``. Then, from the committed JSON only:
 ``benchmarks/results/kernels_<gpu>.png`` and the table between the ``<!-- kernels:begin -->`` and
 ``<!-- kernels:end -->`` markers of README.md. No number is typed by hand anywhere.
@@ -41,7 +42,9 @@ def merge(parts: list[str]) -> list[Path]:
     for gpu, docs in by_gpu.items():
         target = RESULTS / f"kernels_{gpu}.json"
         merged = json.loads(target.read_text()) if target.exists() else None
-        results = [r for r in (merged or {}).get("results", []) if r["d"] not in docs]
+        # a part replaces the rows of the (d, program) pairs it measured (a BENCH_OPS run measures a few)
+        fresh = {(r["d"], r["op"]) for doc in docs.values() for r in doc["results"]}
+        results = [r for r in (merged or {}).get("results", []) if (r["d"], r["op"]) not in fresh]
         for d in sorted(docs):
             results += docs[d]["results"]
         first = docs[min(docs)]

@@ -78,6 +78,19 @@ def test_targets_compare_coda_with_the_compiled_baseline_only():
     assert compare.targets({"runs": [run("y_baseline", 1, 1), run("y_coda", 2, 1)]}) == []
 
 
+
+def test_a_config_variant_has_no_target_but_is_set_against_the_compiled_baseline():
+    def run(stem, tps):
+        return {"config": f"/tmp/{stem}.toml", "tokens_per_s": tps, "peak_gib": 30, "attention": "fa4",
+                "step_ms": 1.0, "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1}
+
+    doc = {"runs": [run("x_baseline_compile", 100), run("x_coda_compile", 110), run("x_coda_compile_no_wgrad", 105)],
+           "device": "d", "date": "2026-11-22", "versions": {}, "steps": 1, "warmup": 1}
+    assert [t["config"] for t in compare.targets(doc)] == ["x_coda_compile", "x_coda_compile"]  # not the variant
+    rows = {line.split(" | ")[0][2:]: line for line in compare.compare_table(doc).splitlines() if line.startswith("| x_")}
+    assert "| 1.050x |" in rows["x_coda_compile_no_wgrad"] and "| 1.100x |" in rows["x_coda_compile"]
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_derived_config_round_trips(name, tmp_path):
     from coda_titan.cli import _load_toml

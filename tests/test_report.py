@@ -37,3 +37,21 @@ def test_readme_table_is_generated_from_committed_json():
     readme = (report.ROOT / "README.md").read_text()
     for path in paths:
         assert report.table(json.loads(path.read_text())) in readme, f"README table is stale for {path.name}"
+
+
+def test_a_part_replaces_only_the_programs_it_measured(tmp_path, monkeypatch):
+    def row(op, ms, d=64):
+        return {"op": op, "direction": "fwd", "M": 8, "d": d, "precision": "fp8", "ms": {"coda": ms}}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(report, "RESULTS", results)
+    (results / "kernels_gpu.json").write_text(json.dumps(
+        {"device": "gpu", "runs": ["d64: old"], "results": [row("a", 1.0), row("b", 2.0), row("a", 3.0, d=128)]}))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "kernels_gpu_d64.json").write_text(json.dumps({"device": "gpu", "date": "new", "results": [row("b", 5.0)]}))
+    report.merge([str(parts)])
+    merged = json.loads((results / "kernels_gpu.json").read_text())
+    assert {(r["d"], r["op"]): r["ms"]["coda"] for r in merged["results"]} == {(64, "a"): 1.0, (64, "b"): 5.0, (128, "a"): 3.0}
+    assert merged["runs"] == ["d64: new", "d64: old"]

@@ -56,18 +56,17 @@ class Coda:
     float8 weight gradient: da as e5m2 and H as e4m3 with *current* tensorwise scales, whose amaxes
     B3 and F1 already report (no amax pass), cuBLAS's fp8 GEMM with slow accumulation. SM90 fp8 MMAs
     read K-major operands only and K is the token axis here, so the kernel makes token-major copies
-    (one cast-and-transpose pass per operand). Not the delayed e5m2 da of ``fp8_mlp_dgrad``: a
-    gradient that outgrows a delayed scale saturates, and in a weight gradient that goes straight
-    into the update (measured: a 12% loss spike in a 300-step run). The other wgrads stay bf16:
-    without a producer's amax, the extra amax pass costs more than the fp8 GEMM saves
-    (``scripts/probe_fp8_wgrad.py``). Off by default: measured 1.6% more tokens/s on the H100 at 1B,
-    but its 300-step parity run has a one-step loss spike (7%, step 81) that the float8 baseline and
-    the default CODA fp8 run do not (README, FP8)."""
+    (one cast-and-transpose pass per operand). The other wgrads stay bf16: without a producer's
+    amax, the extra amax pass costs more than the fp8 GEMM saves (``scripts/probe_fp8_wgrad.py``).
+    Off by default: measured 1.6% more tokens/s on the H100 at 1B, but its 300-step parity run has a
+    one-step loss spike (7%, step 81) that the float8 baseline and the default CODA fp8 run do not
+    (a first version on B3's delayed-scale e5m2 da spiked 12% there; the cause is not established,
+    docs/fp8_design.md item 6)."""
 
     fp8_grad_margin: int = 8
-    """fp8_mlp_dgrad / fp8_mlp_wgrad: headroom of the delayed e5m2 gradient scale, as a power of two:
-    the scale maps 2**margin times the history's amax to e5m2's largest value, so a step whose
-    gradient grows up to 2**margin-fold over the history does not saturate. e5m2 spans about 32 binades, so the default
+    """fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two: the scale maps
+    2**margin times the history's amax to e5m2's largest value, so a step whose gradient grows up to
+    2**margin-fold over the history does not saturate. e5m2 spans about 32 binades, so the default
     (256-fold) only moves values below 2**-22 of the amax into its subnormals."""
 
 

@@ -273,10 +273,9 @@ def wgrad_fp8_torch(
     and inp (M, K) to e4m3, each with a *current* tensorwise scale, exact products summed in fp32
     (fp64 when ``out_dtype`` is fp64), times s_g * s_x. The amaxes come from the epilogues that
     produced the two tensors (B3 reports amax |da|, F1 amax |H|), so no pass of its own computes
-    them (None: computed here). Current, not delayed, scales: a gradient that outgrows a delayed
-    scale saturates, and a weight gradient takes that saturation straight into the update. The
-    kernel makes the casts token-major copies (SM90 fp8 MMAs read K-major operands only, and K is the
-    token axis), one cast-and-transpose pass per operand, as torchao's recipe does."""
+    them (None: computed here). The kernel makes the casts token-major copies (SM90 fp8 MMAs read
+    K-major operands only, and K is the token axis), one cast-and-transpose pass per operand, as
+    torchao's recipe does."""
     check_2d("grad", grad)
     check_2d("inp", inp)
     if grad.shape[0] != inp.shape[0]:

@@ -132,7 +132,7 @@ def _norm_swiglu_residual_backward(ctx, dx_out):
     h, rstd, x, gamma, w1, w3, w2, a, *fp8 = ctx.saved_tensors
     be = ctx.cfg.backend
     w13 = interleave_rows(w1, w3)
-    amax = daq = None
+    amax = None
     if fp8:  # NormSwiGLUResidualFp8 with fp8_mlp_dgrad and/or fp8_mlp_wgrad: B3 also writes e5m2 da
         w_t8, s_w, inv_g, h_amax = fp8  # and reports amax |da|
         da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=inv_g)

@@ -20,6 +20,9 @@ Results go to ``benchmarks/results/`` (``--out``): ``compare_<gpu>_<date>.json``
 ``loss_curve_<gpu>_<date>.json`` (+ ``.png``), ``profile_<config>_<gpu>_<date>.json``. Each JSON
 holds the device, date, versions, exactly what was run and the raw per-step values. ``--report``
 regenerates the plots and the README section from those files only; no number is typed by hand.
+The README section also gets, from the stored loss curves, the run-to-run spread of repeated stock
+runs (the noise any parity criterion has to live with) and the step where they disagree most, and,
+from the profiles, the GEMM time a CODA config would have left for its speed-up target.
 """
 
 from __future__ import annotations
@@ -650,6 +653,144 @@ def profile_side_by_side(docs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def budget_lines(docs: list[dict]) -> list[str]:
+    """For each profiled CODA config whose compiled baseline was profiled too: the GEMM time left to
+    reach the speed-up target, given the time CODA spends outside GEMMs (attention, elementwise,
+    optimizer, GPU idle), against the time the baseline's GEMMs take."""
+    by_stem = {Path(d["config"]).stem: d for d in docs}
+    gemm = lambda d: sum(d["summary"]["categories_ms"].get(c, 0.0) for c in GROUPS["GEMM (incl. fused epilogues)"])  # noqa: E731
+    out = []
+    for stem, d in by_stem.items():
+        base = by_stem.get(_baseline_for(d["config"]) or "")
+        if base is None:
+            continue
+        target = TARGET_SPEEDUP_FP8 if "fp8" in stem else TARGET_SPEEDUP
+        need = base["summary"]["gpu_span_ms"] / target
+        rest = d["summary"]["gpu_span_ms"] - gemm(d)
+        left = need - rest
+        verdict = ("less than" if left < gemm(base) else "at least") + " what the baseline's GEMMs take"
+        out.append(
+            f"For {target:.2f}x over `{Path(base['config']).stem}` the span of `{stem}` would have to be "
+            f"{need:.1f} ms. Outside its GEMMs (attention, elementwise, optimizer, GPU idle) it spends "
+            f"{rest:.1f} ms, which leaves {left:.1f} ms for every GEMM of the step, {verdict} "
+            f"({gemm(base):.1f} ms; CODA's take {gemm(d):.1f} ms now).")
+    return out
+
+
+# --- run-to-run spread of the stored loss curves -----------------------------------------------------
+
+
+def _cohort(doc: dict, run: dict) -> str:
+    """Runs with the same device, step count, data, seed, optimizer and schedule see the same batches."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    t = tomllib.loads(run["config_run"])
+    same = {k: t.get(k) for k in ("training", "optimizer", "lr_scheduler", "debug")}
+    return json.dumps({"device": doc["device"], "steps": len(run["loss"]), **same}, sort_keys=True)
+
+
+def loss_runs(paths: list[Path] | None = None) -> list[dict]:
+    """Every run of every stored loss curve (``archive/`` included), tagged with its file."""
+    if paths is None:
+        paths = sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        for r in doc["runs"]:
+            out.append({
+                "file": Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}",
+                "config": Path(r["config"]).stem,
+                "stock": "\nname = \"coda_llama3\"" not in r["config_run"],
+                "precision": r.get("precision", "bf16"),
+                "cohort": _cohort(doc, r),
+                "loss": r["loss"],
+            })
+    return out
+
+
+def repeat_spread(runs: list[dict]) -> list[dict]:
+    """Stock configs trained more than once in one cohort: the parity statistics of every pair of
+    repeats. Same config, data, seed and code, so they measure run-to-run nondeterminism alone."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["stock"]:
+            groups.setdefault((r["cohort"], r["config"]), []).append(r)
+    out = []
+    for (_, config), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        tol = PARITY_TOL_FP8 if rs[0]["precision"] == "fp8" else PARITY_TOL
+        pairs = [parity(a["loss"], b["loss"], tol=tol) for i, a in enumerate(rs) for b in rs[i + 1:]]
+        worst = max(pairs, key=lambda q: q["max_rel_dev"])
+        out.append({
+            "config": config, "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
+            "max_rel_dev": worst["max_rel_dev"], "max_rel_dev_step": worst["max_rel_dev_step"],
+            "min_pair_max_rel_dev": min(q["max_rel_dev"] for q in pairs),
+            "steps_over_tolerance": (min(q["steps_over_tolerance"] for q in pairs),
+                                     max(q["steps_over_tolerance"] for q in pairs)),
+            "compared_steps": worst["compared_steps"],
+            "mean_abs_rel_dev": (min(q["mean_abs_rel_dev"] for q in pairs), max(q["mean_abs_rel_dev"] for q in pairs)),
+            "pairs_within_tolerance": sum(q["met"] for q in pairs),
+        })
+    return out
+
+
+def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
+    """The step after ``skip`` where the stock runs of the largest cohort disagree most (relative
+    range of their losses), with every run's loss of that cohort at that step."""
+    cohorts: dict[str, list[dict]] = {}
+    for r in runs:
+        cohorts.setdefault(r["cohort"], []).append(r)
+    rs = max(cohorts.values(), key=len, default=[])
+    stock = [r for r in rs if r["stock"]]
+    if len(stock) < 2:
+        return None
+    n = min(len(r["loss"]) for r in rs)
+    spread = lambda i: (max(r["loss"][i] for r in stock) - min(r["loss"][i] for r in stock)) / min(r["loss"][i] for r in stock)  # noqa: E731
+    i = max(range(skip, n), key=spread)
+    return {"step": i + 1, "stock_rel_range": spread(i), "stock_runs": len(stock),
+            "losses": sorted(({"file": r["file"], "config": r["config"], "stock": r["stock"], "loss": r["loss"][i]}
+                              for r in rs), key=lambda e: e["loss"])}
+
+
+def spread_tables(runs: list[dict]) -> str:
+    pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
+    lines = []
+    rep = repeat_spread(runs)
+    if rep:
+        lines += [
+            "Run-to-run spread of the stock baselines: every pair of repeated runs of one stock config (same "
+            "data, seed, code and GPU; every stored loss curve, `archive/` included).",
+            "",
+            "| config | runs | largest max deviation (step) | smallest max deviation | steps over tolerance | "
+            "mean abs. deviation | pairs within tolerance |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for q in rep:
+            lo, hi = q["steps_over_tolerance"]
+            mlo, mhi = q["mean_abs_rel_dev"]
+            lines.append(
+                f"| {q['config']} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
+                f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
+                f"{pct(mlo)}-{pct(mhi)} | {q['pairs_within_tolerance']} of {q['pairs']} |")
+        lines.append("")
+    f = fragile_step(runs)
+    if f:
+        lines += [
+            f"The step where the {f['stock_runs']} stock runs of these curves disagree most is step {f['step']} "
+            f"(their losses span {pct(f['stock_rel_range'])}). Every stored run's loss there:",
+            "",
+            "| loss | config | stock | file |",
+            "|---:|---|:---:|---|",
+        ]
+        for e in f["losses"]:
+            lines.append(f"| {e['loss']:.3f} | {e['config']} | {'yes' if e['stock'] else 'no'} | `{e['file']}` |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def plot_compare(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -727,9 +868,14 @@ def readme_section() -> str:
     for p in _latest("loss_curve"):
         doc = json.loads(p.read_text())
         parts += [parity_table(doc), "", f"![loss curves](benchmarks/results/{p.with_suffix('.png').name})", ""]
+    spread = spread_tables(loss_runs())
+    if spread:
+        parts += [spread, ""]
     profiles = [json.loads(p.read_text()) for p in _latest("profile")]
     if len(profiles) > 1:
         parts += [profile_side_by_side(profiles), ""]
+        for line in budget_lines(profiles):
+            parts += [line, ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]
     return "\n".join(parts).rstrip()

@@ -91,6 +91,48 @@ def test_a_config_variant_has_no_target_but_is_set_against_the_compiled_baseline
     assert "| 1.050x |" in rows["x_coda_compile_no_wgrad"] and "| 1.100x |" in rows["x_coda_compile"]
 
 
+def _curve_run(config, loss, *, coda=False, seed=42):
+    return {"config": f"configs/{config}.toml", "loss": loss, "precision": "fp8",
+            "config_run": f'[model]\nname = "{"coda_llama3" if coda else "llama3"}"\n\n[debug]\nseed = {seed}\n'}
+
+
+def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
+    base = [5.0] * 30
+    bump = lambda i, v: [v if j == i else x for j, x in enumerate(base)]  # noqa: E731
+    doc = {"device": "d", "runs": [_curve_run("b", base), _curve_run("c", bump(25, 9.0), coda=True)]}
+    doc2 = {"device": "d", "runs": [_curve_run("b", bump(24, 5.1)), _curve_run("c", base, coda=True)]}
+    doc3 = {"device": "d", "runs": [_curve_run("b", bump(26, 9.0), seed=1)]}  # other data: not a repeat
+    paths = []
+    for i, d in enumerate((doc, doc2, doc3)):
+        paths.append(tmp_path / f"loss_curve_{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    runs = compare.loss_runs(paths)
+    assert [r["stock"] for r in runs] == [True, False, True, False, True]
+    (q,) = compare.repeat_spread(runs)  # the two CODA runs are no repeats: their code may differ
+    assert q["config"] == "b" and q["runs"] == 2 and q["pairs"] == 1
+    assert q["max_rel_dev"] == pytest.approx(0.02) and q["max_rel_dev_step"] == 25
+    assert q["steps_over_tolerance"] == (1, 1) and q["pairs_within_tolerance"] == 0
+    f = compare.fragile_step(runs)
+    assert f["step"] == 25 and f["stock_runs"] == 2  # not step 26 (other cohort), not CODA's step 26 bump
+    assert f["stock_rel_range"] == pytest.approx(0.02)
+    assert [e["loss"] for e in f["losses"]] == [5.0, 5.0, 5.0, 5.1]
+    table = compare.spread_tables(runs)
+    assert "| b | 2 | 2.00% (25) |" in table and "step 25" in table
+
+
+def test_budget_lines_give_the_gemm_time_left_for_the_target():
+    def prof(stem, span, gemm, other):
+        return {"config": f"configs/{stem}.toml", "summary": {"gpu_span_ms": span, "categories_ms": {
+            "gemm (cuBLAS/other)": gemm, "attention": other}}}
+
+    base = prof("m_fp8_baseline_compile", 250.0, 100.0, 150.0)
+    (line,) = compare.budget_lines([base, prof("m_fp8_coda_compile", 240.0, 140.0, 100.0)])
+    assert "200.0 ms" in line and "100.0 ms for every GEMM" in line and "at least" in line  # 250/1.25 - 100
+    (line,) = compare.budget_lines([base, prof("m_fp8_coda_compile", 240.0, 130.0, 110.0)])
+    assert "90.0 ms for every GEMM" in line and "less than" in line
+    assert compare.budget_lines([prof("m_fp8_coda_compile", 240.0, 130.0, 110.0)]) == []  # no baseline profiled
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_derived_config_round_trips(name, tmp_path):
     from coda_titan.cli import _load_toml

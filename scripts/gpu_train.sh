@@ -15,7 +15,7 @@
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
-#     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled, with and without [coda] fp8_mlp_wgrad (A/B)
+#     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad = true and = false (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
@@ -91,12 +91,15 @@ for phase in "$@"; do
         --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_dgrad
       ;;
     fp8wgrad)
-      # the A/B variant: the same config with fp8_mlp_wgrad = false (its stem has no _coda suffix: no target)
-      ab=/tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml
-      sed 's/^\[coda\]$/[coda]\nfp8_mlp_wgrad = false/' configs/llama3_1b_fp8_coda_compile.toml > $ab
-      grep -q "^fp8_mlp_wgrad = false" $ab || { echo "could not derive $ab"; exit 2; }
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml $ab \
-        --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
+      # A/B: the compiled CODA fp8 config with fp8_mlp_wgrad set either way, whatever its default
+      # (variant stems have no target; the table sets them against the compiled baseline)
+      for v in fp8:true bf16:false; do
+        ab=/tmp/llama3_1b_fp8_coda_compile_${v%%:*}_wgrad.toml
+        sed "s/^\[coda\]$/[coda]\nfp8_mlp_wgrad = ${v##*:}/" configs/llama3_1b_fp8_coda_compile.toml > $ab
+        grep -q "^fp8_mlp_wgrad = ${v##*:}$" $ab || { echo "could not derive $ab"; exit 2; }
+      done
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml /tmp/llama3_1b_fp8_coda_compile_fp8_wgrad.toml \
+        /tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
       ;;
     fp8model)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -k whole -s --tb=short -W ignore::DeprecationWarning 2>&1 \

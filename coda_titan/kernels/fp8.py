@@ -26,7 +26,7 @@ Recipe (``[coda] precision = "fp8"``; see docs/fp8_design.md for why each choice
   measured faster) does the same for the MLP's dgrad da @ W13, with da cast in B3's epilogue under a
   delayed gradient scale (the amax history of that site, with ``fp8_grad_margin`` powers of two of
   headroom). ``[coda] fp8_mlp_wgrad`` computes W13's weight gradient on fp8 as torchao does
-  (``wgrad_fp8``: current scales, token-major e5m2 da and e4m3 H), with the amaxes that B3 and F1
+  (``wgrad_fp8``: current power-of-two scales, token-major e5m2 da and e4m3 H), with the amaxes that B3 and F1
   already reported. The other backward programs and wgrads are the BF16 ones, on the bf16 tensors
   the forward saved (docs/fp8_design.md says why: quack's SM90 packed-pair stores are 16-bit, and
   fp8 WGMMA operands must be K-major, so a weight gradient needs token-major copies).
@@ -42,7 +42,7 @@ which is how the CPU tests check the algebra):
     rope_bwd_fp8       B1 + e5m2 da (current scale)
     norm_residual_bwd_fp8  B2 on e5m2 da and e4m3 W^T (F3's, or the MLP's with ``fp8_mlp_dgrad``)
     swiglu_bwd_fp8     B3 + e5m2 da (delayed scale, ``fp8_mlp_dgrad``) and amax |da|
-    wgrad_fp8          dW = G^T X on e5m2 G and e4m3 X, current scales (W13's, ``fp8_mlp_wgrad``)
+    wgrad_fp8          dW = G^T X on e5m2 G and e4m3 X, current power-of-two scales (W13's, ``fp8_mlp_wgrad``)
 """
 
 from __future__ import annotations
@@ -66,6 +66,14 @@ def inv_scale_from_amax(amax: torch.Tensor, fmax: float = E4M3_MAX) -> torch.Ten
     """``fmax / amax`` in fp32 (fp64 for fp64 amax), with amax floored at 1e-12."""
     dt = torch.float64 if amax.dtype == torch.float64 else torch.float32
     return fmax / amax.to(dt).clamp(min=AMAX_EPS)
+
+
+def pow2_floor(inv_scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= ``inv_scale`` (torchao's ``round_scales_to_power_of_2``). Scaling
+    by a power of two is exact, so an element's fp8 rounding no longer depends on the amax: it is
+    the element's own rounding to the format's mantissa, and the amax only picks the window of
+    binades (at most one binade of range given up)."""
+    return torch.exp2(torch.floor(torch.log2(inv_scale)))
 
 
 def quantize_e4m3(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
@@ -257,11 +265,18 @@ def wgrad_fp8_operands(
     grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gq, s_g, xq, s_x): grad as e5m2 and inp as e4m3, each with the current tensorwise scale of
-    its amax (computed here when None), in the compute dtype's arithmetic (fp64 for fp64 inputs)."""
+    its amax (computed here when None) rounded down to a power of two, in the compute dtype's
+    arithmetic (fp64 for fp64 inputs).
+
+    Why a power of two: with ``fmax / amax`` itself, the whole rounding grid moves with the amax, a
+    single element. Two correct runs whose da differ at the fp8-noise level (cute and torch
+    backends: measured, the 1B model's amax |da| 6% apart in one layer, ``probe_fp8_model_grads``)
+    then round every element independently. With a power-of-two scale the rounding of an element
+    is its own, whatever the amax."""
     ct = torch.float64 if grad.dtype == torch.float64 else torch.float32
     g, x = grad.to(ct), inp.to(ct)
-    inv_g = inv_scale_from_amax(g.abs().amax() if grad_amax is None else grad_amax.to(ct), E5M2_MAX)
-    inv_x = inv_scale_from_amax(x.abs().amax() if inp_amax is None else inp_amax.to(ct))
+    inv_g = pow2_floor(inv_scale_from_amax(g.abs().amax() if grad_amax is None else grad_amax.to(ct), E5M2_MAX))
+    inv_x = pow2_floor(inv_scale_from_amax(x.abs().amax() if inp_amax is None else inp_amax.to(ct)))
     return quantize_e5m2(g, inv_g), inv_g.reciprocal(), quantize_e4m3(x, inv_x), inv_x.reciprocal()
 
 
@@ -270,7 +285,8 @@ def wgrad_fp8_torch(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """dW = grad^T @ inp on fp8 operands, torchao's float8 weight gradient: grad (M, N) cast to e5m2
-    and inp (M, K) to e4m3, each with a *current* tensorwise scale, exact products summed in fp32
+    and inp (M, K) to e4m3, each with a *current* tensorwise scale rounded down to a power of two
+    (torchao's ``round_scales_to_power_of_2``; ``wgrad_fp8_operands`` says why), exact products summed in fp32
     (fp64 when ``out_dtype`` is fp64), times s_g * s_x. The amaxes come from the epilogues that
     produced the two tensors (B3 reports amax |da|, F1 amax |H|), so no pass of its own computes
     them (None: computed here). The kernel makes the casts token-major copies (SM90 fp8 MMAs read

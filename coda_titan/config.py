@@ -11,7 +11,7 @@
     fp8_amax_history = 16   # steps of activation amax history behind the delayed fp8 scales
     fp8_dgrad = false       # fp8: F3's dgrad (B1 -> B2) on an e5m2 gradient (measured slower, see README)
     fp8_mlp_dgrad = true    # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient, delayed scale
-    fp8_mlp_wgrad = true    # fp8: W13's weight gradient on fp8 (torchao's recipe); +1.6% tokens/s, see README
+    fp8_mlp_wgrad = true    # fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)
     fp8_grad_margin = 8     # fp8_mlp_dgrad: log2 headroom of the delayed e5m2 gradient scale
 """
 
@@ -54,14 +54,14 @@ class Coda:
     fp8_mlp_wgrad: bool = True
     """precision = "fp8": also compute W13's weight gradient dW13 = da^T H on fp8, as torchao's
     float8 weight gradient: da as e5m2 and H as e4m3 with *current* tensorwise scales, whose amaxes
-    B3 and F1 already report (no amax pass), cuBLAS's fp8 GEMM with slow accumulation. SM90 fp8 MMAs
+    B3 and F1 already report (no amax pass), rounded down to a power of two (torchao's
+    ``round_scales_to_power_of_2``: an element's rounding then does not move with the amax),
+    cuBLAS's fp8 GEMM with slow accumulation. SM90 fp8 MMAs
     read K-major operands only and K is the token axis here, so the kernel makes token-major copies
     (one cast-and-transpose pass per operand). The other wgrads stay bf16: without a producer's
     amax, the extra amax pass costs more than the fp8 GEMM saves (``scripts/probe_fp8_wgrad.py``).
-    On by default: measured 1.6% more tokens/s on the H100 at 1B (A/B in one run). Its 300-step parity
-    run is inside the float8 baseline's own run-to-run spread except at step 81 (7.0%), the step where
-    stock runs of this data and seed land anywhere between 6.35 and 7.16 (the bf16 TorchTitan +
-    compile run: 7.155, against its 7.098); README, "Run-to-run spread"; docs/fp8_design.md item 6."""
+    On by default: faster on the H100 at 1B in an A/B training run, with 300-step loss parity inside
+    the float8 baseline's own run-to-run spread (README, FP8; docs/fp8_design.md item 6)."""
 
     fp8_grad_margin: int = 8
     """fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two: the scale maps

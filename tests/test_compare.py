@@ -118,6 +118,7 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
     assert [e["loss"] for e in f["losses"]] == [5.0, 5.0, 5.0, 5.1]
     table = compare.spread_tables(runs)
     assert "| b | 2 | 2.00% (25) |" in table and "step 25" in table
+    assert q["max_rel_dev_10step_mean"] == pytest.approx(0.1 / 50)  # one 10-step window holds the bump
 
 
 def test_budget_lines_give_the_gemm_time_left_for_the_target():

@@ -664,7 +664,7 @@ def budget_lines(docs: list[dict]) -> list[str]:
         base = by_stem.get(_baseline_for(d["config"]) or "")
         if base is None:
             continue
-        target = TARGET_SPEEDUP_FP8 if "fp8" in stem else TARGET_SPEEDUP
+        target = TARGET_SPEEDUP_FP8 if d["run"].get("precision") == "fp8" else TARGET_SPEEDUP  # as targets()
         need = base["summary"]["gpu_span_ms"] / target
         rest = d["summary"]["gpu_span_ms"] - gemm(d)
         left = need - rest

@@ -123,7 +123,7 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
 
 def test_budget_lines_give_the_gemm_time_left_for_the_target():
     def prof(stem, span, gemm, other):
-        return {"config": f"configs/{stem}.toml", "summary": {"gpu_span_ms": span, "categories_ms": {
+        return {"config": f"configs/{stem}.toml", "run": {"precision": "fp8"}, "summary": {"gpu_span_ms": span, "categories_ms": {
             "gemm (cuBLAS/other)": gemm, "attention": other}}}
 
     base = prof("m_fp8_baseline_compile", 250.0, 100.0, 150.0)

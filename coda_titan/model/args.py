@@ -27,7 +27,7 @@ class CodaModelArgs(TransformerModelArgs):
     fp8_amax_history: int = 16  # fp8: steps of activation amax history (delayed scaling)
     fp8_dgrad: bool = False  # fp8: F3's dgrad on an e5m2 gradient and the e4m3 weight
     fp8_mlp_dgrad: bool = True  # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient (delayed scale)
-    fp8_mlp_wgrad: bool = True  # fp8: W13's wgrad on fp8 (torchao's recipe, current scales)
+    fp8_mlp_wgrad: bool = True  # fp8: W13's wgrad on fp8 (torchao's recipe, current power-of-two scales)
     fp8_grad_margin: int = 8  # fp8_mlp_dgrad: log2 headroom of the delayed e5m2 gradient scale
 
     def update_from_config(self, job_config, **kwargs) -> None:

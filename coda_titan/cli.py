@@ -1,11 +1,13 @@
-"""``coda-titan``: the command line.
+"""``coda-titan``: train LLaMA-3 models with TorchTitan, stock or rewritten as CODA GEMM-epilogue programs.
 
     coda-titan train CONFIG.toml [--section.key value ...]
+    coda-titan train CONFIG.toml --help      every override key, with its value in CONFIG.toml
 
-Runs TorchTitan's own ``Trainer`` (its config parser, checkpointing, metrics and W&B logging) with
-this plug-in imported, on the GPU when there is one and on the CPU otherwise. Before training it
-checks the config and says, in one line, what to change: a missing or malformed TOML, an unknown
-key or section, an unknown model or flavor, a backend that cannot run here, a missing dataset.
+``train`` runs TorchTitan's own ``Trainer`` (its config parser, checkpointing, metrics and W&B
+logging) with this plug-in imported, on the GPU when there is one and on the CPU otherwise. Before
+anything is built it checks the config and says, in one line, what to change (exit status 2): a
+missing or malformed TOML, an unknown key or section, a ``[coda]`` value the schema refuses, an
+unknown model or flavor, a backend that cannot run here, a missing dataset.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 PLUGIN = "coda_titan"
-CONFIG_MODULE = "coda_titan.config"
+CONFIG_MODULE = "coda_titan.titan.job_config"
 
 
 class UserError(Exception):
@@ -62,10 +64,46 @@ def _check_keys(cls, values: dict, where: str = "") -> None:
             _check_keys(ftype, value, here)
 
 
+def _coda_overrides(overrides: list[str]) -> dict:
+    """The ``--coda.KEY VALUE`` overrides, typed as the schema's fields (a value that does not parse
+    stays a string, for the schema to refuse); a switch given a value is refused here."""
+    from .titan.job_config import FIELDS
+
+    values = {}
+    for i, arg in enumerate(overrides):
+        if not arg.startswith("--coda."):
+            continue
+        key, eq, value = arg[len("--coda."):].replace("-", "_").partition("=")
+        attached = bool(eq)
+        if not attached:
+            value = overrides[i + 1] if i + 1 < len(overrides) and not overrides[i + 1].startswith("--") else None
+        name = key[3:] if key.startswith("no_") and key[3:] in FIELDS else key
+        f = FIELDS.get(name)
+        if f is None:
+            raise UserError(f"unknown override --coda.{key}; valid [coda] keys: {', '.join(FIELDS)}")
+        if f.type is bool:
+            if value is not None:
+                raise UserError(f"--coda.{name} is a switch: write --coda.{name} (true) or --coda.no_{name} (false), "
+                                f"without a value")
+            values[name] = name == key
+        elif value is None:
+            raise UserError(f"--coda.{name} needs a value")
+        else:
+            values[name] = int(value) if f.type is int and value.lstrip("-").isdigit() else value
+    return values
+
+
 def parse_config(config_path: str, overrides: list[str]):
     """TorchTitan JobConfig from the TOML plus CLI overrides, with the plug-in wired in."""
+    from .titan.job_config import ConfigError, validate_table
+
     path = Path(config_path)
     toml = _load_toml(path)
+    try:  # before TorchTitan's parser, which would only warn about a wrong type
+        coda = toml.get("coda", {})
+        validate_table({**(coda if isinstance(coda, dict) else {}), **_coda_overrides(overrides)})
+    except ConfigError as e:
+        raise UserError(str(e)) from None
     args = ["--job.config_file", str(path)]
     job = toml.get("job", {}) if isinstance(toml.get("job"), dict) else {}
     if not job.get("custom_config_module") and not _has_flag(overrides, "job.custom_config_module"):
@@ -103,9 +141,11 @@ def validate(config) -> None:
     """Semantic checks TorchTitan would only fail on deep inside the Trainer."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from .data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets, local_files
     from .kernels import BackendUnavailable, resolve_backend
-    from .train_spec import NAME
+    from .titan.data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets, local_files
+    from .titan.job_config import ConfigError
+    from .titan.job_config import validate as validate_coda
+    from .titan.train_spec import NAME
 
     try:
         spec = get_train_spec(config.model.name)
@@ -118,12 +158,11 @@ def validate(config) -> None:
         )
     if config.model.name == NAME:
         try:
+            validate_coda(config.coda)
             backend = resolve_backend(config.coda.backend)
-        except BackendUnavailable as e:
+        except (BackendUnavailable, ConfigError) as e:
             raise UserError(str(e)) from None
         print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
-        if config.coda.tile_n <= 0 or config.coda.ce_chunk_rows <= 0:
-            raise UserError("[coda] tile_n and ce_chunk_rows must be positive integers")
     _check_converters(config)
     dataset = config.training.dataset.lower()
     if dataset not in known_datasets():
@@ -144,21 +183,21 @@ def _check_converters(config) -> None:
     import torchtitan.components.quantization  # noqa: F401  (registers TorchTitan's float8/mx converters)
     from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
-    from .model.attention import NAME as FA4, fa4_unavailable_reason
+    from .titan.fa4 import NAME as FA4, fa4_unavailable_reason
 
     for name in config.model.converters:
         if name not in _registry_model_converter_cls:
             raise UserError(
                 f"unknown model.converters entry {name!r}; registered: {', '.join(sorted(_registry_model_converter_cls))}"
             )
-    from .train_spec import NAME
+    from .titan.train_spec import NAME
 
     quantized = [c for c in config.model.converters if c.startswith("quantize.")]
     if config.model.name == NAME and quantized:
         raise UserError(
             f"model.converters {quantized} cannot apply to {NAME}: its GEMMs run inside the CODA programs, which "
-            "TorchTitan's float8/mx linears would not reach. CODA FP8 programs are not implemented yet; "
-            "use model.name = 'llama3' for TorchTitan's FP8 baseline"
+            "TorchTitan's float8/mx linears would not reach. Set [coda] precision = 'fp8' for CODA's FP8 programs, "
+            "or model.name = 'llama3' for TorchTitan's FP8 baseline"
         )
     if FA4 in config.model.converters:
         reason = fa4_unavailable_reason()
@@ -240,11 +279,23 @@ def train(config_path: str, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="coda-titan", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="train from a TorchTitan TOML config")
-    p_train.add_argument("config", help="path to a TOML job config")
-    p_train.add_argument("overrides", nargs=argparse.REMAINDER, help="TorchTitan overrides: --section.key value ...")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="coda-titan", description=__doc__.split("\n\n")[0].strip("`").replace("``", ""),
+        epilog="Run `coda-titan train CONFIG.toml --help` for every override key of a config.",
+    )
+    parser.add_argument("--version", action="version", version=f"coda-titan {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_train = sub.add_parser(
+        "train", help="train from a TorchTitan TOML config",
+        description="Train from a TorchTitan TOML job config with TorchTitan's own Trainer. The config is checked "
+        "before anything is built; a problem is one line on stderr and exit status 2.",
+        epilog="`coda-titan train CONFIG.toml --help` lists every override key (--section.key) with its value.",
+    )
+    p_train.add_argument("config", help="path to a TOML job config (see configs/)")
+    p_train.add_argument("overrides", nargs=argparse.REMAINDER,
+                         help="TorchTitan overrides, e.g. --training.steps 20 --coda.precision fp8")
     args = parser.parse_args(argv)
     try:
         if args.command == "train":

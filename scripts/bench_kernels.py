@@ -246,7 +246,7 @@ def fp8_cases(d, gen):
     and the bf16 coda program (coda_bf16)."""
     from coda_titan.kernels import get_backend
     from coda_titan.kernels._common import interleave_rows
-    from coda_titan.kernels.fp8 import E4M3, inv_scale_from_amax, quantize_e4m3
+    from coda_titan.kernels.scaling import E4M3, inv_scale_from_amax, quantize_e4m3
     from coda_titan.model.rope import rope_freqs
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
     from torchtitan.models.llama3.model.model import apply_rotary_emb, precompute_freqs_cis
@@ -324,7 +324,8 @@ def fp8_cases(d, gen):
         bare_gemm=[scaled_mm(h8, wqkv8)], eager=f3_eager)))
 
     # B1 with its e5m2 copy of da (current scale), then F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T
-    from coda_titan.kernels.fp8 import E5M2_MAX, quantize_e5m2, wgrad_fp8_operands
+    from coda_titan.kernels.gemm import wgrad_fp8_operands
+    from coda_titan.kernels.scaling import E5M2_MAX, quantize_e5m2
 
     dqkv, qkv = r(M, q, scale=1e-3), r(M, q)
     b1 = dict(dy=dqkv, y=qkv, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=hq + hkv, head_dim=hd)

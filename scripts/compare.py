@@ -936,6 +936,16 @@ def main(argv=None) -> int:
     for kv in args.set:
         if "=" not in kv:
             ap.error(f"--set takes KEY=VALUE, got {kv!r}")
+    from coda_titan.cli import UserError
+
+    try:
+        return _run_mode(ap, args)
+    except UserError as e:  # a config the schema refuses: before any run starts
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_mode(ap, args) -> int:
     if args.loss_curve:
         if len(args.configs) < 2:
             ap.error("--loss-curve takes two or more configs: the reference first, then the candidates")

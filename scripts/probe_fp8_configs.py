@@ -63,7 +63,7 @@ def _time(fn, reps=20):
 
 
 def _inputs(gen):
-    from coda_titan.kernels.fp8 import E4M3, E5M2
+    from coda_titan.kernels.scaling import E4M3, E5M2
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
@@ -90,7 +90,7 @@ def _meta():
 
 
 def _b3_child(idx: int) -> dict:
-    from coda_titan.kernels.cute import programs as P  # noqa: F401  (fast fp8 accumulation, our epilogues)
+    from coda_titan.kernels.cute import epilogues as P  # (importing cute also installs fast fp8 accumulation)
     from quack.epilogue.library import dswiglu_rstd_preact_mod
 
     t = _inputs(torch.Generator(device="cuda").manual_seed(0))
@@ -118,7 +118,7 @@ def main():
         print("ROW " + json.dumps(_b3_child(args.child_b3)), flush=True)
         return
 
-    from coda_titan.kernels.cute import programs as P  # noqa: F401  (fast fp8 accumulation)
+    import coda_titan.kernels.cute  # noqa: F401  (fast fp8 accumulation)
     from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.library import rms_bwd_apply_epi
 

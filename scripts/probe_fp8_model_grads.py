@@ -37,11 +37,12 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.job_config import Coda
 
     models = {}
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("bf16", "torch", "bf16")):
-        args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, backend=be, precision=precision,
-                                   fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad)
+        coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad)
+        args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
         with torch.device("cuda"):
             models[name] = CodaTransformer(args)
@@ -62,10 +63,10 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
         ref.zero_grad(set_to_none=True)
         with torch.no_grad():
             ref(tokens, labels=labels)
-        cute.fp8_grad_amax_history.copy_(ref.fp8_grad_amax_history)
-        cute.fp8_grad_calibrated = True
-    cute.fp8_amax_history.copy_(ref.fp8_amax_history)
-    cute.fp8_calibrated = True
+        cute.fp8_scaling.gradient_history.copy_(ref.fp8_scaling.gradient_history)
+        cute.fp8_scaling.gradients_calibrated = True
+    cute.fp8_scaling.activation_history.copy_(ref.fp8_scaling.activation_history)
+    cute.fp8_scaling.activations_calibrated = True
     losses, grads, amaxes = {}, {}, {}
     for name, model in models.items():
         loss = model(tokens, labels=labels)
@@ -74,9 +75,9 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
         grads[name] = {n: p.grad.float() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         if name != "bf16":  # this step's amax |H| of every site, and amax |da| of every MLP (B3)
-            sink = model._fp8_grad_sink
-            amaxes[name] = {"sites": model.fp8_amax_history[:, 0].tolist(),
-                            "grad": None if sink is None or sink.grad is None else sink.grad.tolist()}
+            sink = model.fp8_scaling.sink
+            amaxes[name] = {"sites": model.fp8_scaling.activation_history[:, 0].tolist(),
+                            "grad": None if sink is None or sink.amaxes() is None else sink.amaxes().tolist()}
         bad = [n for n, g in grads[name].items() if not g.isfinite().all()]
         if bad:
             raise AssertionError(f"{name}: non-finite gradients in {bad[:3]}")

@@ -32,7 +32,7 @@ M, D, F = 16384, 2048, 8192
 
 
 def main() -> None:
-    from coda_titan.kernels.fp8 import E4M3, E4M3_MAX, E5M2, E5M2_MAX
+    from coda_titan.kernels.scaling import E4M3, E4M3_MAX, E5M2, E5M2_MAX
     from scripts.bench_kernels import header
 
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -14,7 +14,7 @@ import os
 import torch
 from triton.testing import do_bench
 
-from coda_titan.kernels.residual_rms import residual_rms_torch
+from coda_titan.kernels.residual_rms import residual_rms as residual_rms_torch
 
 
 def rel(a, b):

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coda_titan.model import attention as fa
+from coda_titan.titan import fa4 as fa
 from coda_titan.model.args import CodaModelArgs
+from coda_titan.titan.job_config import Coda
 from coda_titan.model.model import CodaTransformer
 
 
@@ -67,7 +68,7 @@ def test_module_swap_keeps_the_model_function(family):
     if family == "llama3":
         model = Transformer(TransformerModelArgs(**kw))
     else:
-        model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32))
+        model = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", tile_n=32)))
     with torch.no_grad():
         model.init_weights()
     model = model.double()

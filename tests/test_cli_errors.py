@@ -52,7 +52,7 @@ def test_cute_backend_without_gpu(capsys):
 
 def test_bad_backend_name(capsys):
     _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--coda.backend", "triton"],
-           "must be one of 'auto', 'torch', 'cute'")
+           "backend = 'triton' is not allowed: use one of 'auto', 'torch', 'cute'")
 
 
 def test_malformed_toml(capsys, bad_config):
@@ -101,4 +101,4 @@ def test_unknown_converter(capsys):
 
 def test_float8_converter_refused_for_coda(capsys):
     _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.converters", "quantize.linear.float8"],
-           "cannot apply to coda_llama3", "not implemented yet", "model.name = 'llama3'")
+           "cannot apply to coda_llama3", "precision = 'fp8'", "model.name = 'llama3'")

@@ -236,14 +236,23 @@ def test_committed_results_are_complete_and_consistent(path):
 
 
 def test_a_failing_run_is_recorded_and_fails_the_command(tmp_path, cache_dir, monkeypatch):
-    """A run that dies (here: a config error) is kept in the JSON with its log tail; exit status 1."""
+    """A run that dies (here: the trainer's own check of a local dataset without a path) is kept in
+    the JSON with its log tail; exit status 1."""
     monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
     rc = compare.main([str(CONFIGS / "debug_cpu_coda.toml"), "--steps", "2", "--warmup", "1",
-                       "--set", "coda.backend=triton", "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+                       "--set", "training.dataset=local", "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
     assert rc == 1
     (path,) = (tmp_path / "res").glob("compare_*.json")
     (run,) = json.loads(path.read_text())["runs"]
-    assert run["returncode"] != 0 and "must be one of 'auto', 'torch', 'cute'" in run["error"]
+    assert run["returncode"] != 0 and "training.dataset_path" in run["error"]
+
+
+def test_a_config_the_schema_refuses_stops_before_any_run(tmp_path, capsys):
+    rc = compare.main([str(CONFIGS / "debug_cpu_coda.toml"), "--steps", "2", "--set", "coda.backend=triton",
+                       "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "backend = 'triton' is not allowed" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "res").exists() or not list((tmp_path / "res").glob("*.json"))
 
 
 def test_bad_arguments_are_refused(tmp_path, capsys):

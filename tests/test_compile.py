@@ -11,10 +11,11 @@ import dataclasses
 import pytest
 import torch
 
-from coda_titan.kernels import PROGRAMS, Backend, ops
+from coda_titan.kernels import op_backend
 from coda_titan.model.args import CodaModelArgs
-from coda_titan.model.attention import swap_attention
+from coda_titan.titan.fa4 import swap_attention
 from coda_titan.model.model import CodaTransformer
+from coda_titan.titan.job_config import Coda
 
 
 @pytest.mark.parametrize(
@@ -27,9 +28,9 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    model = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=32, precision=precision.split("_")[0],
-                                          fp8_dgrad=precision == "fp8_dgrad", fp8_mlp_dgrad=precision == "fp8_mlp_dgrad",
-                                          fp8_mlp_wgrad=precision == "fp8_mlp_dgrad"))
+    coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
+                fp8_mlp_dgrad=precision == "fp8_mlp_dgrad", fp8_mlp_wgrad=precision == "fp8_mlp_dgrad")
+    model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
     if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)
@@ -42,16 +43,14 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     if precision == "fp8_mlp_dgrad":  # and the gradients' (same data and weights: the same amaxes again)
         model(tokens, labels=labels).backward()
         model.zero_grad()
-    history = model.fp8_amax_history.clone()
+    history = model.fp8_scaling.activation_history.clone()
     eager = model(tokens, labels=labels)
     eager.backward()
-    model.fp8_amax_history.copy_(history)
+    model.fp8_scaling.activation_history.copy_(history)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     if programs == "custom_ops":
-        cfg = dataclasses.replace(
-            model.program_config(), backend=Backend("ops", {name: ops.program(name) for name in PROGRAMS})
-        )
+        cfg = dataclasses.replace(model.program_config(), backend=op_backend())
         model.program_config = lambda: cfg
     for layer in model.layers.values():
         layer.compile(fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises

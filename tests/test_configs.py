@@ -1,12 +1,14 @@
 """The shipped configs parse through TorchTitan's ConfigManager, and each CODA config differs from
 its baseline only in model.name and the [coda] section (plus where it writes its outputs)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from coda_titan import cli
 from coda_titan.model.args import coda_llama3_args, same_architecture
+from coda_titan.titan.job_config import Coda
 from torchtitan.models.llama3 import llama3_args
 
 from .conftest import CONFIGS
@@ -64,7 +66,7 @@ def test_1b_shape():
     a = coda_llama3_args["1B"]
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (2048, 16, 32, 8, 128256)
     with torch.device("meta"):
-        m = CodaTransformer(type(a)(**{**a.__dict__, "backend": "torch"}))
+        m = CodaTransformer(dataclasses.replace(a, coda=Coda(backend="torch")))
     assert m.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
     assert m.layers["0"].attention.wk.weight.shape == (512, 2048)
 

@@ -156,8 +156,9 @@ def _model(backend, seqlen):
 
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.job_config import Coda
 
-    args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, backend=backend, ce_chunk_rows=4096)
+    args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=Coda(backend=backend, ce_chunk_rows=4096))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = CodaTransformer(args)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from coda_titan import data
-from coda_titan.data import DataError, ensure_tokenizer
+from coda_titan.titan import data
+from coda_titan.titan.data import DataError, ensure_tokenizer
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 

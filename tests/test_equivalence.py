@@ -11,6 +11,7 @@ from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from coda_titan.model.args import CodaModelArgs, coda_llama3_args
+from coda_titan.titan.job_config import Coda
 from coda_titan.model.model import CodaTransformer
 
 # debugmodel with GQA; a dim (96) that is not a multiple of the tile (64); and Llama-3.1 RoPE
@@ -79,7 +80,7 @@ def _build(case, fp64_rope):
     if fp64_rope:
         a = ref.model_args
         ref.freqs_cis = _fp64_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args)[0]
-    coda = CodaTransformer(CodaModelArgs(**kw, backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=37)).double()
+    coda = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=37))).double()
     coda.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, kw["vocab_size"], (2, spec["seqlen"]), generator=g)
@@ -133,7 +134,7 @@ def test_rope_scaling_case_exercises_all_bands():
 def test_state_dict_round_trip_both_ways():
     kw, _ = _args("ragged_dim")
     ref = Transformer(TransformerModelArgs(**kw))
-    coda = CodaTransformer(CodaModelArgs(**kw, backend="torch"))
+    coda = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch")))
     assert list(ref.state_dict()) == list(coda.state_dict())
     assert all(ref.state_dict()[k].shape == v.shape for k, v in coda.state_dict().items())
     coda.load_state_dict(ref.state_dict())

@@ -11,6 +11,7 @@ against the torch backend.
 """
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -19,9 +20,10 @@ import torch
 
 from coda_titan.kernels import get_backend
 from coda_titan.kernels._common import interleave_rows
-from coda_titan.kernels.fp8 import E4M3, E4M3_MAX, inv_scale_from_amax, quantize_e4m3
-from coda_titan.kernels.norm_rope import _rotate
+from coda_titan.kernels.scaling import E4M3, E4M3_MAX, inv_scale_from_amax, quantize_e4m3
+from coda_titan.kernels.norm_rope import rotate as _rotate
 from coda_titan.model.rope import rope_freqs
+from coda_titan.titan.job_config import Coda
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 TORCH = get_backend("torch")
@@ -139,7 +141,7 @@ def test_norm_rope_fp8_matches_fp64_emulation():
 
 
 def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_scale():
-    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
 
     gen = torch.Generator().manual_seed(12)
     hd, nh, seqlen = 16, 3, 8
@@ -162,7 +164,7 @@ def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_scale():
 
 
 def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
-    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
     from coda_titan.kernels.norm_residual_bwd import norm_residual_apply
 
     gen = torch.Generator().manual_seed(13)
@@ -189,7 +191,7 @@ def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
 
 
 def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
-    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
 
     gen = torch.Generator().manual_seed(14)
     m, d, f = 24, 32, 40
@@ -220,7 +222,7 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
 
 
 def test_wgrad_fp8_is_torchaos_weight_gradient_with_current_scales():
-    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX
 
     gen = torch.Generator().manual_seed(9)
     m, n, k = 96, 32, 48
@@ -254,7 +256,8 @@ def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
     """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
     cast every other element identically: the power-of-two scale keeps each element's rounding its
     own. A plain fmax / amax scale rounds them on a shifted grid."""
-    from coda_titan.kernels.fp8 import E5M2_MAX, inv_scale_from_amax, quantize_e5m2, wgrad_fp8_operands
+    from coda_titan.kernels.gemm import wgrad_fp8_operands
+    from coda_titan.kernels.scaling import E5M2_MAX, inv_scale_from_amax, quantize_e5m2
 
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(256, 64, generator=gen) * 1e-3
@@ -295,7 +298,7 @@ def test_producers_write_h_and_its_e4m3_copy(current):
 def test_fp8_ops_schemas_and_fakes():
     from torch.library import opcheck
 
-    import coda_titan.kernels.ops  # noqa: F401  (registers torch.ops.coda)
+    import coda_titan.kernels  # noqa: F401  (registers torch.ops.coda)
 
     gen = torch.Generator().manual_seed(5)
     hq, wq, scale, rstd = _fp8_operands(32, 64, 2 * 48, gen)
@@ -337,17 +340,17 @@ def _models(**kw):
     from coda_titan.model.model import CodaTransformer
 
     args = copy.deepcopy(coda_llama3_args["debugmodel"])
-    args.backend = "torch"
+    args.coda = Coda(backend="torch")
     torch.manual_seed(0)
     bf16 = CodaTransformer(args)
     with torch.no_grad():
         bf16.init_weights()
     fp8_args = copy.deepcopy(args)
-    fp8_args.precision = kw.get("precision", "fp8")
-    fp8_args.fp8_dgrad = kw.get("fp8_dgrad", False)
-    fp8_args.fp8_mlp_dgrad = kw.get("fp8_mlp_dgrad", False)
-    fp8_args.fp8_mlp_wgrad = kw.get("fp8_mlp_wgrad", False)
-    fp8_args.fp8_grad_margin = kw.get("fp8_grad_margin", fp8_args.fp8_grad_margin)
+    fp8_args.coda = dataclasses.replace(
+        args.coda, precision=kw.get("precision", "fp8"), fp8_dgrad=kw.get("fp8_dgrad", False),
+        fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
+        fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
+    )
     fp8 = CodaTransformer(fp8_args)
     fp8.load_state_dict(bf16.state_dict())
     return bf16, fp8
@@ -370,10 +373,10 @@ def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_
     tokens, labels = _batch(bf16.model_args.vocab_size)
     loss = bf16(tokens, labels=labels)
     loss.backward()
-    assert not fp8.fp8_calibrated
+    assert not fp8.fp8_scaling.activations_calibrated
     loss8 = fp8(tokens, labels=labels)
     loss8.backward()
-    assert fp8.fp8_calibrated
+    assert fp8.fp8_scaling.activations_calibrated
     assert abs(loss8.item() - loss.item()) <= 1e-2 * abs(loss.item())
     assert loss8.item() != loss.item()  # it did quantize
     g, g8 = _grads(bf16), _grads(fp8)
@@ -383,7 +386,7 @@ def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_
         assert cos > 0.98, (n, cos)
     # parameters and state dict are stock llama3's: the amax history is not checkpointed
     assert fp8.state_dict().keys() == bf16.state_dict().keys()
-    assert "fp8_amax_history" not in fp8.state_dict()
+    assert not any("fp8" in k for k in fp8.state_dict())
     if fp8_dgrad:  # the e5m2 dgrad moves exactly the gradients that flow through F3's B2, and only those
         _, plain = _models()
         plain(tokens, labels=labels)  # calibrate like fp8 above
@@ -417,26 +420,26 @@ def test_delayed_scales_come_from_the_history():
     _, fp8 = _models()
     tokens, labels = _batch(fp8.model_args.vocab_size)
     n_sites = 2 * fp8.model_args.n_layers
-    assert fp8.fp8_amax_history.shape == (n_sites, fp8.model_args.fp8_amax_history)
+    assert fp8.fp8_scaling.activation_history.shape == (n_sites, fp8.model_args.coda.fp8_amax_history)
     with torch.no_grad():
         first = fp8(tokens, labels=labels)  # calibration: current amax
-    hist = fp8.fp8_amax_history.clone()
+    hist = fp8.fp8_scaling.activation_history.clone()
     assert (hist[:, 0] > 0).all() and (hist[:, 1:] == 0).all()
     with torch.no_grad():
         again = fp8(tokens, labels=labels)  # same weights and data, delayed scale = the same amax
     assert torch.equal(again, first)
-    assert torch.equal(fp8.fp8_amax_history[:, 1], hist[:, 0])
+    assert torch.equal(fp8.fp8_scaling.activation_history[:, 1], hist[:, 0])
     # a larger history max -> coarser scale -> another result (not a power of 2: e4m3 rounding is
     # invariant under those away from the range's ends)
-    fp8.fp8_amax_history.mul_(3.0)
+    fp8.fp8_scaling.activation_history.mul_(3.0)
     with torch.no_grad():
         coarse = fp8(tokens, labels=labels)
     assert coarse.item() != first.item() and torch.isfinite(coarse)
     fp8.eval()
-    before = fp8.fp8_amax_history.clone()
+    before = fp8.fp8_scaling.activation_history.clone()
     with torch.no_grad():
         fp8(tokens, labels=labels)
-    assert torch.equal(fp8.fp8_amax_history, before)  # evaluation does not move the scales
+    assert torch.equal(fp8.fp8_scaling.activation_history, before)  # evaluation does not move the scales
 
 
 def test_mlp_gradient_scales_come_from_the_gradient_history():
@@ -444,28 +447,28 @@ def test_mlp_gradient_scales_come_from_the_gradient_history():
     # grids differ by a power of two, which moves values in and out of e5m2's subnormals)
     _, fp8 = _models(fp8_mlp_dgrad=True, fp8_grad_margin=0)
     tokens, labels = _batch(fp8.model_args.vocab_size)
-    hist = fp8.fp8_grad_amax_history
-    assert hist.shape == (fp8.model_args.n_layers, fp8.model_args.fp8_amax_history)
+    hist = fp8.fp8_scaling.gradient_history
+    assert hist.shape == (fp8.model_args.n_layers, fp8.model_args.coda.fp8_amax_history)
     fp8(tokens, labels=labels).backward()  # calibration: the current amax of each layer's da
-    assert not fp8.fp8_grad_calibrated and (hist == 0).all()  # the amaxes wait in the sink's gradient
-    amax1 = fp8._fp8_grad_sink.grad.clone()
+    assert not fp8.fp8_scaling.gradients_calibrated and (hist == 0).all()  # the amaxes wait in the sink's gradient
+    amax1 = fp8.fp8_scaling.sink.amaxes().clone()
     assert (amax1 > 0).all()
     g1 = _grads(fp8)
     fp8.zero_grad()
     fp8(tokens, labels=labels).backward()  # delayed: the scale of the recorded amax, the same numbers
-    assert fp8.fp8_grad_calibrated and torch.equal(hist[:, 0], amax1) and (hist[:, 1:] == 0).all()
+    assert fp8.fp8_scaling.gradients_calibrated and torch.equal(hist[:, 0], amax1) and (hist[:, 1:] == 0).all()
     g2 = _grads(fp8)
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
-    fp8.fp8_grad_amax_history.mul_(3.0)  # an older, larger amax: a coarser e5m2 grid, other gradients
+    fp8.fp8_scaling.gradient_history.mul_(3.0)  # an older, larger amax: a coarser e5m2 grid, other gradients
     fp8.zero_grad()
-    fp8._fp8_grad_sink = None  # (keep the history as set)
+    fp8.fp8_scaling.sink = None  # (keep the history as set)
     fp8(tokens, labels=labels).backward()
     g3 = _grads(fp8)
     assert not torch.equal(g3["tok_embeddings.weight"], g1["tok_embeddings.weight"])
     assert all(g.isfinite().all() for g in g3.values())
     with torch.no_grad():  # evaluation neither needs the transposed weights nor records gradients
         fp8(tokens, labels=labels)
-    assert fp8._fp8_grad_sink is None and torch.equal(fp8.fp8_grad_amax_history[:, 0], hist[:, 0])
+    assert fp8.fp8_scaling.sink is None and torch.equal(fp8.fp8_scaling.gradient_history[:, 0], hist[:, 0])
 
 
 def _mlp_dgrad_error(margin: int, grown: float) -> float:
@@ -478,8 +481,8 @@ def _mlp_dgrad_error(margin: int, grown: float) -> float:
         m(tokens, labels=labels).backward()
         m.zero_grad()
     model(tokens, labels=labels)  # (moves the calibration amaxes into the gradient history) ...
-    model.fp8_grad_amax_history.div_(grown)  # ... which is then made `grown`-fold too small
-    model._fp8_grad_sink = None
+    model.fp8_scaling.gradient_history.div_(grown)  # ... which is then made `grown`-fold too small
+    model.fp8_scaling.sink = None
     model.zero_grad()
     for m in (ref, model):
         m(tokens, labels=labels).backward()
@@ -605,7 +608,7 @@ def test_cute_fp8_qkv_dgrad_matches_reference():
     """B1 -> B2 of F3 in fp8 (e5m2 gradient x e4m3 W_qkv^T) on the cute backend against the torch
     reference on the same operands, bounded by what the fp8 cast itself moves B2's output."""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.fp8 import E5M2
+    from coda_titan.kernels.scaling import E5M2
 
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
     cute = get_backend("cute")
@@ -644,7 +647,7 @@ def test_cute_fp8_mlp_dgrad_matches_reference():
     reference on the same operands. The e5m2 codes may differ only where B3's fp32 GEMM sums in
     another order than the reference's and a value sits on a rounding boundary."""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.fp8 import E5M2, E5M2_MAX
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX
 
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
     cute = get_backend("cute")

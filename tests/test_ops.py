@@ -11,7 +11,6 @@ import torch
 from torch.library import opcheck
 
 from coda_titan.kernels import PROGRAMS
-from coda_titan.kernels import ops
 from coda_titan.kernels._common import interleave_rows
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -47,12 +46,12 @@ def _cases(dtype):
 
 
 def test_every_program_has_an_op():
-    assert set(ops.OPS) == set(PROGRAMS)
+    assert all(hasattr(torch.ops.coda, name) for name in PROGRAMS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (the fp8 programs' ops are checked in tests/test_fp8.py: CPU float8 tensors lack test_schema's arithmetic)
-@pytest.mark.parametrize("name", sorted(p for p in PROGRAMS if PROGRAMS[p] != "fp8"))
+@pytest.mark.parametrize("name", sorted(p for p in PROGRAMS if "fp8" not in p and p != "quantize_tensorwise"))
 def test_opcheck(name, dtype):
     args = _cases(dtype)[name]
     opcheck(getattr(torch.ops.coda, name).default, args)

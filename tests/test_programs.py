@@ -12,7 +12,7 @@ import torch
 
 from coda_titan.kernels import get_backend
 from coda_titan.kernels.lm_head_ce import IGNORE_INDEX
-from coda_titan.model.programs import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
+from coda_titan.model.autograd import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 

@@ -1,48 +1,35 @@
 """CODA programs behind one interface, with two backends.
 
-Each program lives in its own module and has one keyword-only signature. ``torch`` is the exact
-reparameterized math in plain PyTorch (any device; the reference). ``cute`` is the fused SM90
-GEMM-epilogue kernels (quack / CuTeDSL, the ``gpu`` extra), reached through the ``torch.ops.coda``
-custom ops of ``coda_titan.kernels.ops``. ``get_backend(name)`` returns a
-``Backend`` whose attributes are the programs; the model only ever calls programs through it.
+One module per program family holds the family's math (its docstring), the torch reference of
+every precision (keyword-only functions), and its ``torch.ops.coda`` custom ops with their fakes:
+
+    rms_partial        prologue H, S (+ e4m3 H) and the finalize r = rsqrt(sum S / d + eps)
+    residual_rms       F1: GEMM + residual + partial RMS (+ e4m3 H)
+    norm_swiglu        F2 (GEMM + rstd + SwiGLU) and B3 (GEMM + SwiGLU bwd + zdz), bf16 and fp8
+    norm_rope          F3 (GEMM + rstd + RoPE) and B1 (RoPE bwd + zdz), bf16 and fp8
+    norm_residual_bwd  B2: dgrad GEMM + norm/residual backward + dgamma, bf16 and fp8
+    lm_head_ce         F4: chunked LM head + cross-entropy with its gradient
+    gemm               wgrad / dgrad, the fp8 weight pass, the fp8 weight gradient
+    scaling            fp8 formats and scale math
+
+``cute/`` holds the CUDA kernels of the same ops, in files of the same names.
+
+A ``Backend`` is one frozen record with one field per program. ``TORCH`` calls the references
+directly (any device; fp64 for the exactness tests). ``get_backend("cute")`` registers the fused
+SM90 kernels and returns the programs through the custom ops (``op_backend``): one opaque node per
+program under ``torch.compile``, the reference wherever the op has no kernel (the CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 from typing import Callable
 
-__all__ = ["Backend", "BackendUnavailable", "PROGRAMS", "cute_unavailable_reason", "get_backend", "resolve_backend"]
+from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial
 
-# program name -> module that defines ``<name>_<backend>``
-PROGRAMS: dict[str, str] = {
-    # forward
-    "rms_partial": "rms_partial",  # embedding-norm prologue (no GEMM)
-    "residual_rms": "residual_rms",  # F1: GEMM + residual + partial RMS
-    "rstd_finalize": "rstd_finalize",  # finalize: r = rsqrt(sum S / d + eps)
-    "norm_swiglu": "norm_swiglu",  # F2: GEMM + deferred rstd + SwiGLU
-    "norm_rope": "norm_rope",  # F3: GEMM + deferred rstd + RoPE
-    "lm_head_ce": "lm_head_ce",  # F4: chunked LM head + CE (+ its gradient)
-    # backward
-    "rope_bwd": "norm_rope",  # B1: RoPE bwd + zdz
-    "norm_residual_bwd": "norm_residual_bwd",  # B2: GEMM + norm/residual bwd + dgamma
-    "swiglu_bwd": "norm_swiglu",  # B3: GEMM + SwiGLU bwd + zdz
-    "wgrad": "wgrad",  # dW GEMMs (row-scale folding)
-    "dgrad": "wgrad",  # plain dX GEMM
-    # FP8 ([coda] precision = "fp8"; the other backward programs are the ones above)
-    "quantize_tensorwise": "fp8",  # weight -> e4m3 + scale
-    "fp8_layer_weights": "fp8",  # every layer's W13 and W_qkv -> e4m3 + scales, once per forward
-    "rms_partial_fp8": "fp8",  # prologue + e4m3 H
-    "residual_rms_fp8": "fp8",  # F1 + e4m3 H for the next consumer
-    "norm_swiglu_fp8": "fp8",  # F2 on e4m3 operands
-    "norm_rope_fp8": "fp8",  # F3 on e4m3 operands
-    "rope_bwd_fp8": "fp8",  # B1 + e5m2 da
-    "norm_residual_bwd_fp8": "fp8",  # B2 on e5m2 da and e4m3 W^T
-    "swiglu_bwd_fp8": "fp8",  # B3 + e5m2 da (delayed scale) and amax |da|
-    "wgrad_fp8": "fp8",  # dW on an e5m2 gradient and e4m3 input (token-major copies in the kernel)
-}
+__all__ = ["Backend", "BackendUnavailable", "TORCH", "cute_unavailable_reason", "get_backend", "op_backend",
+           "resolve_backend"]
 
 BACKENDS = ("torch", "cute")
 
@@ -53,14 +40,89 @@ class BackendUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    name: str
-    programs: dict[str, Callable]
+    """The programs the model calls, each keyword-only with the signature of its reference."""
 
-    def __getattr__(self, item: str) -> Callable:
-        try:
-            return self.programs[item]
-        except KeyError:
-            raise AttributeError(f"backend {self.name!r} has no program {item!r}") from None
+    name: str
+    # forward
+    rms_partial: Callable  # prologue: H, S
+    rstd_finalize: Callable  # r = rsqrt(sum S / d + eps)
+    residual_rms: Callable  # F1
+    norm_swiglu: Callable  # F2
+    norm_rope: Callable  # F3
+    lm_head_ce: Callable  # F4 (+ its gradient)
+    # backward
+    rope_bwd: Callable  # B1
+    norm_residual_bwd: Callable  # B2
+    swiglu_bwd: Callable  # B3
+    wgrad: Callable
+    dgrad: Callable
+    # precision = "fp8"
+    fp8_layer_weights: Callable  # the weight pass
+    quantize_tensorwise: Callable
+    rms_partial_fp8: Callable
+    residual_rms_fp8: Callable
+    norm_swiglu_fp8: Callable
+    norm_rope_fp8: Callable
+    rope_bwd_fp8: Callable
+    norm_residual_bwd_fp8: Callable
+    swiglu_bwd_fp8: Callable
+    wgrad_fp8: Callable
+
+
+PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
+
+TORCH = Backend(
+    name="torch",
+    rms_partial=rms_partial.rms_partial,
+    rstd_finalize=rms_partial.rstd_finalize,
+    residual_rms=residual_rms.residual_rms,
+    norm_swiglu=norm_swiglu.norm_swiglu,
+    norm_rope=norm_rope.norm_rope,
+    lm_head_ce=lm_head_ce.lm_head_ce,
+    rope_bwd=norm_rope.rope_bwd,
+    norm_residual_bwd=norm_residual_bwd.norm_residual_bwd,
+    swiglu_bwd=norm_swiglu.swiglu_bwd,
+    wgrad=gemm.wgrad,
+    dgrad=gemm.dgrad,
+    fp8_layer_weights=gemm.fp8_layer_weights,
+    quantize_tensorwise=gemm.quantize_tensorwise,
+    rms_partial_fp8=rms_partial.rms_partial_fp8,
+    residual_rms_fp8=residual_rms.residual_rms_fp8,
+    norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8,
+    norm_rope_fp8=norm_rope.norm_rope_fp8,
+    rope_bwd_fp8=norm_rope.rope_bwd_fp8,
+    norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8,
+    swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8,
+    wgrad_fp8=gemm.wgrad_fp8,
+)
+
+
+def op_backend(name: str = "ops") -> Backend:
+    """The programs through the ``torch.ops.coda`` custom ops (called with keywords)."""
+    return Backend(
+        name=name,
+        rms_partial=rms_partial.rms_partial_op,
+        rstd_finalize=rms_partial.rstd_finalize_op,
+        residual_rms=residual_rms.residual_rms_op,
+        norm_swiglu=norm_swiglu.norm_swiglu_op,
+        norm_rope=norm_rope.norm_rope_op,
+        lm_head_ce=lm_head_ce.lm_head_ce_program,
+        rope_bwd=norm_rope.rope_bwd_op,
+        norm_residual_bwd=norm_residual_bwd.norm_residual_bwd_op,
+        swiglu_bwd=norm_swiglu.swiglu_bwd_op,
+        wgrad=gemm.wgrad_op,
+        dgrad=gemm.dgrad_op,
+        fp8_layer_weights=gemm.fp8_layer_weights_op,
+        quantize_tensorwise=gemm.quantize_tensorwise_op,
+        rms_partial_fp8=rms_partial.rms_partial_fp8_op,
+        residual_rms_fp8=residual_rms.residual_rms_fp8_op,
+        norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8_op,
+        norm_rope_fp8=norm_rope.norm_rope_fp8_op,
+        rope_bwd_fp8=norm_rope.rope_bwd_fp8_op,
+        norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8_op,
+        swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8_op,
+        wgrad_fp8=gemm.wgrad_fp8_op,
+    )
 
 
 def cute_unavailable_reason() -> str | None:
@@ -75,8 +137,6 @@ def cute_unavailable_reason() -> str | None:
     for mod in ("cutlass", "quack"):
         if importlib.util.find_spec(mod) is None:
             return f"the 'gpu' extra is not installed (no module {mod!r}): pip install 'coda-titan[gpu]'"
-    if importlib.util.find_spec("coda_titan.kernels.cute") is None:
-        return "this coda_titan build has no cute kernels yet"
     return None
 
 
@@ -95,22 +155,21 @@ def resolve_backend(requested: str) -> str:
     return "cute" if reason is None else "torch"
 
 
-_cache: dict[str, Backend] = {}
+_cute: Backend | None = None
 
 
 def get_backend(name: str) -> Backend:
     """The programs of backend ``name`` ('torch' or 'cute'; use ``resolve_backend`` for 'auto')."""
-    if name not in BACKENDS:
+    global _cute
+    if name == "torch":
+        return TORCH
+    if name != "cute":
         raise BackendUnavailable(f"unknown backend {name!r}; choose from {BACKENDS}")
-    if name not in _cache:
-        if name == "cute":
-            reason = cute_unavailable_reason()
-            if reason is not None:
-                raise BackendUnavailable(f"cute backend unavailable: {reason}")
-        programs = {}
-        for prog, module in PROGRAMS.items():
-            # torch: one module per program; cute: the package registers every kernel at import
-            mod = importlib.import_module(f"{__name__}.{module}" if name == "torch" else f"{__name__}.cute")
-            programs[prog] = getattr(mod, f"{prog}_{name}")
-        _cache[name] = Backend(name, programs)
-    return _cache[name]
+    if _cute is None:
+        reason = cute_unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailable(f"cute backend unavailable: {reason}")
+        from . import cute  # noqa: F401  (registers the CUDA kernels of the ops)
+
+        _cute = op_backend("cute")
+    return _cute

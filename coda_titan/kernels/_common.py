@@ -1,13 +1,33 @@
-"""Shared helpers of the reference (``torch``) programs.
+"""Shared helpers of the program modules.
 
 Precision contract, mirrored by the fused kernels: GEMM operands stay in their storage dtype, the
 accumulator and every epilogue value are fp32 (fp64 when the operands are fp64, which is how the
 CPU tests prove the algebra exact), and outputs are rounded once, to the storage dtype, on store.
+
+``program_op`` turns a program's positional op body into the custom op ``torch.ops.coda.<name>``:
+one schema per program, its default kernel the torch reference (any device), so a compiled graph
+holds one opaque node per program. The ``cute`` backend registers the CUDA kernel of the same op.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def program_op(name: str):
+    """Decorator: register ``fn`` (positional, type-annotated) as the custom op ``coda::<name>``.
+
+    ``fn`` is the op's default kernel (the reference, on every device). It stays reachable as
+    ``op.reference``: the CUDA kernels call it for inputs they cannot take. Give the op its fake
+    with ``@op.register_fake``.
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=())
+        op.reference = fn
+        return op
+
+    return wrap
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""F4: deferred rstd + LM head + cross-entropy, chunked over tokens, with its gradient made in the
+"""F4 lm_head_ce: deferred rstd + LM head + cross-entropy, chunked over tokens, with its gradient made in the
 forward.
 
 For each chunk of rows (never all M x V logits at once), with H = X * gamma_final:
@@ -13,20 +13,23 @@ For each chunk of rows (never all M x V logits at once), with H = X * gamma_fina
 The loss is the last op, so d(loss_sum) = 1 and every gradient is final up to the scalar the
 trainer multiplies the loss by (1 / global tokens); the autograd wiring scales the saved gradients
 by it. Returns the *sum* of token losses (TorchTitan's convention) and the gradients of that sum.
+
+The op ``coda::lm_head_ce`` always returns four tensors; without ``compute_grad`` the three
+gradients are empty (0-element) tensors, which ``lm_head_ce_program`` maps back to None.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import check_2d, mm
-from .norm_residual_bwd import norm_residual_bwd_torch
-from .wgrad import wgrad_torch
+from ._common import acc_dtype, check_2d, mm, program_op
+from .gemm import wgrad
+from .norm_residual_bwd import norm_residual_bwd
 
 IGNORE_INDEX = -100
 
 
-def lm_head_ce_torch(
+def lm_head_ce(
     *,
     h: torch.Tensor,
     rstd: torch.Tensor,
@@ -66,14 +69,51 @@ def lm_head_ce_torch(
         dp = dp * valid[:, None]
         zdz = (logits * dp).sum(-1)
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
-        dx_c, dg_c = norm_residual_bwd_torch(
+        dx_c, dg_c = norm_residual_bwd(
             da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
         )
         dx[rows] = dx_c
-        dw_c = wgrad_torch(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
+        dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
         dgamma = dg_c if dgamma is None else dgamma + dg_c
         dweight = dw_c if dweight is None else dweight + dw_c
     assert loss is not None, "empty batch"
     if compute_grad:
         dweight = dweight.to(weight.dtype)
     return loss, dx, dgamma, dweight
+
+
+# --- custom op -------------------------------------------------------------------------------------
+
+
+@program_op("lm_head_ce")
+def lm_head_ce_op(
+    h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
+    targets: torch.Tensor, chunk_rows: int, compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, dx, dgamma, dw = lm_head_ce(
+        h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets, chunk_rows=chunk_rows,
+        compute_grad=compute_grad,
+    )
+    return op_outputs(loss, dx, dgamma, dw, h=h, weight=weight)
+
+
+def op_outputs(loss, dx, dgamma, dw, *, h, weight):
+    """The op's four outputs: the gradients, or 0-element tensors when they were not computed."""
+    if dx is None:
+        dx, dgamma, dw = h.new_empty((0,)), h.new_empty((0,), dtype=acc_dtype(h, weight)), weight.new_empty((0,))
+    return loss, dx, dgamma, dw
+
+
+@lm_head_ce_op.register_fake
+def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
+    ct = acc_dtype(h, weight)
+    loss = h.new_empty((), dtype=ct)
+    if not compute_grad:
+        return loss, h.new_empty((0,)), h.new_empty((0,), dtype=ct), weight.new_empty((0,))
+    return loss, torch.empty_like(x), gamma.new_empty(gamma.shape, dtype=ct), torch.empty_like(weight)
+
+
+def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True):
+    """``lm_head_ce`` through the op (the ``cute`` backend's program): None for gradients not computed."""
+    loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)

@@ -1,4 +1,4 @@
-"""B2: GEMM + RMSNorm/residual backward (the dgrad GEMM of every norm consumer).
+"""B2 norm_residual_bwd: GEMM + RMSNorm/residual backward (the dgrad GEMM of every norm consumer).
 
 A consumer GEMM computed a = H @ W^T with H = X * gamma, and applied the deferred rstd in its
 epilogue: p = r * a. The consumer's backward program (B1, B3 or the CE gradient) hands over
@@ -13,16 +13,23 @@ This is the RMSNorm backward dX = r (g * gamma) - (r^3 / d) X sum_k g_k gamma_k 
 dot product replaced by zdz / r (the zdz identity of CODA.md), so the norm's input never has to be
 re-read for a reduction first. The correction is one column vector, corr = -(r^2/d) * zdz.
 D is returned in X's dtype, dgamma in the accumulator dtype.
+
+``norm_residual_bwd_fp8`` (precision = "fp8", ``fp8_dgrad`` / ``fp8_mlp_dgrad``): the same epilogue
+behind acc = daq @ W^T on an e5m2 gradient and the e4m3 transposed weight of the weight pass, in
+units of s_da * s_w; the kernel folds that scale into the gamma row vector and the dgamma partials.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import check_2d, mm
+from typing import Optional
+
+from ._common import acc_dtype, check_2d, mm, program_op
+from .scaling import E4M3, E5M2, compute_dtype
 
 
-def norm_residual_bwd_torch(
+def norm_residual_bwd(
     *,
     da: torch.Tensor,
     weight: torch.Tensor,
@@ -52,3 +59,50 @@ def norm_residual_apply(
         dx = dx + dresidual.to(ct)
     dgamma = (acc * xf).sum(0)
     return dx.to(x.dtype), dgamma
+
+
+def norm_residual_bwd_fp8(
+    *, daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+    rstd: torch.Tensor, zdz: torch.Tensor, dresidual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """B2 on fp8 operands: acc = daq @ weight_tq^T (e5m2 or e4m3 x e4m3, exact products, fp32 sum;
+    weight_tq is W^T, (d, N)), in units of ``scale`` = s_da * s_w, then ``norm_residual_bwd``'s
+    epilogue."""
+    check_2d("daq", daq, weight_tq.shape[1])
+    check_2d("x", x, weight_tq.shape[0])
+    if daq.dtype not in (E4M3, E5M2) or weight_tq.dtype != E4M3:
+        raise TypeError(f"B2 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {daq.dtype} and {weight_tq.dtype}")
+    ct = compute_dtype(x.dtype)
+    acc = (daq.to(ct) @ weight_tq.to(ct).t()) * scale.to(ct)
+    return norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@program_op("norm_residual_bwd")
+def norm_residual_bwd_op(
+    da: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor,
+    zdz: torch.Tensor, dresidual: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_residual_bwd(da=da, weight=weight, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+
+
+@norm_residual_bwd_op.register_fake
+def _(da, weight, x, gamma, rstd, zdz, dresidual):
+    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=acc_dtype(da, weight))
+
+
+@program_op("norm_residual_bwd_fp8")
+def norm_residual_bwd_fp8_op(
+    daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+    rstd: torch.Tensor, zdz: torch.Tensor, dresidual: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_residual_bwd_fp8(
+        daq=daq, weight_tq=weight_tq, scale=scale, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual
+    )
+
+
+@norm_residual_bwd_fp8_op.register_fake
+def _(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
+    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=compute_dtype(x.dtype))

@@ -1,4 +1,5 @@
-"""F3 / B1: GEMM + deferred rstd + RoPE (the fused QKV projection), and the RoPE backward + zdz.
+"""F3 norm_rope / B1 rope_bwd: GEMM + deferred rstd + RoPE (the fused QKV projection), and the
+RoPE backward + zdz.
 
 Columns of the (M, Q) output, Q = (Hq + 2 Hkv) * head_dim: q heads, then k heads, then v heads
 (GQA widths). The first ``n_rope_heads = Hq + Hkv`` heads are rotated, v passes through.
@@ -17,13 +18,21 @@ zdz = sum_n y_n dy_n per row, which equals sum_n p_n dp_n because R is orthogona
 values never need saving. B1 returns da = r * dp, the gradient of the *unscaled* GEMM output
 a = H @ W_qkv^T: the deferred rstd is folded here, so the dgrad (B2) and wgrad GEMMs are plain.
 Saved: the post-RoPE output y (which attention saves anyway) and r.
+
+FP8 (precision = "fp8"):
+    norm_rope_fp8  acc = Hq @ W_qkv,q^T on e4m3 operands; the dequantization scale s_a * s_w rides
+                   the deferred-rstd column vector: p = (r * s) * acc
+    rope_bwd_fp8   B1 that also casts da to e5m2 with a current tensorwise scale (torchao's
+                   treatment of gradients): B1 is a pass of its own, so the amax is one more
+                   reduction in it, not a round trip
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import acc_dtype, check_2d, mm
+from ._common import acc_dtype, check_2d, mm, program_op
+from .scaling import E5M2, E5M2_MAX, check_e4m3, compute_dtype, inv_scale_from_amax, quantize_e5m2
 
 
 def rope_cos_sin(freqs: torch.Tensor, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,9 +42,10 @@ def rope_cos_sin(freqs: torch.Tensor, seqlen: int, dtype: torch.dtype) -> tuple[
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(
+def rotate(
     t: torch.Tensor, freqs: torch.Tensor, seqlen: int, *, n_rope_heads: int, head_dim: int, inverse: bool
 ) -> torch.Tensor:
+    """RoPE (by +theta, or -theta if ``inverse``) of the first ``n_rope_heads`` heads of ``t`` (M, Q)."""
     m = t.shape[0]
     if seqlen <= 0 or m % seqlen:
         raise ValueError(f"rows ({m}) must be a whole number of sequences of length {seqlen}")
@@ -53,37 +63,31 @@ def _rotate(
     return torch.cat([rot, t[:, rope_cols:]], dim=-1)
 
 
-def norm_rope_torch(
-    *,
-    h: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor,
-    freqs: torch.Tensor,
-    seqlen: int,
-    n_rope_heads: int,
-    head_dim: int,
+def norm_rope(
+    *, h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, seqlen: int,
+    n_rope_heads: int, head_dim: int,
 ) -> torch.Tensor:
     """Post-RoPE qkv (M, Q) in h's dtype."""
     check_2d("h", h, weight.shape[1])
     acc = mm(h, weight.t())
     p = acc * rstd.to(acc.dtype)[:, None]
-    y = _rotate(p, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=False)
+    y = rotate(p, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=False)
     return y.to(h.dtype)
 
 
-def rope_bwd_torch(
-    *,
-    dy: torch.Tensor,
-    y: torch.Tensor,
-    rstd: torch.Tensor,
-    freqs: torch.Tensor,
-    seqlen: int,
-    n_rope_heads: int,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
-    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-    return da.to(dy.dtype), zdz
+def norm_rope_fp8(
+    *, hq: torch.Tensor, rstd: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, freqs: torch.Tensor,
+    seqlen: int, n_rope_heads: int, head_dim: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Post-RoPE qkv as ``norm_rope``, from e4m3 Hq and W_qkv,q; the rstd vector carries ``scale``."""
+    check_2d("hq", hq, weight_q.shape[1])
+    check_e4m3(hq, weight_q)
+    ct = compute_dtype(out_dtype)
+    y = norm_rope(
+        h=hq.to(ct), rstd=rstd.to(ct) * scale.to(ct), weight=weight_q.to(ct), freqs=freqs,
+        seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
+    )
+    return y.to(out_dtype)
 
 
 def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim: int):
@@ -92,5 +96,85 @@ def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim
     ct = acc_dtype(dy, y)
     dyf = dy.to(ct)
     zdz = (y.to(ct) * dyf).sum(-1)
-    dp = _rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
+    dp = rotate(dyf, freqs, seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim, inverse=True)
     return dp * rstd.to(ct)[:, None], zdz
+
+
+def rope_bwd(
+    *, dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int,
+    n_rope_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+    return da.to(dy.dtype), zdz
+
+
+def rope_bwd_fp8(
+    *, dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int,
+    n_rope_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, zdz, daq, s): ``rope_bwd`` plus daq = sat(da * inv) in e5m2 with the current amax's
+    scale inv, and s = 1 / inv."""
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@program_op("norm_rope")
+def norm_rope_op(
+    h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, seqlen: int,
+    n_rope_heads: int, head_dim: int,
+) -> torch.Tensor:
+    return norm_rope(h=h, rstd=rstd, weight=weight, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads,
+                     head_dim=head_dim)
+
+
+@norm_rope_op.register_fake
+def _(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim):
+    return h.new_empty((h.shape[0], weight.shape[0]))
+
+
+@program_op("norm_rope_fp8")
+def norm_rope_fp8_op(
+    hq: torch.Tensor, rstd: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, freqs: torch.Tensor,
+    seqlen: int, n_rope_heads: int, head_dim: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return norm_rope_fp8(hq=hq, rstd=rstd, weight_q=weight_q, scale=scale, freqs=freqs, seqlen=seqlen,
+                         n_rope_heads=n_rope_heads, head_dim=head_dim, out_dtype=out_dtype)
+
+
+@norm_rope_fp8_op.register_fake
+def _(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtype):
+    return hq.new_empty((hq.shape[0], weight_q.shape[0]), dtype=out_dtype)
+
+
+@program_op("rope_bwd")
+def rope_bwd_op(
+    dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_bwd(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+
+
+@rope_bwd_op.register_fake
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    return torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=acc_dtype(dy, y))
+
+
+@program_op("rope_bwd_fp8")
+def rope_bwd_fp8_op(
+    dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rope_bwd_fp8(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads,
+                        head_dim=head_dim)
+
+
+@rope_bwd_fp8_op.register_fake
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    ct = acc_dtype(dy, y)
+    return (torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=ct),
+            dy.new_empty(dy.shape, dtype=E5M2), dy.new_empty((), dtype=ct))

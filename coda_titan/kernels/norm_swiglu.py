@@ -1,4 +1,5 @@
-"""F2 / B3: GEMM + deferred rstd + SwiGLU, and its backward with the down-projection GEMM.
+"""F2 norm_swiglu / B3 swiglu_bwd: GEMM + deferred rstd + SwiGLU, and its backward with the
+down-projection GEMM.
 
 Layout: the gate and up projections are one (2F, d) weight W13 with rows *interleaved*
 (``interleave_rows(w1, w3)``: gate row j at 2j, up row j at 2j + 1), so each gate column sits next
@@ -19,37 +20,55 @@ Backward (B3), given D = dL/dX_out of the down-projection X_out = X + y @ W_down
     zdz     = sum_n z_n dz_n               per row, for the norm backward B2
     y       = silu(z_gate) * z_up          recomputed, for dW_down = D^T @ y
 Saved: a and r (y is cheaper to recompute than to keep).
+
+FP8 (precision = "fp8"):
+    norm_swiglu_fp8  acc = Hq @ W13q^T on e4m3 operands; v = (s_a * s_w) * acc is the true-scale
+                     pre-activation, saved as a; y = SwiGLU(r * v)
+    swiglu_bwd_fp8   B3 (bf16 GEMM) whose epilogue also writes da as e5m2, daq = sat(da * inv) from
+                     the fp32 da, in da's interleaved column order, and reports amax |da|. The scale
+                     is delayed (a tile is stored before the amax of the whole da exists): the
+                     gradient site's amax history; ``inv_scale=None`` (calibration) uses the current
+                     amax.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ._common import acc_dtype, check_2d, mm
+from ._common import acc_dtype, check_2d, mm, program_op
+from .scaling import E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e5m2
 
 
-def norm_swiglu_torch(*, h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu(z: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+
+
+def norm_swiglu(*, h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, a): y (M, F) and the unscaled interleaved pre-activations a (M, 2F), both in h's dtype."""
     check_2d("h", h, w13.shape[1])
     acc = mm(h, w13.t())
-    z = acc * rstd.to(acc.dtype)[:, None]
-    y = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    y = _swiglu(acc * rstd.to(acc.dtype)[:, None])
     return y.to(h.dtype), acc.to(h.dtype)
 
 
-def swiglu_bwd_torch(
-    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,)."""
-    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
-    return da.to(a.dtype), y.to(a.dtype), zdz
+def norm_swiglu_fp8(
+    *, hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, a) as ``norm_swiglu``, from e4m3 Hq and W13q; ``scale`` = s_a * s_w (0-dim)."""
+    check_2d("hq", hq, w13q.shape[1])
+    ct = compute_dtype(out_dtype)
+    v = fp8_mm(hq, w13q, ct) * scale.to(ct)
+    y = _swiglu(v * rstd.to(ct)[:, None])
+    return y.to(out_dtype), v.to(out_dtype)
 
 
 def swiglu_bwd_acc(
     *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``swiglu_bwd``'s math in the accumulation dtype, before its outputs are cast (the fp8 B3
-    quantizes da from these values)."""
+    """``swiglu_bwd``'s (da, y, zdz) in the accumulation dtype, before its outputs are cast (the fp8
+    B3 quantizes da from these values)."""
     check_2d("dout", dout, w_down.shape[0])
     check_2d("a", a, 2 * w_down.shape[1])
     dy = mm(dout, w_down)
@@ -64,3 +83,77 @@ def swiglu_bwd_acc(
     zdz = (zg * dzg).sum(-1) + (zu * dzu).sum(-1)
     da = torch.stack([dzg * r, dzu * r], dim=-1).reshape(af.shape)
     return da, silu * zu, zdz
+
+
+def swiglu_bwd(
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,)."""
+    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    return da.to(a.dtype), y.to(a.dtype), zdz
+
+
+def swiglu_bwd_fp8(
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, y, zdz, daq, amax): ``swiglu_bwd`` plus da as e5m2 (scale ``inv_scale``, None = the
+    current amax) and amax |da|."""
+    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@program_op("norm_swiglu")
+def norm_swiglu_op(h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_swiglu(h=h, rstd=rstd, w13=w13)
+
+
+@norm_swiglu_op.register_fake
+def _(h, rstd, w13):
+    m, f2 = h.shape[0], w13.shape[0]
+    return h.new_empty((m, f2 // 2)), h.new_empty((m, f2))
+
+
+@program_op("norm_swiglu_fp8")
+def norm_swiglu_fp8_op(
+    hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, out_dtype=out_dtype)
+
+
+@norm_swiglu_fp8_op.register_fake
+def _(hq, rstd, w13q, scale, out_dtype):
+    m, f2 = hq.shape[0], w13q.shape[0]
+    return hq.new_empty((m, f2 // 2), dtype=out_dtype), hq.new_empty((m, f2), dtype=out_dtype)
+
+
+@program_op("swiglu_bwd")
+def swiglu_bwd_op(
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd(dout=dout, w_down=w_down, a=a, rstd=rstd)
+
+
+@swiglu_bwd_op.register_fake
+def _(dout, w_down, a, rstd):
+    m = a.shape[0]
+    return torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=acc_dtype(dout, w_down))
+
+
+@program_op("swiglu_bwd_fp8")
+def swiglu_bwd_fp8_op(
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_fp8(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+
+
+@swiglu_bwd_fp8_op.register_fake
+def _(dout, w_down, a, rstd, inv_scale):
+    m = a.shape[0]
+    ct = acc_dtype(dout, w_down)
+    return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
+            a.new_empty(a.shape, dtype=E5M2), a.new_empty((), dtype=ct))

@@ -1,23 +1,30 @@
-"""F1: GEMM + residual add + partial RMS (the out-projection and the down-projection).
+"""F1 residual_rms: GEMM + residual add + partial RMS (the out-projection and the down-projection).
 
 Forward, with acc = y @ W^T (fp32 accumulator), W (d, K) as in nn.Linear:
 
     X = acc + x_res                  new residual stream, stored in x_res's dtype
     H = X * gamma_next               the next norm's input, un-normalized (deferred rstd)
-    S = per-tile sum of X^2          (M, ceil(d/tile_n)) fp32 partials
+    S = per-tile sum of X^2          (M, ceil(d/tile_n)) fp32 partials (see ``rms_partial``)
 
-Backward (run by the autograd wiring in ``coda_titan.model.programs``): the consumer of H returns
-the fully assembled residual gradient D (norm backward + residual add, see ``norm_residual_bwd``),
-so F1's backward is two plain GEMMs: dy = D @ W (``dgrad``) and dW = D^T @ y (``wgrad``);
-d x_res = D.
+``residual_rms_fp8`` (precision = "fp8"): the same bf16 GEMM, whose epilogue also writes the next
+consumer's e4m3 operand Hq = sat(H * inv) and reports amax |H| (inv: the site's delayed scale;
+None = the current amax, the calibration step).
+
+Backward (``coda_titan.model.autograd``): the consumer of H returns the fully assembled residual
+gradient D (norm backward + residual add, see ``norm_residual_bwd``), so F1's backward is two
+plain GEMMs: dy = D @ W (``gemm.dgrad``) and dW = D^T @ y (``gemm.wgrad``); d x_res = D.
 Saved: y and W (both alive anyway).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ._common import acc_dtype, check_2d, mm, tile_sumsq
+from ._common import acc_dtype, check_2d, mm, program_op, tile_sumsq
+from .rms_partial import h_and_q
+from .scaling import E4M3
 
 
 def residual_acc(y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -28,7 +35,7 @@ def residual_acc(y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) 
     return acc + residual.to(acc.dtype)
 
 
-def residual_rms_torch(
+def residual_rms(
     *, y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X, H, S) for one F1 program. y (M, K), weight (d, K), residual (M, d), gamma (d,)."""
@@ -37,3 +44,50 @@ def residual_rms_torch(
     s = tile_sumsq(x, tile_n)
     # The stored residual is rounded once; S and H come from the same fp32 value, as in the epilogue.
     return x.to(residual.dtype), h, s
+
+
+def residual_rms_fp8(
+    *, y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int,
+    inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, H, S, Hq, amax): F1 (bf16 GEMM) whose epilogue also quantizes H for the next consumer."""
+    xf = residual_acc(y, weight, residual)
+    h, hq, amax = h_and_q(xf, gamma, inv_scale, residual.dtype)
+    return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@program_op("residual_rms")
+def residual_rms_op(
+    y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s = residual_rms(y=y, weight=weight, residual=residual, gamma=gamma, tile_n=tile_n)
+    return x, h, s.sum(-1, keepdim=True)
+
+
+@residual_rms_op.register_fake
+def _(y, weight, residual, gamma, tile_n):
+    s = residual.new_empty((residual.shape[0], 1), dtype=acc_dtype(y, weight))
+    return torch.empty_like(residual), torch.empty_like(residual), s
+
+
+@program_op("residual_rms_fp8")
+def residual_rms_fp8_op(
+    y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int,
+    inv_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s, hq, amax = residual_rms_fp8(
+        y=y, weight=weight, residual=residual, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale
+    )
+    return x, h, s.sum(-1, keepdim=True), hq, amax
+
+
+@residual_rms_fp8_op.register_fake
+def _(y, weight, residual, gamma, tile_n, inv_scale):
+    ct = acc_dtype(y, weight)
+    return (
+        torch.empty_like(residual), torch.empty_like(residual), residual.new_empty((residual.shape[0], 1), dtype=ct),
+        residual.new_empty(residual.shape, dtype=E4M3), residual.new_empty((), dtype=ct),
+    )

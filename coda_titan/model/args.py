@@ -1,8 +1,9 @@
 """Model arguments and flavors of ``coda_llama3``.
 
-``CodaModelArgs`` is TorchTitan's ``TransformerModelArgs`` plus the ``[coda]`` knobs that shape the
-programs (backend, partial-sum tile width, CE chunk). Flavors use TorchTitan's numbers where
-TorchTitan defines them (8B, 70B); 1B and 3B are the Llama-3.2 shapes.
+``CodaModelArgs`` is TorchTitan's ``TransformerModelArgs`` plus one field, ``coda``: the parsed and
+validated ``[coda]`` section (``coda_titan.titan.job_config.Coda``), copied in by
+``update_from_config``. Flavors use TorchTitan's numbers where TorchTitan defines them (8B, 70B);
+1B and 3B are the Llama-3.2 shapes.
 
 The same flavor names are added to stock ``llama3`` (only names it lacks, never changing one it
 has), so that a CODA config and its baseline differ only in ``model.name`` and ``[coda]``. Stock
@@ -12,37 +13,24 @@ in ``coda_llama3``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchtitan.models.llama3 import TransformerModelArgs
+
+from ..titan.job_config import Coda, validate
 
 
 @dataclass
 class CodaModelArgs(TransformerModelArgs):
-    backend: str = "auto"  # resolved to "torch" / "cute" when the model is built
-    tile_n: int = 128  # column-tile width of the partial RMS sums (the GEMM's tile_N)
-    ce_chunk_rows: int = 4096  # token rows per LM-head/CE chunk: peak logits memory = rows * V
-    precision: str = "bf16"  # "bf16" | "fp8" (e4m3 F2/F3 GEMM operands)
-    fp8_amax_history: int = 16  # fp8: steps of activation amax history (delayed scaling)
-    fp8_dgrad: bool = False  # fp8: F3's dgrad on an e5m2 gradient and the e4m3 weight
-    fp8_mlp_dgrad: bool = True  # fp8: the MLP's W13 dgrad (B3 -> B2) on an e5m2 gradient (delayed scale)
-    fp8_mlp_wgrad: bool = True  # fp8: W13's wgrad on fp8 (torchao's recipe, current power-of-two scales)
-    fp8_grad_margin: int = 8  # fp8_mlp_dgrad: log2 headroom of the delayed e5m2 gradient scale
+    coda: Coda = field(default_factory=Coda)
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
         coda = getattr(job_config, "coda", None)
         if coda is not None:
-            self.backend = coda.backend
-            self.tile_n = coda.tile_n
-            self.ce_chunk_rows = coda.ce_chunk_rows
-            self.precision = coda.precision
-            self.fp8_amax_history = coda.fp8_amax_history
-            self.fp8_dgrad = coda.fp8_dgrad
-            self.fp8_mlp_dgrad = coda.fp8_mlp_dgrad
-            self.fp8_mlp_wgrad = coda.fp8_mlp_wgrad
-            self.fp8_grad_margin = coda.fp8_grad_margin
+            self.coda = validate(copy.copy(coda))
 
 
 def _flavors(cls) -> dict[str, TransformerModelArgs]:

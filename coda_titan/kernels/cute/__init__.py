@@ -1,9 +1,11 @@
 """The ``cute`` backend: CODA's programs as fused SM90 kernels (quack / CuTeDSL, the ``gpu`` extra).
 
 Importing this package registers the kernels as the CUDA implementations of the ``torch.ops.coda``
-custom ops (``coda_titan.kernels.ops``) and exposes ``<program>_cute`` callables with the same
-keyword-only interface as the torch reference. Only import it on an sm90 GPU with the extra
-installed; ``coda_titan.kernels.get_backend('cute')`` checks that first.
+custom ops; each file holds the kernels of the program module of the same name in
+``coda_titan.kernels``. ``_dispatch`` has the shared plumbing (eligibility, the warn-once fallback
+to the reference for inputs a kernel cannot take, caches), ``epilogues`` our own
+``@gemm_epilogue`` functions, ``patches`` what we change in quack. Only import it on an sm90 GPU
+with the extra installed; ``coda_titan.kernels.get_backend('cute')`` checks that first.
 
 Caches (on disk, so a training start does not re-tune what was tuned before):
 
@@ -37,5 +39,5 @@ def cache_root() -> str:
 if not os.environ.get("QUACK_CACHE_DIR"):
     os.environ["QUACK_CACHE_DIR"] = cache_root()
 
-from .programs import *  # noqa: E402,F401,F403
-from .programs import __all__  # noqa: E402,F401
+from . import patches  # noqa: E402,F401  (before any fp8 GEMM is built)
+from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401

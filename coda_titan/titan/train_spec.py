@@ -23,9 +23,9 @@ from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 from torchtitan.models.llama3 import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
-from .model.args import coda_llama3_args
-from .model.model import CodaTransformer
-from .model.parallelize import parallelize_coda
+from ..model.args import coda_llama3_args
+from ..model.model import CodaTransformer
+from .parallelize import parallelize_coda
 
 NAME = "coda_llama3"
 

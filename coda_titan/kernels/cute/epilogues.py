@@ -1,0 +1,107 @@
+"""Our own ``@gemm_epilogue`` functions (quack's frontend); quack's library supplies the others.
+
+Each is a small function of the accumulator ``acc`` (and the tile ``c`` where there is one); the
+frontend turns it into a fused SM90 GEMM epilogue. The program files in this package call them.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from quack.activation import dswiglu, swiglu
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.math import pack, unpack
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
+
+
+_target_idx = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"rstd": ColVecLoad("rstd")},
+    outs={
+        "lse": OnlineLSEReduce("lse"),
+        "target_logit": ColVecSelect("target_logit", idx_op=_target_idx),
+    },
+    extra_ops=(_target_idx,),
+)
+def rstd_lse_target_epi(acc, rstd):
+    """F4's epilogue: logits = r * acc (deferred final-norm rstd), written as D; the online
+    (max, sum exp) partials of each row; the row's target logit gathered exactly in fp32 (rows
+    whose target is -100 are left untouched)."""
+    v = acc * rstd
+    return {"D": v, "lse": v, "target_logit": v}
+
+
+@gemm_epilogue(
+    outputs=("resid_out", "hq"),
+    ops={"weight": RowVecLoad("weight"), "inv_scale": Scalar("inv_scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def rms_partial_fp8_epi(acc, c, weight, inv_scale):
+    """F1's epilogue for precision = "fp8": X = acc + residual (resid_out), H = X * gamma (D, bf16),
+    per-tile sum X^2, and the next consumer's e4m3 operand hq = sat(H * inv_scale) (the f32 -> e4m3
+    store converts with cvt.rn.satfinite), with the per-row amax |H| for the scale history."""
+    x = acc + c
+    h = x * weight
+    return {"D": h, "resid_out": x, "sqsum": (x, x), "hq": h * inv_scale, "amax": h}
+
+
+@gemm_epilogue(
+    outputs=("postact",),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale")},
+    mode="acc_pair",
+)
+def fp8_rstd_swiglu_preact_epi(acc, rstd, scale):
+    """F2's epilogue on e4m3 operands: v = (s_a * s_w) * acc is the true-scale pre-activation, saved
+    as D for the (bf16) backward; y = SwiGLU(r * v) as the paired-column postact."""
+    v = acc * scale
+    g, u = unpack(v)
+    gs, us = unpack(v * rstd)
+    return {"D": pack(g, u), "postact": swiglu(gs, us)}
+
+
+@dsl_user_op
+def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
+    """Two saturated e5m2 values (lo, hi) packed into one 16-bit word, returned as the f32 value of
+    that word read as an f16 (always finite: a satfinite e5m2 never has an all-ones exponent). A
+    16-bit output stores it back bit-exactly (f16 -> f32 -> f16 is exact), so a float16 buffer of
+    width N holds the e5m2 pairs [lo_j, hi_j], i.e. an e5m2 tensor of width 2N."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            "{.reg .b16 t;\ncvt.rn.satfinite.e5m2x2.f32 t, $1, $2;\ncvt.f32.f16 $0, t;}",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    mode="packed_cd_b16x2",
+)
+def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
+    """B3's epilogue (quack's ``dgated_rstd_preact_mod("swiglu")``) that also writes da as e5m2 for
+    B2's fp8 dgrad: daq = sat(da * inv_scale) for the (gate, up) pair of each column, packed into the
+    16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da| for the history."""
+    g, u = unpack(c)
+    gs, us = g * rstd, u * rstd
+    dgs, dus, s = dswiglu(gs, us, acc)
+    dg, du = dgs * rstd, dus * rstd
+    return {
+        "D": pack(dg, du),
+        "postact": s,
+        "dsum": dgs * g + dus * u,
+        "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
+        "amax": cute.arch.fmax(dg, du, abs=True),
+    }
+
+

@@ -1,0 +1,67 @@
+"""CUDA kernels of the plain GEMMs (``coda_titan.kernels.gemm``).
+
+wgrad / dgrad        cuBLAS with fp32 accumulation: every backward program already folded r into
+                     da, so there is nothing to fuse
+quantize_tensorwise  amax reduction + saturated cast, inductor-fused
+fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
+                     and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
+wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
+                     pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
+                     accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
+                     operands only, and a weight gradient contracts over the tokens
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import gemm as ref
+from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
+
+
+@torch.library.register_kernel("coda::wgrad", "cuda")
+def _wgrad(grad, inp, out_dtype):
+    if grad.dtype not in KERNEL_DTYPES or inp.dtype != grad.dtype:
+        return fallback(ref.wgrad_op, f"dtype {grad.dtype}/{inp.dtype}", grad, inp, out_dtype)
+    out = grad.t() @ inp
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+@torch.library.register_kernel("coda::dgrad", "cuda")
+def _dgrad(grad, weight, out_dtype):
+    if grad.dtype not in KERNEL_DTYPES or weight.dtype != grad.dtype:
+        return fallback(ref.dgrad_op, f"dtype {grad.dtype}/{weight.dtype}", grad, weight, out_dtype)
+    out = grad @ weight
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+@torch.library.register_kernel("coda::quantize_tensorwise", "cuda")
+def _quantize_tensorwise(w):
+    return fused("quantize_tensorwise", lambda t: ref.quantize_tensorwise(w=t))(w)
+
+
+@torch.library.register_kernel("coda::fp8_layer_weights", "cuda")
+def _fp8_layer_weights(w1, w3, wq, wk, wv, w13_t, wqkv_t):
+    return fused(f"fp8_layer_weights_{w13_t:d}{wqkv_t:d}", lambda *ws: ref.fp8_layer_weights(
+        w1=ws[0], w3=ws[1], wq=ws[2], wk=ws[3], wv=ws[4], w13_t=w13_t, wqkv_t=wqkv_t,
+    ))(list(w1), list(w3), list(wq), list(wk), list(wv))
+
+
+def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):
+    gq, s_g, xq, s_x = ref.wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
+    return gq.t().contiguous(), s_g, xq.t().contiguous(), s_x
+
+
+@torch.library.register_kernel("coda::wgrad_fp8", "cuda")
+def _wgrad_fp8(grad, grad_amax, inp, inp_amax, out_dtype):
+    why = unsupported(grad, inp)
+    if why is None and (grad.shape[0] != inp.shape[0] or grad.shape[0] % 16 or grad.shape[1] % 16 or inp.shape[1] % 16):
+        why = f"shapes {tuple(grad.shape)} / {tuple(inp.shape)} (need equal rows, all % 16)"
+    if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        why = f"out dtype {out_dtype}"
+    if why:
+        return fallback(ref.wgrad_fp8_op, why, grad, grad_amax, inp, inp_amax, out_dtype)
+    fn = fused(f"wgrad_fp8_operands_{grad_amax is None:d}{inp_amax is None:d}", _wgrad_fp8_operands_t)
+    with first_call("wgrad_fp8", grad, inp):
+        gt, s_g, xt, s_x = fn(grad, grad_amax, inp, inp_amax)
+        return torch._scaled_mm(gt, xt.t(), scale_a=s_g, scale_b=s_x, out_dtype=out_dtype, use_fast_accum=False)

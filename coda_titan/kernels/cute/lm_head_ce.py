@@ -1,0 +1,68 @@
+"""CUDA kernel of F4 (``coda_titan.kernels.lm_head_ce``).
+
+Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) and
+the target logit in the epilogue); one inductor-fused pass makes da = r * (softmax - onehot) and
+zdz; then B2 (``rms_bwd_apply_last_epi``) and the dW_out GEMM, accumulated over chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+from quack.epilogue.library import rms_bwd_apply_last_epi
+from quack.gemm_interface import gemm as quack_gemm
+from quack.gemm_interface import gemm_add_inplace
+
+from .. import lm_head_ce as ref
+from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported
+from .epilogues import rstd_lse_target_epi
+
+
+def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
+    """da = r * (softmax - onehot) and zdz = sum logits * (softmax - onehot); zero on ignored rows."""
+    lf = logits.float()
+    valid = targets != ref.IGNORE_INDEX
+    p = torch.exp(lf - lse[:, None])
+    zdz = torch.where(valid, (p * lf).sum(-1) - tgt_logit, 0.0)
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == targets[:, None]
+    r = torch.where(valid, rstd, 0.0)
+    da = ((p - onehot.float()) * r[:, None]).to(logits.dtype)
+    return da, zdz
+
+
+@torch.library.register_kernel("coda::lm_head_ce", "cuda")
+def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
+    why = unsupported(h, x, weight)
+    if why:
+        return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    m, d = h.shape
+    vocab = weight.shape[0]
+    loss = torch.zeros((), device=h.device, dtype=torch.float32)
+    rstd = rstd.float()
+    gamma32 = gamma.float()
+    if compute_grad:
+        dx = torch.empty_like(x)
+        dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
+        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32)
+    logits_buf = h.new_empty((min(chunk_rows, m), vocab))
+    grad_fn = fused("ce_grad", _ce_grad_math)
+    for i, start in enumerate(range(0, m, chunk_rows)):
+        stop = min(start + chunk_rows, m)
+        hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
+        logits = logits_buf[: stop - start]
+        with first_call("lm_head_ce", hc, weight):
+            res = gemm(rstd_lse_target_epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
+        lse, tl = res["lse"], res["target_logit"]
+        loss = loss + torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0).sum()
+        if not compute_grad:
+            continue
+        da, zdz = grad_fn(logits, lse, tl, t, r)
+        corr = -(r * r / d) * zdz
+        out = gemm(rms_bwd_apply_last_epi, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
+        dgamma += out["dw"]
+        if i == 0:
+            quack_gemm(da.t(), hc, out=dw, tuned=TUNE)
+        else:
+            gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
+    if not compute_grad:
+        return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
+    return loss, dx, dgamma, dw.to(weight.dtype)

@@ -1,0 +1,49 @@
+"""CUDA kernels of B2 (``coda_titan.kernels.norm_residual_bwd``).
+
+norm_residual_bwd      quack's ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc * gamma + dres +
+                       X * corr, corr = -(r^2/d) zdz, dgamma partials in the epilogue
+norm_residual_bwd_fp8  the same epilogue on e5m2 da x e4m3 W^T; s_da * s_w rides the gamma row
+                       vector and multiplies the dgamma partials once, after their reduction
+"""
+
+from __future__ import annotations
+
+import torch
+from quack.epilogue.library import rms_bwd_apply_epi, rms_bwd_apply_last_epi
+
+from .. import norm_residual_bwd as ref
+from ..scaling import E4M3, E5M2
+from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+
+
+def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
+    """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma partial sums)."""
+    d = x.shape[1]
+    r = rstd.float()
+    corr = -(r * r / d) * zdz.float()
+    out = torch.empty_like(x)
+    with first_call(name, a, b_kn):
+        if dresidual is None:
+            res = gemm(rms_bwd_apply_last_epi, a, b_kn, None, {"D": out}, y=x, w=w, corr=corr)
+        else:
+            res = gemm(rms_bwd_apply_epi, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
+    return out, res["dw"]
+
+
+@torch.library.register_kernel("coda::norm_residual_bwd", "cuda")
+def _norm_residual_bwd(da, weight, x, gamma, rstd, zdz, dresidual):
+    why = unsupported(*((da, weight, x) if dresidual is None else (da, weight, x, dresidual)))
+    if why:
+        return fallback(ref.norm_residual_bwd_op, why, da, weight, x, gamma, rstd, zdz, dresidual)
+    return _apply("norm_residual_bwd", da, weight, x, gamma.float(), rstd, zdz, dresidual)
+
+
+@torch.library.register_kernel("coda::norm_residual_bwd_fp8", "cuda")
+def _norm_residual_bwd_fp8(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
+    why = unsupported(*((x,) if dresidual is None else (x, dresidual)))
+    why = why or unsupported_fp8(daq, dtypes=(E4M3, E5M2)) or unsupported_fp8(weight_tq)
+    if why:
+        return fallback(ref.norm_residual_bwd_fp8_op, why, daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual)
+    sc = scalar32(scale)
+    out, dgamma = _apply("norm_residual_bwd_fp8", daq, weight_tq.t(), x, gamma.float() * sc, rstd, zdz, dresidual)
+    return out, dgamma * sc

@@ -1,0 +1,112 @@
+"""CUDA kernels of F3 and B1 (``coda_titan.kernels.norm_rope``).
+
+norm_rope      quack's ``rstd_rope_posfreq_epi``: r * acc, then rotation by +theta with the angle
+               pos * freq formed in-kernel as a float-float (v columns: zero frequency)
+norm_rope_fp8  the same epilogue on e4m3 Hq and W_qkv,q; s_a * s_w rides the rstd column vector
+rope_bwd       one inductor-fused elementwise + row-reduction pass (no GEMM involved)
+rope_bwd_fp8   the same pass that also casts da to e5m2 (current tensorwise scale)
+"""
+
+from __future__ import annotations
+
+import torch
+from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
+
+from .. import norm_rope as ref
+from ..scaling import E5M2_MAX, inv_scale_from_amax, quantize_e5m2
+from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
+
+
+def _rope_tables(freqs, m: int, seqlen: int, rot: int, q: int, head_dim: int, dev):
+    """(freq, pos): quack's interleaved per-column frequencies and each row's position."""
+    freq = cached(
+        ("freq", freqs.data_ptr(), freqs._version, rot, q, head_dim, dev),
+        lambda: make_interleaved_inv_freq(freqs.double(), rot, q - rot, head_dim).float().to(dev),
+    )
+    pos = cached(("pos", m, seqlen, dev), lambda: (torch.arange(m, device=dev) % seqlen).float())
+    return freq, pos
+
+
+@torch.library.register_kernel("coda::norm_rope", "cuda")
+def _norm_rope(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim):
+    why = unsupported(h, weight)
+    m, q = h.shape[0], weight.shape[0]
+    rot = n_rope_heads * head_dim
+    if why is None and (head_dim % 2 or m % seqlen or rot > q):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
+    if why:
+        return fallback(ref.norm_rope_op, why, h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim)
+    freq, pos = _rope_tables(freqs, m, seqlen, rot, q, head_dim, h.device)
+    out = h.new_empty((m, q))
+    with first_call("norm_rope", h, weight):
+        gemm(rstd_rope_posfreq_epi, h, weight.t(), None, {"D": out}, pos=pos, freq=freq, rstd=rstd.float())
+    return out
+
+
+@torch.library.register_kernel("coda::norm_rope_fp8", "cuda")
+def _norm_rope_fp8(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtype):
+    why = unsupported_fp8(hq, weight_q)
+    m, q = hq.shape[0], weight_q.shape[0]
+    rot = n_rope_heads * head_dim
+    if why is None and (head_dim % 2 or m % seqlen or rot > q or out_dtype not in KERNEL_DTYPES):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen} / out dtype {out_dtype}"
+    if why:
+        return fallback(ref.norm_rope_fp8_op, why, hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim,
+                        out_dtype)
+    freq, pos = _rope_tables(freqs, m, seqlen, rot, q, head_dim, hq.device)
+    out = torch.empty((m, q), device=hq.device, dtype=out_dtype)
+    with first_call("norm_rope_fp8", hq, weight_q):
+        gemm(rstd_rope_posfreq_epi, hq, weight_q.t(), None, {"D": out}, pos=pos, freq=freq,
+             rstd=rstd.float() * scale.float())
+    return out
+
+
+def _rope_bwd_f32(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    m = dy.shape[0]
+    seqlen = cos.shape[0]
+    dyf = dy.float()
+    zdz = (y.float() * dyf).sum(-1)
+    t = dyf[:, :rot].reshape(m // seqlen, seqlen, rot // head_dim, head_dim // 2, 2)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x0, x1 = t[..., 0], t[..., 1]
+    back = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).reshape(m, rot)
+    return torch.cat([back, dyf[:, rot:]], dim=-1) * rstd[:, None], zdz
+
+
+def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
+    return da.to(dy.dtype), zdz
+
+
+def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+    da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
+    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
+
+
+def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math) as one inductor program."""
+    why = unsupported(dy, y)
+    m = dy.shape[0]
+    if why is None and (head_dim % 2 or m % seqlen):
+        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
+    if why:
+        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+    cos, sin = cached(  # (the shape too: a freed freqs' address can come back for another head_dim)
+        ("cossin", freqs.data_ptr(), freqs._version, tuple(freqs.shape), seqlen, dy.device),
+        lambda: ref.rope_cos_sin(freqs, seqlen, torch.float32),
+    )
+    name = math.__name__.strip("_").removesuffix("_math")
+    with first_call(name, dy):
+        return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+
+@torch.library.register_kernel("coda::rope_bwd", "cuda")
+def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    return _rope_bwd_pass(ref.rope_bwd_op, _rope_bwd_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+
+
+@torch.library.register_kernel("coda::rope_bwd_fp8", "cuda")
+def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    # the amax reduction, then da in bf16 and e5m2 in one pointwise pass
+    return _rope_bwd_pass(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)

@@ -1,0 +1,93 @@
+"""CUDA kernels of F2 and B3 (``coda_titan.kernels.norm_swiglu``).
+
+norm_swiglu      quack's ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r a_g) * (r a_u),
+                 gate/up as adjacent columns of the interleaved W13
+norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
+swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
+swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
+                 (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_epi
+from quack.gemm_config import GemmConfig
+
+from .. import norm_swiglu as ref
+from ..scaling import E5M2
+from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from .epilogues import dswiglu_rstd_preact_fp8_epi, fp8_rstd_swiglu_preact_epi
+
+
+@torch.library.register_kernel("coda::norm_swiglu", "cuda")
+def _norm_swiglu(h, rstd, w13):
+    why = unsupported(h, w13)
+    if why or w13.shape[0] % 16:
+        return fallback(ref.norm_swiglu_op, why or f"hidden {w13.shape[0] // 2} (need % 8)", h, rstd, w13)
+    m, f2 = h.shape[0], w13.shape[0]
+    a = h.new_empty((m, f2))
+    y = h.new_empty((m, f2 // 2))
+    with first_call("norm_swiglu", h, w13):
+        gemm(rstd_swiglu_preact_epi, h, w13.t(), None, {"D": a, "postact": y}, rstd=rstd.float())
+    return y, a
+
+
+@torch.library.register_kernel("coda::norm_swiglu_fp8", "cuda")
+def _norm_swiglu_fp8(hq, rstd, w13q, scale, out_dtype):
+    why = unsupported_fp8(hq, w13q)
+    if why is None and (w13q.shape[0] % 32 or out_dtype not in KERNEL_DTYPES):
+        why = f"hidden {w13q.shape[0] // 2} / out dtype {out_dtype} (need % 16, bf16/fp16)"
+    if why:
+        return fallback(ref.norm_swiglu_fp8_op, why, hq, rstd, w13q, scale, out_dtype)
+    m, f2 = hq.shape[0], w13q.shape[0]
+    a = torch.empty((m, f2), device=hq.device, dtype=out_dtype)
+    y = torch.empty((m, f2 // 2), device=hq.device, dtype=out_dtype)
+    with first_call("norm_swiglu_fp8", hq, w13q):
+        gemm(fp8_rstd_swiglu_preact_epi, hq, w13q.t(), None, {"D": a, "postact": y},
+             rstd=rstd.float(), scale=scalar32(scale))
+    return y, a
+
+
+@torch.library.register_kernel("coda::swiglu_bwd", "cuda")
+def _swiglu_bwd(dout, w_down, a, rstd):
+    why = unsupported(dout, w_down, a)
+    if why:
+        return fallback(ref.swiglu_bwd_op, why, dout, w_down, a, rstd)
+    r = rstd.float()
+    da = torch.empty_like(a)
+    y = a.new_empty((a.shape[0], a.shape[1] // 2))
+    with first_call("swiglu_bwd", dout, w_down):
+        res = gemm(dswiglu_rstd_preact_mod, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
+    return da, y, res["dsum"] * r
+
+
+@functools.cache
+def _b3_fp8_config(device):
+    """The pinned tile config of the fp8 B3: the autotuner's 256 x 160 cooperative 1 x 2 candidate of
+    this epilogue never finishes; this one is the fastest of the others on the H100
+    (benchmarks/results/probe_fp8_configs_*.json) and the bf16 B3's autotuned choice there."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None  # quack's per-arch default
+    return GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
+def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
+    why = unsupported(dout, w_down, a)
+    if why is None and inv_scale is None:
+        why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+    if why:
+        return fallback(ref.swiglu_bwd_fp8_op, why, dout, w_down, a, rstd, inv_scale)
+    r = rstd.float()
+    m, f2 = a.shape
+    da = torch.empty_like(a)
+    y = a.new_empty((m, f2 // 2))
+    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
+    with first_call("swiglu_bwd_fp8", dout, w_down):
+        res = dswiglu_rstd_preact_fp8_epi(dout, w_down, a, out={"D": da, "postact": y, "daq": daq}, tuned=False,
+                                          config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale))
+    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()

@@ -1,0 +1,35 @@
+"""CUDA kernels of the prologue and the finalize (``coda_titan.kernels.rms_partial``).
+
+rms_partial       H = X * gamma and sum X^2 once per step (torch ops: no GEMM to fuse with)
+rms_partial_fp8   the same plus e4m3 H and amax |H|, as one inductor-fused pass
+rstd_finalize     ``quack.rms_final_reduce`` (CuTeDSL): r = rsqrt(sum S / d + eps)
+"""
+
+from __future__ import annotations
+
+import torch
+from quack.rms_final_reduce import rms_final_reduce
+
+from .. import rms_partial as ref
+from ._dispatch import fallback, fused
+
+
+@torch.library.register_kernel("coda::rms_partial", "cuda")
+def _rms_partial(x, gamma, tile_n):
+    xf = x.float()
+    h = (xf * gamma.float()).to(x.dtype)
+    return h, (xf * xf).sum(-1, keepdim=True)
+
+
+@torch.library.register_kernel("coda::rms_partial_fp8", "cuda")
+def _rms_partial_fp8(x, gamma, tile_n, inv_scale):
+    h, s, hq, amax = fused(f"rms_partial_fp8_{tile_n}_{inv_scale is None}", lambda x_, g_, i_: ref.rms_partial_fp8(
+        x=x_, gamma=g_, tile_n=tile_n, inv_scale=i_))(x, gamma, inv_scale)
+    return h, s.sum(-1, keepdim=True), hq, amax
+
+
+@torch.library.register_kernel("coda::rstd_finalize", "cuda")
+def _rstd_finalize(partials, dim, eps):
+    if partials.dtype != torch.float32 or not partials.is_contiguous():
+        return fallback(ref.rstd_finalize_op, f"partials of dtype {partials.dtype}", partials, dim, eps)
+    return rms_final_reduce(partials, 1.0 / dim, eps)

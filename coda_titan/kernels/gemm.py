@@ -1,0 +1,173 @@
+"""Plain GEMMs of the step: weight and input gradients, and the fp8 weight pass.
+
+    wgrad:  dW = grad^T @ inp            (N, K), fp32 accumulation
+    dgrad:  dX = grad @ W                (M, K)
+
+No row scales are needed: every backward program folds the deferred rstd into the gradient it
+produces (da = r * dp, see ``norm_residual_bwd``), so for a norm consumer dW = da^T @ H with
+H = X * gamma exactly as the producer epilogue saved it. Outputs are in ``out_dtype``.
+
+FP8 (precision = "fp8"):
+
+    quantize_tensorwise  W -> (e4m3 Wq, s): current-amax tensorwise scale (torchao's weights)
+    fp8_layer_weights    the weight pass of every layer at once: W13 = interleave_rows(w1, w3) and
+                         W_qkv = cat(wq, wk, wv), each quantized as above, plus the transposed copies
+                         B2's fp8 dgrads read (fp8 WGMMA operands must be K-major, and B2 contracts
+                         over the weight's rows). One call per forward: the host launches it once.
+    wgrad_fp8            dW = grad^T @ inp as torchao's float8 weight gradient: grad cast to e5m2 and
+                         inp to e4m3, each with a *current* tensorwise scale rounded down to a power
+                         of two (``wgrad_fp8_operands``), exact products summed in fp32, times
+                         s_g * s_x. The amaxes come from the epilogues that produced the operands
+                         (B3 reports amax |da|, F1 amax |H|); None: computed here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._common import acc_dtype, check_2d, interleave_rows, program_op
+from .scaling import (
+    E4M3, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
+)
+
+
+def _check_rows(grad: torch.Tensor, inp: torch.Tensor) -> None:
+    check_2d("grad", grad)
+    check_2d("inp", inp)
+    if grad.shape[0] != inp.shape[0]:
+        raise ValueError(f"grad and inp need the same rows, got {tuple(grad.shape)} and {tuple(inp.shape)}")
+
+
+def wgrad(*, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    _check_rows(grad, inp)
+    ct = acc_dtype(grad, inp)
+    return (grad.to(ct).t() @ inp.to(ct)).to(out_dtype)
+
+
+def dgrad(*, grad: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    check_2d("grad", grad, weight.shape[0])
+    return (grad @ weight).to(out_dtype)
+
+
+def quantize_tensorwise(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wq, s): current-amax tensorwise e4m3 of ``w`` and its dequantization scale s = 1/inv (0-dim)."""
+    wf = w.to(acc_dtype(w))
+    inv = inv_scale_from_amax(wf.abs().amax())
+    return quantize_e4m3(wf, inv), inv.reciprocal()
+
+
+def fp8_layer_weights(
+    *, w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
+    wv: list[torch.Tensor], w13_t: bool = False, wqkv_t: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(W13q per layer, their scales (L,), W_qkv,q per layer, their scales (L,), W13q^T per layer if
+    ``w13_t`` else [], W_qkv,q^T per layer if ``wqkv_t`` else [])."""
+    if not (len(w1) == len(w3) == len(wq) == len(wk) == len(wv)):
+        raise ValueError(f"need one weight of each kind per layer, got {[len(t) for t in (w1, w3, wq, wk, wv)]}")
+    w13 = [quantize_tensorwise(w=interleave_rows(a, b)) for a, b in zip(w1, w3)]
+    qkv = [quantize_tensorwise(w=torch.cat([q, k, v])) for q, k, v in zip(wq, wk, wv)]
+
+    def scales(pairs):
+        return torch.stack([s for _, s in pairs]) if pairs else torch.empty(0)
+
+    def transposed(pairs, want: bool):
+        return [q.t().contiguous() for q, _ in pairs] if want else []
+
+    return ([q for q, _ in w13], scales(w13), [q for q, _ in qkv], scales(qkv),
+            transposed(w13, w13_t), transposed(qkv, wqkv_t))
+
+
+def wgrad_fp8_operands(
+    grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gq, s_g, xq, s_x): grad as e5m2 and inp as e4m3, each with the current tensorwise scale of
+    its amax (computed here when None) rounded down to a power of two, in the compute dtype's
+    arithmetic (fp64 for fp64 inputs).
+
+    Why a power of two: with ``fmax / amax`` itself, the whole rounding grid moves with the amax, a
+    single element, so two correct runs whose gradients differ at the fp8-noise level would round
+    every element independently. With a power-of-two scale an element's rounding is its own."""
+    ct = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    g, x = grad.to(ct), inp.to(ct)
+    inv_g = pow2_floor(inv_scale_from_amax(g.abs().amax() if grad_amax is None else grad_amax.to(ct), E5M2_MAX))
+    inv_x = pow2_floor(inv_scale_from_amax(x.abs().amax() if inp_amax is None else inp_amax.to(ct)))
+    return quantize_e5m2(g, inv_g), inv_g.reciprocal(), quantize_e4m3(x, inv_x), inv_x.reciprocal()
+
+
+def wgrad_fp8(
+    *, grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dW = grad^T @ inp on fp8 operands (module docstring), in ``out_dtype``."""
+    _check_rows(grad, inp)
+    gq, s_g, xq, s_x = wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
+    ct = compute_dtype(out_dtype)
+    return ((gq.to(ct).t() @ xq.to(ct)) * (s_g * s_x).to(ct)).to(out_dtype)
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@program_op("wgrad")
+def wgrad_op(grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return wgrad(grad=grad, inp=inp, out_dtype=out_dtype)
+
+
+@wgrad_op.register_fake
+def _(grad, inp, out_dtype):
+    return grad.new_empty((grad.shape[1], inp.shape[1]), dtype=out_dtype)
+
+
+@program_op("dgrad")
+def dgrad_op(grad: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return dgrad(grad=grad, weight=weight, out_dtype=out_dtype)
+
+
+@dgrad_op.register_fake
+def _(grad, weight, out_dtype):
+    return grad.new_empty((grad.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+@program_op("quantize_tensorwise")
+def quantize_tensorwise_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tensorwise(w=w)
+
+
+@quantize_tensorwise_op.register_fake
+def _(w):
+    return w.new_empty(w.shape, dtype=E4M3), w.new_empty((), dtype=acc_dtype(w))
+
+
+@program_op("fp8_layer_weights")
+def fp8_layer_weights_op(
+    w1: list[torch.Tensor], w3: list[torch.Tensor], wq: list[torch.Tensor], wk: list[torch.Tensor],
+    wv: list[torch.Tensor], w13_t: bool, wqkv_t: bool,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    return fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv, w13_t=w13_t, wqkv_t=wqkv_t)
+
+
+@fp8_layer_weights_op.register_fake
+def _(w1, w3, wq, wk, wv, w13_t, wqkv_t):
+    n = len(w1)
+    ct = acc_dtype(w1[0]) if n else torch.float32
+    w13 = [a.new_empty((2 * a.shape[0], a.shape[1]), dtype=E4M3) for a in w1]
+    qkv = [q.new_empty((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), dtype=E4M3) for q, k, v in zip(wq, wk, wv)]
+    dev = w1[0].device if n else None
+    w13_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in w13] if w13_t else []
+    qkv_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in qkv] if wqkv_t else []
+    return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev), w13_ts, qkv_ts
+
+
+@program_op("wgrad_fp8")
+def wgrad_fp8_op(
+    grad: torch.Tensor, grad_amax: Optional[torch.Tensor], inp: torch.Tensor, inp_amax: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return wgrad_fp8(grad=grad, grad_amax=grad_amax, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
+
+
+@wgrad_fp8_op.register_fake
+def _(grad, grad_amax, inp, inp_amax, out_dtype):
+    return grad.new_empty((grad.shape[1], inp.shape[1]), dtype=out_dtype)

@@ -1,0 +1,72 @@
+"""FP8 formats and scale math, shared by every fp8 program (``[coda] precision = "fp8"``).
+
+Recipe (docs/fp8.md gives each site's choice and why):
+
+* **Formats.** e4m3 for forward operands (activations and weights), e5m2 for gradients, as
+  torchao's tensorwise recipe. Every cast saturates (``sat``) and rounds to nearest even.
+* **Tensorwise scales.** ``inv = fmax / amax`` maps a tensor onto the format's range:
+  ``q = sat(t * inv)`` and ``t ~= q * s`` with ``s = 1 / inv`` (torchao's ``amax_to_scale``).
+* **Where the amax comes from.** Weights: current (each forward, the weight pass in ``gemm``).
+  Activations written by a producer epilogue: delayed (the site's amax history in
+  ``coda_titan.model.fp8_scaling``), because a tile is stored before the tensor's amax exists.
+  Weight-gradient operands: current, rounded down to a power of two (``pow2_floor``).
+* **Scales in the epilogue.** A GEMM on fp8 operands accumulates in units of ``s_a * s_w``
+  (``dequant_scale``); the consumer folds that scalar into a vector its epilogue reads anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+E5M2 = torch.float8_e5m2  # gradients: range over precision
+E5M2_MAX = 57344.0
+AMAX_EPS = 1e-12  # torchao's floor on amax (an all-zero tensor gets a finite scale)
+
+
+def inv_scale_from_amax(amax: torch.Tensor, fmax: float = E4M3_MAX) -> torch.Tensor:
+    """``fmax / amax`` in fp32 (fp64 for fp64 amax), with amax floored at 1e-12."""
+    dt = torch.float64 if amax.dtype == torch.float64 else torch.float32
+    return fmax / amax.to(dt).clamp(min=AMAX_EPS)
+
+
+def pow2_floor(inv_scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= ``inv_scale`` (torchao's ``round_scales_to_power_of_2``). Scaling
+    by a power of two is exact, so an element's fp8 rounding no longer depends on the amax: it is
+    the element's own rounding to the format's mantissa, and the amax only picks the window of
+    binades (at most one binade of range given up)."""
+    return torch.exp2(torch.floor(torch.log2(inv_scale)))
+
+
+def dequant_scale(inv_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
+    """s_a * s_w (0-dim) for an operand quantized with ``inv_a`` and a weight of scale ``s_w``: the
+    unit of the fp8 GEMM's accumulator, folded into the consumer's epilogue."""
+    return (s_w / inv_a).reshape(())
+
+
+def quantize_e4m3(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """sat(t * inv_scale) rounded to nearest even e4m3. ``t`` in its compute dtype, inv a scalar."""
+    return (t * inv_scale.to(t.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """sat(t * inv_scale) rounded to nearest even e5m2 (the gradient format)."""
+    return (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+
+
+def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The accumulator dtype of an fp8 program: fp32, or fp64 when the outputs are fp64 (tests)."""
+    return torch.float64 if out_dtype == torch.float64 else torch.float32
+
+
+def check_e4m3(*operands: torch.Tensor) -> None:
+    if any(t.dtype != E4M3 for t in operands):
+        raise TypeError(f"fp8 programs take e4m3 operands, got {[t.dtype for t in operands]}")
+
+
+def fp8_mm(aq: torch.Tensor, bq: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    """aq @ bq^T with e4m3 operands, products exact and accumulated in ``ct`` (the tensor core's
+    fp32 accumulation; fp64 for the tests)."""
+    check_e4m3(aq, bq)
+    return aq.to(ct) @ bq.to(ct).t()

@@ -1,0 +1,239 @@
+"""Autograd wiring of the CODA programs: one Function per fused step, whose backward *runs the
+backward programs*.
+
+Gradient plan (docs/design.md): a producer epilogue (F1 or the prologue) writes X, H = X * gamma
+and the partial sums S; H and S are non-differentiable. The consumer of H (F2, F3 or F4) owns the
+norm's backward: from its output gradient it makes da = r * dp and zdz, runs B2 (dgrad GEMM +
+norm/residual epilogue) and returns the *assembled* residual gradient D for X, plus dgamma. For that
+it needs the gradient already flowing down the residual stream, so:
+
+* the MLP sub-layer (F2 -> F1) is one Function: its input X is also the down-projection's residual;
+* the QKV Function (F3) passes X through as an extra output ``x_pass``, which the out-projection F1
+  uses as its residual; autograd therefore hands F3's backward the residual gradient together with
+  dq/dk/dv (autograd runs a node's backward only when all of its outputs' gradients are in).
+
+F1's own backward is then just two GEMMs (dgrad, wgrad). F4 makes every gradient in its forward,
+chunk by chunk, and its backward only scales them by the incoming scalar.
+
+precision = "fp8": each Function takes its fp8 operands as one optional frozen record (``QuantizeH``,
+``Fp8Operands``, ``MlpFp8``). Quantization is straight-through: the backward is the bf16 one on the
+same saved bf16 tensors, except where a record asks for an fp8 dgrad or weight gradient. Backward
+returns name their gradients (``_grads``); nothing counts positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import Backend
+from ..kernels._common import deinterleave_rows, interleave_rows
+from ..kernels.scaling import E5M2_MAX, dequant_scale, inv_scale_from_amax
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    backend: Backend
+    tile_n: int
+    eps: float
+    ce_chunk_rows: int
+
+
+@dataclass(frozen=True)
+class QuantizeH:
+    """F1 also writes its H as e4m3 for the next consumer, with ``inv_scale`` (the site's delayed
+    scale; None = the current amax, the calibration step), and reports amax |H|."""
+
+    inv_scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Fp8Operands:
+    """The e4m3 operands of a consumer GEMM: ``hq`` (H quantized with ``inv_a``) and the layer's
+    e4m3 weight ``w`` with its scale ``s_w`` (the weight pass). ``w_t`` is that weight transposed,
+    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16."""
+
+    hq: torch.Tensor
+    inv_a: torch.Tensor
+    w: torch.Tensor
+    s_w: torch.Tensor
+    w_t: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MlpFp8:
+    """The MLP sub-layer on fp8: F2 on ``f2``'s operands; F1 writes e4m3 H for the next layer when
+    ``quantize_next`` is given (every layer but the last). With a gradient sink given to the
+    Function (``fp8_mlp_dgrad`` or ``fp8_mlp_wgrad``), B3 also writes da as e5m2 with the delayed
+    ``grad_inv_scale`` (None = calibrate on the current amax); B2 then runs on it when ``f2.w_t`` is
+    given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given."""
+
+    f2: Fp8Operands
+    quantize_next: QuantizeH | None
+    grad_inv_scale: torch.Tensor | None = None
+    h_amax: torch.Tensor | None = None
+
+
+def _grads(inputs: tuple[str, ...], **given) -> tuple:
+    """The backward's return: the gradient named for each forward input, None for the others."""
+    unknown = set(given) - set(inputs)
+    assert not unknown, f"gradients for inputs that do not exist: {unknown}"
+    return tuple(given.get(name) for name in inputs)
+
+
+RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize")  # ResidualRMS.forward's inputs, in order
+
+
+class ResidualRMS(torch.autograd.Function):
+    """F1: X = y @ W^T + residual; H = X * gamma_next; S partials (with ``quantize``: also e4m3 H and
+    amax |H|). Backward: dgrad + wgrad."""
+
+    @staticmethod
+    def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None):
+        be = cfg.backend
+        if quantize is None:
+            outs = be.residual_rms(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=cfg.tile_n)
+        else:
+            outs = be.residual_rms_fp8(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=cfg.tile_n,
+                                       inv_scale=quantize.inv_scale)
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.save_for_backward(y, weight)
+        ctx.cfg = cfg
+        return outs
+
+    @staticmethod
+    def backward(ctx, dx, *_):
+        y, weight = ctx.saved_tensors
+        dy, dw = _f1_backward(ctx.cfg.backend, dx, y, weight)
+        return _grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
+
+
+def _f1_backward(be: Backend, dx, y, weight):
+    return be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype), be.wgrad(grad=dx, inp=y, out_dtype=weight.dtype)
+
+
+NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqlen", "cfg", "n_rope_heads", "head_dim",
+              "fp8")  # NormRoPE.forward's inputs, in order
+
+
+class NormRoPE(torch.autograd.Function):
+    """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
+    zdz, which also casts da to e5m2 when ``fp8.w_t`` is given) -> B2 -> wgrad (bf16)."""
+
+    @staticmethod
+    def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
+                head_dim: int, fp8: Fp8Operands | None = None):
+        rope = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+        if fp8 is None:
+            qkv = cfg.backend.norm_rope(h=h, rstd=rstd, weight=torch.cat([wq, wk, wv]), **rope)
+        else:
+            qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
+                                            out_dtype=h.dtype, **rope)
+        w_t, s_w = (None, None) if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w)
+        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w)
+        ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
+        return qkv, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dqkv, dx_res):
+        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w = ctx.saved_tensors
+        be = ctx.cfg.backend
+        rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
+        norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
+        w = torch.cat([wq, wk, wv])
+        if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2, B2 runs on it and W_qkv,q^T
+            da, zdz, daq, s_da = be.rope_bwd_fp8(**rope)
+            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w8_t, scale=s_da * s_w, zdz=zdz, **norm)
+        else:
+            da, zdz = be.rope_bwd(**rope)
+            dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
+        dwq, dwk, dwv = be.wgrad(grad=da, inp=h, out_dtype=w.dtype).split([wq.shape[0], wk.shape[0], wv.shape[0]])
+        return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv)
+
+
+NORM_SWIGLU_RESIDUAL_INPUTS = ("h", "rstd", "x", "gamma", "w1", "w3", "w2", "gamma_next", "cfg", "fp8", "grad_sink")  # NormSwiGLUResidual.forward's inputs, in order
+
+
+class NormSwiGLUResidual(torch.autograd.Function):
+    """MLP sub-layer: F2 (W13 GEMM + rstd + SwiGLU) then F1 (W2 GEMM + residual + partial RMS).
+
+    W13 is w1 and w3 with rows interleaved (a runtime view, see ``interleave_rows``). Backward: B3
+    (D @ W2 + SwiGLU bwd + zdz), dW2, B2 (da @ W13 + norm/residual bwd), dW13. On fp8 (``fp8``),
+    the backward returns amax |da| as the gradient of ``grad_sink``: the model reads it there to
+    update the gradient site's amax history (a side channel through autograd, so it works compiled).
+    """
+
+    @staticmethod
+    def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
+                grad_sink: torch.Tensor | None = None):
+        be = cfg.backend
+        if fp8 is None:
+            y, a = be.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3))
+        else:
+            f2 = fp8.f2
+            y, a = be.norm_swiglu_fp8(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w),
+                                      out_dtype=h.dtype)
+        f1 = dict(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
+        if fp8 is not None and fp8.quantize_next is not None:
+            outs = be.residual_rms_fp8(**f1, inv_scale=fp8.quantize_next.inv_scale)
+        else:
+            outs = be.residual_rms(**f1)
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
+        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax) if ctx.e5m2 else (None,) * 4
+        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
+        ctx.cfg = cfg
+        return outs
+
+    @staticmethod
+    def backward(ctx, dx_out, *_):
+        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax = ctx.saved_tensors
+        be = ctx.cfg.backend
+        w13 = interleave_rows(w1, w3)
+        norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
+        if ctx.e5m2:
+            da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
+        else:
+            da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
+            amax = None
+        if w13q_t is not None:  # fp8_mlp_dgrad: B2 on e5m2 da x e4m3 W13^T
+            inv_g = inv_scale_from_amax(amax, E5M2_MAX) if grad_inv_scale is None else grad_inv_scale
+            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w13q_t, scale=dequant_scale(inv_g, s_w), zdz=zdz,
+                                                  **norm)
+        else:
+            dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
+        dw2 = be.wgrad(grad=dx_out, inp=y, out_dtype=w2.dtype)
+        if h_amax is not None:  # fp8_mlp_wgrad: torchao's fp8 dW, current scales
+            dw13 = be.wgrad_fp8(grad=da, grad_amax=amax, inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
+        else:
+            dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
+        dw1, dw3 = deinterleave_rows(dw13)
+        sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
+        return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,
+                      grad_sink=sink)
+
+
+LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "compute_grad")  # LMHeadCE.forward's inputs, in order
+
+
+class LMHeadCE(torch.autograd.Function):
+    """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
+        loss, dx, dgamma, dw = cfg.backend.lm_head_ce(
+            h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets,
+            chunk_rows=cfg.ce_chunk_rows, compute_grad=compute_grad,
+        )
+        if compute_grad:
+            ctx.save_for_backward(dx, dgamma, dw)
+            ctx.gamma_dtype = gamma.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dx, dgamma, dw = ctx.saved_tensors
+        g = dloss.to(dgamma.dtype)
+        return _grads(LM_HEAD_CE_INPUTS, x=dx * g.to(dx.dtype), gamma=(dgamma * g).to(ctx.gamma_dtype),
+                      weight=dw * g.to(dw.dtype))

@@ -1,0 +1,96 @@
+"""Delayed fp8 scaling state of ``coda_llama3`` (precision = "fp8"; docs/fp8.md has the recipe).
+
+Sites with a delayed scale, i.e. tensors a producer epilogue quantizes tile by tile before the
+amax of the whole tensor exists:
+
+* activations: per layer l, site 2l is the attention input H (F3's A operand) and site 2l + 1 the
+  MLP input H (F2's). A training forward records each site's current amax; the scale is
+  e4m3_max / max(history). The first step has no history: it calibrates on the current amax.
+* MLP gradients (``fp8_mlp_dgrad`` / ``fp8_mlp_wgrad``): per layer, da as e5m2 written by B3. Its
+  amax is only known in the backward; it comes back through autograd as the gradient of a
+  ``GradAmaxSink`` tensor, and enters the history at the next forward. The scale keeps
+  ``fp8_grad_margin`` powers of two of headroom over the history's max.
+
+The histories are non-persistent buffers: checkpoints stay stock llama3's; a resumed run
+recalibrates on its first step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.scaling import E5M2_MAX, inv_scale_from_amax
+
+
+class GradAmaxSink:
+    """A fresh (n_layers,) zero tensor per forward that each layer's MLP Function takes as an input;
+    the Function's backward returns that layer's amax |da| as its gradient. Works compiled too: it
+    is an ordinary autograd edge."""
+
+    def __init__(self, n_layers: int, device):
+        self.tensor = torch.zeros(n_layers, device=device, dtype=torch.float32, requires_grad=True)
+        with torch.enable_grad():
+            self.per_layer = list(self.tensor.unbind(0))
+
+    def amaxes(self) -> torch.Tensor | None:
+        """The amaxes the last backward left, or None if no backward ran."""
+        return self.tensor.grad
+
+
+class Fp8Scaling(nn.Module):
+    """Amax histories (newest first) and the scales they give."""
+
+    def __init__(self, n_layers: int, history: int, grad_margin: int):
+        super().__init__()
+        self.grad_margin = grad_margin
+        self.register_buffer("activation_history", torch.zeros(2 * n_layers, history), persistent=False)
+        self.register_buffer("gradient_history", torch.zeros(n_layers, history), persistent=False)
+        self.reset()
+
+    def reset(self, device=None) -> None:
+        """Forget every history (``init_weights``)."""
+        if device is not None:
+            self.activation_history = torch.zeros_like(self.activation_history, device=device)
+            self.gradient_history = torch.zeros_like(self.gradient_history, device=device)
+        else:
+            self.activation_history.zero_()
+            self.gradient_history.zero_()
+        self.activations_calibrated = False
+        self.gradients_calibrated = False
+        self.sink: GradAmaxSink | None = None
+
+    def activation_inv_scales(self) -> list[torch.Tensor | None]:
+        """Per-site inverse scales 448 / max(history), or all None on the calibration step."""
+        if not self.activations_calibrated:
+            return [None] * self.activation_history.shape[0]
+        return list(inv_scale_from_amax(self.activation_history.amax(-1)).unbind(0))
+
+    @torch.no_grad()
+    def record_activations(self, amaxes: list[torch.Tensor]) -> None:
+        _push(self.activation_history, torch.stack([a.to(self.activation_history.dtype) for a in amaxes]))
+        self.activations_calibrated = True
+
+    def gradient_sites(self, device, enabled: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """(per-layer delayed inverse e5m2 scales, or Nones to calibrate; per-layer sink tensors, or
+        Nones when ``enabled`` is False). First moves the amaxes the last backward left in the
+        previous sink into the history."""
+        n = self.gradient_history.shape[0]
+        if self.sink is not None and self.sink.amaxes() is not None:
+            with torch.no_grad():
+                _push(self.gradient_history, self.sink.amaxes().to(self.gradient_history))
+            self.gradients_calibrated = True
+        self.sink = None
+        if not enabled:
+            return [None] * n, [None] * n
+        inv: list[torch.Tensor | None] = [None] * n
+        if self.gradients_calibrated:
+            headroom = 2.0**self.grad_margin  # (a step's amax may outgrow the history)
+            inv = list(inv_scale_from_amax(self.gradient_history.amax(-1) * headroom, E5M2_MAX).unbind(0))
+        self.sink = GradAmaxSink(n, device)
+        return inv, self.sink.per_layer
+
+
+def _push(history: torch.Tensor, new: torch.Tensor) -> None:
+    """Shift ``history`` (sites, steps) by one step and put ``new`` (sites,) first."""
+    history.copy_(torch.cat([new[:, None], history[:, :-1]], dim=1))

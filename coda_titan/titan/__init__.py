@@ -1,0 +1,23 @@
+"""Everything TorchTitan calls: the train spec, the ``[coda]`` job config, the FA4 model converter,
+the offline datasets and the CPU device shim (the shape of ``torchtitan/experiments/<name>/``)."""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Register the ``coda_llama3`` train spec, the flavors stock ``llama3`` lacks (1B, 3B,
+    debugmodel_gqa), the offline datasets and the ``fa4`` converter with TorchTitan (idempotent)."""
+    import torchtitan.models.llama3 as stock
+    from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
+
+    from ..model.args import stock_flavor_additions
+    from . import fa4
+    from .data import register_datasets
+    from .train_spec import NAME, get_train_spec
+
+    if NAME not in _extra_train_specs:
+        register_train_spec(NAME, get_train_spec())
+    for flavor, args in stock_flavor_additions().items():
+        stock.llama3_args.setdefault(flavor, args)
+    register_datasets()
+    fa4.register()

@@ -1,0 +1,108 @@
+"""The ``[coda]`` TOML section: the one schema of every knob, merged into TorchTitan's JobConfig
+through ``job.custom_config_module = "coda_titan.titan.job_config"`` (``coda-titan`` adds it).
+
+Each field declares its type, default, allowed values or range and a one-line doc (``knob``).
+``validate`` checks a parsed section against it; the CLI calls it before anything is built, and
+the model calls it again, so a config run through TorchTitan's own launcher is checked too. The
+README's ``[coda]`` table is generated from it (``markdown_table``). (No ``from __future__ import
+annotations`` here: TorchTitan's config merger resolves these annotations in another module.)
+"""
+
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A ``[coda]`` value the schema refuses; the message is one line naming key, value and what is allowed."""
+
+
+def knob(default, doc: str, *, choices: Optional[tuple] = None, low: Optional[int] = None, high: Optional[int] = None):
+    """A ``[coda]`` field: its default, a one-line doc, and the allowed values or integer range."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "low": low, "high": high})
+
+
+@dataclass
+class Coda:
+    backend: str = knob(
+        "auto", "programs: `cute` = fused SM90 kernels (H100/H200 + the gpu extra), `torch` = the reference "
+        "in plain PyTorch (any device), `auto` = cute where it can run, else torch",
+        choices=("auto", "torch", "cute"),
+    )
+    tile_n: int = knob(128, "column-tile width of the partial RMS sums S (reference programs)", low=1)
+    ce_chunk_rows: int = knob(
+        4096, "token rows per chunk of the LM head + cross-entropy: logits held at once = rows x vocab", low=1
+    )
+    precision: str = knob(
+        "bf16", "GEMM operands: `fp8` = e4m3 QKV and gate/up GEMMs with tensorwise scales (docs/fp8.md); "
+        "parameters and checkpoints stay bf16/fp32 either way",
+        choices=("bf16", "fp8"),
+    )
+    fp8_amax_history: int = knob(16, "fp8: steps of per-site amax history behind the delayed scales", low=1)
+    fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
+    fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
+    fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
+    fp8_grad_margin: int = knob(
+        8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
+    )
+
+
+@dataclass
+class JobConfig:
+    coda: Coda = field(default_factory=Coda)
+
+
+def _allowed(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if m["choices"]:
+        return "one of " + ", ".join(repr(c) for c in m["choices"])
+    if f.type is bool:
+        return "true or false"
+    low, high = m["low"], m["high"]
+    if low is not None and high is not None:
+        return f"an integer in {low}..{high}"
+    if low is not None:
+        return f"an integer >= {low}"
+    return f"a {f.type.__name__}"
+
+
+def _ok(f: dataclasses.Field, value: Any) -> bool:
+    m = f.metadata
+    kind = f.type
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        return False
+    if m["choices"] and value not in m["choices"]:
+        return False
+    if m["low"] is not None and value < m["low"]:
+        return False
+    return m["high"] is None or value <= m["high"]
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Coda)}
+
+
+def validate_table(table: dict) -> None:
+    """Raise ConfigError for the first key or value of a raw ``[coda]`` table the schema refuses."""
+    for key, value in table.items():
+        f = FIELDS.get(key)
+        if f is None:
+            raise ConfigError(f"unknown key {key!r} in [coda]; valid keys: {', '.join(FIELDS)}")
+        if not _ok(f, value):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(f"[coda] {key} = {shown} is not allowed: use {_allowed(f)}")
+
+
+def validate(coda: Coda) -> Coda:
+    """Raise ConfigError for the first value of ``coda`` the schema refuses; return ``coda`` unchanged."""
+    validate_table({name: getattr(coda, name) for name in FIELDS})
+    return coda
+
+
+def markdown_table() -> str:
+    """The README's ``[coda]`` table: key, default, allowed values, doc."""
+    rows = ["| key | default | allowed | what it does |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Coda):
+        default = str(f.default).lower() if isinstance(f.default, bool) else repr(f.default).replace("'", '"')
+        rows.append(f"| `{f.name}` | `{default}` | {_allowed(f)} | {f.metadata['doc']} |")
+    return "\n".join(rows)

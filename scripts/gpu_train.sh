@@ -4,21 +4,21 @@
 #
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
-#     compare  scripts/compare.py over the four 1B BF16 configs (40 timed steps after 10 warm-up)
-#     parity   scripts/compare.py --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
-#     profile  scripts/compare.py --profile of the 1B coda and compiled baseline configs
+#     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
+#     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
+#     profile  python -m scripts.compare --profile of the 1B coda and compiled baseline configs
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
-#     fp8bench   scripts/bench_kernels.py --precision fp8 at d = 2048 (1B)
+#     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
 #     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad = true and = false (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
-#     fp8parity  scripts/compare.py --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
-#     fp8profile scripts/compare.py --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
+#     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
+#     fp8profile python -m scripts.compare --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
 #                SKIP_BASELINE=1 skips the baseline, KEEP_TRACE=1 also returns the gzipped chrome traces
 #
 # Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
@@ -80,7 +80,7 @@ for phase in "$@"; do
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
       ;;
     fp8bench)
-      python3 -m scripts.bench_kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
+      python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
       ;;
     fp8compare)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \

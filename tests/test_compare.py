@@ -1,4 +1,4 @@
-"""scripts/compare.py: log parsing, timing and parity arithmetic, targets, the derived-config writer,
+"""scripts.compare: log parsing, timing and parity arithmetic, targets, the derived-config writer,
 a real (CPU) comparison run end to end, and that the README section is the one generated from the
 committed results."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import compare
+from scripts.report import training
 
 from .conftest import CONFIGS, ROOT
 
@@ -87,7 +88,7 @@ def test_a_config_variant_has_no_target_but_is_set_against_the_compiled_baseline
     doc = {"runs": [run("x_baseline_compile", 100), run("x_coda_compile", 110), run("x_coda_compile_no_wgrad", 105)],
            "device": "d", "date": "2026-11-22", "versions": {}, "steps": 1, "warmup": 1}
     assert [t["config"] for t in compare.targets(doc)] == ["x_coda_compile", "x_coda_compile"]  # not the variant
-    rows = {line.split(" | ")[0][2:]: line for line in compare.compare_table(doc).splitlines() if line.startswith("| x_")}
+    rows = {line.split(" | ")[0][2:]: line for line in training.compare_table(doc).splitlines() if line.startswith("| x_")}
     assert "| 1.050x |" in rows["x_coda_compile_no_wgrad"] and "| 1.100x |" in rows["x_coda_compile"]
 
 
@@ -208,11 +209,8 @@ def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
 
 
-def test_readme_section_is_generated_from_the_committed_json():
-    body = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- compare:begin -->\n(.*)\n<!-- compare:end -->", body, flags=re.S)
-    assert m, "README lacks the generated comparison section"
-    assert m.group(1) == compare.readme_section()
+def test_results_page_is_generated_from_the_committed_json():
+    assert training.section() in (ROOT / "docs" / "results.md").read_text()
 
 
 @pytest.mark.parametrize("path", [p for p in RESULTS if p.name.startswith(("compare_", "loss_curve_"))], ids=lambda p: p.name)
@@ -222,7 +220,7 @@ def test_committed_results_are_complete_and_consistent(path):
         assert doc[key], key
     assert doc["versions"]["torch"] and doc["versions"]["torchtitan"] == "0.2.2"
     derived = json.loads(json.dumps(doc))
-    assert compare.refresh(derived) == doc  # targets / parity are what the raw values give
+    assert training.refresh(derived) == doc  # targets / parity are what the raw values give
     for r in doc["runs"]:
         assert r["returncode"] == 0 and "error" not in r
         assert r["wandb"]["matches_console"] and r["wandb"]["loss_steps"] == len(r["loss"])

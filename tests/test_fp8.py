@@ -737,8 +737,8 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad):
     other at least as well as the fp8 model agrees with the bf16 one (a wrong kernel is far above
     that; measured on the H100: 0.60 at the worst parameter, the last layer's wq; 0.79 with the MLP's
     fp8 dgrad and wgrad, a layer's W1; the wgrad reached 1.08 before its current scales were powers
-    of two: ``scripts/probe_fp8_model_grads.py``)."""
-    from scripts.probe_fp8_model_grads import grad_ratios, summary
+    of two: ``scripts/probes/fp8_model_grads.py``)."""
+    from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad)
     losses, s = res["losses"], summary(res)

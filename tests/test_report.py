@@ -1,8 +1,10 @@
-"""The README's kernel table is generated from the committed benchmark JSON, and targets are judged right."""
+"""The generated pages (docs/results.md, the README's blocks) come from the committed JSON and the schema,
+and kernel targets are judged right."""
 
 import json
+import re
 
-from scripts import report
+from scripts.report import kernels as report
 
 
 def _doc(rows):
@@ -32,11 +34,22 @@ def test_targets_judged_from_numbers():
     assert report.table(doc).count("\n| ") == 1 + len(doc["results"])  # separator + one row each
 
 
-def test_readme_table_is_generated_from_committed_json():
+def test_results_page_table_is_generated_from_committed_json():
     paths = [p for p in report.RESULTS.glob("kernels_*.json") if "_d" not in p.stem.rsplit("_", 1)[-1]]
-    readme = (report.ROOT / "README.md").read_text()
+    page = (report.ROOT / "docs" / "results.md").read_text()
     for path in paths:
-        assert report.table(json.loads(path.read_text())) in readme, f"README table is stale for {path.name}"
+        assert report.table(json.loads(path.read_text())) in page, f"docs/results.md table is stale for {path.name}"
+
+
+def test_readme_blocks_are_generated():
+    from coda_titan.titan.job_config import markdown_table
+    from scripts.report import pages
+
+    readme = pages.README.read_text()
+    for name, text in (("headline", pages.headline()), ("coda-table", markdown_table())):
+        m = re.search(rf"<!-- {name}:begin -->\n(.*)\n<!-- {name}:end -->", readme, flags=re.S)
+        assert m and m.group(1) == text, f"README block {name} is stale: run python -m scripts.report"
+    assert len(pages.README.read_text()) < 15000
 
 
 def test_a_part_replaces_only_the_programs_it_measured(tmp_path, monkeypatch):

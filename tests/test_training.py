@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coda_titan.wandb_history import read_history
+from scripts.compare.wandb_history import read_history
 
 from .conftest import CONFIGS, logged_losses, run_cli
 

@@ -1,6 +1,6 @@
 """Probe (GPU): quack SM90 tile configs of the fp8 MLP dgrad programs, against bf16 and cuBLAS.
 
-    source .gpu/part2/activate.sh && python3 -m scripts.probe_fp8_configs
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_configs
 
 At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinned ``GemmConfig``:
 
@@ -80,7 +80,7 @@ def _inputs(gen):
 
 
 def _meta():
-    from scripts.bench_kernels import header
+    from scripts.bench.common import header
 
     return {
         **header(),
@@ -178,22 +178,27 @@ def main():
     if "b3" not in args.skip:
         del t
         torch.cuda.empty_cache()
-        for i in range(len(CONFIGS)):
-            row = {"part": "b3", "config": i}
-            t0 = time.perf_counter()
-            try:
-                p = subprocess.run([sys.executable, "-m", "scripts.probe_fp8_configs", "--child-b3", str(i)],
-                                   capture_output=True, text=True, timeout=B3_TIMEOUT_S)
-                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
-                if lines:
-                    row.update(json.loads(lines[-1][4:]))
-                else:
-                    row["error"] = f"rc {p.returncode}: {(p.stderr or '')[-400:]}"
-            except subprocess.TimeoutExpired:
-                row["error"] = f"timed out after {B3_TIMEOUT_S} s (hang)"
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-            emit(row)
+        _b3_children(emit)
     print("wrote", path, flush=True)
+
+
+def _b3_children(emit) -> None:
+    """B3 per config, each in a child process with a timeout (one candidate hangs)."""
+    for i in range(len(CONFIGS)):
+        row = {"part": "b3", "config": i}
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, "-m", "scripts.probes.fp8_configs", "--child-b3", str(i)],
+                               capture_output=True, text=True, timeout=B3_TIMEOUT_S)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+            if lines:
+                row.update(json.loads(lines[-1][4:]))
+            else:
+                row["error"] = f"rc {p.returncode}: {(p.stderr or '')[-400:]}"
+        except subprocess.TimeoutExpired:
+            row["error"] = f"timed out after {B3_TIMEOUT_S} s (hang)"
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        emit(row)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Probe (GPU): how far the 1B fp8 model's gradients on the cute backend are from the torch backend's,
 per parameter, measured against how far fp8 itself moves them (torch fp8 against torch bf16).
 
-    source .gpu/part2/activate.sh && python3 -m scripts.probe_fp8_model_grads
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_model_grads
 
 For each combination of ``fp8_mlp_dgrad`` and ``fp8_mlp_wgrad`` it builds three 1B models with the
 same weights (torch fp8, cute fp8, torch bf16), calibrates the fp8 scales once on the torch backend
@@ -108,7 +108,7 @@ def summary(res: dict) -> dict:
 
 
 def main() -> None:
-    from scripts.bench_kernels import header
+    from scripts.bench.common import header
 
     doc = {**header(), "kind": "probe_fp8_model_grads", "seq_len": 2048, "local_batch_size": 2, "model": "coda_llama3/1B",
            "runs": []}

@@ -12,6 +12,7 @@ import json
 import struct
 from pathlib import Path
 
+
 _HEADER = 7  # file header
 _REC_HEADER = 7  # per-record header: crc32 u32, length u16, type u8
 _BLOCK = 32 * 1024

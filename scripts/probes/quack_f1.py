@@ -4,7 +4,7 @@ Checks the calling convention the cute backend will use (operand layouts, epilog
 measures the error against an fp64 reference next to plain torch-bf16's error, and times it against
 the bare GEMM. Writes $OUT/probe_quack_f1.json. A probe for the kernel work, not a benchmark table.
 
-    source .gpu/part2/activate.sh && python3 -m scripts.probe_quack_f1
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.quack_f1
 """
 
 import datetime

@@ -1,6 +1,6 @@
 """Probe (GPU): does an fp8 weight gradient pay for its transposed copies at the 1B shapes?
 
-    source .gpu/part2/activate.sh && python3 -m scripts.probe_fp8_wgrad
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_wgrad
 
 On SM90 an fp8 GEMM reads both operands K-major, and a weight gradient dW = G^T X contracts over
 the tokens, so both operands need token-major fp8 copies (the passes torchao's float8 recipe runs).
@@ -26,14 +26,14 @@ import re
 
 import torch
 
-from scripts.probe_fp8_configs import _time
+from scripts.probes.fp8_configs import _time
 
 M, D, F = 16384, 2048, 8192
 
 
 def main() -> None:
     from coda_titan.kernels.scaling import E4M3, E4M3_MAX, E5M2, E5M2_MAX
-    from scripts.bench_kernels import header
+    from scripts.bench.common import header
 
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -1,0 +1,140 @@
+"""Timing helpers and the shared inputs of the kernel benchmark (random, never zeros)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+
+import torch
+
+M = 16384
+VOCAB = 128256
+# LLaMA-3 shapes at each hidden size: (ffn hidden, q heads, kv heads, head_dim)
+SHAPES = {2048: (8192, 32, 8, 64), 4096: (14336, 32, 8, 128), 8192: (28672, 64, 8, 128)}
+EPS = 1e-5
+SEQLEN = 8192
+BF = torch.bfloat16
+
+
+def header() -> dict:
+    """device, date and versions: the first keys of every kernel result file."""
+    import quack
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
+    }
+
+
+def bench(fn, reps=None):
+    """Median ms of triton's do_bench, after one untimed call (compile / autotune / allocate)."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=200 if reps is None else reps, return_mode="median")
+
+
+def try_bench(fn):
+    """``bench``, or None (with the reason printed) when a baseline cannot run."""
+    try:
+        return bench(fn)
+    except Exception as e:  # noqa: BLE001 - record why a baseline could not run
+        print(f"  baseline failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def peak_gib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def rms_bwd_unfused(g, x, gamma, r):
+    """Stock RMSNorm backward given g = d(normalized output) (what autograd of rms_norm computes)."""
+    xf, gf = x.float(), g.float()
+    gg = gf * gamma.float()
+    dot = (gg * xf).sum(-1, keepdim=True)
+    dx = r[:, None] * gg - (r[:, None] ** 3 / x.shape[1]) * xf * dot
+    dgamma = (gf * xf * r[:, None]).sum(0)
+    return dx, dgamma
+
+
+def float8_linears(*weights):
+    """torchao float8 (tensorwise) linears holding ``weights``: the FP8 baseline's own layers."""
+    import torch.nn as nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mods = nn.ModuleList()
+    for w in weights:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+        lin.weight.data.copy_(w)
+        mods.append(lin)
+    convert_to_float8_training(mods, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return list(mods)
+
+
+class Setup:
+    """The inputs the programs of hidden size ``d`` share, made once (M tokens, LLaMA-3 shapes)."""
+
+    def __init__(self, d: int, gen: torch.Generator):
+        from coda_titan.kernels import get_backend
+
+        self.be = get_backend("cute")
+        self.d, self.gen = d, gen
+        self.ff, self.hq, self.hkv, self.hd = SHAPES[d]
+        self.q = (self.hq + 2 * self.hkv) * self.hd
+        self.bs = M // SEQLEN
+        self.rstd = torch.rand(M, generator=gen, device="cuda") + 0.5
+        self.gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(BF)
+        self.h = self.r(M, d)
+
+    def r(self, *shape, scale=1.0, dtype=BF):
+        return (torch.randn(*shape, generator=self.gen, device="cuda") * scale).to(dtype)
+
+    @functools.cached_property
+    def w1_w3(self):
+        return self.r(self.ff, self.d, scale=self.d**-0.5), self.r(self.ff, self.d, scale=self.d**-0.5)
+
+    @functools.cached_property
+    def w13(self):
+        from coda_titan.kernels._common import interleave_rows
+
+        return interleave_rows(*self.w1_w3)
+
+    @functools.cached_property
+    def wqkv(self):
+        return self.r(self.q, self.d, scale=self.d**-0.5)
+
+    @functools.cached_property
+    def w2(self):
+        return self.r(self.d, self.ff, scale=self.ff**-0.5)
+
+    @functools.cached_property
+    def rope(self) -> dict:
+        """The rope keywords of norm_rope / rope_bwd."""
+        from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+        from coda_titan.model.rope import rope_freqs
+
+        freqs = rope_freqs(self.hd, 500000.0, RoPEScalingArgs()).cuda()
+        return dict(freqs=freqs, seqlen=SEQLEN, n_rope_heads=self.hq + self.hkv, head_dim=self.hd)
+
+    @functools.cached_property
+    def freqs_cis(self):
+        from torchtitan.models.llama3.model.args import RoPEScalingArgs
+        from torchtitan.models.llama3.model.model import precompute_freqs_cis
+
+        return precompute_freqs_cis(self.hd, SEQLEN, 500000.0, RoPEScalingArgs()).cuda()
+
+    @functools.cached_property
+    def h8(self):
+        """(e4m3 H, its inverse scale): F2's and F3's fp8 A operand."""
+        from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3
+
+        inv = inv_scale_from_amax(self.h.float().abs().amax())
+        return quantize_e4m3(self.h.float(), inv), inv

@@ -1,0 +1,182 @@
+"""FP8 programs (precision = "fp8"): one setup per program. Providers: ``coda`` (the fp8 program),
+``coda_bf16`` (its bf16 twin), ``bare_gemm`` (the same GEMM as one cuBLAS fp8 ``_scaled_mm``), and
+``eager`` (stock's computation with torchao float8 tensorwise linears; ``torch_compile`` under
+inductor)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from coda_titan.kernels.gemm import wgrad_fp8_operands
+from coda_titan.kernels.scaling import E5M2_MAX, inv_scale_from_amax, quantize_e4m3, quantize_e5m2
+
+from .bf16 import b2_eager, qkv_eager
+from .common import BF, EPS, M, Setup, float8_linears
+
+
+def _one():
+    return torch.ones((), device="cuda")
+
+
+def scaled_mm(a8, w8):
+    """cuBLAS fp8 GEMM a8 @ w8^T, unit scales, fast accumulation (the bare fp8 GEMM)."""
+    one = _one()
+    return lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=BF, use_fast_accum=True)
+
+
+def residual_rms_fp8(s: Setup):
+    """F1 producing e4m3 H (bf16 GEMM; its A operand is the attention / SwiGLU output)."""
+    d, k = s.d, s.hq * s.hd
+    y, wo, res = s.r(M, k), s.r(d, k, scale=k**-0.5), s.r(M, d)
+    f8_wo = float8_linears(wo)[0]
+    _, inv_h = s.h8
+
+    def eager():
+        x = res + f8_wo(y)
+        return x, F.rms_norm(x, (d,), s.gamma, EPS)
+
+    return "residual_rms_fp8", "fwd", dict(
+        coda=lambda: s.be.residual_rms_fp8(y=y, weight=wo, residual=res, gamma=s.gamma, tile_n=128, inv_scale=inv_h),
+        coda_bf16=lambda: s.be.residual_rms(y=y, weight=wo, residual=res, gamma=s.gamma, tile_n=128),
+        bare_gemm=[lambda: torch.mm(y, wo.t())], eager=eager)
+
+
+@functools.cache
+def _w13q(s: Setup):
+    return s.be.quantize_tensorwise(w=s.w13)
+
+
+def norm_swiglu_fp8(s: Setup):
+    """F2 on e4m3 operands."""
+    h8, inv_h = s.h8
+    w13q, s_w13 = _w13q(s)
+    f8_w1, f8_w3 = float8_linears(*s.w1_w3)
+
+    def eager():
+        n = F.rms_norm(s.h, (s.d,), None, EPS)
+        return F.silu(f8_w1(n)) * f8_w3(n)
+
+    return "norm_swiglu_fp8", "fwd", dict(
+        coda=lambda: s.be.norm_swiglu_fp8(hq=h8, rstd=s.rstd, w13q=w13q, scale=s_w13 / inv_h, out_dtype=BF),
+        coda_bf16=lambda: s.be.norm_swiglu(h=s.h, rstd=s.rstd, w13=s.w13),
+        bare_gemm=[scaled_mm(h8, w13q)], eager=eager)
+
+
+@functools.cache
+def _wqkv8(s: Setup):
+    return s.be.quantize_tensorwise(w=s.wqkv)
+
+
+def norm_rope_fp8(s: Setup):
+    """F3 on e4m3 operands."""
+    h8, inv_h = s.h8
+    wqkv8, s_qkv = _wqkv8(s)
+    linears = float8_linears(*s.wqkv.split([s.hq * s.hd, s.hkv * s.hd, s.hkv * s.hd]))
+    return "norm_rope_fp8", "fwd", dict(
+        coda=lambda: s.be.norm_rope_fp8(hq=h8, rstd=s.rstd, weight_q=wqkv8, scale=s_qkv / inv_h, out_dtype=BF,
+                                        **s.rope),
+        coda_bf16=lambda: s.be.norm_rope(h=s.h, rstd=s.rstd, weight=s.wqkv, **s.rope),
+        bare_gemm=[scaled_mm(h8, wqkv8)], eager=qkv_eager(s, linears))
+
+
+@functools.cache
+def _b1(s: Setup) -> dict:
+    return dict(dy=s.r(M, s.q, scale=1e-3), y=s.r(M, s.q), rstd=s.rstd, **s.rope)
+
+
+def rope_bwd_fp8(s: Setup):
+    """B1 with its e5m2 copy of da (current scale)."""
+    b1 = _b1(s)
+    dy = b1["dy"].float()
+    return "rope_bwd_fp8", "bwd", dict(
+        coda=lambda: s.be.rope_bwd_fp8(**b1), coda_bf16=lambda: s.be.rope_bwd(**b1), bare_gemm=[],
+        eager=lambda: quantize_e5m2(dy, inv_scale_from_amax(dy.abs().amax(), E5M2_MAX)))
+
+
+@functools.cache
+def _b2_inputs(s: Setup):
+    return s.r(M, s.d), s.r(M, s.d)  # x, dresidual
+
+
+def _b2_fp8(s: Setup, name, da, daq, s_da, zdz, weight, weight_q, s_w):
+    """B2 on e5m2 da x the e4m3 weight transposed, against its bf16 twin and stock's fp8 version."""
+    x, dres = _b2_inputs(s)
+    w_t = weight_q.t().contiguous()
+    norm = dict(x=x, gamma=s.gamma, rstd=s.rstd, zdz=zdz, dresidual=dres)
+
+    def gemm():
+        return torch._scaled_mm(daq, w_t.t(), scale_a=s_da.float(), scale_b=s_w.float(), out_dtype=BF)
+
+    return name, "bwd", dict(
+        coda=lambda: s.be.norm_residual_bwd_fp8(daq=daq, weight_tq=w_t, scale=s_da * s_w, **norm),
+        coda_bf16=lambda: s.be.norm_residual_bwd(da=da, weight=weight, **norm),
+        bare_gemm=[scaled_mm(daq, w_t)], eager=b2_eager(s, gemm, x, dres))
+
+
+def norm_residual_bwd_fp8(s: Setup):
+    """F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T (``fp8_dgrad``)."""
+    da, zdz, daq, s_da = s.be.rope_bwd_fp8(**_b1(s))
+    wqkv8, s_qkv = _wqkv8(s)
+    return _b2_fp8(s, "norm_residual_bwd_fp8", da, daq, s_da, zdz, s.wqkv, wqkv8, s_qkv)
+
+
+@functools.cache
+def _b3(s: Setup):
+    """B3's inputs, its bf16 da and zdz, and the inverse e5m2 scale of that da's amax."""
+    b3 = dict(dout=s.r(M, s.d, scale=1e-2), w_down=s.w2, a=s.r(M, 2 * s.ff), rstd=s.rstd)
+    da, _, zdz = s.be.swiglu_bwd(**b3)
+    return b3, da, zdz, inv_scale_from_amax(da.float().abs().amax(), E5M2_MAX)
+
+
+def swiglu_bwd_fp8(s: Setup):
+    """B3 also writing e5m2 da with a delayed scale (``fp8_mlp_dgrad``)."""
+    b3, da, _, inv_g = _b3(s)
+    return "swiglu_bwd_fp8", "bwd", dict(
+        coda=lambda: s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g), coda_bf16=lambda: s.be.swiglu_bwd(**b3),
+        bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)],
+        eager=lambda: quantize_e5m2(da.float(), inv_scale_from_amax(da.float().abs().amax(), E5M2_MAX)))
+
+
+def norm_residual_bwd_fp8_w13(s: Setup):
+    """The MLP's dgrad B2 on e5m2 da x e4m3 W13^T (``fp8_mlp_dgrad``)."""
+    b3, da, zdz, inv_g = _b3(s)
+    daq = s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g)[3]
+    w13q, s_w13 = _w13q(s)
+    return _b2_fp8(s, "norm_residual_bwd_fp8_w13", da, daq, inv_g.reciprocal(), zdz, s.w13, w13q, s_w13)
+
+
+def wgrad_fp8_w13(s: Setup):
+    """dW13 = da^T H as torchao's float8 weight gradient with the amaxes B3 and F1 report
+    (``fp8_mlp_wgrad``). Bare GEMM: cuBLAS fp8 on token-major copies made beforehand; eager:
+    torchao's steps, amax passes included."""
+    b3, da, _, inv_g = _b3(s)
+    daq_t = s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g)[3].t().contiguous()
+    h8_t = s.h8[0].t().contiguous()
+    amax_da, amax_h = da.float().abs().amax(), s.h.float().abs().amax()
+    one = _one()
+
+    def eager():
+        g8, s_g8, x8, s_x8 = wgrad_fp8_operands(da, None, s.h, None)
+        return torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=s_g8, scale_b=s_x8,
+                                out_dtype=BF, use_fast_accum=False)
+
+    return "wgrad_fp8_w13", "bwd", dict(
+        coda=lambda: s.be.wgrad_fp8(grad=da, grad_amax=amax_da, inp=s.h, inp_amax=amax_h, out_dtype=BF),
+        coda_bf16=lambda: s.be.wgrad(grad=da, inp=s.h, out_dtype=BF),
+        bare_gemm=[lambda: torch._scaled_mm(daq_t, h8_t.t(), scale_a=one, scale_b=one, out_dtype=BF)],
+        eager=eager)
+
+
+def quantize_tensorwise(s: Setup):
+    """The per-step weight pass: amax + cast of W13."""
+    w = s.w13
+    return "quantize_tensorwise", "fwd", dict(
+        coda=lambda: s.be.quantize_tensorwise(w=w), bare_gemm=[],
+        eager=lambda: quantize_e4m3(w.float(), inv_scale_from_amax(w.float().abs().amax())))
+
+
+PROGRAMS = (residual_rms_fp8, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
+            norm_residual_bwd_fp8_w13, wgrad_fp8_w13, quantize_tensorwise)

@@ -1,0 +1,90 @@
+"""Benchmark (GPU): each fused CODA program against its bare GEMM, eager torch, torch.compile, Liger.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.bench.kernels --dims 2048 4096 8192 [--precision fp8]
+
+For every program and d it times (median of triton's do_bench, after a warm-up call that compiles
+and autotunes) the providers of ``scripts.bench.bf16`` / ``scripts.bench.fp8``. For the chunked LM
+head + CE the peak allocated memory of the coda program and of the full-logits eager path are
+recorded too. Writes ``$OUT/kernels[_fp8]_<gpu>_d<d>.json`` per d (``python -m scripts.report
+--parts DIR`` merges them into ``benchmarks/results/`` and the generated results page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+import torch
+
+from . import bf16, fp8
+from .common import M, Setup, bench, header, peak_gib, try_bench
+
+
+def measure(op: str, direction: str, fns: dict, d: int, precision: str) -> dict:
+    """One result row: every provider's median ms and the derived ratios."""
+    t0 = time.perf_counter()
+    row = {"op": op, "direction": direction, "M": M, "d": d, "precision": precision, "ms": {}}
+    row["ms"]["coda"] = bench(fns["coda"])
+    if "coda_bf16" in fns:
+        row["ms"]["coda_bf16"] = bench(fns["coda_bf16"])
+    row["first_call_s"] = round(time.perf_counter() - t0, 1)
+    gemms = [bench(g) for g in fns["bare_gemm"]]
+    row["ms"]["bare_gemm"] = sum(gemms) if gemms else None
+    row["ms"]["eager"] = try_bench(fns["eager"])
+    row["ms"]["torch_compile"] = try_bench(torch.compile(fns["eager"], dynamic=False))
+    if "liger" not in fns:
+        row["liger_note"], row["ms"]["liger"] = "Liger has no fused op for this program", None
+    elif fns["liger"] is None:
+        row["liger_note"], row["ms"]["liger"] = "liger-kernel is not installed on the benchmark host", None
+    else:
+        row["liger_note"] = "LigerFusedLinearCrossEntropyLoss (no norm backward)"
+        row["ms"]["liger"] = try_bench(fns["liger"])
+    if op == "lm_head_ce":
+        torch.cuda.empty_cache()
+        row["peak_gib"] = {"coda": peak_gib(fns["coda"]), "eager_full_logits": peak_gib(fns["eager"])}
+    if row["ms"]["bare_gemm"]:
+        row["coda_over_bare_gemm"] = row["ms"]["coda"] / row["ms"]["bare_gemm"]
+    if row["ms"]["torch_compile"]:
+        row["speedup_vs_compile"] = row["ms"]["torch_compile"] / row["ms"]["coda"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--ops", nargs="*", default=None, help="only these programs")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the e4m3 programs, written to kernels_fp8_<gpu>_d<d>.json")
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_")
+    out_dir = os.environ.get("OUT", "benchmarks/results")
+    programs = fp8.PROGRAMS if args.precision == "fp8" else bf16.PROGRAMS
+    for d in args.dims:
+        setup = Setup(d, torch.Generator(device="cuda").manual_seed(d))
+        results = []
+        for program in programs:
+            if args.ops and program.__name__ not in args.ops:
+                continue
+            row = measure(*program(setup), d=d, precision=args.precision)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            torch.cuda.empty_cache()
+        for cached in (fp8._w13q, fp8._wqkv8, fp8._b1, fp8._b2_inputs, fp8._b3):
+            cached.cache_clear()
+        doc = {**header(), "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
+               "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
+               "results": results}
+        path = os.path.join(out_dir, f"{'kernels_fp8_' if args.precision == 'fp8' else 'kernels_'}{slug}_d{d}.json")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""The command line of ``python -m scripts.compare`` (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scripts.compare.common import RESULTS, ROOT, _say
+from scripts.compare.run import compare
+from scripts.compare.loss_curve import loss_curve
+from scripts.compare.profile import profile
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.compare", description="Step-time comparison of training configs, a loss-parity mode, and a kernel profile.")
+    ap.add_argument("configs", nargs="*", help="TOML configs, run in this order")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--loss-curve", action="store_true", help="train configs on the same data and seed; losses vs the first")
+    mode.add_argument("--profile", action="store_true", help="profile one step of one config (torch profiler)")
+    mode.add_argument("--report", action="store_true", help="regenerate plots, docs/results.md and the README headline from the committed JSON")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (compare: 40), total steps (loss curve: 300, profile: 20)")
+    ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing (compare)")
+    ap.add_argument("--attention", choices=["config", "fa4", "sdpa"], default="config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TorchTitan override for every run")
+    ap.add_argument("--out", default=str(RESULTS), help="where result JSON and PNG go")
+    ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
+    ap.add_argument("--tag", default="", help="name part of the result file (compare_<tag>_<gpu>_<date>.json, loss_curve_<tag>_...)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--keep-trace", action="store_true", help="profile: also write the chrome trace, gzipped, next to the JSON")
+    args = ap.parse_args(argv)
+    if args.report:
+        from scripts.report.pages import write_all
+
+        write_all()
+        return 0
+    if not args.configs:
+        ap.error("name at least one config")
+    for c in args.configs:
+        if not Path(c).is_file():
+            ap.error(f"config {c!r} not found")
+    for kv in args.set:
+        if "=" not in kv:
+            ap.error(f"--set takes KEY=VALUE, got {kv!r}")
+    from coda_titan.cli import UserError
+
+    try:
+        return _run_mode(ap, args)
+    except UserError as e:  # a config the schema refuses: before any run starts
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_mode(ap, args) -> int:
+    if args.loss_curve:
+        if len(args.configs) < 2:
+            ap.error("--loss-curve takes two or more configs: the reference first, then the candidates")
+        args.steps = args.steps or 300
+        loss_curve(args)
+    elif args.profile:
+        if len(args.configs) != 1:
+            ap.error("--profile takes one config")
+        args.steps = args.steps or 20
+        profile(args)
+    else:
+        args.steps = args.steps or 40
+        path = compare(args)
+        failed = [r["config"] for r in json.loads(path.read_text())["runs"] if "error" in r]
+        if failed:
+            _say(f"failed runs: {', '.join(failed)}")
+            return 1
+    return 0
+

@@ -1,0 +1,33 @@
+"""The loss-parity mode: train configs on the same data and seed; losses against the first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scripts.compare.common import _header, _out_path, _say
+from scripts.compare.run import run_config
+
+
+def loss_curve(args) -> Path:
+    from scripts.report.training import plot_loss_curve, refresh  # (here: the report imports this package)
+
+    doc = _header("loss_curve")
+    doc.update(tag=args.tag, steps=args.steps, attention=args.attention, sets=args.set, runs=[])
+    for cfg in args.configs:
+        r = run_config(Path(cfg), steps=args.steps, workdir=Path(args.workdir), attention=args.attention,
+                       sets=args.set, timeout=args.timeout)
+        r["loss"] = [x["loss"] for x in r.pop("rows")]
+        doc["runs"].append(r)
+    doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+    refresh(doc)  # parity of each candidate against the first run
+    path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    plot_loss_curve(doc, path.with_suffix(".png"))
+    for p in doc["parity"]:
+        _say(f"{p['candidate']} vs {p['baseline']}: max relative loss deviation after step {p['after_step']}: "
+             f"{p['max_rel_dev']} (step {p['max_rel_dev_step']}), tolerance {p['tolerance']}: {'met' if p['met'] else 'MISSED'}")
+    _say(f"wrote {path}")
+    return path

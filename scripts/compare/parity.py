@@ -1,0 +1,150 @@
+"""Loss parity of two runs, and the run-to-run spread of repeated stock runs over every stored loss
+curve (the noise any parity criterion has to live with).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, RESULTS
+
+
+def parity(a: list[float], b: list[float], skip: int = PARITY_SKIP, tol: float = PARITY_TOL) -> dict:
+    """Largest |b - a| / |a| over the steps after ``skip`` (1-based steps), and NaN checks."""
+    n = min(len(a), len(b))
+    devs = [abs(b[i] - a[i]) / abs(a[i]) for i in range(skip, n)]
+    worst = max(range(len(devs)), key=lambda i: devs[i]) if devs else None
+    nan_a = any(not math.isfinite(x) for x in a)
+    nan_b = any(not math.isfinite(x) for x in b)
+    window = 10
+    smooth = [
+        abs(sum(b[i - window + 1:i + 1]) - sum(a[i - window + 1:i + 1])) / abs(sum(a[i - window + 1:i + 1]))
+        for i in range(max(skip, window - 1), n)
+    ]
+    return {
+        "compared_steps": len(devs),
+        "after_step": skip,
+        "mean_abs_rel_dev": statistics.fmean(devs) if devs else None,
+        "steps_over_tolerance": sum(d > tol for d in devs),
+        "max_rel_dev_10step_mean": max(smooth) if smooth else None,
+        "max_rel_dev": max(devs) if devs else None,
+        "max_rel_dev_step": (worst + skip + 1) if worst is not None else None,
+        "non_finite": {"baseline": nan_a, "candidate": nan_b},
+        "tolerance": tol,
+        "met": bool(devs) and max(devs) <= tol and not nan_a and not nan_b and len(a) == len(b),
+    }
+
+
+def _cohort(doc: dict, run: dict) -> str:
+    """Runs with the same device, step count, data, seed, optimizer and schedule see the same batches."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    t = tomllib.loads(run["config_run"])
+    same = {k: t.get(k) for k in ("training", "optimizer", "lr_scheduler", "debug")}
+    return json.dumps({"device": doc["device"], "steps": len(run["loss"]), **same}, sort_keys=True)
+
+
+def loss_runs(paths: list[Path] | None = None) -> list[dict]:
+    """Every run of every stored loss curve (``archive/`` included), tagged with its file."""
+    if paths is None:
+        paths = sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        for r in doc["runs"]:
+            out.append({
+                "file": Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}",
+                "config": Path(r["config"]).stem,
+                "stock": "\nname = \"coda_llama3\"" not in r["config_run"],
+                "precision": r.get("precision", "bf16"),
+                "cohort": _cohort(doc, r),
+                "loss": r["loss"],
+            })
+    return out
+
+
+def repeat_spread(runs: list[dict]) -> list[dict]:
+    """Stock configs trained more than once in one cohort: the parity statistics of every pair of
+    repeats. Same config, data, seed and code, so they measure run-to-run nondeterminism alone."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["stock"]:
+            groups.setdefault((r["cohort"], r["config"]), []).append(r)
+    out = []
+    for (_, config), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        tol = PARITY_TOL_FP8 if rs[0]["precision"] == "fp8" else PARITY_TOL
+        pairs = [parity(a["loss"], b["loss"], tol=tol) for i, a in enumerate(rs) for b in rs[i + 1:]]
+        worst = max(pairs, key=lambda q: q["max_rel_dev"])
+        out.append({
+            "config": config, "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
+            "max_rel_dev": worst["max_rel_dev"], "max_rel_dev_step": worst["max_rel_dev_step"],
+            "min_pair_max_rel_dev": min(q["max_rel_dev"] for q in pairs),
+            "steps_over_tolerance": (min(q["steps_over_tolerance"] for q in pairs),
+                                     max(q["steps_over_tolerance"] for q in pairs)),
+            "compared_steps": worst["compared_steps"],
+            "mean_abs_rel_dev": (min(q["mean_abs_rel_dev"] for q in pairs), max(q["mean_abs_rel_dev"] for q in pairs)),
+            "pairs_within_tolerance": sum(q["met"] for q in pairs),
+            "max_rel_dev_10step_mean": max(q["max_rel_dev_10step_mean"] for q in pairs),
+        })
+    return out
+
+
+def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
+    """The step after ``skip`` where the stock runs of the largest cohort disagree most (relative
+    range of their losses), with every run's loss of that cohort at that step."""
+    cohorts: dict[str, list[dict]] = {}
+    for r in runs:
+        cohorts.setdefault(r["cohort"], []).append(r)
+    rs = max(cohorts.values(), key=len, default=[])
+    stock = [r for r in rs if r["stock"]]
+    if len(stock) < 2:
+        return None
+    n = min(len(r["loss"]) for r in rs)
+    spread = lambda i: (max(r["loss"][i] for r in stock) - min(r["loss"][i] for r in stock)) / min(r["loss"][i] for r in stock)  # noqa: E731
+    i = max(range(skip, n), key=spread)
+    return {"step": i + 1, "stock_rel_range": spread(i), "stock_runs": len(stock),
+            "losses": sorted(({"file": r["file"], "config": r["config"], "stock": r["stock"], "loss": r["loss"][i]}
+                              for r in rs), key=lambda e: e["loss"])}
+
+
+def spread_tables(runs: list[dict]) -> str:
+    pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
+    lines = []
+    rep = repeat_spread(runs)
+    if rep:
+        lines += [
+            "Run-to-run spread of the stock baselines: every pair of repeated runs of one stock config (same "
+            "data, seed, code and GPU; every stored loss curve, `archive/` included).",
+            "",
+            "| config | runs | largest max deviation (step) | smallest max deviation | steps over tolerance | "
+            "mean abs. deviation | largest max over 10-step means | pairs within tolerance |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for q in rep:
+            lo, hi = q["steps_over_tolerance"]
+            mlo, mhi = q["mean_abs_rel_dev"]
+            lines.append(
+                f"| {q['config']} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
+                f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
+                f"{pct(mlo)}-{pct(mhi)} | {pct(q['max_rel_dev_10step_mean'])} | {q['pairs_within_tolerance']} of {q['pairs']} |")
+        lines.append("")
+    f = fragile_step(runs)
+    if f:
+        lines += [
+            f"The step where the {f['stock_runs']} stock runs of these curves disagree most is step {f['step']} "
+            f"(their losses span {pct(f['stock_rel_range'])}). Every stored run's loss there:",
+            "",
+            "| loss | config | stock | file |",
+            "|---:|---|:---:|---|",
+        ]
+        for e in f["losses"]:
+            lines.append(f"| {e['loss']:.3f} | {e['config']} | {'yes' if e['stock'] else 'no'} | `{e['file']}` |")
+        lines.append("")
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,139 @@
+"""The profile mode: one step under the torch profiler, kernels grouped by family, idle gaps and the
+host calls around them.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+from scripts.compare.common import _header, _out_path, _say
+from scripts.compare.run import run_config
+
+
+def summarize_trace(trace_path: str, top: int = 25) -> dict:
+    """GPU kernel time by kernel name from a chrome trace (one profiled step)."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    total = sum(e["dur"] for e in kernels)
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    cats: dict[str, float] = {}
+    for name, durs in by_name.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + sum(durs)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    return {
+        "gpu_kernel_ms": total / 1e3,
+        "gpu_span_ms": span / 1e3,
+        "kernel_launches": len(kernels),
+        **idle_gaps(events, kernels),
+        "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d),
+             "pct": round(100 * sum(d) / total, 2)}
+            for n, d in ranked[:top]
+        ],
+    }
+
+
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
+    """Where the GPU waited for the host: the time inside the step's kernel span covered by no
+    kernel, its largest intervals with the kernels on both sides and the CPU ops running at the
+    interval's middle (the host work the GPU waited for), and the blocking CUDA runtime calls."""
+    ivs = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels)
+    gaps, end, prev = [], None, None
+    for t0, t1, name in ivs:
+        if end is not None and t0 > end:
+            gaps.append((t0 - end, end, t0, prev, name))
+        if end is None or t1 > end:
+            end, prev = t1, name
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    lo, hi = (ivs[0][0], end) if ivs else (0, 0)
+    syncs = [e for e in runtime if lo <= e["ts"] <= hi and e["name"] in SYNC_CALLS]
+    tops = []
+    for dur, g0, g1, before, after in sorted(gaps, reverse=True)[:top]:
+        mid = (g0 + g1) / 2
+        host = sorted((e for e in cpu + runtime if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        tops.append({"us": round(dur, 1), "after_kernel": before[:100], "before_kernel": after[:100],
+                     "host_ops": [e["name"][:100] for e in host[:4]]})
+    return {
+        "gpu_idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "gpu_idle_intervals": len(gaps),
+        "blocking_runtime_calls": {"count": len(syncs), "ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
+                                   "names": sorted({e["name"] for e in syncs})},
+        "top_idle": tops,
+        "allocator_calls": _allocator_calls(runtime, lo, hi),
+    }
+
+
+ALLOC_CALLS = ("Malloc", "Free", "MemMap", "MemUnmap", "MemCreate", "MemRelease", "MemSetAccess", "MemAddressReserve")
+
+
+def _allocator_calls(runtime: list[dict], lo: float, hi: float) -> dict:
+    """CUDA runtime/driver memory calls inside the step's kernel span: name -> [count, ms]. The
+    caching allocator makes them only when it has to grow or give back memory; each can stall the host
+    (cudaFree synchronizes the device)."""
+    out: dict[str, list] = {}
+    for e in runtime:
+        if lo <= e["ts"] <= hi and any(k in e["name"] for k in ALLOC_CALLS):
+            c = out.setdefault(e["name"], [0, 0.0])
+            c[0] += 1
+            c[1] = round(c[1] + e["dur"] / 1e3, 3)
+    return out
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n or "flashattn" in n:
+        return "attention"
+    if any(s in n for s in ("epi", "quack", "gemmsm90", "gemm_sm90", "cutlass_cute", "kernel_cutlass")) and "gemm" in n:
+        return "coda/quack gemm+epilogue"
+    if any(s in n for s in ("gemm", "sm90_xmma", "cublas", "nvjet", "cutlass")):
+        return "gemm (cuBLAS/other)"
+    if "triton" in n:
+        return "triton (inductor)"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "nccl" in n:
+        return "communication"
+    if any(s in n for s in ("elementwise", "reduce", "vectorized", "copy", "cat", "index", "softmax", "norm")):
+        return "elementwise/reduction (eager)"
+    return "other"
+
+
+def profile(args) -> Path:
+    from scripts.report.training import profile_table  # (here: the report imports this package)
+
+    doc = _header("profile")
+    cfg = Path(args.configs[0])
+    steps = args.steps
+    extra = ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
+             "--profiling.profiler_warmup", "3", "--profiling.profiler_active", "1"]
+    r = run_config(cfg, steps=steps, workdir=Path(args.workdir), attention=args.attention, sets=args.set,
+                   timeout=args.timeout, extra=extra)
+    rows = r.pop("rows")
+    traces = sorted(glob.glob(str(Path(args.workdir) / cfg.stem / "out" / "**" / "rank0_trace.json"), recursive=True))
+    if not traces:
+        raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
+    doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]))
+    doc["run"]["loss"] = [x["loss"] for x in rows]
+    path = _out_path(Path(args.out), "profile", doc["device"], doc["date"], extra=f"{cfg.stem}_")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if getattr(args, "keep_trace", False):
+        kept = path.with_name(f"trace_{cfg.stem}.json.gz")
+        with open(traces[-1], "rb") as src, gzip.open(kept, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        _say(f"kept the trace as {kept} ({kept.stat().st_size / 2**20:.1f} MiB)")
+    print(profile_table(doc))
+    _say(f"wrote {path}")
+    return path

@@ -1,0 +1,185 @@
+"""Running one config in its own process and reading its log; the step-time comparison mode.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scripts.compare.common import ROOT, _attention_of, _header, _load_toml, _out_path, _say, dump_toml, with_attention
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+_STEP = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<gn>\S+)\s+"
+    r"memory:\s*(?P<mem>[0-9.]+)GiB\((?P<mem_pct>[0-9.]+)%\)\s+tps:\s*(?P<tps>[0-9,]+)\s+"
+    r"tflops:\s*(?P<tflops>[0-9.,]+)\s+mfu:\s*(?P<mfu>[0-9.]+)%"
+)
+
+
+def parse_log(text: str) -> list[dict]:
+    """TorchTitan's per-step console metrics, in step order (ANSI colors removed)."""
+    rows = {}
+    for m in _STEP.finditer(_ANSI.sub("", text)):
+        rows[int(m["step"])] = {
+            "step": int(m["step"]),
+            "loss": float(m["loss"]),  # "nan" / "inf" parse too
+            "grad_norm": float(m["gn"]),
+            "memory_gib": float(m["mem"]),
+            "tps": float(m["tps"].replace(",", "")),
+            "tflops": float(m["tflops"].replace(",", "")),
+            "mfu": float(m["mfu"]),
+        }
+    return [rows[s] for s in sorted(rows)]
+
+
+def summarize(rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """Timing over the steps after ``warmup``; loss over all steps."""
+    timed = [r for r in rows if r["step"] > warmup]
+    if not timed:
+        raise ValueError(f"no step after the {warmup} warm-up steps was logged")
+    step_s = [tokens_per_step / r["tps"] for r in timed]
+    return {
+        "steps": len(timed),
+        "warmup_steps": warmup,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step * len(timed) / sum(step_s),
+        "step_ms": 1e3 * statistics.median(step_s),
+        "step_ms_raw": [round(1e3 * s, 3) for s in step_s],
+        "peak_gib": max(r["memory_gib"] for r in rows),
+        "mfu": statistics.fmean(r["mfu"] for r in timed),
+        "loss": [r["loss"] for r in rows],
+        "first_step": rows[0]["step"],
+    }
+
+
+def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=()) -> dict:
+    """Train ``config`` for ``steps`` steps in a fresh process; returns the parsed log and run facts."""
+    from coda_titan.cli import parse_config
+
+    doc = _load_toml(config)
+    if attention != "config":
+        doc = with_attention(doc, attention)
+    stem = config.stem
+    run_dir = workdir / stem
+    run_dir.mkdir(parents=True, exist_ok=True)
+    derived = run_dir / f"{stem}.toml"  # same stem: the W&B run name stays the config's
+    derived.write_text(f"# {config} as run by python -m scripts.compare\n" + dump_toml(doc))
+    overrides = [
+        "--training.steps", str(steps),
+        "--metrics.log_freq", "1",
+        "--job.dump_folder", str(run_dir / "out"),
+        "--checkpoint.no-enable",
+    ]
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        if value.lower() in ("true", "false"):
+            overrides.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
+        else:
+            overrides += [f"--{key}", value]
+    overrides += list(extra)
+    job = parse_config(str(derived), overrides)
+    tokens_per_step = job.training.local_batch_size * job.training.seq_len
+    cmd = [sys.executable, "-m", "coda_titan.cli", "train", str(derived), *overrides]
+    _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable} -> {run_dir}/train.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("WANDB_SILENT", "true")
+    t0 = time.time()
+    lines = []
+    with open(run_dir / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line)
+                row = parse_log(line)
+                if row and (row[0]["step"] % 10 == 0 or row[0]["step"] in (1, steps)):
+                    r = row[0]
+                    _say(f"  {stem} step {r['step']}/{steps} loss {r['loss']:.4f} tps {r['tps']:,.0f} mem {r['memory_gib']:.1f}GiB")
+            proc.wait(timeout=max(1, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines)
+    rows = parse_log(text)
+    result = {
+        "config": os.path.relpath(config, ROOT) if config.is_absolute() else str(config),
+        "config_run": dump_toml(doc),
+        "overrides": overrides,
+        "attention": _attention_of(doc),
+        "compile": bool(job.compile.enable),
+        "precision": _precision(job),
+        "model": f"{job.model.name}/{job.model.flavor}",
+        "seq_len": job.training.seq_len,
+        "local_batch_size": job.training.local_batch_size,
+        "returncode": proc.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "rows": rows,
+        "tokens_per_step": tokens_per_step,
+    }
+    if proc.returncode != 0 or len(rows) < steps:
+        tail = "".join(lines[-15:])
+        result["error"] = f"exit {proc.returncode}, {len(rows)}/{steps} steps logged; log tail:\n{tail}"
+        _say(f"{stem} FAILED ({result['error'].splitlines()[0]})")
+    result["wandb"] = _wandb_check(run_dir / "out", rows)
+    return result
+
+
+def _precision(job) -> str:
+    if any("float8" in c for c in job.model.converters):
+        return "fp8"
+    if job.model.name == "coda_llama3" and getattr(getattr(job, "coda", None), "precision", "bf16") == "fp8":
+        return "fp8"
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(job.training.dtype, job.training.dtype)
+
+
+def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
+    """Find the run's W&B folder and check that its history holds the logged loss series."""
+    from scripts.compare.wandb_history import read_history
+
+    runs = sorted(glob.glob(str(dump_folder / "**" / "wandb" / "*run-*"), recursive=True), key=os.path.getmtime)
+    if not runs:
+        return {"run_dir": None, "loss_steps": 0, "matches_console": False}
+    hist = [h for h in read_history(runs[-1]) if "loss_metrics/global_avg_loss" in h]
+    by_step = {int(h["_step"]): h["loss_metrics/global_avg_loss"] for h in hist if "_step" in h}
+    console = {r["step"]: r["loss"] for r in rows}
+    match = bool(console) and all(
+        s in by_step and (abs(by_step[s] - v) <= 1e-4 * max(1.0, abs(v)) or (math.isnan(v) and math.isnan(by_step[s])))
+        for s, v in console.items()
+    )
+    return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match}
+
+
+def compare(args) -> Path:
+    from scripts.report.training import compare_table, plot_compare, refresh  # (here: the report imports this package)
+
+    doc = _header("compare")
+    doc.update(tag=args.tag, steps=args.steps, warmup=args.warmup, attention=args.attention, sets=args.set, runs=[])
+    for cfg in args.configs:
+        r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
+                       sets=args.set, timeout=args.timeout)
+        rows = r.pop("rows")
+        if "error" not in r:
+            r.update(summarize(rows, args.warmup, r["tokens_per_step"]))
+        else:
+            r["loss"] = [x["loss"] for x in rows]
+        doc["runs"].append(r)
+    doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+    refresh(doc)  # targets
+    path = _out_path(Path(args.out), "compare", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(compare_table(doc))
+    plot_compare(doc, path.with_suffix(".png"))
+    _say(f"wrote {path} and {path.with_suffix('.png').name}")
+    return path

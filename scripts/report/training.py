@@ -1,0 +1,216 @@
+"""Tables and plots of the stored training results (comparisons, loss curves, profiles), and their
+section of the generated results page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
+from scripts.compare.targets import budget_lines, profile_side_by_side, targets
+from scripts.compare.parity import loss_runs, parity, spread_tables
+
+
+def _f(v, nd=1, suffix=""):
+    return "n/a" if v is None else f"{v:,.{nd}f}{suffix}"
+
+
+def compare_table(doc: dict) -> str:
+    base = {Path(r["config"]).stem: r for r in doc["runs"] if "error" not in r}
+    what = f"**{doc['tag']}** · " if doc.get("tag") else ""
+    if doc.get("sets"):
+        what += "overrides: " + ", ".join(f"`{kv}`" for kv in doc["sets"]) + " · "
+    if doc.get("attention", "config") != "config":
+        what += f"attention forced to {doc['attention']} · "
+    lines = [
+        f"{what}Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
+        f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "
+        f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')} · "
+        f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}",
+        "",
+        "| config | attention | tokens/s | step ms (median) | peak GiB | MFU % | vs compiled baseline | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["runs"]:
+        stem = Path(r["config"]).stem
+        if "error" in r:
+            lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            continue
+        # (a variant such as <model>_coda_compile_<what> is set against the same compiled baseline)
+        name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+        ref = base.get(name) if n else None
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
+        lines.append(
+            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {_f(r['peak_gib'], 2)} | "
+            f"{_f(r['mfu'], 1)} | {ratio} | {r['loss'][-1]:.4f} |"
+        )
+    if doc.get("targets"):
+        lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
+        for t in doc["targets"]:
+            lines.append(f"| {t['config']}: {t['goal']} | {_f(t['value'], 3, 'x')} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def profile_table(doc: dict, top: int = 12) -> str:
+    s = doc["summary"]
+    lines = [
+        f"Profile of `{Path(doc['config']).stem}` step {doc['profiled_step']} on {doc['device']}: "
+        f"{s['gpu_kernel_ms']:.1f} ms of GPU kernel time in {s['kernel_launches']} launches "
+        f"(span {s['gpu_span_ms']:.1f} ms).",
+        "",
+    ]
+    if "gpu_idle_ms" in s:
+        b = s["blocking_runtime_calls"]
+        lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
+                  f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    lines += [
+        "| category | ms | share |",
+        "|---|---:|---:|",
+    ]
+    for k, v in s["categories_ms"].items():
+        lines.append(f"| {k} | {v:.1f} | {100 * v / s['gpu_kernel_ms']:.1f}% |")
+    cats = s["categories_ms"]
+    if not any("coda" in k for k in cats):  # a stock run: what no fusion of the rest can remove
+        floor = sum(cats.get(k, 0.0) for k in ("gemm (cuBLAS/other)", "attention", "optimizer"))
+        lines += ["", f"GEMMs + attention + optimizer take {floor:.1f} ms of this step's {s['gpu_kernel_ms']:.1f} ms: "
+                  f"a program that fuses away everything else but runs its GEMMs at cuBLAS speed is at most "
+                  f"{s['gpu_kernel_ms'] / floor:.3f}x faster than this step."]
+    if s.get("top_idle"):
+        lines += ["", "| largest GPU idle (us) | after kernel | host op running meanwhile |", "|---:|---|---|"]
+        for g in s["top_idle"][:5]:
+            host = " / ".join(g["host_ops"][:2]).replace("|", "/") or "n/a"
+            lines.append(f"| {g['us']:.0f} | `{g['after_kernel'][:50].replace('|', '/')}` | {host[:90]} |")
+    lines += ["", "| top kernel | category | calls | ms | share |", "|---|---|---:|---:|---:|"]
+    for k in s["top_kernels"][:top]:
+        name = k["name"].replace("|", "/")
+        name = name if len(name) <= 70 else name[:67] + "..."
+        lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['pct']:.1f}% |")
+    return "\n".join(lines)
+
+
+def parity_table(doc: dict) -> str:
+    tol = f"{100 * max((q.get('tolerance', PARITY_TOL) for q in doc['parity']), default=PARITY_TOL):g}%"
+    lines = [
+        f"Loss parity on {doc['device']} ({doc['date'][:10]}): {doc['steps']} steps, same data and seed; "
+        f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}.",
+        "",
+        f"| candidate | max rel. deviation | at step | steps over {tol} | mean abs. deviation | max over 10-step means | "
+        f"non-finite loss | every step within {tol} |",
+        "|---|---:|---:|---:|---:|---:|:---:|:---:|",
+    ]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    for q in doc["parity"]:
+        lines.append(
+            f"| {q['candidate']} | {pct(q['max_rel_dev'])} | {q['max_rel_dev_step']} | {q['steps_over_tolerance']} of "
+            f"{q['compared_steps']} | {pct(q['mean_abs_rel_dev'])} | {pct(q['max_rel_dev_10step_mean'])} | "
+            f"{'yes' if q['non_finite']['candidate'] else 'no'} | {'yes' if q['met'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_compare(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in doc["runs"] if "error" not in r]
+    if not runs:
+        _say("no run succeeded: no chart")
+        return
+    names = [Path(r["config"]).stem.replace("llama3_", "") for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2))
+    colors = ["tab:orange" if "coda" in n else "tab:gray" for n in names]
+    panels = (("tokens_per_s", "{:,.0f}", 1.18, "tokens/s (higher is better)"),
+              ("peak_gib", "{:.1f}", 1.15, "peak reserved memory, GiB (lower is better)"))
+    for ax, (key, fmt, margin, label) in zip(axes, panels):
+        values = [r[key] for r in runs]
+        ax.barh(names, values, color=colors)
+        for i, v in enumerate(values):
+            ax.text(v, i, " " + fmt.format(v), va="center", fontsize=8)
+        ax.set_xlim(0, margin * max(values))
+        ax.set_xlabel(label)
+        ax.invert_yaxis()
+    axes[1].set_yticklabels([])
+    fig.suptitle(f"{doc['device']}, {doc['date'][:10]}: {doc['steps']} timed steps per config")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_loss_curve(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for r in doc["runs"]:
+        axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    a = doc["runs"][0]["loss"]
+    for r in doc["runs"][1:]:
+        b = r["loss"]
+        n = min(len(a), len(b))
+        axes[1].plot(range(1, n + 1), [100 * (b[i] - a[i]) / abs(a[i]) for i in range(n)], lw=1,
+                     label=f"{Path(r['config']).stem} vs {Path(doc['runs'][0]['config']).stem}")
+    tol = max((p.get("tolerance", PARITY_TOL) for p in doc.get("parity", [])), default=PARITY_TOL)
+    axes[1].axhline(100 * tol, ls="--", color="k", lw=0.7)
+    axes[1].axhline(-100 * tol, ls="--", color="k", lw=0.7)
+    axes[1].axvline(PARITY_SKIP, ls=":", color="k", lw=0.7)
+    axes[1].set_ylabel("rel. diff %")
+    axes[1].set_xlabel("step")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Loss curves on {doc['device']} ({doc['date'][:10]}), same data and seed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def section() -> str:
+    """The training results (comparisons, loss curves, run-to-run spread, profiles) as markdown, links
+    relative to docs/."""
+    parts = []
+    for p in _latest("compare"):
+        doc = json.loads(p.read_text())
+        parts += [compare_table(doc), "", f"![step-time comparison](../benchmarks/results/{p.with_suffix('.png').name})", ""]
+    for p in _latest("loss_curve"):
+        doc = json.loads(p.read_text())
+        parts += [parity_table(doc), "", f"![loss curves](../benchmarks/results/{p.with_suffix('.png').name})", ""]
+    spread = spread_tables(loss_runs())
+    if spread:
+        parts += [spread, ""]
+    profiles = [json.loads(p.read_text()) for p in _latest("profile")]
+    if len(profiles) > 1:
+        parts += [profile_side_by_side(profiles), ""]
+        for line in budget_lines(profiles):
+            parts += [line, ""]
+    for doc in profiles:
+        parts += [profile_table(doc), ""]
+    return "\n".join(parts).rstrip()
+
+
+def refresh(doc: dict) -> dict:
+    """Recompute the derived fields (targets, parity) of a result from its raw per-step values."""
+    if doc["kind"] == "compare":
+        doc["targets"] = targets(doc)
+    elif doc["kind"] == "loss_curve":
+        ref = doc["runs"][0]
+        doc["parity"] = [
+            {"baseline": Path(ref["config"]).stem, "candidate": Path(r["config"]).stem,
+             **parity(ref["loss"], r["loss"], tol=PARITY_TOL_FP8 if r.get("precision") == "fp8" else PARITY_TOL)}
+            for r in doc["runs"][1:]
+        ]
+    return doc
+
+
+def refresh_all() -> None:
+    """Recompute the derived fields of the newest stored results and redraw their plots."""
+    for kind in ("compare", "loss_curve"):
+        for p in _latest(kind):
+            doc = refresh(json.loads(p.read_text()))
+            p.write_text(json.dumps(doc, indent=1) + "\n")
+            (plot_compare if kind == "compare" else plot_loss_curve)(doc, p.with_suffix(".png"))

@@ -50,7 +50,7 @@ for phase in "$@"; do
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
       ;;
     check)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_titan.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_bf16_coda_compile.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check > "$logs/check_coda_compile.log" 2>&1
       echo "coda_compile rc=$?"; grep -E "step: |rror|first call" "$logs/check_coda_compile.log" | sed 's/.*INFO - //' | tail -30
@@ -78,7 +78,7 @@ for phase in "$@"; do
         --steps "${STEPS:-40}" --warmup 10 --tag fp8_rowwise
       ;;
     fp8check)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -s --tb=short -W ignore::DeprecationWarning \
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -k fp8 -s --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_fp8.txt" 2>&1
       grep -E "(F2|F3|B[23] fp8.*|dW13 fp8.*|model.*):|passed|failed|^E |Error" "$logs/pytest_fp8.txt" | tail -30
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
@@ -108,7 +108,7 @@ for phase in "$@"; do
         /tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
       ;;
     fp8model)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py -k whole -s --tb=short -W ignore::DeprecationWarning 2>&1 \
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py -k whole_1b_fp8 -s --tb=short -W ignore::DeprecationWarning 2>&1 \
         | grep -E "^\.*model:|passed|failed|^E " | tail -8
       ;;
     fp8parity)

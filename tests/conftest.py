@@ -20,6 +20,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state, whatever ran before it."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenizer cache for the whole session (the tokenizer is trained once)."""

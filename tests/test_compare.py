@@ -4,8 +4,6 @@ committed results."""
 
 import json
 import math
-import re
-from pathlib import Path
 
 import pytest
 

@@ -11,7 +11,7 @@ annotations`` here: TorchTitan's config merger resolves these annotations in ano
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 
 class ConfigError(ValueError):
@@ -48,6 +48,15 @@ class Coda:
     )
 
 
+def _show_docs_in_help(cls) -> None:
+    """``coda-titan train CONFIG --help`` (TorchTitan's tyro parser) prints each knob's doc: the
+    annotations tyro reads get the doc attached (the dataclass fields keep their plain types)."""
+    import tyro
+
+    for f in dataclasses.fields(cls):
+        cls.__annotations__[f.name] = Annotated[f.type, tyro.conf.arg(help=f"{f.metadata['doc']}; {_allowed(f)}")]
+
+
 @dataclass
 class JobConfig:
     coda: Coda = field(default_factory=Coda)
@@ -80,6 +89,7 @@ def _ok(f: dataclasses.Field, value: Any) -> bool:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Coda)}
+_show_docs_in_help(Coda)
 
 
 def validate_table(table: dict) -> None:

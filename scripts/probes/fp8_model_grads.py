@@ -12,7 +12,7 @@ tokens (seq 2048 x batch 2). For every parameter it records
 * ``effect``: ||g_bf16 - g_torch|| / ||g_torch|| (what fp8 moves),
 
 and their ratio, and the step's amax |H| of every fp8 site and amax |da| of every MLP (B3) on both
-backends (the current scales of the fp8 weight gradient come from them). The whole-model GPU test (``tests/test_fp8.py``) calls :func:`grad_ratios`. Writes
+backends (the current scales of the fp8 weight gradient come from them). The whole-model GPU test (``tests/test_model.py``) calls :func:`grad_ratios`. Writes
 ``$OUT/probe_fp8_model_grads_<gpu>.json`` with every parameter's numbers and a summary per kind of
 weight and, for W1/W3 (the weight gradient ``fp8_mlp_wgrad`` computes on fp8), per layer.
 """

@@ -1,5 +1,8 @@
 """Bad input: one clear message saying what to change, a non-zero exit, never a raw traceback."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -102,3 +105,79 @@ def test_unknown_converter(capsys):
 def test_float8_converter_refused_for_coda(capsys):
     _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.converters", "quantize.linear.float8"],
            "cannot apply to coda_llama3", "precision = 'fp8'", "model.name = 'llama3'")
+
+
+# --- the [coda] schema: every bad value is one line naming key, value and what is allowed, exit 2 ----
+
+BAD_CODA = [
+    # (TOML line, the override that says the same, words the message must hold)
+    ('tile_n = "wide"', ["--coda.tile_n", "wide"], ("tile_n", "'wide'", "an integer >= 1")),
+    ("tile_n = 128.5", ["--coda.tile_n", "128.5"], ("tile_n", "128.5", "an integer >= 1")),
+    ("tile_n = -1", ["--coda.tile_n", "-1"], ("tile_n", "-1", "an integer >= 1")),
+    ("ce_chunk_rows = true", None, ("ce_chunk_rows", "true", "an integer >= 1")),
+    ('fp8_dgrad = "yes"', ["--coda.fp8_dgrad", "yes"], ("fp8_dgrad",)),
+    ('precision = "fp4"', ["--coda.precision", "fp4"], ("precision", "'fp4'", "one of 'bf16', 'fp8'")),
+    ("fp8_amax_history = 0", ["--coda.fp8_amax_history", "0"], ("fp8_amax_history", "0", "an integer >= 1")),
+    ("fp8_grad_margin = 25", ["--coda.fp8_grad_margin", "25"], ("fp8_grad_margin", "an integer in 0..24")),
+]
+
+
+def _one_line_exit_2(capsys, argv, words):
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+
+
+@pytest.mark.parametrize("line,override,words", BAD_CODA, ids=[b[0] for b in BAD_CODA])
+def test_bad_coda_value_in_toml(capsys, bad_config, line, override, words):
+    key = line.split(" = ")[0]
+    text = re.sub(rf"(?m)^{key} = .*\n", "", (CONFIGS / "debug_cpu_coda.toml").read_text())
+    text = text.replace("[coda]\n", f"[coda]\n{line}\n")
+    _one_line_exit_2(capsys, ["train", bad_config(text)], words)
+
+
+@pytest.mark.parametrize("line,override,words", [b for b in BAD_CODA if b[1]], ids=[b[0] for b in BAD_CODA if b[1]])
+def test_bad_coda_value_as_override(capsys, line, override, words):
+    _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), *override], words)
+
+
+def test_the_model_refuses_what_the_schema_refuses():
+    """A config launched through TorchTitan's own entry point never passes the CLI: the model checks too."""
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.job_config import Coda, ConfigError
+
+    args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", tile_n=0))
+    with pytest.raises(ConfigError, match="tile_n = 0"):
+        CodaTransformer(args)
+
+
+# --- help and version ---------------------------------------------------------------------------------
+
+
+def test_help_and_version(capsys):
+    for argv, words in ((["--help"], ("train", "--version", "CONFIG.toml --help")),
+                        (["train", "--help"], ("TOML job config", "--training.steps", "every override key"))):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert all(w in out for w in words), out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("coda-titan ")
+
+
+def test_config_help_lists_every_override_key_with_its_doc(capsys):
+    from coda_titan.titan.job_config import FIELDS
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", str(CONFIGS / "debug_cpu_coda.toml"), "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name, f in FIELDS.items():
+        assert f"--coda.{name.replace('_', '-')}" in out
+        assert " ".join(f.metadata["doc"].split()[:4]) in out.replace("│", "").replace("  ", " ")
+    assert "--training.steps" in out

@@ -1,0 +1,218 @@
+"""Shared inputs and checks of the program tests (tests/test_<program>.py)."""
+
+import math
+import os
+
+import torch
+
+from coda_titan.kernels import get_backend
+from coda_titan.kernels._common import interleave_rows
+from coda_titan.kernels.scaling import E4M3_MAX, inv_scale_from_amax, quantize_e4m3
+from coda_titan.model.autograd import ProgramConfig
+from coda_titan.model.rope import rope_freqs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")  # GPU correctness does not need the tile sweep
+
+TORCH = get_backend("torch")
+BF = torch.bfloat16
+
+# CPU gradchecks: odd shapes on purpose: d = 24 with tile 16 (ragged last tile), GQA (4 q heads,
+# 2 kv heads), rows = 2 sequences of 5
+BS, SEQ, D, FF, V = 2, 5, 24, 10, 13
+HQ, HKV, HD = 4, 2, 6
+EPS = 1e-5
+CFG = ProgramConfig(backend=TORCH, tile_n=16, eps=EPS, ce_chunk_rows=3)
+M = BS * SEQ
+
+# opcheck shapes
+OP_M, OP_D, OP_F, OP_V, OP_HQ, OP_HKV, OP_HD, OP_SEQ = 12, 32, 24, 40, 4, 2, 8, 6
+
+# GPU: d in {2048, 4096, 8192}, M = 2000 (not a multiple of 128)
+DIMS = [2048, 4096, 8192]
+GPU_SEQ, GPU_BS = 1000, 2
+
+
+def rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def rand64(*shape, scale=1.0):
+    return (scale * torch.randn(*shape, dtype=torch.float64)).requires_grad_()
+
+
+def deferred_norm(x, gamma):
+    """What the producer epilogue and finalize hand the consumer: H, r (no autograd)."""
+    with torch.no_grad():
+        h, s = CFG.backend.rms_partial(x=x, gamma=gamma, tile_n=CFG.tile_n)
+        r = CFG.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=EPS)
+    return h, r
+
+
+def op_cases(dtype):
+    """Positional arguments of every bf16 program's op, small shapes, for ``opcheck``."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s, dt=dtype):
+        return torch.randn(*s, generator=g).to(dt)
+
+    q = (OP_HQ + 2 * OP_HKV) * OP_HD
+    rstd = torch.rand(OP_M, generator=g) + 0.5
+    freqs = rope_freqs(OP_HD, 10000.0, RoPEScalingArgs())
+    targets = torch.randint(0, OP_V, (OP_M,), generator=g)
+    targets[3] = -100
+    rope = (freqs, OP_SEQ, OP_HQ + OP_HKV, OP_HD)
+    return {
+        "rms_partial": (r(OP_M, OP_D), r(OP_D), 16),
+        "residual_rms": (r(OP_M, 16), r(OP_D, 16), r(OP_M, OP_D), r(OP_D), 16),
+        "rstd_finalize": (torch.rand(OP_M, 3, generator=g), OP_D, 1e-5),
+        "norm_swiglu": (r(OP_M, OP_D), rstd, interleave_rows(r(OP_F, OP_D), r(OP_F, OP_D))),
+        "norm_rope": (r(OP_M, OP_D), rstd, r(q, OP_D), *rope),
+        "lm_head_ce": (r(OP_M, OP_D), rstd, r(OP_M, OP_D), r(OP_D), r(OP_V, OP_D), targets, 5, True),
+        "rope_bwd": (r(OP_M, q), r(OP_M, q), rstd, *rope),
+        "norm_residual_bwd": (r(OP_M, q), r(q, OP_D), r(OP_M, OP_D), r(OP_D), rstd, r(OP_M, dt=torch.float32), r(OP_M, OP_D)),
+        "swiglu_bwd": (r(OP_M, OP_D), r(OP_D, OP_F), r(OP_M, 2 * OP_F), rstd),
+        "wgrad": (r(OP_M, OP_F), r(OP_M, OP_D), dtype),
+        "dgrad": (r(OP_M, OP_F), r(OP_F, OP_D), dtype),
+    }
+
+
+def e4m3_round_fp64(v: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto the e4m3fn grid, saturating at 448, in fp64 (from the format:
+    3 mantissa bits, exponent bias 7, min normal 2^-6, subnormal step 2^-9)."""
+    out = torch.empty_like(v)
+    for i, x in enumerate(v.tolist()):
+        a = min(abs(x), E4M3_MAX)
+        e = max(math.floor(math.log2(a)), -6) if a > 0 else -6
+        step = 2.0 ** (e - 3)
+        q = a / step
+        lo = math.floor(q)
+        frac = q - lo
+        n = lo + (1 if frac > 0.5 or (frac == 0.5 and lo % 2 == 1) else 0)
+        out[i] = math.copysign(min(n * step, E4M3_MAX), x)
+    return out
+
+
+def fp8_operands(m, k, n, gen, dtype=torch.float32):
+    h = torch.randn(m, k, generator=gen, dtype=dtype) * 3
+    w = torch.randn(n, k, generator=gen, dtype=dtype) * k**-0.5
+    inv_h = inv_scale_from_amax(h.abs().amax().float())
+    hq = quantize_e4m3(h.float(), inv_h)
+    wq, s_w = TORCH.quantize_tensorwise(w=w.float())
+    rstd = torch.rand(m, generator=gen, dtype=torch.float32) + 0.5
+    return hq, wq, (s_w / inv_h).float(), rstd
+
+
+def poison():
+    """Fill the caching allocator's free memory with NaN so that unwritten outputs are visible."""
+    free, _ = torch.cuda.mem_get_info()
+    blocks = []
+    for size in (1 << 30, 1 << 28, 1 << 26, 1 << 22):
+        try:
+            while len(blocks) < 64 and torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 8 << 30:
+                blocks.append(torch.full((size // 4,), float("nan"), device="cuda"))
+        except torch.OutOfMemoryError:
+            pass
+    del blocks
+
+
+def shapes(d):
+    hd = 64 if d == 2048 else 128
+    hq = d // hd
+    return dict(hd=hd, hq=hq, hkv=hq // 4, ff=2 * d)
+
+
+def gpu_inputs(name, d, gen):
+    """Random bf16 inputs of program ``name`` at hidden size d (GQA 4:1, M not a multiple of 128)."""
+    from coda_titan.kernels._common import interleave_rows
+    from coda_titan.model.rope import rope_freqs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    s = shapes(d)
+    m = GPU_SEQ * GPU_BS
+    q = (s["hq"] + 2 * s["hkv"]) * s["hd"]
+
+    def r(*shape, scale=1.0, dtype=BF):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    rope = dict(freqs=rope_freqs(s["hd"], 500000.0, RoPEScalingArgs()).cuda(), seqlen=GPU_SEQ,
+                n_rope_heads=s["hq"] + s["hkv"], head_dim=s["hd"])
+    if name == "residual_rms":
+        return dict(y=r(m, d), weight=r(d, d, scale=d**-0.5), residual=r(m, d), gamma=r(d), tile_n=128)
+    if name == "norm_swiglu":
+        w13 = interleave_rows(r(s["ff"], d, scale=d**-0.5), r(s["ff"], d, scale=d**-0.5))
+        return dict(h=r(m, d), rstd=rstd, w13=w13)
+    if name == "swiglu_bwd":
+        return dict(dout=r(m, d), w_down=r(d, s["ff"], scale=s["ff"] ** -0.5), a=r(m, 2 * s["ff"]), rstd=rstd)
+    if name == "norm_rope":
+        return dict(h=r(m, d), rstd=rstd, weight=r(q, d, scale=d**-0.5), **rope)
+    if name == "rope_bwd":
+        return dict(dy=r(m, q), y=r(m, q), rstd=rstd, **rope)
+    if name == "norm_residual_bwd":
+        return dict(da=r(m, q), weight=r(q, d, scale=q**-0.5), x=r(m, d), gamma=r(d), rstd=rstd,
+                    zdz=r(m, dtype=torch.float32), dresidual=r(m, d))
+    if name == "lm_head_ce":
+        vocab = 16384
+        targets = torch.randint(0, vocab, (m,), generator=gen, device="cuda")
+        targets[::7] = -100
+        return dict(h=r(m, d), rstd=rstd, x=r(m, d), gamma=r(d), weight=r(vocab, d, scale=d**-0.5),
+                    targets=targets, chunk_rows=768, compute_grad=True)
+    if name == "rstd_finalize":
+        return dict(partials=torch.rand(m, 3, generator=gen, device="cuda") * d, dim=d, eps=1e-5)
+    raise KeyError(name)
+
+
+def as_list(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for t in out if t is not None]
+
+
+def to64(kw):
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def check_cute_matches_reference(name: str, d: int) -> None:
+    """The cute kernel of program ``name`` against the reference evaluated in fp64 on the same bf16
+    inputs; the bound is twice the error of plain torch in bf16 (the reference on the bf16 inputs)
+    plus 1e-6. Free allocator blocks are NaN-filled first, so an unwritten output shows as NaN."""
+    from coda_titan.kernels import get_backend
+
+
+    ref_be, cute_be = get_backend("torch"), get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(hash((name, d)) % 2**31)
+    kw = gpu_inputs(name, d, gen)
+    ref64 = as_list(getattr(ref_be, name)(**to64(kw)))
+    bf = as_list(getattr(ref_be, name)(**kw))
+    poison()
+    out = as_list(getattr(cute_be, name)(**kw))
+    torch.cuda.synchronize()
+    if name in ("residual_rms",):  # S: the kernel folds its tile partials; compare the row sums
+        ref64[-1], bf[-1] = ref64[-1].sum(-1, keepdim=True), bf[-1].sum(-1, keepdim=True)
+    assert len(out) == len(ref64)
+    for i, (o, r64, b) in enumerate(zip(out, ref64, bf)):
+        assert o.shape == r64.shape, (name, i, o.shape, r64.shape)
+        assert not o.isnan().any(), f"{name} output {i}: NaN (unwritten or invalid)"
+        err, err_bf = rel(o, r64), rel(b, r64)
+        assert err <= 2 * err_bf + 1e-6, f"{name} d={d} output {i}: rel err {err:.3e} > 2 x torch-bf16 {err_bf:.3e} + 1e-6"
+
+
+def cuda_inputs(m, k, n, gen):
+    h = (torch.randn(m, k, generator=gen, device="cuda") * 2).to(BF)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(BF)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    return h, w, rstd
+
+
+def torchao_linear_error(n_input, w, exact):
+    """||torchao float8 tensorwise linear(n_input) - exact|| / ||exact||: the FP8 baseline's error."""
+    import torch.nn as nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    lin = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=BF))
+    lin[0].weight.data.copy_(w)
+    convert_to_float8_training(lin, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    with torch.no_grad():
+        return rel(lin(n_input), exact)

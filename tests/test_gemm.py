@@ -1,0 +1,116 @@
+"""The plain GEMMs of the step: wgrad / dgrad ops, the fp8 weight pass, and the fp8 weight gradient
+(torchao's recipe, power-of-two scales) against its definition."""
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from coda_titan.kernels.scaling import E4M3, E4M3_MAX
+
+from .helpers import TORCH, op_cases, rel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ['wgrad', 'dgrad'])
+def test_opcheck(name, dtype):
+    """Schema, fake and aot_dispatch of the op (its reference kernel on CPU)."""
+    opcheck(getattr(torch.ops.coda, name).default, op_cases(dtype)[name])
+
+
+def test_tensorwise_weight_quantization():
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    wq, s = TORCH.quantize_tensorwise(w=w)
+    assert wq.dtype == E4M3 and s.shape == () and s.dtype == torch.float32
+    assert wq.float().abs().max() == E4M3_MAX  # the amax element lands on the top of the range
+    deq = wq.float() * s
+    big = w.float().abs() > 2**-6 * s * 448 / 448  # normals of the scaled grid
+    assert ((deq - w.float()).abs() <= 2**-4 * w.float().abs() + 1e-30)[big].all()
+
+
+def test_layer_weight_pass_is_the_per_weight_quantization():
+    from coda_titan.kernels._common import interleave_rows
+
+    gen = torch.Generator().manual_seed(11)
+    d, f, nq, nkv, layers = 32, 48, 32, 16, 3
+    mk = lambda n, scale=1.0: [(torch.randn(n, d, generator=gen) * scale * (i + 1)).to(torch.bfloat16) for i in range(layers)]  # noqa: E731
+    w1, w3, wq, wk, wv = mk(f), mk(f, 2.0), mk(nq), mk(nkv, 0.5), mk(nkv, 3.0)
+    w13q, s13, qkvq, sqkv, w13t, qkvt = TORCH.fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv, w13_t=True, wqkv_t=True)
+    assert len(w13q) == len(qkvq) == layers and s13.shape == sqkv.shape == (layers,)
+    lean = TORCH.fp8_layer_weights(w1=w1, w3=w3, wq=wq, wk=wk, wv=wv, w13_t=False, wqkv_t=False)
+    assert lean[4] == [] and lean[5] == []  # the transposed copies only when a fp8 dgrad asks for them
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(lean[0] + lean[2], w13q + qkvq))
+    for i in range(layers):
+        want, s = TORCH.quantize_tensorwise(w=interleave_rows(w1[i], w3[i]))
+        assert torch.equal(w13q[i].float(), want.float()) and s13[i] == s
+        want, s = TORCH.quantize_tensorwise(w=torch.cat([wq[i], wk[i], wv[i]]))
+        assert torch.equal(qkvq[i].float(), want.float()) and sqkv[i] == s
+        assert torch.equal(qkvt[i].float(), want.float().t()) and qkvt[i].is_contiguous()
+        assert torch.equal(w13t[i].float(), w13q[i].float().t()) and w13t[i].is_contiguous()
+    assert s13[0] != s13[1]  # per weight, not one scale for all
+    with pytest.raises(ValueError, match="one weight of each kind per layer"):
+        TORCH.fp8_layer_weights(w1=w1, w3=w3[:2], wq=wq, wk=wk, wv=wv)
+
+
+def test_wgrad_fp8_is_torchaos_weight_gradient_with_current_scales():
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX
+
+    gen = torch.Generator().manual_seed(9)
+    m, n, k = 96, 32, 48
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * torch.rand(m, 1, generator=gen, dtype=torch.float64)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
+    dw = TORCH.wgrad_fp8(grad=g, grad_amax=g.abs().amax(), inp=x, inp_amax=x.abs().amax(), out_dtype=torch.float64)
+    # fp64 emulation written out: round-to-nearest-even e5m2 / e4m3 codes of the scaled operands (the
+    # fp8 dtypes' own casts), saturated, every token's product of the decoded codes summed; the scales
+    # are max / fmax rounded up to a power of two (torchao's round_scales_to_power_of_2)
+    s_g = 2.0 ** math.ceil(math.log2(g.abs().max().item() / E5M2_MAX))
+    s_x = 2.0 ** math.ceil(math.log2(x.abs().max().item() / E4M3_MAX))
+    gq = (g / s_g).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2).double() * s_g
+    xq = (x / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).double() * s_x
+    want = torch.einsum("mn,mk->nk", gq, xq)
+    assert dw.shape == (n, k) and rel(dw, want) < 1e-12
+    # the amaxes may come from the producers or be computed here: the same thing
+    assert torch.equal(dw, TORCH.wgrad_fp8(grad=g, grad_amax=None, inp=x, inp_amax=None, out_dtype=torch.float64))
+    # it is the exact wgrad up to the e5m2 / e4m3 rounding of the operands
+    exact = TORCH.wgrad(grad=g, inp=x, out_dtype=torch.float64)
+    assert 1e-4 < rel(dw, exact) < 0.2
+    # a current scale: no saturation, whatever the gradient's size (a delayed one would clip it)
+    big = TORCH.wgrad_fp8(grad=g * 2.0**20, grad_amax=None, inp=x, inp_amax=None, out_dtype=torch.float64)
+    assert rel(big, dw * 2.0**20) < 1e-12
+    assert TORCH.wgrad_fp8(grad=g.float(), grad_amax=None, inp=x.float(), inp_amax=None,
+                           out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="same rows"):
+        TORCH.wgrad_fp8(grad=g[1:], grad_amax=None, inp=x, inp_amax=None, out_dtype=torch.float64)
+
+
+def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
+    """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
+    cast every other element identically: the power-of-two scale keeps each element's rounding its
+    own. A plain fmax / amax scale rounds them on a shifted grid."""
+    from coda_titan.kernels.gemm import wgrad_fp8_operands
+    from coda_titan.kernels.scaling import E5M2_MAX, inv_scale_from_amax, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(256, 64, generator=gen) * 1e-3
+    x = torch.randn(256, 32, generator=gen)
+    amax = g.abs().amax()
+    gq0, s_g0, _, _ = wgrad_fp8_operands(g, amax, x, None)
+    for factor in (1.0, 1.06, 0.97, 1.9):  # (1.9: a scale one power of two apart: exact too)
+        gq, s_g, _, _ = wgrad_fp8_operands(g, amax * factor, x, None)
+        assert torch.equal(gq.float() * s_g, gq0.float() * s_g0), factor
+    plain = [quantize_e5m2(g, inv_scale_from_amax(amax * f, E5M2_MAX)).float() / inv_scale_from_amax(amax * f, E5M2_MAX)
+             for f in (1.0, 1.06)]
+    assert (plain[0] != plain[1]).float().mean() > 0.05  # what the power of two avoids
+
+
+def test_fp8_ops_schemas_and_fakes():
+    wo = torch.randn(64, 48)
+    opcheck(torch.ops.coda.quantize_tensorwise.default, (wo,), test_utils=("test_faketensor",))
+    ws = [[torch.randn(n, 16) for _ in range(2)] for n in (8, 8, 8, 4, 4)]
+    for flags in ((False, False), (True, True)):
+        opcheck(torch.ops.coda.fp8_layer_weights.default, (*ws, *flags), test_utils=("test_faketensor",))
+    dy, x = torch.randn(16, 48), torch.randn(16, 64)
+    for amaxes in ((None, None), (torch.tensor(2.0), torch.tensor(3.0))):
+        opcheck(torch.ops.coda.wgrad_fp8.default, (dy, amaxes[0], x, amaxes[1], torch.float32),
+                test_utils=("test_faketensor",))

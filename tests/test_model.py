@@ -1,0 +1,506 @@
+"""The CODA model (coda_titan.model): on the torch backend exactly TorchTitan llama3's function in
+float64 and its checkpoints; the Backend interface; torch.compile without graph breaks; precision =
+"fp8" (its delayed scales, gradient scales and checkpoints); on the GPU, the whole 1B model on the
+cute backend against the torch backend."""
+
+import copy
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtitan.models.llama3.model.model as stock_model
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+from coda_titan import kernels
+from coda_titan.kernels import BackendUnavailable, get_backend, op_backend, resolve_backend
+from coda_titan.model.args import CodaModelArgs, coda_llama3_args
+from coda_titan.model.model import CodaTransformer
+from coda_titan.titan.fa4 import swap_attention
+from coda_titan.titan.job_config import Coda
+
+from .helpers import BF, gpu_inputs
+
+
+# --- the torch backend equals TorchTitan's llama3 (float64) ---------------------------------------
+
+
+# debugmodel with GQA; a dim (96) that is not a multiple of the tile (64); and Llama-3.1 RoPE
+# scaling with all three frequency bands present (original context 32 < seqlen 48).
+CASES = {
+    "debugmodel_gqa": dict(tile_n=128, seqlen=64),
+    "ragged_dim": dict(
+        args=dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=97, multiple_of=32, rope_theta=10000),
+        tile_n=64, seqlen=24,
+    ),
+    "rope_scaling": dict(
+        args=dict(
+            dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=89, multiple_of=64, rope_theta=10000,
+            rope_scaling_args=RoPEScalingArgs(
+                scaling_factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+            ),
+        ),
+        tile_n=32, seqlen=48,
+    ),
+}
+
+
+def _args(case):
+    spec = CASES[case]
+    if "args" in spec:
+        kw = dict(spec["args"])
+    else:
+        base = coda_llama3_args[case]
+        kw = {k: getattr(base, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")}
+    kw["max_seq_len"] = spec["seqlen"]
+    return kw, spec
+
+
+def _fp64_apply_rotary_emb(xq, xk, freqs_cis, positions=None):
+    """TorchTitan's apply_rotary_emb with the fp32 casts removed (the same rotation in fp64)."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    fc = stock_model.reshape_for_broadcast(freqs_cis, xq_, positions)
+    return torch.view_as_real(xq_ * fc).flatten(3), torch.view_as_real(xk_ * fc).flatten(3)
+
+
+def _fp64_freqs_cis(dim, end, theta, s):
+    """TorchTitan's precompute_freqs_cis, written out again in fp64."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64)[: dim // 2] / dim))
+    wavelen = 2 * math.pi / freqs
+    hi = s.original_max_position_embeddings / s.high_freq_factor
+    lo = s.original_max_position_embeddings / s.low_freq_factor
+    freqs = torch.where(wavelen > lo, freqs / s.scaling_factor, freqs)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * freqs / s.scaling_factor + smooth * freqs
+    freqs = torch.where(~(wavelen < hi) * ~(wavelen > lo), smoothed, freqs)
+    angles = torch.outer(torch.arange(end, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles), wavelen, lo, hi
+
+
+def _build(case, fp64_rope):
+    kw, spec = _args(case)
+    torch.manual_seed(0)
+    ref = Transformer(TransformerModelArgs(**kw))
+    with torch.no_grad():
+        ref.init_weights()
+        for name, p in ref.named_parameters():  # non-trivial norm weights so dgamma is exercised
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    ref = ref.double()
+    if fp64_rope:
+        a = ref.model_args
+        ref.freqs_cis = _fp64_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args)[0]
+    coda = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=37))).double()
+    coda.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, kw["vocab_size"], (2, spec["seqlen"]), generator=g)
+    labels = torch.randint(0, kw["vocab_size"], (2, spec["seqlen"]), generator=g)
+    labels[0, :5] = -100  # TorchTitan's ignore index
+    return ref, coda, tokens, labels
+
+
+def _compare(case, fp64_rope, monkeypatch):
+    if fp64_rope:
+        monkeypatch.setattr(stock_model, "apply_rotary_emb", _fp64_apply_rotary_emb)
+    ref, coda, tokens, labels = _build(case, fp64_rope)
+    logits = ref(tokens)
+    assert logits.dtype == torch.float64
+    loss_ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+    loss_ref.backward()
+    loss = coda(tokens, labels=labels)
+    loss.backward()
+    errs = {"loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())}
+    ref_params = dict(ref.named_parameters())
+    for name, p in coda.named_parameters():
+        g_ref = ref_params[name].grad
+        assert p.grad is not None, f"no gradient for {name}"
+        errs[name] = ((p.grad - g_ref).norm() / g_ref.norm()).item()
+    assert len(errs) == len(ref_params) + 1
+    return errs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_stock_llama3_fp64_rope(case, monkeypatch):
+    errs = _compare(case, fp64_rope=True, monkeypatch=monkeypatch)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_stock_llama3_as_shipped(case, monkeypatch):
+    # Stock TorchTitan rotates in fp32 (complex64 freqs), even for fp64 inputs: bound 1e-6.
+    errs = _compare(case, fp64_rope=False, monkeypatch=monkeypatch)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-6, f"{worst}: relative error {errs[worst]:.3e}"
+
+
+def test_rope_scaling_case_exercises_all_bands():
+    kw, _ = _args("rope_scaling")
+    a = TransformerModelArgs(**kw)
+    _, wavelen, lo, hi = _fp64_freqs_cis(a.dim // a.n_heads, 8, a.rope_theta, a.rope_scaling_args)
+    assert (wavelen < hi).any() and (wavelen > lo).any() and ((wavelen >= hi) & (wavelen <= lo)).any()
+
+
+def test_state_dict_round_trip_both_ways():
+    kw, _ = _args("ragged_dim")
+    ref = Transformer(TransformerModelArgs(**kw))
+    coda = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch")))
+    assert list(ref.state_dict()) == list(coda.state_dict())
+    assert all(ref.state_dict()[k].shape == v.shape for k, v in coda.state_dict().items())
+    coda.load_state_dict(ref.state_dict())
+    ref.load_state_dict(coda.state_dict())
+
+
+def test_logits_path_matches_stock():
+    ref, coda, tokens, _ = _build("ragged_dim", fp64_rope=False)
+    with torch.no_grad():
+        a, b = ref(tokens), coda(tokens)
+    assert ((a - b).norm() / a.norm()).item() <= 1e-6
+
+
+# --- the programs behind one interface -------------------------------------------------------------
+
+
+def test_torch_backend_has_every_program():
+    be = get_backend("torch")
+    for name in kernels.PROGRAMS:
+        fn = getattr(be, name)
+        params = inspect.signature(fn).parameters.values()
+        assert all(p.kind == p.KEYWORD_ONLY for p in params), f"{name} must take keyword-only arguments"
+
+
+def test_resolve():
+    assert resolve_backend("torch") == "torch"
+    expected = "torch" if kernels.cute_unavailable_reason() else "cute"
+    assert resolve_backend("auto") == expected
+    with pytest.raises(BackendUnavailable, match="one of"):
+        resolve_backend("triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cute_refused_without_gpu():
+    with pytest.raises(BackendUnavailable, match="no CUDA GPU"):
+        resolve_backend("cute")
+    with pytest.raises(BackendUnavailable):
+        get_backend("cute")
+
+
+# --- torch.compile(fullgraph=True) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "programs,attention,precision",
+    [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
+     ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
+     ("custom_ops", "sdpa", "fp8_mlp_dgrad")],  # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults)
+)
+def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
+    torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
+    torch.manual_seed(0)
+    kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
+    coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
+                fp8_mlp_dgrad=precision == "fp8_mlp_dgrad", fp8_mlp_wgrad=precision == "fp8_mlp_dgrad")
+    model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
+    with torch.no_grad():
+        model.init_weights()
+    if attention == "fa4_op":  # the FA4 custom op (its CPU reference kernel here)
+        assert swap_attention(model) == len(model.layers)
+    tokens = torch.randint(0, 61, (2, 16))
+    labels = torch.randint(0, 61, (2, 16))
+    if precision.startswith("fp8"):  # calibrate first, so that eager and compiled both use the delayed scales
+        with torch.no_grad():
+            model(tokens, labels=labels)
+    if precision == "fp8_mlp_dgrad":  # and the gradients' (same data and weights: the same amaxes again)
+        model(tokens, labels=labels).backward()
+        model.zero_grad()
+    history = model.fp8_scaling.activation_history.clone()
+    eager = model(tokens, labels=labels)
+    eager.backward()
+    model.fp8_scaling.activation_history.copy_(history)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    if programs == "custom_ops":
+        cfg = dataclasses.replace(model.program_config(), backend=op_backend())
+        model.program_config = lambda: cfg
+    for layer in model.layers.values():
+        layer.compile(fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises
+    compiled = model(tokens, labels=labels)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# --- precision = "fp8" ----------------------------------------------------------------------------
+
+
+def _models(**kw):
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+
+    args = copy.deepcopy(coda_llama3_args["debugmodel"])
+    args.coda = Coda(backend="torch")
+    torch.manual_seed(0)
+    bf16 = CodaTransformer(args)
+    with torch.no_grad():
+        bf16.init_weights()
+    fp8_args = copy.deepcopy(args)
+    fp8_args.coda = dataclasses.replace(
+        args.coda, precision=kw.get("precision", "fp8"), fp8_dgrad=kw.get("fp8_dgrad", False),
+        fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
+        fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
+    )
+    fp8 = CodaTransformer(fp8_args)
+    fp8.load_state_dict(bf16.state_dict())
+    return bf16, fp8
+
+
+def _batch(vocab, bs=2, seqlen=32):
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, vocab, (bs, seqlen), generator=gen), torch.randint(0, vocab, (bs, seqlen), generator=gen)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fp8_dgrad,fp8_mlp_dgrad,fp8_mlp_wgrad",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
+                          (False, True, True)])
+def test_fp8_model_tracks_bf16_model_and_keeps_stock_checkpoints(fp8_dgrad, fp8_mlp_dgrad, fp8_mlp_wgrad):
+    bf16, fp8 = _models(fp8_dgrad=fp8_dgrad, fp8_mlp_dgrad=fp8_mlp_dgrad, fp8_mlp_wgrad=fp8_mlp_wgrad)
+    tokens, labels = _batch(bf16.model_args.vocab_size)
+    loss = bf16(tokens, labels=labels)
+    loss.backward()
+    assert not fp8.fp8_scaling.activations_calibrated
+    loss8 = fp8(tokens, labels=labels)
+    loss8.backward()
+    assert fp8.fp8_scaling.activations_calibrated
+    assert abs(loss8.item() - loss.item()) <= 1e-2 * abs(loss.item())
+    assert loss8.item() != loss.item()  # it did quantize
+    g, g8 = _grads(bf16), _grads(fp8)
+    assert g.keys() == g8.keys()
+    for n in g:
+        cos = torch.nn.functional.cosine_similarity(g[n].flatten(), g8[n].flatten(), dim=0).item()
+        assert cos > 0.98, (n, cos)
+    # parameters and state dict are stock llama3's: the amax history is not checkpointed
+    assert fp8.state_dict().keys() == bf16.state_dict().keys()
+    assert not any("fp8" in k for k in fp8.state_dict())
+    if fp8_dgrad:  # the e5m2 dgrad moves exactly the gradients that flow through F3's B2, and only those
+        _, plain = _models()
+        plain(tokens, labels=labels)  # calibrate like fp8 above
+        plain(tokens, labels=labels).backward()
+        fp8.zero_grad()
+        fp8(tokens, labels=labels).backward()
+        g8, gp = _grads(fp8), _grads(plain)
+        assert not torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"])
+        assert torch.equal(g8["output.weight"], gp["output.weight"]) and torch.equal(g8["norm.weight"], gp["norm.weight"])
+    if fp8_mlp_dgrad or fp8_mlp_wgrad:
+        last = f"layers.{fp8.model_args.n_layers - 1}."
+        _, plain = _models()
+        plain(tokens, labels=labels)
+        plain(tokens, labels=labels).backward()
+        fp8.zero_grad()
+        fp8(tokens, labels=labels).backward()
+        g8, gp = _grads(fp8), _grads(plain)
+        for n in ("output.weight", "norm.weight", last + "feed_forward.w2.weight"):
+            assert torch.equal(g8[n], gp[n]), n  # upstream of the MLP's B2 and dW13
+        w13 = (last + "feed_forward.w1.weight", last + "feed_forward.w3.weight")
+        for n in w13:  # the e5m2 x e4m3 dW13 moves W13's gradient, the bf16 one does not
+            assert torch.equal(g8[n], gp[n]) != fp8_mlp_wgrad, n
+        # the e5m2 dgrad moves what flows through the MLP's B2: its dgamma and everything below
+        assert torch.equal(g8[last + "ffn_norm.weight"], gp[last + "ffn_norm.weight"]) != fp8_mlp_dgrad
+        assert torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"]) != fp8_mlp_dgrad
+        if not fp8_mlp_dgrad:  # the wgrad alone moves W13's gradients and nothing else
+            assert all(torch.equal(g8[n], gp[n]) for n in g8 if not n.endswith(("w1.weight", "w3.weight")))
+
+
+def test_delayed_scales_come_from_the_history():
+    _, fp8 = _models()
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    n_sites = 2 * fp8.model_args.n_layers
+    assert fp8.fp8_scaling.activation_history.shape == (n_sites, fp8.model_args.coda.fp8_amax_history)
+    with torch.no_grad():
+        first = fp8(tokens, labels=labels)  # calibration: current amax
+    hist = fp8.fp8_scaling.activation_history.clone()
+    assert (hist[:, 0] > 0).all() and (hist[:, 1:] == 0).all()
+    with torch.no_grad():
+        again = fp8(tokens, labels=labels)  # same weights and data, delayed scale = the same amax
+    assert torch.equal(again, first)
+    assert torch.equal(fp8.fp8_scaling.activation_history[:, 1], hist[:, 0])
+    # a larger history max -> coarser scale -> another result (not a power of 2: e4m3 rounding is
+    # invariant under those away from the range's ends)
+    fp8.fp8_scaling.activation_history.mul_(3.0)
+    with torch.no_grad():
+        coarse = fp8(tokens, labels=labels)
+    assert coarse.item() != first.item() and torch.isfinite(coarse)
+    fp8.eval()
+    before = fp8.fp8_scaling.activation_history.clone()
+    with torch.no_grad():
+        fp8(tokens, labels=labels)
+    assert torch.equal(fp8.fp8_scaling.activation_history, before)  # evaluation does not move the scales
+
+
+def test_mlp_gradient_scales_come_from_the_gradient_history():
+    # no headroom, so that the delayed scale is exactly the calibration step's (with headroom the two
+    # grids differ by a power of two, which moves values in and out of e5m2's subnormals)
+    _, fp8 = _models(fp8_mlp_dgrad=True, fp8_grad_margin=0)
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    hist = fp8.fp8_scaling.gradient_history
+    assert hist.shape == (fp8.model_args.n_layers, fp8.model_args.coda.fp8_amax_history)
+    fp8(tokens, labels=labels).backward()  # calibration: the current amax of each layer's da
+    assert not fp8.fp8_scaling.gradients_calibrated and (hist == 0).all()  # the amaxes wait in the sink's gradient
+    amax1 = fp8.fp8_scaling.sink.amaxes().clone()
+    assert (amax1 > 0).all()
+    g1 = _grads(fp8)
+    fp8.zero_grad()
+    fp8(tokens, labels=labels).backward()  # delayed: the scale of the recorded amax, the same numbers
+    assert fp8.fp8_scaling.gradients_calibrated and torch.equal(hist[:, 0], amax1) and (hist[:, 1:] == 0).all()
+    g2 = _grads(fp8)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+    fp8.fp8_scaling.gradient_history.mul_(3.0)  # an older, larger amax: a coarser e5m2 grid, other gradients
+    fp8.zero_grad()
+    fp8.fp8_scaling.sink = None  # (keep the history as set)
+    fp8(tokens, labels=labels).backward()
+    g3 = _grads(fp8)
+    assert not torch.equal(g3["tok_embeddings.weight"], g1["tok_embeddings.weight"])
+    assert all(g.isfinite().all() for g in g3.values())
+    with torch.no_grad():  # evaluation neither needs the transposed weights nor records gradients
+        fp8(tokens, labels=labels)
+    assert fp8.fp8_scaling.sink is None and torch.equal(fp8.fp8_scaling.gradient_history[:, 0], hist[:, 0])
+
+
+def _mlp_dgrad_error(margin: int, grown: float) -> float:
+    """Worst relative gradient deviation of the e5m2 MLP dgrad from the bf16 dgrad of the same model
+    (same weights, same e4m3 forward), on a step whose gradient amax is ``grown`` times the history's."""
+    ref = _models()[1]
+    model = _models(fp8_mlp_dgrad=True, fp8_grad_margin=margin)[1]
+    tokens, labels = _batch(model.model_args.vocab_size)
+    for m in (ref, model):  # calibrates the activation scales of both and the gradient scales of one
+        m(tokens, labels=labels).backward()
+        m.zero_grad()
+    model(tokens, labels=labels)  # (moves the calibration amaxes into the gradient history) ...
+    model.fp8_scaling.gradient_history.div_(grown)  # ... which is then made `grown`-fold too small
+    model.fp8_scaling.sink = None
+    model.zero_grad()
+    for m in (ref, model):
+        m(tokens, labels=labels).backward()
+    g_ref, g = _grads(ref), _grads(model)
+    return max(((g[n] - g_ref[n]).norm() / g_ref[n].norm()).item() for n in g_ref)
+
+
+def test_mlp_gradient_scale_headroom_keeps_a_grown_gradient_from_saturating():
+    """A step whose MLP gradient is 64x the history's amax: with the default 2**8 headroom its e5m2
+    codes stay in range and the gradients are as close to the bf16 dgrad's as on an ordinary step;
+    without headroom da saturates and they are not."""
+    ok, ok_grown = _mlp_dgrad_error(8, 1.0), _mlp_dgrad_error(8, 64.0)
+    bare, bare_grown = _mlp_dgrad_error(0, 1.0), _mlp_dgrad_error(0, 64.0)
+    assert 0 < ok < 0.2 and 0 < bare < 0.2
+    assert ok_grown < 1.5 * ok, (ok, ok_grown)
+    assert bare_grown > 3 * bare, (bare, bare_grown)
+
+
+def test_fp8_grad_margin_is_validated():
+    with pytest.raises(ValueError, match="fp8_grad_margin"):
+        _models(fp8_mlp_dgrad=True, fp8_grad_margin=-1)
+
+
+def test_fp8_model_trains():
+    _, fp8 = _models()
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    opt = torch.optim.AdamW(fp8.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = fp8(tokens, labels=labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.9 * losses[0]
+
+
+def test_bad_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        _models(precision="fp4")
+
+
+# --- GPU: the cute backend ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_ops_opcheck_on_cuda():
+    from torch.library import opcheck
+
+    import coda_titan.kernels.cute  # noqa: F401  (registers the CUDA kernels)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in ("residual_rms", "norm_swiglu", "swiglu_bwd", "norm_rope", "norm_residual_bwd"):
+        kw = gpu_inputs(name, 2048, gen)
+        op = getattr(torch.ops.coda, name).default
+        opcheck(op, (), kw, test_utils=("test_schema", "test_faketensor"))
+
+
+def _model(backend, seqlen):
+    import dataclasses
+
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.job_config import Coda
+
+    args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=Coda(backend=backend, ce_chunk_rows=4096))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CodaTransformer(args)
+        with torch.no_grad():
+            model.init_weights()
+    return model.to(BF)
+
+
+@pytest.mark.gpu
+def test_whole_1b_model_cute_matches_torch_backend():
+    seqlen, bs = 2048, 2
+    models = {be: _model(be, seqlen) for be in ("torch", "cute")}
+    models["cute"].load_state_dict(models["torch"].state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    vocab = models["torch"].model_args.vocab_size
+    tokens = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
+    labels = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
+    losses, grads = {}, {}
+    for be, model in models.items():
+        loss = model(tokens, labels=labels)
+        loss.backward()
+        losses[be] = loss.float().item()
+        grads[be] = {n: p.grad.float() for n, p in model.named_parameters()}
+        assert all(g.isfinite().all() for g in grads[be].values()), be
+    assert abs(losses["cute"] - losses["torch"]) <= 1e-2 * abs(losses["torch"])
+    worst = min(
+        (torch.nn.functional.cosine_similarity(grads["cute"][n].flatten(), g.flatten(), dim=0).item(), n)
+        for n, g in grads["torch"].items()
+    )
+    assert worst[0] >= 0.999, f"lowest gradient cosine {worst[0]:.5f} at {worst[1]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mlp_dgrad", [False, True])  # True: fp8_mlp_dgrad and fp8_mlp_wgrad (the defaults)
+def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad):
+    """The 1B model, fp8, cute vs torch backend: their gradients must differ by much less than fp8
+    quantization itself moves them (torch fp8 vs torch bf16 programs). The backends' F1 GEMMs sum in
+    different orders, so a value at an e4m3 rounding boundary may land one step apart: the fp8 model
+    cannot match to bf16-program accuracy: the claim tested is that the two backends agree with each
+    other at least as well as the fp8 model agrees with the bf16 one (a wrong kernel is far above
+    that; measured on the H100: 0.60 at the worst parameter, the last layer's wq; 0.79 with the MLP's
+    fp8 dgrad and wgrad, a layer's W1; the wgrad reached 1.08 before its current scales were powers
+    of two: ``scripts/probes/fp8_model_grads.py``)."""
+    from scripts.probes.fp8_model_grads import grad_ratios, summary
+
+    res = grad_ratios(mlp_dgrad, mlp_dgrad)
+    losses, s = res["losses"], summary(res)
+    print(f"model (mlp_dgrad {mlp_dgrad}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} bf16 {losses['bf16']:.6f}; "
+          f"worst gradient deviation / fp8 effect {s['worst_ratio']:.3f} at {s['worst']}")
+    assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])
+    assert s["worst_ratio"] <= 1.0

@@ -1,0 +1,70 @@
+"""B2 norm_residual_bwd: the fp8 program against an fp64 emulation and its bf16 twin, the ops (with and
+without a residual), and the cute kernel against the reference (GPU)."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from coda_titan.kernels.scaling import inv_scale_from_amax
+from coda_titan.model.rope import rope_freqs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+from .helpers import DIMS, TORCH, check_cute_matches_reference, op_cases, rel
+
+
+def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.norm_residual_bwd import norm_residual_apply
+
+    gen = torch.Generator().manual_seed(13)
+    m, n, d = 24, 96, 64
+    da = torch.randn(m, n, generator=gen) * 1e-2
+    w = torch.randn(n, d, generator=gen) * d**-0.5
+    x, dres = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    gamma, rstd, zdz = torch.rand(d, generator=gen) + 0.5, torch.rand(m, generator=gen) + 0.5, torch.randn(m, generator=gen)
+    inv_da = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
+    daq = quantize_e5m2(da, inv_da)
+    wq, s_w = TORCH.quantize_tensorwise(w=w)
+    scale = s_w / inv_da
+    for dresidual in (dres, None):
+        kw = dict(x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+        out, dgamma = TORCH.norm_residual_bwd_fp8(daq=daq, weight_tq=wq.t().contiguous(), scale=scale, **kw)
+        acc = (daq.double() @ wq.double()) * scale.double()  # exact products, fp64 sum
+        want, want_dg = norm_residual_apply(acc, **{k: (v.double() if v is not None else None) for k, v in kw.items()})
+        assert rel(out, want) < 1e-6 and rel(dgamma, want_dg) < 1e-6
+        ref, ref_dg = TORCH.norm_residual_bwd(da=da, weight=w, **kw)  # no quantization
+        assert 1e-4 < rel(out, ref) < 0.1 and rel(dgamma, ref_dg) < 0.1
+    with pytest.raises(TypeError, match="e5m2/e4m3"):
+        TORCH.norm_residual_bwd_fp8(daq=da, weight_tq=wq.t().contiguous(), scale=scale, **kw)
+    assert daq.dtype == E5M2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ['norm_residual_bwd'])
+def test_opcheck(name, dtype):
+    """Schema, fake and aot_dispatch of the op (its reference kernel on CPU)."""
+    opcheck(getattr(torch.ops.coda, name).default, op_cases(dtype)[name])
+
+
+def test_opcheck_without_residual():
+    args = list(op_cases(torch.float32)["norm_residual_bwd"])
+    args[-1] = None
+    opcheck(torch.ops.coda.norm_residual_bwd.default, tuple(args))
+
+
+def test_fp8_ops_schemas_and_fakes():
+    freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
+    dy, yq, res, g = torch.randn(16, 48), torch.randn(16, 48), torch.randn(16, 64), torch.rand(64)
+    daq = TORCH.rope_bwd_fp8(dy=dy, y=yq, rstd=torch.rand(16), freqs=freqs, seqlen=8, n_rope_heads=2, head_dim=16)[2]
+    wt = TORCH.quantize_tensorwise(w=torch.randn(48, 64))[0].t().contiguous()
+    for dres in (res, None):
+        opcheck(torch.ops.coda.norm_residual_bwd_fp8.default,
+                (daq, wt, torch.tensor(0.5), res, g, torch.rand(16), torch.randn(16), dres),
+                test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("name", ['norm_residual_bwd'])
+def test_cute_matches_reference(name, d):
+    check_cute_matches_reference(name, d)

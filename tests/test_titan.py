@@ -1,0 +1,382 @@
+"""What TorchTitan calls (coda_titan.titan): the fa4 converter and its ops (CPU reference equals SDPA;
+on the GPU FA4 is as close to float64 as SDPA in bf16), the shipped configs (each CODA config differs
+from its baseline only in model.name and [coda]), and the offline data and tokenizer."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+from torchtitan.models.llama3 import llama3_args
+
+from coda_titan import cli
+from coda_titan.model.args import CodaModelArgs, coda_llama3_args, same_architecture
+from coda_titan.model.model import CodaTransformer
+from coda_titan.titan import data
+from coda_titan.titan import fa4 as fa
+from coda_titan.titan.data import DataError, ensure_tokenizer
+from coda_titan.titan.job_config import Coda
+
+from .conftest import CONFIGS, logged_losses, run_cli
+
+
+# --- fa4: FlashAttention-4 as TorchTitan attention (ops, module, converter) -------------------------
+
+
+def _qkv(b=2, s=33, h=4, h_kv=2, d=16, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda n: torch.randn(b, s, n, d, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(h), mk(h_kv), mk(h_kv)
+
+
+def _sdpa(q, k, v):  # (b, s, h, d) in and out
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("h_kv", [4, 2, 1])
+def test_reference_op_equals_sdpa_with_gradients(h_kv):
+    q, k, v = (t.requires_grad_() for t in _qkv(h_kv=h_kv))
+    scale = q.shape[-1] ** -0.5
+    out, lse = fa.flash_attn_fwd(q, k, v, scale, True)
+    want = _sdpa(q, k, v)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # the reference computes in float32
+    # lse: log-sum-exp of the causal scores of each query row
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(4 // h_kv, 2)) * scale
+    s = s.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float(), rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(want, (q, k, v), dout)
+    for g, r, name in zip(got, ref, "qkv"):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=f"d{name}")
+
+
+def test_opcheck_cpu():
+    q, k, v = _qkv(dtype=torch.float32)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    torch.library.opcheck(fa.flash_attn_fwd, (q, k, v, 0.25, True))
+    out, lse = fa.flash_attn_fwd(q.detach(), k.detach(), v.detach(), 0.25, True)
+    torch.library.opcheck(fa.flash_attn_bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.25, True))
+
+
+def _swap_to_reference_ops(model):
+    n = fa.swap_attention(model)
+    assert n == len(model.layers)
+    assert all(isinstance(layer.attention.inner_attention, fa.FA4Attention) for layer in model.layers.values())
+
+
+@pytest.mark.parametrize("family", ["llama3", "coda_llama3"])
+def test_module_swap_keeps_the_model_function(family):
+    """Loss and every gradient equal with SDPA and with the FA4 module (reference kernels) swapped in."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    torch.manual_seed(0)
+    kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
+    if family == "llama3":
+        model = Transformer(TransformerModelArgs(**kw))
+    else:
+        model = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", tile_n=32)))
+    with torch.no_grad():
+        model.init_weights()
+    model = model.double()
+    tokens, labels = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+
+    def loss_and_grads():
+        model.zero_grad()
+        if family == "llama3":
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="sum")
+        else:
+            loss = model(tokens, labels=labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss0, grads0 = loss_and_grads()
+    _swap_to_reference_ops(model)
+    loss1, grads1 = loss_and_grads()
+    # the reference kernels run in float32 (like FA4's accumulators), the model in float64
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_module_refuses_mismatched_heads_without_gqa():
+    q, k, v = (t.transpose(1, 2) for t in _qkv())
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fa.FA4Attention()(q, k, v)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_converter_refuses_without_gpu():
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    assert _registry_model_converter_cls["fa4"] is fa.FA4Converter
+    with pytest.raises(RuntimeError, match="no CUDA GPU here"):
+        fa.FA4Converter(None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 2048, 32, 8, 64), (1, 1000, 32, 8, 128), (1, 4096, 16, 16, 128)])
+def test_fa4_kernels_match_float64_like_sdpa(shape):
+    """FA4 forward and backward error vs float64 attention <= 2x SDPA-in-bf16's error (+ tiny floor)."""
+    if fa.fa4_unavailable_reason():
+        pytest.skip(fa.fa4_unavailable_reason())
+    b, s, h, h_kv, d = shape
+    q64, k64, v64 = (t.requires_grad_() for t in _qkv(b, s, h, h_kv, d, device="cuda"))
+    ref = _sdpa(q64, k64, v64)
+    dout = torch.randn_like(ref)
+    ref_g = torch.autograd.grad(ref, (q64, k64, v64), dout)
+
+    def run(fn):
+        q, k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
+        o = fn(q, k, v)
+        return (o, *torch.autograd.grad(o, (q, k, v), dout.to(torch.bfloat16)))
+
+    # poison the allocator so that an unwritten output shows up as NaN
+    torch.cuda.empty_cache()
+    torch.full((1 << 28,), float("nan"), device="cuda")
+    got = run(lambda q, k, v: fa.flash_attn_fwd(q, k, v, d ** -0.5, True)[0])
+    base = run(_sdpa)
+    for name, g, bl, r in zip(("out", "dq", "dk", "dv"), got, base, (ref, *ref_g)):
+        assert torch.isfinite(g).all(), name
+        err = (g.double() - r).abs().max().item()
+        err_sdpa = (bl.double() - r).abs().max().item()
+        assert err <= 2 * err_sdpa + 1e-6, f"{name}: fa4 {err:.3e} vs sdpa {err_sdpa:.3e}"
+
+
+@pytest.mark.gpu
+def test_fa4_in_a_compiled_1b_layer():
+    """Inductor compiles a stock llama3 layer with FA4 swapped in; same output as eager."""
+    if fa.fa4_unavailable_reason():
+        pytest.skip(fa.fa4_unavailable_reason())
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    torch.manual_seed(0)
+    args = TransformerModelArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=512, max_seq_len=2048)
+    with torch.device("cuda"):
+        model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    model = model.to(torch.bfloat16)
+    fa.swap_attention(model)
+    tokens = torch.randint(0, 512, (2, 2048), device="cuda")
+    eager = model(tokens)
+    eager.float().square().mean().backward()
+    g_eager = model.layers["0"].attention.wq.weight.grad.clone()
+    model.zero_grad()
+    model.layers["0"].compile(fullgraph=True)
+    compiled = model(tokens)
+    compiled.float().square().mean().backward()
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    cos = F.cosine_similarity(model.layers["0"].attention.wq.weight.grad.flatten().float(), g_eager.flatten().float(), dim=0)
+    assert cos > 0.999
+
+
+# --- the shipped configs --------------------------------------------------------------------------------
+
+
+PAIRS = [
+    ("debug_cpu_baseline.toml", "debug_cpu_coda.toml"),
+    ("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_coda.toml"),
+    ("llama3_1b_bf16_baseline_compile.toml", "llama3_1b_bf16_coda_compile.toml"),
+    ("llama3_8b_bf16_baseline.toml", "llama3_8b_bf16_coda.toml"),
+]
+
+
+# each *_compile config is its eager twin plus [compile] (and its own output folder)
+COMPILE_TWINS = [("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_baseline_compile.toml"),
+                 ("llama3_1b_bf16_coda.toml", "llama3_1b_bf16_coda_compile.toml"),
+                 ("llama3_1b_fp8_coda.toml", "llama3_1b_fp8_coda_compile.toml")]
+
+
+OUTPUT_ONLY = {("job", "dump_folder"), ("job", "description")}
+
+
+def _flatten(d, prefix=()):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+@pytest.mark.parametrize("baseline,coda", PAIRS)
+def test_pair_differs_only_in_model_name_and_coda(baseline, coda):
+    b = dict(_flatten(cli._load_toml(CONFIGS / baseline)))
+    c = dict(_flatten(cli._load_toml(CONFIGS / coda)))
+    diff = {k for k in b.keys() | c.keys() if b.get(k) != c.get(k)} - OUTPUT_ONLY
+    assert diff - {("model", "name")} == {k for k in c if k[0] == "coda"}
+    assert b[("model", "name")] == "llama3" and c[("model", "name")] == "coda_llama3"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in Path(CONFIGS).glob("*.toml")))
+def test_config_parses(name):
+    config = cli.parse_config(str(CONFIGS / name), [])
+    assert config.experimental.custom_import == "coda_titan"
+    assert config.model.flavor in (coda_llama3_args if config.model.name == "coda_llama3" else llama3_args)
+
+
+def test_flavors_mean_the_same_in_both_models():
+    for flavor in ("debugmodel_gqa", "1B", "3B", "8B", "70B"):
+        assert same_architecture(coda_llama3_args[flavor], llama3_args[flavor]), flavor
+    assert same_architecture(coda_llama3_args["debugmodel"], coda_llama3_args["debugmodel_gqa"])
+    a = coda_llama3_args["debugmodel"]
+    assert a.n_kv_heads < a.n_heads  # GQA
+
+
+def test_1b_shape():
+    import torch
+
+    from coda_titan.model.model import CodaTransformer
+
+    a = coda_llama3_args["1B"]
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (2048, 16, 32, 8, 128256)
+    with torch.device("meta"):
+        m = CodaTransformer(dataclasses.replace(a, coda=Coda(backend="torch")))
+    assert m.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
+    assert m.layers["0"].attention.wk.weight.shape == (512, 2048)
+
+
+@pytest.mark.parametrize("eager,compiled", COMPILE_TWINS)
+def test_compile_twin_differs_only_in_compile(eager, compiled):
+    e = dict(_flatten(cli._load_toml(CONFIGS / eager)))
+    c = dict(_flatten(cli._load_toml(CONFIGS / compiled)))
+    diff = {k for k in e.keys() | c.keys() if e.get(k) != c.get(k)} - OUTPUT_ONLY
+    assert diff == {("compile", "enable"), ("compile", "components")}
+    assert c[("compile", "enable")] is True and e[("compile", "enable")] is False
+
+
+@pytest.mark.parametrize("kind", ["baseline", "baseline_compile"])
+def test_fp8_baseline_is_its_bf16_twin_plus_float8(kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+    diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
+    assert diff == {("model", "converters"), ("quantize", "linear", "float8", "recipe_name"),
+                    ("quantize", "linear", "float8", "filter_fqns")}
+    assert f[("model", "converters")] == ["fa4", "quantize.linear.float8"]
+    assert f[("quantize", "linear", "float8", "filter_fqns")] == ["output"]  # LM head in bf16
+    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    assert config.quantize.linear.float8.recipe_name == "tensorwise"
+
+
+def test_1b_and_8b_configs_use_fa4_on_both_sides():
+    for p in list(CONFIGS.glob("llama3_1b_*.toml")) + list(CONFIGS.glob("llama3_8b_*.toml")):
+        assert cli._load_toml(p)["model"]["converters"][0] == "fa4", p.name
+
+
+@pytest.mark.parametrize("kind", ["coda", "coda_compile"])
+def test_fp8_coda_is_its_bf16_twin_plus_precision(kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+    diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
+    assert diff == {("coda", "precision"), ("coda", "fp8_amax_history")}
+    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    assert config.coda.precision == "fp8" and config.model.converters == ["fa4"]
+
+
+# --- offline data: the embedded corpus, the BPE tokenizer, local files -----------------------------------
+
+
+DOCS = [f"def f{i}(x):\n    '''Document {i}.'''\n    return x * {i}\n" * 20 for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache_dir, monkeypatch_module):
+    monkeypatch_module.setenv("CODA_TITAN_CACHE", cache_dir)
+    return HuggingFaceTokenizer(ensure_tokenizer("coda:stdlib-bpe-2048", log=lambda m: None))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_embedded_corpus_is_real_python_text():
+    files = data.stdlib_files()
+    assert len(files) > 200 and files == sorted(files)
+    texts = data.stdlib_texts(max_bytes=200_000)
+    assert any("def " in t for t in texts) and any('"""' in t for t in texts)
+
+
+def test_tokenizer_round_trip_and_cache(tokenizer, cache_dir):
+    text = "def add(a, b):\n    return a + b  # sum\n"
+    ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id and tokenizer.bos_id != tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == text
+    assert tokenizer.get_vocab_size() == 2048
+    assert len(ids) < len(text) / 2  # merges learned, not bytes
+    path = ensure_tokenizer("coda:stdlib-bpe-2048", log=lambda m: pytest.fail("retrained a cached tokenizer"))
+    assert path.startswith(str(cache_dir))
+
+
+@pytest.mark.parametrize("spec", ["coda:stdlib-bpe-abc", "coda:stdlib-bpe-12"])
+def test_bad_tokenizer_spec(spec):
+    with pytest.raises(DataError, match="coda:stdlib-bpe-<vocab>"):
+        ensure_tokenizer(spec)
+
+
+def test_missing_tokenizer_folder(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        ensure_tokenizer(str(tmp_path / "nope"))
+
+
+def _write(tmp_path, kind):
+    if kind == "jsonl":
+        p = tmp_path / "corpus.jsonl"
+        p.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    elif kind == "txt":
+        p = tmp_path / "corpus.txt"
+        p.write_text("\n\n".join(DOCS))  # DOCS hold no blank lines: one paragraph each
+    else:
+        from datasets import Dataset
+
+        p = tmp_path / "corpus.parquet"
+        Dataset.from_dict({"text": DOCS}).to_parquet(str(p))
+    return p
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt", "parquet"])
+def test_local_files_feed_torchtitan_dataset(tmp_path, tokenizer, kind):
+    path = _write(tmp_path, kind)
+    ds = HuggingFaceTextDataset("local", str(path), tokenizer, seq_len=64)
+    batches = [b for _, b in zip(range(3), iter(ds))]
+    assert len(batches) == 3
+    (inp, labels) = batches[0]
+    assert inp["input"].shape == (64,) and labels.shape == (64,)
+    assert (inp["input"][1:] == labels[:-1]).all()
+    text = tokenizer.decode(inp["input"].tolist())
+    assert "Document" in text
+
+
+def test_local_folder_and_bad_inputs(tmp_path):
+    (tmp_path / "a").mkdir()
+    _write(tmp_path / "a", "jsonl")
+    assert data.local_files(tmp_path / "a")[0] == "json"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.csv").write_text("text\nhello\n")
+    with pytest.raises(DataError, match="no .jsonl"):
+        data.local_files(tmp_path / "b")
+    with pytest.raises(DataError, match="does not exist"):
+        data.local_files(tmp_path / "missing.jsonl")
+    no_text = tmp_path / "notext.jsonl"
+    no_text.write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(DataError, match="'text' field"):
+        DATASETS["local"].loader(str(no_text))
+
+
+def test_train_on_local_jsonl(tmp_path, cache_dir):
+    path = _write(tmp_path, "jsonl")
+    proc = run_cli(
+        ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--training.dataset", "local", "--training.dataset_path",
+         str(path), "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out"),
+         "--metrics.disable_color_printing"],
+        cwd=tmp_path, cache_dir=cache_dir,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert sorted(logged_losses(proc.stdout + proc.stderr)) == [1, 2, 3]

@@ -13,10 +13,10 @@ unknown model or flavor, a backend that cannot run here, a missing dataset.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import logging
 import os
+import shlex
 import socket
 import sys
 from pathlib import Path
@@ -48,62 +48,13 @@ def _has_flag(overrides: list[str], key: str) -> bool:
     return any(a.split("=")[0] in (f"--{key}", f"--{dashed}") for a in overrides)
 
 
-def _check_keys(cls, values: dict, where: str = "") -> None:
-    """Every TOML key must be a field of TorchTitan's (merged) JobConfig; name the bad one."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in values.items():
-        here = f"{where}.{key}" if where else key
-        if key not in fields:
-            section = f"[{where}]" if where else "the top level"
-            valid = ", ".join(sorted(fields))
-            raise UserError(f"unknown key {key!r} in {section} of the config; valid keys there: {valid}")
-        ftype = fields[key].type
-        if dataclasses.is_dataclass(ftype):
-            if not isinstance(value, dict):
-                raise UserError(f"[{here}] must be a table (section), got {value!r}")
-            _check_keys(ftype, value, here)
-
-
-def _coda_overrides(overrides: list[str]) -> dict:
-    """The ``--coda.KEY VALUE`` overrides, typed as the schema's fields (a value that does not parse
-    stays a string, for the schema to refuse); a switch given a value is refused here."""
-    from .titan.job_config import FIELDS
-
-    values = {}
-    for i, arg in enumerate(overrides):
-        if not arg.startswith("--coda."):
-            continue
-        key, eq, value = arg[len("--coda."):].replace("-", "_").partition("=")
-        attached = bool(eq)
-        if not attached:
-            value = overrides[i + 1] if i + 1 < len(overrides) and not overrides[i + 1].startswith("--") else None
-        name = key[3:] if key.startswith("no_") and key[3:] in FIELDS else key
-        f = FIELDS.get(name)
-        if f is None:
-            raise UserError(f"unknown override --coda.{key}; valid [coda] keys: {', '.join(FIELDS)}")
-        if f.type is bool:
-            if value is not None:
-                raise UserError(f"--coda.{name} is a switch: write --coda.{name} (true) or --coda.no_{name} (false), "
-                                f"without a value")
-            values[name] = name == key
-        elif value is None:
-            raise UserError(f"--coda.{name} needs a value")
-        else:
-            values[name] = int(value) if f.type is int and value.lstrip("-").isdigit() else value
-    return values
-
-
 def parse_config(config_path: str, overrides: list[str]):
     """TorchTitan JobConfig from the TOML plus CLI overrides, with the plug-in wired in."""
-    from .titan.job_config import ConfigError, validate_table
+    from .titan.config_checks import check_overrides, check_toml
+    from .titan.job_config import ConfigError
 
     path = Path(config_path)
     toml = _load_toml(path)
-    try:  # before TorchTitan's parser, which would only warn about a wrong type
-        coda = toml.get("coda", {})
-        validate_table({**(coda if isinstance(coda, dict) else {}), **_coda_overrides(overrides)})
-    except ConfigError as e:
-        raise UserError(str(e)) from None
     args = ["--job.config_file", str(path)]
     job = toml.get("job", {}) if isinstance(toml.get("job"), dict) else {}
     if not job.get("custom_config_module") and not _has_flag(overrides, "job.custom_config_module"):
@@ -118,7 +69,11 @@ def parse_config(config_path: str, overrides: list[str]):
 
     manager = ConfigManager()
     merged = manager._maybe_add_custom_config(args, toml)
-    _check_keys(merged, toml)
+    try:  # before TorchTitan's parser, which would only warn about a wrong type or print a usage box
+        check_toml(merged, toml)
+        check_overrides(merged, overrides, toml)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
     tt_logger = logging.getLogger()  # TorchTitan logs through the root logger
     quiet = _DropBuiltinTokenizerWarning()
     tt_logger.addFilter(quiet)
@@ -142,7 +97,8 @@ def validate(config) -> None:
     from torchtitan.protocols.train_spec import get_train_spec
 
     from .kernels import BackendUnavailable, resolve_backend
-    from .titan.data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets, local_files
+    from .titan import preflight
+    from .titan.data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets
     from .titan.job_config import ConfigError
     from .titan.job_config import validate as validate_coda
     from .titan.train_spec import NAME
@@ -163,19 +119,26 @@ def validate(config) -> None:
         except (BackendUnavailable, ConfigError) as e:
             raise UserError(str(e)) from None
         print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
+        if config.coda.precision == "fp8" and backend == "torch":
+            _say("[coda] precision = 'fp8' on the torch backend runs the exact fp8 emulation of the reference "
+                 "programs: correct, and slower than bf16 (the fast fp8 path needs the cute backend on an H100)")
     _check_converters(config)
     dataset = config.training.dataset.lower()
     if dataset not in known_datasets():
         raise UserError(f"unknown training.dataset {config.training.dataset!r}; choose one of: {', '.join(known_datasets())}")
     try:
-        if dataset == LOCAL_DATASET:
-            local_files(config.training.dataset_path or "")
-        elif config.training.dataset_path and not Path(config.training.dataset_path).exists():
+        preflight.check_training(config)
+        preflight.check_folders(config)
+        preflight.check_dataset(config, LOCAL_DATASET)
+        if dataset != LOCAL_DATASET and config.training.dataset_path and not Path(config.training.dataset_path).exists():
             raise DataError(
                 f"training.dataset_path {config.training.dataset_path!r} does not exist; fix it or remove it"
             )
         config.model.hf_assets_path = ensure_tokenizer(config.model.hf_assets_path, log=_say)
-    except DataError as e:
+        preflight.check_tokenizer(config.model.hf_assets_path, spec.model_args[config.model.flavor].vocab_size)
+        for note in preflight.check_checkpoint(config):
+            _say(note)
+    except (DataError, preflight.PreflightError) as e:
         raise UserError(str(e)) from None
 
 
@@ -254,6 +217,10 @@ def _report_wandb(config) -> None:
             _say(f"W&B run files in {run}")
 
 
+class Interrupted(Exception):
+    """Ctrl-C during training; the message says where it stopped and how to resume."""
+
+
 def train(config_path: str, overrides: list[str]) -> None:
     config = parse_config(config_path, overrides)
     validate(config)
@@ -263,18 +230,30 @@ def train(config_path: str, overrides: list[str]) -> None:
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
 
+    from .titan.run_summary import StepLog, newest_checkpoint, summary
+
     init_logger()
     logger.info(f"coda-titan: training {config.model.name}/{config.model.flavor} from {config_path}")
+    steps = StepLog()
+    logging.getLogger().addHandler(steps)
     trainer = None
     try:
         trainer = Trainer(config)
         trainer.train()
+    except KeyboardInterrupt:
+        ckpt = newest_checkpoint(config)
+        where = f"the last checkpoint is {ckpt}" if ckpt else "no checkpoint was saved (checkpoint.enable is off or none was due)"
+        again = shlex.join(["coda-titan", "train", config_path, *overrides])
+        raise Interrupted(f"interrupted during step {trainer.step if trainer else 0}; {where}; resume with: {again}") from None
     finally:
+        logging.getLogger().removeHandler(steps)
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    _say(f"done: outputs in {config.job.dump_folder}")
+    _say(f"done: {summary(steps.rows)}")
+    ckpt = newest_checkpoint(config)
+    _say(f"outputs in {config.job.dump_folder}" + (f"; newest checkpoint {ckpt}" if ckpt else ""))
     _report_wandb(config)
 
 
@@ -303,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"coda-titan: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"coda-titan: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("coda-titan: interrupted before training started; nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -181,3 +181,45 @@ def test_config_help_lists_every_override_key_with_its_doc(capsys):
         assert f"--coda.{name.replace('_', '-')}" in out
         assert " ".join(f.metadata["doc"].split()[:4]) in out.replace("│", "").replace("  ", " ")
     assert "--training.steps" in out
+
+
+# --- bad input found before the model is built (coda_titan.titan.preflight) ---------------------------
+
+
+def _bad_inputs(tmp):
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "empty.txt").write_text("")
+    (tmp / "notext.jsonl").write_text('{"body": "x"}\n')
+    (tmp / "afile").write_text("x")
+    return [
+        # (overrides, words of the one-line message)
+        (["--training.dataset", "local"], ("training.dataset_path",)),
+        (["--training.dataset", "local", "--training.dataset_path", str(tmp / "nope")], ("does not exist",)),
+        (["--training.dataset", "local", "--training.dataset_path", str(tmp / "empty.jsonl")], ("empty.jsonl", "empty")),
+        (["--training.dataset", "local", "--training.dataset_path", str(tmp / "empty.txt")], ("empty.txt", "empty")),
+        (["--training.dataset", "local", "--training.dataset_path", str(tmp / "notext.jsonl")], ("'text' field", "body")),
+        (["--training.seq_len", "0"], ("training.seq_len = 0", "an integer >= 1")),
+        (["--training.steps", "2.5"], ("training.steps", "an integer")),
+        (["--training.local_batch_size", "0"], ("training.local_batch_size = 0",)),
+        (["--model.hf_assets_path", "coda:stdlib-bpe-4096"], ("4096 tokens", "vocab_size is 2048")),
+        (["--job.dump_folder", str(tmp / "afile")], ("is a file", "job.dump_folder")),
+        (["--job.dump_folder", str(tmp / "out"), "--checkpoint.enable", "--checkpoint.folder", "../afile"],
+         ("checkpoint folder", "is a file")),
+        (["--training.bogus", "1"], ("unknown override --training.bogus",)),
+        (["--checkpoint.enable", "true"], ("is a switch",)),
+    ]
+
+
+def test_bad_input_table(capsys, tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    for overrides, words in _bad_inputs(tmp_path):
+        _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), *overrides], words)
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_fp8_on_the_torch_backend_says_it_is_the_emulation(capsys, tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    config = cli.parse_config(str(CONFIGS / "debug_cpu_coda.toml"), ["--coda.precision", "fp8", "--coda.backend", "torch",
+                                                                      "--job.dump_folder", str(tmp_path / "o")])
+    cli.validate(config)
+    assert "exact fp8 emulation" in capsys.readouterr().out

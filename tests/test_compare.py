@@ -261,3 +261,10 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main([str(CONFIGS / "debug_cpu_coda.toml"), "--set", "training.steps"])
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_loss_curve_shorter_than_its_warm_up_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--loss-curve", str(CONFIGS / "debug_cpu_baseline.toml"), str(CONFIGS / "debug_cpu_coda.toml"),
+                      "--steps", "10", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "more than the 20 steps" in capsys.readouterr().err

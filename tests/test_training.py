@@ -120,3 +120,75 @@ def test_activation_checkpointing_gives_the_same_losses(runs):
     assert sorted(f) == [1, 2, 3]
     for s in f:
         assert _rel(f[s], a[s]) <= 1e-6, f"step {s}: with AC {f[s]} vs without {a[s]}"
+
+
+def test_the_run_ends_with_a_summary(runs):
+    out = runs["A"]["out"]
+    assert f"done: {STEPS} steps, final loss" in out and "tokens/s, peak memory" in out
+    assert f"newest checkpoint {runs['A']['dir'] / 'checkpoint' / f'step-{STEPS}'}" in out
+
+
+def _resume_from_copy(runs, tmp_path, cache_dir, damage):
+    """A's dump folder copied, ``damage`` applied to it, then the run restarted on the copy."""
+    dump = tmp_path / "copy"
+    shutil.copytree(runs["A"]["dir"] / "checkpoint", dump / "checkpoint")
+    damage(dump / "checkpoint")
+    return run_cli(["train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder", str(dump), "--checkpoint.enable",
+                    "--checkpoint.interval", "10", "--training.steps", str(STEPS + 2), "--metrics.no-enable_wandb"],
+                   cwd=tmp_path, cache_dir=cache_dir)
+
+
+def test_a_truncated_shard_is_named_before_anything_runs(runs, tmp_path, cache_dir):
+    def truncate(folder):
+        shard = next((folder / f"step-{STEPS}").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:1000])
+
+    proc = _resume_from_copy(runs, tmp_path, cache_dir, truncate)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(err) == 1, proc.stderr[-2000:]
+    assert f"step-{STEPS}" in err[0] and "is damaged" in err[0] and "1000 bytes" in err[0]
+
+
+def test_a_step_without_metadata_is_skipped_and_said(runs, tmp_path, cache_dir):
+    proc = _resume_from_copy(runs, tmp_path, cache_dir, lambda folder: (folder / f"step-{STEPS}" / ".metadata").unlink())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"step-{STEPS} in" in proc.stdout and "has no .metadata" in proc.stdout and "resuming from step-10" in proc.stdout
+
+
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, cache_dir):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    args = ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--training.steps", "100000", "--job.dump_folder",
+            str(tmp_path / "o"), "--checkpoint.enable", "--checkpoint.interval", "5", "--metrics.no-enable_wandb"]
+    env = dict(os.environ, CODA_TITAN_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "coda_titan.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=tmp_path)
+    for line in p.stdout:
+        if re.search(r"step:\s+7\s", line):
+            p.send_signal(signal.SIGINT)
+            break
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
+    (msg,) = [ln for ln in err.splitlines() if ln.startswith("coda-titan:")]
+    assert "interrupted during step" in msg and "step-5" in msg and "resume with: coda-titan " + " ".join(args) in msg
+
+
+@pytest.mark.parametrize("config", ["debug_cpu_coda.toml", "debug_cpu_baseline.toml"])
+def test_torchtitans_own_launcher_runs_the_shipped_configs(tmp_path, cache_dir, config):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CODA_TITAN_CACHE=str(cache_dir), WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan.train",
+           "--job.config_file", str(CONFIGS / config), "--experimental.custom_import", "coda_titan",
+           "--training.steps", "2", "--job.dump_folder", str(tmp_path / "o"), "--metrics.no-enable_wandb",
+           "--metrics.disable_color_printing"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(logged_losses(out)) == [1, 2]

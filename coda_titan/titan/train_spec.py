@@ -10,6 +10,7 @@ validator calls the model without labels).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
@@ -22,6 +23,7 @@ from torchtitan.components.validate import build_validator
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 from torchtitan.models.llama3 import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
+from torchtitan.tools.logging import logger
 
 from ..model.args import coda_llama3_args
 from ..model.model import CodaTransformer
@@ -62,6 +64,22 @@ def build_coda_loss(job_config, **kwargs):
     return loss_fn
 
 
+def build_tokenizer(job_config, **kwargs):
+    """TorchTitan's HF tokenizer, with a ``coda:stdlib-bpe-<vocab>`` ``model.hf_assets_path`` resolved
+    (built on first use, then cached), so the shipped configs run under TorchTitan's own launcher too."""
+    from .data import ensure_tokenizer
+
+    job_config.model.hf_assets_path = ensure_tokenizer(job_config.model.hf_assets_path, log=logger.info)
+    return build_hf_tokenizer(job_config, **kwargs)
+
+
+def stock_llama3_spec() -> TrainSpec:
+    """Stock ``llama3``'s TrainSpec with ``build_tokenizer`` (everything else is TorchTitan's own)."""
+    from torchtitan.models.llama3 import get_train_spec as stock
+
+    return dataclasses.replace(stock(), build_tokenizer_fn=build_tokenizer)
+
+
 def get_train_spec() -> TrainSpec:
     return TrainSpec(
         model_cls=CodaTransformer,
@@ -71,7 +89,7 @@ def get_train_spec() -> TrainSpec:
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_coda_dataloader,
-        build_tokenizer_fn=build_hf_tokenizer,
+        build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_coda_loss,
         build_validator_fn=build_validator,
         state_dict_adapter=Llama3StateDictAdapter,

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from scripts.compare.common import RESULTS, ROOT, _say
+from scripts.compare.common import PARITY_SKIP, RESULTS, ROOT, _say
 from scripts.compare.run import compare
 from scripts.compare.loss_curve import loss_curve
 from scripts.compare.profile import profile
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
 
 def _run_mode(ap, args) -> int:
     if args.loss_curve:
+        if args.steps is not None and args.steps <= PARITY_SKIP:
+            ap.error(f"--loss-curve needs more than the {PARITY_SKIP} steps its parity skips as warm-up; got --steps {args.steps}")
         if len(args.configs) < 2:
             ap.error("--loss-curve takes two or more configs: the reference first, then the candidates")
         args.steps = args.steps or 300

@@ -26,6 +26,17 @@ def _seeded():
     torch.manual_seed(0)
 
 
+NO_NETRC = "/nonexistent/coda_titan_tests/.netrc"
+
+
+@pytest.fixture(autouse=True)
+def _wandb_never_online(monkeypatch):
+    """No test run reaches W&B, even on a machine logged in to it: no key, no netrc."""
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", NO_NETRC)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenizer cache for the whole session (the tokenizer is trained once)."""
@@ -36,7 +47,7 @@ def cache_dir(tmp_path_factory):
 def run_cli(args, *, cwd, cache_dir, env_extra=None, timeout=600):
     """Run ``coda-titan`` as a user would (a fresh process); returns the CompletedProcess."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    env.update({"CODA_TITAN_CACHE": str(cache_dir), "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
+    env.update({"CODA_TITAN_CACHE": str(cache_dir), "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "NETRC": NO_NETRC})
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "coda_titan.cli", *args],

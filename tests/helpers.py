@@ -2,6 +2,7 @@
 
 import math
 import os
+import zlib
 
 import torch
 
@@ -182,7 +183,7 @@ def check_cute_matches_reference(name: str, d: int) -> None:
 
 
     ref_be, cute_be = get_backend("torch"), get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(hash((name, d)) % 2**31)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}:{d}".encode()))  # (hash() is salted per process)
     kw = gpu_inputs(name, d, gen)
     ref64 = as_list(getattr(ref_be, name)(**to64(kw)))
     bf = as_list(getattr(ref_be, name)(**kw))

@@ -81,6 +81,7 @@ def test_unknown_model_name(capsys):
     _fails(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--model.name", "llama9"], "unknown model.name")
 
 
+@pytest.mark.slow
 def test_error_from_a_real_process(tmp_path, cache_dir):
     """The console command itself: exit status 2 and one line on stderr."""
     bad = tmp_path / "bad.toml"

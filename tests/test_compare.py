@@ -231,6 +231,7 @@ def test_committed_results_are_complete_and_consistent(path):
             assert len(r["loss"]) == doc["steps"]
 
 
+@pytest.mark.slow
 def test_a_failing_run_is_recorded_and_fails_the_command(tmp_path, cache_dir, monkeypatch):
     """A run that dies (here: the trainer's own check of a local dataset without a path) is kept in
     the JSON with its log tail; exit status 1."""

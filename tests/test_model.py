@@ -46,6 +46,22 @@ CASES = {
         ),
         tile_n=32, seqlen=48,
     ),
+    # multi-head (n_kv_heads = n_heads) and multi-query (n_kv_heads = 1) attention
+    "mha": dict(args=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=71, multiple_of=32, rope_theta=10000),
+                tile_n=16, seqlen=20),
+    "mqa": dict(args=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=71, multiple_of=32, rope_theta=10000),
+                tile_n=16, seqlen=20),
+    # TorchTitan's FFN sizing with a multiplier, and another norm eps
+    "ffn_multiplier_eps": dict(
+        args=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=71, multiple_of=16, ffn_dim_multiplier=1.3,
+                  norm_eps=1e-6, rope_theta=10000),
+        tile_n=32, seqlen=16,
+    ),
+    # one layer, batch 1, a sequence length that is no multiple of any tile, CE chunks that do not divide it
+    "one_layer_batch1": dict(
+        args=dict(dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=53, multiple_of=16, rope_theta=10000),
+        tile_n=32, seqlen=13, batch=1, ce_chunk_rows=5,
+    ),
 }
 
 
@@ -95,11 +111,13 @@ def _build(case, fp64_rope):
     if fp64_rope:
         a = ref.model_args
         ref.freqs_cis = _fp64_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args)[0]
-    coda = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=37))).double()
+    coda_cfg = Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=spec.get("ce_chunk_rows", 37))
+    coda = CodaTransformer(CodaModelArgs(**kw, coda=coda_cfg)).double()
     coda.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, kw["vocab_size"], (2, spec["seqlen"]), generator=g)
-    labels = torch.randint(0, kw["vocab_size"], (2, spec["seqlen"]), generator=g)
+    shape = (spec.get("batch", 2), spec["seqlen"])
+    tokens = torch.randint(0, kw["vocab_size"], shape, generator=g)
+    labels = torch.randint(0, kw["vocab_size"], shape, generator=g)
     labels[0, :5] = -100  # TorchTitan's ignore index
     return ref, coda, tokens, labels
 

@@ -62,6 +62,18 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
+# CODA against stock llama3, fp32 on the CPU, same data, seed and initial weights. Both evaluate the
+# same function; CODA sums in another order (deferred RMSNorm, partial sums, fused epilogues), so at
+# equal parameters a token loss differs by reassociation error, a few units of fp32 roundoff
+# u = 2**-24 relative, and the step's loss is the mean of such losses (the error does not grow with
+# the token count). The parameters then differ by lr times the normalized (Adam) update's own O(u)
+# difference, which moves the next losses by the same order, not more: the deviation does not
+# compound over 20 steps at lr 3e-4. Bound: 16 u (measured: 2.2 u for A vs B, 1.1 u across the
+# checkpoint swaps D and E, 2026-11-23, CPU).
+FP32_U = 2.0**-24
+CODA_VS_STOCK = 16 * FP32_U
+
+
 def test_coda_trains_and_loss_falls(runs):
     a = runs["A"]
     losses = a["losses"]
@@ -74,32 +86,33 @@ def test_coda_trains_and_loss_falls(runs):
     assert all(abs(printed[s] - losses[s]) <= 1e-5 for s in losses)
 
 
-def test_baseline_loss_curve_matches_within_1e4(runs):
+def test_baseline_loss_curve_matches_within_fp32_reassociation(runs):
     a, b = runs["A"]["losses"], runs["B"]["losses"]
     assert sorted(b) == list(range(1, STEPS + 1))
     worst = max(range(1, STEPS + 1), key=lambda s: _rel(a[s], b[s]))
-    assert _rel(a[worst], b[worst]) <= 1e-4, f"step {worst}: coda {a[worst]} vs baseline {b[worst]}"
+    assert _rel(a[worst], b[worst]) <= CODA_VS_STOCK, f"step {worst}: coda {a[worst]} vs baseline {b[worst]}"
 
 
 def test_save_and_resume_equals_uninterrupted(runs):
+    """Bit for bit: the same process, data order, RNG state and fp32 CPU kernels after the load."""
     a, c = runs["A"]["losses"], runs["C"]["losses"]
     assert sorted(c) == list(range(11, STEPS + 1)), "resumed run must start at step 11"
     for s in c:
-        assert _rel(c[s], a[s]) <= 1e-6, f"step {s}: resumed {c[s]} vs uninterrupted {a[s]}"
+        assert c[s] == a[s], f"step {s}: resumed {c[s]!r} vs uninterrupted {a[s]!r}"
 
 
 def test_baseline_checkpoint_resumes_in_coda(runs):
     b, d = runs["B"]["losses"], runs["D"]["losses"]
     assert sorted(d) == list(range(11, STEPS + 1))
     for s in d:
-        assert _rel(d[s], b[s]) <= 1e-4, f"step {s}: coda-from-baseline {d[s]} vs baseline {b[s]}"
+        assert _rel(d[s], b[s]) <= CODA_VS_STOCK, f"step {s}: coda-from-baseline {d[s]} vs baseline {b[s]}"
 
 
 def test_coda_checkpoint_resumes_in_baseline(runs):
     a, e = runs["A"]["losses"], runs["E"]["losses"]
     assert sorted(e) == list(range(11, STEPS + 1))
     for s in e:
-        assert _rel(e[s], a[s]) <= 1e-4, f"step {s}: baseline-from-coda {e[s]} vs coda {a[s]}"
+        assert _rel(e[s], a[s]) <= CODA_VS_STOCK, f"step {s}: baseline-from-coda {e[s]} vs coda {a[s]}"
 
 
 def test_wandb_offline_run_holds_loss_series(runs):
@@ -115,11 +128,12 @@ def test_wandb_offline_run_holds_loss_series(runs):
 
 
 def test_activation_checkpointing_gives_the_same_losses(runs):
+    """Bit for bit: the recomputed forward runs the same fp32 kernels on the same inputs."""
     a, f = runs["A"]["losses"], runs["F"]["losses"]
     assert "Applied full activation checkpointing" in runs["F"]["out"]
     assert sorted(f) == [1, 2, 3]
     for s in f:
-        assert _rel(f[s], a[s]) <= 1e-6, f"step {s}: with AC {f[s]} vs without {a[s]}"
+        assert f[s] == a[s], f"step {s}: with AC {f[s]!r} vs without {a[s]!r}"
 
 
 def test_the_run_ends_with_a_summary(runs):
@@ -192,3 +206,24 @@ def test_torchtitans_own_launcher_runs_the_shipped_configs(tmp_path, cache_dir, 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert sorted(logged_losses(out)) == [1, 2]
+
+
+def test_fp8_trains_through_the_real_trainer_and_resumes(tmp_path, cache_dir):
+    """precision = "fp8" on the CPU (the exact emulation of the fp8 programs) through TorchTitan's
+    Trainer: it trains, checkpoints, and resumes. The amax histories are not checkpointed, so the
+    resumed run's first step calibrates on current amaxes where the uninterrupted run used its
+    delayed ones: the two differ only in fp8 rounding decisions, so the resumed losses may move by
+    no more than fp8 rounding moves them at all: the distance of the fp8 run from its bf16 twin on the
+    same steps (measured 2026-11-23 on the CPU: resume 2.9e-5, fp8 effect 1.5e-4)."""
+    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8"]
+    a = _train("G", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)
+    assert "exact fp8 emulation" in a["out"] and sorted(a["losses"]) == list(range(1, 11))
+    bf16 = _train("B16", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8[:4])
+    (tmp_path / "H" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(a["dir"] / "checkpoint" / "step-5", tmp_path / "H" / "checkpoint" / "step-5")
+    h = _train("H", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)
+    assert sorted(h["losses"]) == list(range(6, 11)) and "resuming from checkpoint step-5" in h["out"]
+    resumed = max(_rel(h["losses"][s], a["losses"][s]) for s in h["losses"])
+    effect = max(_rel(a["losses"][s], bf16["losses"][s]) for s in h["losses"])
+    print(f"fp8 resume: worst relative loss deviation {resumed:.3e}; fp8 effect {effect:.3e}")
+    assert 0 < resumed <= effect

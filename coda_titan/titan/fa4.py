@@ -11,7 +11,7 @@ alike, so a comparison changes one thing at a time:
 FA4 is wrapped in two ``torch.library`` custom ops (``coda::flash_attn_fwd`` / ``_bwd``) with fakes
 and a registered autograd formula, so a ``torch.compile(fullgraph=True)`` layer holds one opaque node
 instead of tracing into CuTeDSL. The CUDA kernels are FA4's. The CPU kernels are the exact softmax
-attention in float32; they exist so the op schemas, fakes and gradients are tested without a GPU.
+attention in float32 (float64 for float64 inputs); they exist so the op schemas, fakes and gradients are tested without a GPU.
 The converter refuses to run where FA4 cannot (no sm90/sm100 GPU or ``flash-attn-4`` missing).
 """
 
@@ -46,9 +46,14 @@ def _expand_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.repeat_interleave(n_heads // t.shape[2], dim=2)
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _reference_fwd(q, k, v, scale: float, causal: bool):
-    """(b, s, h, d) float32 softmax attention; returns out (b, s, h, d) and lse (b, h, s)."""
-    qf, kf, vf = (t.float() for t in (q, k, v))
+    """(b, s, h, d) softmax attention in float32 (float64 for float64 inputs); returns out
+    (b, s, h, d), lse (b, h, s) and the probabilities."""
+    qf, kf, vf = (t.to(_compute_dtype(q)) for t in (q, k, v))
     kf, vf = _expand_kv(kf, q.shape[2]), _expand_kv(vf, q.shape[2])
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
     if causal:
@@ -68,7 +73,7 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (b, s, h, d), k/v (b, s, h_kv, d) -> out (b, s, h, d) contiguous, lse (b, h, s) float32."""
     out, lse, _ = _reference_fwd(q, k, v, scale, causal)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()  # (lse is float32, as FA4's)
 
 
 @flash_attn_fwd.register_fake
@@ -91,13 +96,14 @@ def flash_attn_bwd(
     """Gradients of :func:`flash_attn_fwd`; dq/dk/dv are contiguous, shaped like q/k/v."""
     _, _, p = _reference_fwd(q, k, v, scale, causal)
     h, h_kv = q.shape[2], k.shape[2]
-    do = dout.float()
+    ct = _compute_dtype(q)
+    do = dout.to(ct)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, _expand_kv(v.float(), h))
-    delta = (do * out.float()).sum(-1).transpose(1, 2)  # (b, h, s)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, _expand_kv(v.to(ct), h))
+    delta = (do * out.to(ct)).sum(-1).transpose(1, 2)  # (b, h, s)
     ds = p * (dp - delta[..., None]) * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k.float(), h))
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float())
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k.to(ct), h))
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(ct))
     group = h // h_kv
     dk = dk.unflatten(2, (h_kv, group)).sum(3)
     dv = dv.unflatten(2, (h_kv, group)).sum(3)

@@ -64,7 +64,11 @@ def first_record_text(path: str) -> None:
         return
     record = head.lstrip()
     try:
-        first_obj = json.loads(record.splitlines()[0]) if not record.startswith("[") else json.load(open(first))[0]
+        if record.startswith("["):  # one JSON array of records
+            with open(first, encoding="utf-8") as f:
+                first_obj = json.load(f)[0]
+        else:  # one JSON object per line
+            first_obj = json.loads(record.splitlines()[0])
     except (ValueError, IndexError) as e:
         raise DataError(f"{first}: the first record is not JSON ({e}); use one JSON object per line") from None
     if not isinstance(first_obj, dict) or "text" not in first_obj:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import statistics
+from pathlib import Path
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+).*?memory:\s*([0-9.]+)GiB.*?tps:\s*([0-9,]+)")
@@ -36,8 +37,6 @@ def summary(rows, warmup: int = 1) -> str:
 
 def newest_checkpoint(config) -> str | None:
     """The newest complete checkpoint step folder of the run, or None."""
-    from pathlib import Path
-
     if not config.checkpoint.enable:
         return None
     folder = Path(config.job.dump_folder) / config.checkpoint.folder

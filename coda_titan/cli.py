@@ -99,8 +99,6 @@ def validate(config) -> None:
     from .kernels import BackendUnavailable, resolve_backend
     from .titan import preflight
     from .titan.data import DataError, LOCAL_DATASET, ensure_tokenizer, known_datasets
-    from .titan.job_config import ConfigError
-    from .titan.job_config import validate as validate_coda
     from .titan.train_spec import NAME
 
     try:
@@ -113,10 +111,9 @@ def validate(config) -> None:
             f"choose one of: {', '.join(sorted(spec.model_args))}"
         )
     if config.model.name == NAME:
-        try:
-            validate_coda(config.coda)
+        try:  # (the [coda] values were checked against the schema by parse_config)
             backend = resolve_backend(config.coda.backend)
-        except (BackendUnavailable, ConfigError) as e:
+        except BackendUnavailable as e:
             raise UserError(str(e)) from None
         print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
         if config.coda.precision == "fp8" and backend == "torch":
@@ -130,10 +127,6 @@ def validate(config) -> None:
         preflight.check_training(config)
         preflight.check_folders(config)
         preflight.check_dataset(config, LOCAL_DATASET)
-        if dataset != LOCAL_DATASET and config.training.dataset_path and not Path(config.training.dataset_path).exists():
-            raise DataError(
-                f"training.dataset_path {config.training.dataset_path!r} does not exist; fix it or remove it"
-            )
         config.model.hf_assets_path = ensure_tokenizer(config.model.hf_assets_path, log=_say)
         preflight.check_tokenizer(config.model.hf_assets_path, spec.model_args[config.model.flavor].vocab_size)
         for note in preflight.check_checkpoint(config):

@@ -1,7 +1,7 @@
 """Model arguments and flavors of ``coda_llama3``.
 
-``CodaModelArgs`` is TorchTitan's ``TransformerModelArgs`` plus one field, ``coda``: the parsed and
-validated ``[coda]`` section (``coda_titan.titan.job_config.Coda``), copied in by
+``CodaModelArgs`` is TorchTitan's ``TransformerModelArgs`` plus one field, ``coda``: the parsed
+``[coda]`` section (``coda_titan.titan.job_config.Coda``), copied in by
 ``update_from_config``. Flavors use TorchTitan's numbers where TorchTitan defines them (8B, 70B);
 1B and 3B are the Llama-3.2 shapes.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torchtitan.models.llama3 import TransformerModelArgs
 
-from ..titan.job_config import Coda, validate
+from ..titan.job_config import Coda
 
 
 @dataclass
@@ -30,7 +30,7 @@ class CodaModelArgs(TransformerModelArgs):
         super().update_from_config(job_config, **kwargs)
         coda = getattr(job_config, "coda", None)
         if coda is not None:
-            self.coda = validate(copy.copy(coda))
+            self.coda = copy.copy(coda)  # (validated when the model is built)
 
 
 def _flavors(cls) -> dict[str, TransformerModelArgs]:

@@ -105,12 +105,10 @@ class ResidualRMS(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx, *_):
         y, weight = ctx.saved_tensors
-        dy, dw = _f1_backward(ctx.cfg.backend, dx, y, weight)
+        be = ctx.cfg.backend
+        dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
+        dw = be.wgrad(grad=dx, inp=y, out_dtype=weight.dtype)
         return _grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
-
-
-def _f1_backward(be: Backend, dx, y, weight):
-    return be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype), be.wgrad(grad=dx, inp=y, out_dtype=weight.dtype)
 
 
 NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqlen", "cfg", "n_rope_heads", "head_dim",

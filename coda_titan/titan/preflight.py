@@ -77,9 +77,11 @@ def first_record_text(path: str) -> None:
 
 
 def check_dataset(config, local_name: str) -> None:
-    if config.training.dataset.lower() != local_name:
-        return
     path = config.training.dataset_path
+    if config.training.dataset.lower() != local_name:
+        if path and not Path(path).exists():
+            raise PreflightError(f"training.dataset_path {path!r} does not exist; fix it or remove it")
+        return
     if not path:
         raise PreflightError(
             f"training.dataset = {local_name!r} needs training.dataset_path: a {'/'.join(sorted(LOCAL_SUFFIXES))} "

@@ -132,6 +132,35 @@ class Setup:
         return precompute_freqs_cis(self.hd, SEQLEN, 500000.0, RoPEScalingArgs()).cuda()
 
     @functools.cached_property
+    def w13q(self):
+        """(e4m3 W13, its scale): the weight pass of W13."""
+        return self.be.quantize_tensorwise(w=self.w13)
+
+    @functools.cached_property
+    def wqkv8(self):
+        """(e4m3 W_qkv, its scale)."""
+        return self.be.quantize_tensorwise(w=self.wqkv)
+
+    @functools.cached_property
+    def b1(self) -> dict:
+        """The keywords of B1 (rope_bwd), with a small gradient."""
+        return dict(dy=self.r(M, self.q, scale=1e-3), y=self.r(M, self.q), rstd=self.rstd, **self.rope)
+
+    @functools.cached_property
+    def b2(self):
+        """(x, dresidual) of B2."""
+        return self.r(M, self.d), self.r(M, self.d)
+
+    @functools.cached_property
+    def b3(self):
+        """B3's keywords, its bf16 da and zdz, and the inverse e5m2 scale of that da's amax."""
+        from coda_titan.kernels.scaling import E5M2_MAX, inv_scale_from_amax
+
+        kw = dict(dout=self.r(M, self.d, scale=1e-2), w_down=self.w2, a=self.r(M, 2 * self.ff), rstd=self.rstd)
+        da, _, zdz = self.be.swiglu_bwd(**kw)
+        return kw, da, zdz, inv_scale_from_amax(da.float().abs().amax(), E5M2_MAX)
+
+    @functools.cached_property
     def h8(self):
         """(e4m3 H, its inverse scale): F2's and F3's fp8 A operand."""
         from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3

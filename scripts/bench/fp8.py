@@ -5,8 +5,6 @@ inductor)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -44,15 +42,11 @@ def residual_rms_fp8(s: Setup):
         bare_gemm=[lambda: torch.mm(y, wo.t())], eager=eager)
 
 
-@functools.cache
-def _w13q(s: Setup):
-    return s.be.quantize_tensorwise(w=s.w13)
-
 
 def norm_swiglu_fp8(s: Setup):
     """F2 on e4m3 operands."""
     h8, inv_h = s.h8
-    w13q, s_w13 = _w13q(s)
+    w13q, s_w13 = s.w13q
     f8_w1, f8_w3 = float8_linears(*s.w1_w3)
 
     def eager():
@@ -65,15 +59,11 @@ def norm_swiglu_fp8(s: Setup):
         bare_gemm=[scaled_mm(h8, w13q)], eager=eager)
 
 
-@functools.cache
-def _wqkv8(s: Setup):
-    return s.be.quantize_tensorwise(w=s.wqkv)
-
 
 def norm_rope_fp8(s: Setup):
     """F3 on e4m3 operands."""
     h8, inv_h = s.h8
-    wqkv8, s_qkv = _wqkv8(s)
+    wqkv8, s_qkv = s.wqkv8
     linears = float8_linears(*s.wqkv.split([s.hq * s.hd, s.hkv * s.hd, s.hkv * s.hd]))
     return "norm_rope_fp8", "fwd", dict(
         coda=lambda: s.be.norm_rope_fp8(hq=h8, rstd=s.rstd, weight_q=wqkv8, scale=s_qkv / inv_h, out_dtype=BF,
@@ -82,28 +72,20 @@ def norm_rope_fp8(s: Setup):
         bare_gemm=[scaled_mm(h8, wqkv8)], eager=qkv_eager(s, linears))
 
 
-@functools.cache
-def _b1(s: Setup) -> dict:
-    return dict(dy=s.r(M, s.q, scale=1e-3), y=s.r(M, s.q), rstd=s.rstd, **s.rope)
-
 
 def rope_bwd_fp8(s: Setup):
     """B1 with its e5m2 copy of da (current scale)."""
-    b1 = _b1(s)
+    b1 = s.b1
     dy = b1["dy"].float()
     return "rope_bwd_fp8", "bwd", dict(
         coda=lambda: s.be.rope_bwd_fp8(**b1), coda_bf16=lambda: s.be.rope_bwd(**b1), bare_gemm=[],
         eager=lambda: quantize_e5m2(dy, inv_scale_from_amax(dy.abs().amax(), E5M2_MAX)))
 
 
-@functools.cache
-def _b2_inputs(s: Setup):
-    return s.r(M, s.d), s.r(M, s.d)  # x, dresidual
-
 
 def _b2_fp8(s: Setup, name, da, daq, s_da, zdz, weight, weight_q, s_w):
     """B2 on e5m2 da x the e4m3 weight transposed, against its bf16 twin and stock's fp8 version."""
-    x, dres = _b2_inputs(s)
+    x, dres = s.b2
     w_t = weight_q.t().contiguous()
     norm = dict(x=x, gamma=s.gamma, rstd=s.rstd, zdz=zdz, dresidual=dres)
 
@@ -118,22 +100,15 @@ def _b2_fp8(s: Setup, name, da, daq, s_da, zdz, weight, weight_q, s_w):
 
 def norm_residual_bwd_fp8(s: Setup):
     """F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T (``fp8_dgrad``)."""
-    da, zdz, daq, s_da = s.be.rope_bwd_fp8(**_b1(s))
-    wqkv8, s_qkv = _wqkv8(s)
+    da, zdz, daq, s_da = s.be.rope_bwd_fp8(**s.b1)
+    wqkv8, s_qkv = s.wqkv8
     return _b2_fp8(s, "norm_residual_bwd_fp8", da, daq, s_da, zdz, s.wqkv, wqkv8, s_qkv)
 
-
-@functools.cache
-def _b3(s: Setup):
-    """B3's inputs, its bf16 da and zdz, and the inverse e5m2 scale of that da's amax."""
-    b3 = dict(dout=s.r(M, s.d, scale=1e-2), w_down=s.w2, a=s.r(M, 2 * s.ff), rstd=s.rstd)
-    da, _, zdz = s.be.swiglu_bwd(**b3)
-    return b3, da, zdz, inv_scale_from_amax(da.float().abs().amax(), E5M2_MAX)
 
 
 def swiglu_bwd_fp8(s: Setup):
     """B3 also writing e5m2 da with a delayed scale (``fp8_mlp_dgrad``)."""
-    b3, da, _, inv_g = _b3(s)
+    b3, da, _, inv_g = s.b3
     return "swiglu_bwd_fp8", "bwd", dict(
         coda=lambda: s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g), coda_bf16=lambda: s.be.swiglu_bwd(**b3),
         bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)],
@@ -142,9 +117,9 @@ def swiglu_bwd_fp8(s: Setup):
 
 def norm_residual_bwd_fp8_w13(s: Setup):
     """The MLP's dgrad B2 on e5m2 da x e4m3 W13^T (``fp8_mlp_dgrad``)."""
-    b3, da, zdz, inv_g = _b3(s)
+    b3, da, zdz, inv_g = s.b3
     daq = s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g)[3]
-    w13q, s_w13 = _w13q(s)
+    w13q, s_w13 = s.w13q
     return _b2_fp8(s, "norm_residual_bwd_fp8_w13", da, daq, inv_g.reciprocal(), zdz, s.w13, w13q, s_w13)
 
 
@@ -152,7 +127,7 @@ def wgrad_fp8_w13(s: Setup):
     """dW13 = da^T H as torchao's float8 weight gradient with the amaxes B3 and F1 report
     (``fp8_mlp_wgrad``). Bare GEMM: cuBLAS fp8 on token-major copies made beforehand; eager:
     torchao's steps, amax passes included."""
-    b3, da, _, inv_g = _b3(s)
+    b3, da, _, inv_g = s.b3
     daq_t = s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g)[3].t().contiguous()
     h8_t = s.h8[0].t().contiguous()
     amax_da, amax_h = da.float().abs().amax(), s.h.float().abs().amax()

@@ -3,7 +3,8 @@
 # call. Everything goes to $OUT (default outputs/gpu_train).
 #
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
-#     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt
+#     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
+#              every derived bound with its measured value in $OUT/bounds.jsonl
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
@@ -45,7 +46,8 @@ for phase in "$@"; do
   t0=$SECONDS
   case $phase in
     gputests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
+      rm -f "$out/bounds.jsonl"
+      CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
       ;;

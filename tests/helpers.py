@@ -177,10 +177,19 @@ def to64(kw):
 
 def check_cute_matches_reference(name: str, d: int) -> None:
     """The cute kernel of program ``name`` against the reference evaluated in fp64 on the same bf16
-    inputs; the bound is twice the error of plain torch in bf16 (the reference on the bf16 inputs)
-    plus 1e-6. Free allocator blocks are NaN-filled first, so an unwritten output shows as NaN."""
-    from coda_titan.kernels import get_backend
+    inputs. Free allocator blocks are NaN-filled first, so an unwritten output shows as NaN.
 
+    The bound, per output: ``2 * err_ref + 2**-24``, where ``err_ref`` is the norm-wise error against
+    fp64 of the torch reference run on the same bf16 inputs in the kernel's own precisions (bf16
+    operands, fp32 accumulator through the whole epilogue, one rounding to the output dtype; see
+    ``kernels/_common.mm``). The kernel evaluates the same expression in the same precisions and
+    differs only in summation order (tensor-core K blocks, per-tile partial sums), so its error is
+    made of as many roundings of the same unit roundoff as the reference's: over >= 10^6 elements the
+    norm-wise statistic concentrates, and a factor 2 covers a worse order. ``2**-24`` (one fp32
+    rounding) keeps the bound meaningful where the reference happens to be exact. Each check is
+    appended to ``$CODA_BOUNDS_LOG`` (jsonl) when set, so the GPU run reports measured against bound.
+    """
+    from coda_titan.kernels import get_backend
 
     ref_be, cute_be = get_backend("torch"), get_backend("cute")
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}:{d}".encode()))  # (hash() is salted per process)
@@ -195,9 +204,22 @@ def check_cute_matches_reference(name: str, d: int) -> None:
     assert len(out) == len(ref64)
     for i, (o, r64, b) in enumerate(zip(out, ref64, bf)):
         assert o.shape == r64.shape, (name, i, o.shape, r64.shape)
+        assert o.dtype == b.dtype, (name, i, o.dtype, b.dtype)
         assert not o.isnan().any(), f"{name} output {i}: NaN (unwritten or invalid)"
-        err, err_bf = rel(o, r64), rel(b, r64)
-        assert err <= 2 * err_bf + 1e-6, f"{name} d={d} output {i}: rel err {err:.3e} > 2 x torch-bf16 {err_bf:.3e} + 1e-6"
+        err, err_ref = rel(o, r64), rel(b, r64)
+        bound = 2 * err_ref + 2.0**-24
+        log_bound(f"{name}[{i}] d={d}", dtype=str(o.dtype), err=err, err_ref=err_ref, bound=bound)
+        assert err <= bound, f"{name} d={d} output {i} ({o.dtype}): rel err {err:.3e} > 2 x reference {err_ref:.3e} + 2^-24"
+
+
+def log_bound(check: str, **measured) -> None:
+    """Append one measured-against-bound record to ``$CODA_BOUNDS_LOG`` (the GPU run's evidence)."""
+    path = os.environ.get("CODA_BOUNDS_LOG")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"check": check, **measured}) + "\n")
 
 
 def cuda_inputs(m, k, n, gen):

@@ -23,7 +23,7 @@ from coda_titan.model.model import CodaTransformer
 from coda_titan.titan.fa4 import swap_attention
 from coda_titan.titan.job_config import Coda
 
-from .helpers import BF, gpu_inputs
+from .helpers import BF, gpu_inputs, log_bound
 
 
 # --- the torch backend equals TorchTitan's llama3 (float64) ---------------------------------------
@@ -506,19 +506,28 @@ def test_whole_1b_model_cute_matches_torch_backend():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mlp_dgrad", [False, True])  # True: fp8_mlp_dgrad and fp8_mlp_wgrad (the defaults)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad):
-    """The 1B model, fp8, cute vs torch backend: their gradients must differ by much less than fp8
-    quantization itself moves them (torch fp8 vs torch bf16 programs). The backends' F1 GEMMs sum in
-    different orders, so a value at an e4m3 rounding boundary may land one step apart: the fp8 model
-    cannot match to bf16-program accuracy: the claim tested is that the two backends agree with each
-    other at least as well as the fp8 model agrees with the bf16 one (a wrong kernel is far above
-    that; measured on the H100: 0.60 at the worst parameter, the last layer's wq; 0.79 with the MLP's
-    fp8 dgrad and wgrad, a layer's W1; the wgrad reached 1.08 before its current scales were powers
-    of two: ``scripts/probes/fp8_model_grads.py``)."""
+    """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
+    in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
+
+    The bound is the spread of the same math in the same precisions: the torch fp8 model once more,
+    with every program GEMM summed over K tile by tile (``reordered_sums``) instead of in cuBLAS's
+    order. Only fp32 summation order changes, yet a value at an e4m3 rounding boundary lands one
+    step away and the flip travels through 16 layers: that model's worst ratio is what a correct
+    other order costs. The kernels change the order of every sum (k-tiles, tile partials), so their
+    fp32 differences from cuBLAS are of the same size; the number of flipped codes grows linearly
+    with that size and the gradient deviation with its square root, so 2x the reordered model's
+    worst ratio admits kernels whose fp32 differences are up to 4x the reorder's. A wrong kernel
+    (a missed scale, a wrong tile) moves the gradients by the fp8 effect or more, far above.
+    (Before this bound: 1.0 flat, measured 0.60 and 0.79, ``scripts/probes/fp8_model_grads.py``.)"""
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad)
     losses, s = res["losses"], summary(res)
-    print(f"model (mlp_dgrad {mlp_dgrad}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} bf16 {losses['bf16']:.6f}; "
-          f"worst gradient deviation / fp8 effect {s['worst_ratio']:.3f} at {s['worst']}")
+    bound = 2 * s["worst_order_ratio"]
+    print(f"model (mlp_dgrad {mlp_dgrad}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
+          f"reordered {losses['reordered']:.6f} bf16 {losses['bf16']:.6f}; worst gradient deviation / fp8 effect "
+          f"{s['worst_ratio']:.3f} at {s['worst']}, reordered sums {s['worst_order_ratio']:.3f} at {s['worst_order']}")
+    log_bound(f"whole-1B fp8 (mlp_dgrad {mlp_dgrad}) worst dev / fp8 effect", err=s["worst_ratio"], bound=bound,
+              worst=s["worst"], worst_order=s["worst_order"], losses=losses)
     assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])
-    assert s["worst_ratio"] <= 1.0
+    assert s["worst_ratio"] <= bound

@@ -36,9 +36,16 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` returned in the accumulator dtype (the GEMM of a program, before its epilogue)."""
-    out = a @ b
-    return out.to(acc_dtype(a, b))
+    """``a @ b`` accumulated *and returned* in the accumulator dtype: the GEMM of a program as its
+    epilogue sees it, never rounded to the storage dtype first (a bf16 ``a @ b`` would round the
+    fp32 sum to bf16 before the epilogue, the error the fused kernels do not make).
+
+    On CUDA, bf16/fp16 operands go through cuBLAS with an fp32 output (``out_dtype``), at tensor-core
+    speed; elsewhere the operands are widened exactly and multiplied in the accumulator dtype."""
+    ct = acc_dtype(a, b)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=ct)
+    return a.to(ct) @ b.to(ct)
 
 
 def tile_sumsq(x: torch.Tensor, tile_n: int) -> torch.Tensor:

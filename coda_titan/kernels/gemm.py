@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ._common import acc_dtype, check_2d, interleave_rows, program_op
+from ._common import acc_dtype, check_2d, interleave_rows, mm, program_op
 from .scaling import (
     E4M3, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
 )
@@ -42,13 +42,12 @@ def _check_rows(grad: torch.Tensor, inp: torch.Tensor) -> None:
 
 def wgrad(*, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _check_rows(grad, inp)
-    ct = acc_dtype(grad, inp)
-    return (grad.to(ct).t() @ inp.to(ct)).to(out_dtype)
+    return mm(grad.t(), inp).to(out_dtype)
 
 
 def dgrad(*, grad: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     check_2d("grad", grad, weight.shape[0])
-    return (grad @ weight).to(out_dtype)
+    return mm(grad, weight).to(out_dtype)
 
 
 def quantize_tensorwise(*, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

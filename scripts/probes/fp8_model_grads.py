@@ -3,15 +3,19 @@ per parameter, measured against how far fp8 itself moves them (torch fp8 against
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_model_grads
 
-For each combination of ``fp8_mlp_dgrad`` and ``fp8_mlp_wgrad`` it builds three 1B models with the
-same weights (torch fp8, cute fp8, torch bf16), calibrates the fp8 scales once on the torch backend
-and hands both fp8 models the same amax histories, then runs one forward and backward on random
-tokens (seq 2048 x batch 2). For every parameter it records
+For each combination of ``fp8_mlp_dgrad`` and ``fp8_mlp_wgrad`` it builds four 1B models with the
+same weights (torch fp8, cute fp8, torch fp8 with reordered sums, torch bf16), calibrates the fp8
+scales once on the torch backend and hands every fp8 model the same amax histories, then runs one
+forward and backward on random tokens (seq 2048 x batch 2). For every parameter it records
 
-* ``dev``: ||g_cute - g_torch|| / ||g_torch|| (backend disagreement), and
+* ``dev``: ||g_cute - g_torch|| / ||g_torch|| (backend disagreement),
+* ``order``: ||g_reordered - g_torch|| / ||g_torch||: the same fp8 math in the same precisions,
+  with every program GEMM summed over K in 256-wide tiles in sequence (``reordered_sums``), as a
+  GEMM kernel's K loop does, instead of in cuBLAS's order: how far a correct fp8 model moves when
+  only its fp32 summation order changes (a value at an e4m3 rounding boundary lands one step away),
 * ``effect``: ||g_bf16 - g_torch|| / ||g_torch|| (what fp8 moves),
 
-and their ratio, and the step's amax |H| of every fp8 site and amax |da| of every MLP (B3) on both
+and the ratios dev / effect and order / effect, and the step's amax |H| of every fp8 site and amax |da| of every MLP (B3) on both
 backends (the current scales of the fp8 weight gradient come from them). The whole-model GPU test (``tests/test_model.py``) calls :func:`grad_ratios`. Writes
 ``$OUT/probe_fp8_model_grads_<gpu>.json`` with every parameter's numbers and a summary per kind of
 weight and, for W1/W3 (the weight gradient ``fp8_mlp_wgrad`` computes on fp8), per layer.
@@ -19,6 +23,7 @@ weight and, for W1/W3 (the weight gradient ``fp8_mlp_wgrad`` computes on fp8), p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +38,35 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).norm() / ref.norm()).item()
 
 
+@contextlib.contextmanager
+def reordered_sums(tile_k: int = 256):
+    """Every program GEMM of the torch backend that goes through ``_common.mm`` or
+    ``scaling.fp8_mm`` sums over K tile by tile (fp32 accumulator, ``tile_k`` at a time)."""
+    from coda_titan.kernels import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms
+    from coda_titan.kernels._common import mm
+
+    def tiled_mm(a, b):
+        acc = mm(a[:, :tile_k], b[:tile_k])
+        for k in range(tile_k, a.shape[1], tile_k):
+            acc = acc + mm(a[:, k:k + tile_k], b[k:k + tile_k])
+        return acc
+
+    def tiled_fp8_mm(aq, bq, ct):
+        return tiled_mm(aq.to(ct), bq.to(ct).t())
+
+    mods = (gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms)
+    saved = [(m, m.mm) for m in mods] + [(norm_swiglu, norm_swiglu.fp8_mm)]
+    for m in mods:
+        m.mm = tiled_mm
+    norm_swiglu.fp8_mm = tiled_fp8_mm
+    try:
+        yield
+    finally:
+        for m, f in saved[:-1]:
+            m.mm = f
+        norm_swiglu.fp8_mm = saved[-1][1]
+
+
 def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2) -> dict:
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
@@ -40,7 +74,8 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     from coda_titan.titan.job_config import Coda
 
     models = {}
-    for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("bf16", "torch", "bf16")):
+    for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("reordered", "torch", "fp8"),
+                                ("bf16", "torch", "bf16")):
         coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
@@ -49,13 +84,13 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
             with torch.no_grad():
                 models[name].init_weights()
         models[name] = models[name].to(torch.bfloat16)
-    for name in ("cute", "bf16"):
+    for name in ("cute", "reordered", "bf16"):
         models[name].load_state_dict(models["torch"].state_dict())
     gen = torch.Generator(device="cuda").manual_seed(1)
     vocab = models["torch"].model_args.vocab_size
     tokens = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
     labels = torch.randint(0, vocab, (bs, seqlen), generator=gen, device="cuda")
-    ref, cute = models["torch"], models["cute"]
+    ref = models["torch"]
     with torch.no_grad():  # calibration step on the torch backend; both fp8 models then share its history
         ref(tokens, labels=labels)
     if mlp_dgrad or mlp_wgrad:  # and of the gradients (recorded by the next forward)
@@ -63,27 +98,32 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
         ref.zero_grad(set_to_none=True)
         with torch.no_grad():
             ref(tokens, labels=labels)
-        cute.fp8_scaling.gradient_history.copy_(ref.fp8_scaling.gradient_history)
-        cute.fp8_scaling.gradients_calibrated = True
-    cute.fp8_scaling.activation_history.copy_(ref.fp8_scaling.activation_history)
-    cute.fp8_scaling.activations_calibrated = True
+        for name in ("cute", "reordered"):
+            models[name].fp8_scaling.gradient_history.copy_(ref.fp8_scaling.gradient_history)
+            models[name].fp8_scaling.gradients_calibrated = True
+    for name in ("cute", "reordered"):
+        models[name].fp8_scaling.activation_history.copy_(ref.fp8_scaling.activation_history)
+        models[name].fp8_scaling.activations_calibrated = True
     losses, grads, amaxes = {}, {}, {}
     for name, model in models.items():
-        loss = model(tokens, labels=labels)
-        loss.backward()
+        with reordered_sums() if name == "reordered" else contextlib.nullcontext():
+            loss = model(tokens, labels=labels)
+            loss.backward()
         losses[name] = loss.float().item()
         grads[name] = {n: p.grad.float() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        if name != "bf16":  # this step's amax |H| of every site, and amax |da| of every MLP (B3)
+        if name in ("torch", "cute"):  # this step's amax |H| of every site, and amax |da| of every MLP (B3)
             sink = model.fp8_scaling.sink
             amaxes[name] = {"sites": model.fp8_scaling.activation_history[:, 0].tolist(),
                             "grad": None if sink is None or sink.amaxes() is None else sink.amaxes().tolist()}
         bad = [n for n, g in grads[name].items() if not g.isfinite().all()]
         if bad:
             raise AssertionError(f"{name}: non-finite gradients in {bad[:3]}")
-    params = {n: {"dev": _rel(grads["cute"][n], g), "effect": _rel(grads["bf16"][n], g)} for n, g in grads["torch"].items()}
+    params = {n: {"dev": _rel(grads["cute"][n], g), "order": _rel(grads["reordered"][n], g),
+                  "effect": _rel(grads["bf16"][n], g)} for n, g in grads["torch"].items()}
     for p in params.values():
         p["ratio"] = p["dev"] / max(p["effect"], 1e-12)
+        p["order_ratio"] = p["order"] / max(p["effect"], 1e-12)
     del models, grads
     torch.cuda.empty_cache()
     return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "losses": losses, "params": params, "amax": amaxes}
@@ -99,9 +139,11 @@ def summary(res: dict) -> dict:
     for n, p in res["params"].items():
         kinds.setdefault(_kind(n), []).append(p["ratio"])
     worst = max(res["params"], key=lambda n: res["params"][n]["ratio"])
+    worst_order = max(res["params"], key=lambda n: res["params"][n]["order_ratio"])
     w13 = {n: round(p["ratio"], 3) for n, p in res["params"].items() if re.search(r"feed_forward\.w[13]\.", n)}
     return {
         "worst": worst, "worst_ratio": res["params"][worst]["ratio"],
+        "worst_order": worst_order, "worst_order_ratio": res["params"][worst_order]["order_ratio"],
         "per_kind": {k: {"median": statistics.median(v), "max": max(v), "n": len(v)} for k, v in sorted(kinds.items())},
         "w1_w3_by_layer": w13,
     }
@@ -118,7 +160,7 @@ def main() -> None:
         doc["runs"].append(res)
         s = res["summary"]
         print(f"mlp_dgrad {dgrad!s:5} mlp_wgrad {wgrad!s:5}: losses {res['losses']}; worst ratio {s['worst_ratio']:.3f} "
-              f"at {s['worst']}", flush=True)
+              f"at {s['worst']}; reordered sums: worst {s['worst_order_ratio']:.3f} at {s['worst_order']}", flush=True)
         for k, v in s["per_kind"].items():
             print(f"    {k:28} median {v['median']:.3f} max {v['max']:.3f}", flush=True)
         a = res["amax"]

@@ -5,6 +5,8 @@
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
+#     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
+#              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
@@ -50,6 +52,10 @@ for phase in "$@"; do
       CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
+      ;;
+    floor)
+      python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" > "$logs/floor.log" 2>&1
+      echo "floor rc=$?"; tail -40 "$logs/floor.log"
       ;;
     check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_titan.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"

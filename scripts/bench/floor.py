@@ -1,0 +1,212 @@
+"""Benchmark (GPU): the physical floor of one training step, the number every step time is read against.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.bench.floor [--model 1B] [--seq-len 8192] [--batch 2]
+
+The floor is what the step cannot do without, each piece at its best bare speed on this GPU:
+
+* every GEMM of the step (per layer: QKV, out, W13 = gate and up, W2 = down; forward, dgrad, wgrad;
+  and the LM head's three), bf16 at the faster of cuBLAS (``torch.mm``) and quack (autotuned), in
+  the operand layouts the step has (forward: both K-major; dgrad: the weight N-major; wgrad: both
+  operands token-major); fp8 at the fastest of cuBLAS ``_scaled_mm`` (slow and fast accumulation) and
+  quack, on K-major e4m3 operands (e5m2 for the gradient), the layout SM90 fp8 MMAs read;
+* FlashAttention-4 forward + backward, causal, on contiguous q, k, v;
+* the fused AdamW step over the model's parameters (TorchTitan's default optimizer implementation),
+  in the training dtype.
+
+bf16 floor = layer GEMMs + LM head + FA4 + AdamW; fp8 floor = fp8 layer GEMMs + bf16 LM head (as
+TorchTitan's float8 recipe) + FA4 + AdamW. Elementwise work (norms, SwiGLU, RoPE, casts), the loss
+and the idle gaps between kernels are not in it: a step at the floor has fused all of them away.
+Every timing is the median of triton's do_bench after one untimed call, on random (never zero)
+inputs. Writes ``$OUT/floor_<gpu>_<date>.json`` (default ``benchmarks/results``);
+``python -m scripts.report`` puts step / floor beside every compared config of the same GPU and day.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import torch
+
+from .common import BF, bench, header
+
+
+def _flavor(model: str):
+    from coda_titan.model.args import coda_llama3_args
+
+    a = coda_llama3_args[model]
+    hidden = int(a.ffn_dim_multiplier * int(8 * a.dim / 3))
+    hidden = a.multiple_of * -(-hidden // a.multiple_of)
+    return a, hidden
+
+
+def layer_gemms(d: int, ff: int, hq: int, hkv: int, hd: int, vocab: int) -> list[tuple[str, int, int]]:
+    """(name, N_out, K_in) of each weight of the step, the LM head last: y = x @ W^T, W (N, K)."""
+    return [("qkv", (hq + 2 * hkv) * hd, d), ("out", d, hq * hd), ("w13", 2 * ff, d), ("w2", d, ff),
+            ("lm_head", vocab, d)]
+
+
+def _rand(*shape, dtype=BF, scale=1.0, gen=None):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+
+def _best(times: dict) -> tuple[str, float]:
+    ok = {k: v for k, v in times.items() if v is not None}
+    k = min(ok, key=ok.get)
+    return k, ok[k]
+
+
+def _try(fn):
+    try:
+        return bench(fn)
+    except Exception as e:  # noqa: BLE001 - a provider that cannot run this layout is recorded as None
+        print(f"    ({type(e).__name__}: {str(e)[:160]})", flush=True)
+        return None
+
+
+def bf16_gemm(m: int, n: int, k: int, gen) -> list[dict]:
+    """Forward, dgrad and wgrad of W (n, k) on m tokens, cuBLAS and quack, in the step's layouts."""
+    from quack.gemm_interface import gemm as qgemm
+
+    x, w, dy = _rand(m, k, gen=gen), _rand(n, k, scale=k**-0.5, gen=gen), _rand(m, n, scale=1e-2, gen=gen)
+    cases = {  # (A (rows, K) view, B (K, cols) view)
+        "fwd": (x, w.t()),
+        "dgrad": (dy, w),
+        "wgrad": (dy.t(), x),
+    }
+    rows = []
+    for direction, (a, b) in cases.items():
+        t = {"cublas": _try(lambda: torch.mm(a, b)), "quack": _try(lambda: qgemm(a, b, tuned=True))}
+        best, ms = _best(t)
+        rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[1], "K": a.shape[1], "ms": t,
+                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[1] * a.shape[1] / ms / 1e9})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_gemm(m: int, n: int, k: int, gen) -> list[dict]:
+    """As ``bf16_gemm`` on fp8: e4m3 activations and weights, e5m2 gradients, all K-major."""
+    from quack.gemm_interface import gemm as qgemm
+
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device="cuda")
+    x, w, dy = _rand(m, k, dtype=e4, gen=gen), _rand(n, k, dtype=e4, gen=gen), _rand(m, n, dtype=e5, gen=gen)
+    cases = {  # (A (rows, K) K-major, B given as (cols, K) K-major)
+        "fwd": (x, w),
+        "dgrad": (dy, w.t().contiguous()),
+        "wgrad": (dy.t().contiguous(), x.t().contiguous()),
+    }
+    rows = []
+    for direction, (a, b) in cases.items():
+        def sm(fast, a=a, b=b):
+            return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=BF, use_fast_accum=fast)
+
+        t = {"cublas": _try(sm(False)), "cublas_fast_accum": _try(sm(True)),
+             "quack": _try(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=True))}
+        best, ms = _best(t)
+        rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1], "ms": t,
+                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[0] * a.shape[1] / ms / 1e9})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fa4(bs: int, seqlen: int, hq: int, hkv: int, hd: int, gen) -> dict:
+    """FA4 forward + backward, causal, contiguous (bs, seq, heads, hd) q, k, v."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    q, k, v = (_rand(bs, seqlen, h, hd, gen=gen) for h in (hq, hkv, hkv))
+    dout = _rand(bs, seqlen, hq, hd, gen=gen)
+    scale = hd**-0.5
+    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fwd = bench(lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True))
+    bwd = bench(lambda: _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv))
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "ms": fwd + bwd}
+
+
+def adamw(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> dict:
+    """One fused AdamW step (TorchTitan's default implementation) over parameters of these shapes."""
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(dtype) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, fused=True)
+    opt.step()  # state allocated, as after a training step
+    ms = bench(opt.step)
+    n = sum(p.numel() for p in params)
+    del opt, params
+    torch.cuda.empty_cache()
+    return {"ms": ms, "params": n, "dtype": str(dtype)}
+
+
+def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype) -> dict:
+    from coda_titan.model.model import CodaTransformer
+
+    a, ff = _flavor(model)
+    hd = a.dim // a.n_heads
+    m = seqlen * bs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    doc = {**header(), "kind": "floor", "model": model, "seq_len": seqlen, "local_batch_size": bs, "tokens": m,
+           "n_layers": a.n_layers, "timing": "triton.testing.do_bench median after one untimed call", "gemms": []}
+    for name, n, k in layer_gemms(a.dim, ff, a.n_heads, a.n_kv_heads, hd, a.vocab_size):
+        precisions = ("bf16",) if name == "lm_head" else ("bf16", "fp8")
+        for precision in precisions:
+            rows = (bf16_gemm if precision == "bf16" else fp8_gemm)(m, n, k, gen)
+            for r in rows:
+                r.update(weight=name, precision=precision)
+                print(f"  {name:8} {precision} {r['direction']:5} M {r['M']:6} N {r['N']:6} K {r['K']:6}: "
+                      + " ".join(f"{p} {v:.3f}" if v else f"{p} -" for p, v in r["ms"].items())
+                      + f" -> {r['best']} {r['tflops']:.0f} TFLOP/s", flush=True)
+            doc["gemms"] += rows
+    doc["fa4"] = fa4(bs, seqlen, a.n_heads, a.n_kv_heads, hd, gen)
+    print(f"  FA4 fwd {doc['fa4']['fwd_ms']:.3f} bwd {doc['fa4']['bwd_ms']:.3f} ms per layer", flush=True)
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in CodaTransformer(a).parameters()]
+    doc["adamw"] = adamw(shapes, dtype)
+    print(f"  fused AdamW {doc['adamw']['ms']:.2f} ms over {doc['adamw']['params'] / 1e9:.3f} B params", flush=True)
+    doc["totals"] = totals(doc)
+    return doc
+
+
+def totals(doc: dict) -> dict:
+    """The floor per precision, and its parts, in ms per step."""
+    nl = doc["n_layers"]
+    best = {(g["weight"], g["precision"], g["direction"]): g["best_ms"] for g in doc["gemms"]}
+    layer = ("qkv", "out", "w13", "w2")
+    dirs = ("fwd", "dgrad", "wgrad")
+    head = sum(best[("lm_head", "bf16", d)] for d in dirs)
+    attn, opt = nl * doc["fa4"]["ms"], doc["adamw"]["ms"]
+    out = {}
+    for precision in ("bf16", "fp8"):
+        gemms = nl * sum(best[(w, precision, d)] for w in layer for d in dirs)
+        out[precision] = {"layer_gemms_ms": gemms, "lm_head_ms": head, "attention_ms": attn, "optimizer_ms": opt,
+                          "floor_ms": gemms + head + attn + opt}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.floor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="1B")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", help="the parameters' dtype (the configs' training.dtype)")
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    doc = measure(args.model, args.seq_len, args.batch, getattr(torch, args.dtype))
+    for p, t in doc["totals"].items():
+        print(f"{p} floor {t['floor_ms']:.1f} ms = layer GEMMs {t['layer_gemms_ms']:.1f} + LM head {t['lm_head_ms']:.1f} "
+              f"+ FA4 {t['attention_ms']:.1f} + AdamW {t['optimizer_ms']:.1f}", flush=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
+    out_dir = os.environ.get("OUT", "benchmarks/results")
+    os.makedirs(out_dir, exist_ok=True)
+    tag = "" if args.model == "1B" else f"{args.model.lower()}_"
+    path = os.path.join(out_dir, f"floor_{tag}{slug}_{doc['date']}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -66,6 +66,9 @@ def _try(fn):
         return None
 
 
+QUACK_TUNED = True  # --quack default: quack's own heuristic config for a bare GEMM (no sweep)
+
+
 def bf16_gemm(m: int, n: int, k: int, gen) -> list[dict]:
     """Forward, dgrad and wgrad of W (n, k) on m tokens, cuBLAS and quack, in the step's layouts."""
     from quack.gemm_interface import gemm as qgemm
@@ -78,7 +81,7 @@ def bf16_gemm(m: int, n: int, k: int, gen) -> list[dict]:
     }
     rows = []
     for direction, (a, b) in cases.items():
-        t = {"cublas": _try(lambda: torch.mm(a, b)), "quack": _try(lambda: qgemm(a, b, tuned=True))}
+        t = {"cublas": _try(lambda: torch.mm(a, b)), "quack": _try(lambda: qgemm(a, b, tuned=QUACK_TUNED))}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[1], "K": a.shape[1], "ms": t,
                      "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[1] * a.shape[1] / ms / 1e9})
@@ -104,7 +107,7 @@ def fp8_gemm(m: int, n: int, k: int, gen) -> list[dict]:
             return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=BF, use_fast_accum=fast)
 
         t = {"cublas": _try(sm(False)), "cublas_fast_accum": _try(sm(True)),
-             "quack": _try(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=True))}
+             "quack": _try(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=QUACK_TUNED))}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1], "ms": t,
                      "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[0] * a.shape[1] / ms / 1e9})
@@ -140,7 +143,7 @@ def adamw(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> dict:
     return {"ms": ms, "params": n, "dtype": str(dtype)}
 
 
-def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype) -> dict:
+def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save) -> dict:
     from coda_titan.model.model import CodaTransformer
 
     a, ff = _flavor(model)
@@ -148,7 +151,8 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype) -> dict:
     m = seqlen * bs
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc = {**header(), "kind": "floor", "model": model, "seq_len": seqlen, "local_batch_size": bs, "tokens": m,
-           "n_layers": a.n_layers, "timing": "triton.testing.do_bench median after one untimed call", "gemms": []}
+           "n_layers": a.n_layers, "timing": "triton.testing.do_bench median after one untimed call",
+           "quack": "autotuned" if QUACK_TUNED else "default config (no sweep)", "complete": False, "gemms": []}
     for name, n, k in layer_gemms(a.dim, ff, a.n_heads, a.n_kv_heads, hd, a.vocab_size):
         precisions = ("bf16",) if name == "lm_head" else ("bf16", "fp8")
         for precision in precisions:
@@ -159,6 +163,7 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype) -> dict:
                       + " ".join(f"{p} {v:.3f}" if v else f"{p} -" for p, v in r["ms"].items())
                       + f" -> {r['best']} {r['tflops']:.0f} TFLOP/s", flush=True)
             doc["gemms"] += rows
+            save(doc)  # a run cut short keeps what it measured ("complete": false)
     doc["fa4"] = fa4(bs, seqlen, a.n_heads, a.n_kv_heads, hd, gen)
     print(f"  FA4 fwd {doc['fa4']['fwd_ms']:.3f} bwd {doc['fa4']['bwd_ms']:.3f} ms per layer", flush=True)
     with torch.device("meta"):
@@ -166,6 +171,7 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype) -> dict:
     doc["adamw"] = adamw(shapes, dtype)
     print(f"  fused AdamW {doc['adamw']['ms']:.2f} ms over {doc['adamw']['params'] / 1e9:.3f} B params", flush=True)
     doc["totals"] = totals(doc)
+    doc["complete"] = True
     return doc
 
 
@@ -191,20 +197,28 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", help="the parameters' dtype (the configs' training.dtype)")
+    ap.add_argument("--quack", choices=("tuned", "default"), default="tuned",
+                    help="quack autotuned (about 30 s per shape) or its default config for a bare GEMM")
     args = ap.parse_args(argv)
+    global QUACK_TUNED
+    QUACK_TUNED = args.quack == "tuned"
     torch.backends.cuda.matmul.allow_tf32 = False
-    doc = measure(args.model, args.seq_len, args.batch, getattr(torch, args.dtype))
-    for p, t in doc["totals"].items():
-        print(f"{p} floor {t['floor_ms']:.1f} ms = layer GEMMs {t['layer_gemms_ms']:.1f} + LM head {t['lm_head_ms']:.1f} "
-              f"+ FA4 {t['attention_ms']:.1f} + AdamW {t['optimizer_ms']:.1f}", flush=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
     out_dir = os.environ.get("OUT", "benchmarks/results")
     os.makedirs(out_dir, exist_ok=True)
     tag = "" if args.model == "1B" else f"{args.model.lower()}_"
-    path = os.path.join(out_dir, f"floor_{tag}{slug}_{doc['date']}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print("wrote", path, flush=True)
+
+    def save(doc):
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
+        path = os.path.join(out_dir, f"floor_{tag}{slug}_{doc['date']}.json")
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        return path
+
+    doc = measure(args.model, args.seq_len, args.batch, getattr(torch, args.dtype), save)
+    for p, t in doc["totals"].items():
+        print(f"{p} floor {t['floor_ms']:.1f} ms = layer GEMMs {t['layer_gemms_ms']:.1f} + LM head {t['lm_head_ms']:.1f} "
+              f"+ FA4 {t['attention_ms']:.1f} + AdamW {t['optimizer_ms']:.1f}", flush=True)
+    print("wrote", save(doc), flush=True)
     return 0
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.compare.common import ROOT, _attention_of, _header, _load_toml, _out_path, _say, dump_toml, with_attention
+from scripts.compare.common import RESULTS, ROOT, _attention_of, _header, _load_toml, _out_path, _say, _slug, dump_toml, with_attention
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -160,6 +160,18 @@ def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
     return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match}
 
 
+def same_lease_floor(doc: dict, out: Path) -> dict | None:
+    """The step floor (``scripts.bench.floor``) measured on this GPU today for this model shape, found
+    in ``out`` or benchmarks/results: its file and its floor ms per precision, or None."""
+    seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
+    for d in (out, RESULTS):
+        for p in sorted(d.glob(f"floor_{_slug(doc['device'])}_{doc['date'][:10]}.json"), reverse=True):
+            f = json.loads(p.read_text())
+            if f["device"] == doc["device"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
+                return {"file": p.name, **{k: v["floor_ms"] for k, v in f["totals"].items()}}
+    return None
+
+
 def compare(args) -> Path:
     from scripts.report.training import compare_table, plot_compare, refresh  # (here: the report imports this package)
 
@@ -175,6 +187,7 @@ def compare(args) -> Path:
             r["loss"] = [x["loss"] for x in rows]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+    doc["floor"] = same_lease_floor(doc, Path(args.out))
     refresh(doc)  # targets
     path = _out_path(Path(args.out), "compare", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,22 +30,31 @@ def compare_table(doc: dict) -> str:
         f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')} · "
         f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}",
         "",
-        "| config | attention | tokens/s | step ms (median) | peak GiB | MFU % | vs compiled baseline | final loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| config | attention | tokens/s | step ms (median) | step / floor | peak GiB | MFU % | vs compiled baseline | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    floor = doc.get("floor")
     for r in doc["runs"]:
         stem = Path(r["config"]).stem
         if "error" in r:
-            lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | | |")
             continue
         # (a variant such as <model>_coda_compile_<what> is set against the same compiled baseline)
         name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
         ref = base.get(name) if n else None
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
+        fl = floor.get(r.get("precision", "bf16")) if floor else None
+        over = f"{r['step_ms'] / fl:.3f}" if fl and r["attention"] == "fa4" else "n/a"
         lines.append(
-            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {_f(r['peak_gib'], 2)} | "
+            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {over} | {_f(r['peak_gib'], 2)} | "
             f"{_f(r['mfu'], 1)} | {ratio} | {r['loss'][-1]:.4f} |"
         )
+    if floor:
+        lines += ["", f"Floor ({floor['file']}, same GPU and day): every GEMM of the step at the best of cuBLAS and quack, "
+                  f"FA4 forward + backward, fused AdamW: bf16 {_f(floor.get('bf16'))} ms, fp8 {_f(floor.get('fp8'))} ms "
+                  "(`python -m scripts.bench.floor`)."]
+    else:
+        lines += ["", "Step / floor: n/a (no floor was measured in this run's lease: `bash scripts/gpu_train.sh floor compare`)."]
     if doc.get("targets"):
         lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
         for t in doc["targets"]:

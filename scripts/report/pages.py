@@ -32,7 +32,8 @@ def update_block(path: Path, name: str, text: str) -> None:
 def headline() -> str:
     """One row per precision: CODA (eager and compiled) against the compiled stock baseline of the
     newest 1B comparison (the untagged BF16 set and the ``fp8_coda`` FP8 set)."""
-    rows = ["| precision | CODA config | against | tokens/s | peak memory | GPU | date |", "|---|---|---|---:|---:|---|---|"]
+    rows = ["| precision | CODA config | against | tokens/s | peak memory | step / floor | GPU | date |",
+            "|---|---|---|---:|---:|---:|---|---|"]
     for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
         files = sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))
         if not files:
@@ -44,7 +45,11 @@ def headline() -> str:
         for config, v in got.items():
             tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
             mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"
-            rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {doc['device']} | {doc['date'][:10]} |")
+            floor = (doc.get("floor") or {}).get(precision.lower())
+            run = next((r for r in doc["runs"] if Path(r["config"]).stem == config and "error" not in r), None)
+            over = f"{run['step_ms'] / floor:.3f}" if floor and run else "n/a"
+            rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {over} | {doc['device']} | "
+                        f"{doc['date'][:10]} |")
     return "\n".join(rows)
 
 

@@ -214,6 +214,38 @@ class Interrupted(Exception):
     """Ctrl-C during training; the message says where it stopped and how to resume."""
 
 
+SHUTDOWN_S = 60
+_said: list[str] = []
+
+
+def _exit_if_shutdown_hangs(message: str, dump_folder: str, seconds: float = SHUTDOWN_S) -> None:
+    """After Ctrl-C: if closing the trainer or the interpreter's exit has not ended the process in
+    ``seconds``, write every thread's stack to ``<dump_folder>/interrupt_stacks.txt``, say the
+    interruption line (unless it was said already) and end the process with 130. A Ctrl-C must stop
+    the run even when a library's shutdown blocks."""
+    import faulthandler
+    import threading
+
+    def fire():
+        path = Path(dump_folder) / "interrupt_stacks.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError:
+            path = None
+        if not _said:
+            where = f"; thread stacks in {path}" if path else ""
+            sys.stderr.write(f"coda-titan: {message} (shutdown did not finish in {seconds:.0f} s{where})\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
 def train(config_path: str, overrides: list[str]) -> None:
     config = parse_config(config_path, overrides)
     validate(config)
@@ -237,7 +269,9 @@ def train(config_path: str, overrides: list[str]) -> None:
         ckpt = newest_checkpoint(config)
         where = f"the last checkpoint is {ckpt}" if ckpt else "no checkpoint was saved (checkpoint.enable is off or none was due)"
         again = shlex.join(["coda-titan", "train", config_path, *overrides])
-        raise Interrupted(f"interrupted during step {trainer.step if trainer else 0}; {where}; resume with: {again}") from None
+        message = f"interrupted during step {trainer.step if trainer else 0}; {where}; resume with: {again}"
+        _exit_if_shutdown_hangs(message, config.job.dump_folder)
+        raise Interrupted(message) from None
     finally:
         logging.getLogger().removeHandler(steps)
         if trainer is not None:
@@ -276,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coda-titan: error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"coda-titan: {e}", file=sys.stderr)
+        print(f"coda-titan: {e}", file=sys.stderr, flush=True)
+        _said.append(str(e))
         return 130
     except KeyboardInterrupt:
         print("coda-titan: interrupted before training started; nothing was written", file=sys.stderr)

@@ -165,7 +165,8 @@ def _check_converters(config) -> None:
 
 
 def _say(msg: str) -> None:
-    print(f"coda-titan: {msg}", flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
+        print(f"coda-titan: {msg}", flush=True)
 
 
 def _free_port() -> int:

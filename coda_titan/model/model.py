@@ -104,6 +104,24 @@ class CodaTransformerBlock(TransformerBlock):
         return x, h, rstd, hq_next, amax_ffn, amax_next
 
 
+def _attention_gamma(block: torch.nn.Module) -> torch.Tensor:
+    """The attention-norm gamma of ``block``, read by the program before it (the previous block's F1
+    epilogue, or the prologue) to write H = X * gamma.
+
+    Under FSDP2 that parameter is sharded until ``block``'s own forward gathers it: the block is
+    unsharded here, early (what FSDP's forward prefetch does), and its forward then finds it
+    gathered. The copy (d values) is what the reader keeps: FSDP frees the gathered parameter when the
+    block reshards, and an activation-checkpointed reader recomputes from its inputs in the backward.
+    The read carries no gradient (H is not differentiated); gamma's gradient comes from the block's
+    own norm backward (B2), in its own FSDP unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(block, FSDPModule):
+        return block.attention_norm.weight
+    block.unshard()
+    return block.attention_norm.weight.detach().clone()
+
+
 class CodaTransformer(Transformer):
     """TorchTitan llama3 ``Transformer`` whose forward runs the CODA programs.
 
@@ -155,7 +173,7 @@ class CodaTransformer(Transformer):
         layers = list(self.layers.values())
         fp8 = self.model_args.coda.precision == "fp8" and bool(layers)
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
-            gamma0 = layers[0].attention_norm.weight if layers else self.norm.weight
+            gamma0 = _attention_gamma(layers[0]) if layers else self.norm.weight
             if fp8:
                 inv = self.fp8_scaling.activation_inv_scales()
                 h, s, hq, amax0 = cfg.backend.rms_partial_fp8(x=x, gamma=gamma0, tile_n=cfg.tile_n, inv_scale=inv[0])
@@ -166,7 +184,7 @@ class CodaTransformer(Transformer):
             x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers)
         else:
             for i, layer in enumerate(layers):
-                gamma_next = layers[i + 1].attention_norm.weight if i + 1 < len(layers) else self.norm.weight
+                gamma_next = _attention_gamma(layers[i + 1]) if i + 1 < len(layers) else self.norm.weight
                 x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
             logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
@@ -194,7 +212,7 @@ class CodaTransformer(Transformer):
             inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
-            gamma_next = self.norm.weight if last else layers[i + 1].attention_norm.weight
+            gamma_next = self.norm.weight if last else _attention_gamma(layers[i + 1])
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(

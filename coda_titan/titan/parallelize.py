@@ -1,14 +1,25 @@
-"""Parallelize ``coda_llama3`` for one device: activation checkpointing and per-layer torch.compile
-(TorchTitan's own ``apply_ac`` / ``apply_compile``, which walk ``model.layers``), plus DDP.
+"""Parallelize ``coda_llama3`` through TorchTitan's own pieces: activation checkpointing and
+per-block torch.compile (``apply_ac`` / ``apply_compile``), FSDP2 and HSDP (``fully_shard``), DDP.
 
-Tensor, context, pipeline and sharded data parallelism are not supported yet and are refused with
-a clear error instead of training something silently different.
+FSDP2 units are TorchTitan's (one per Transformer block, the token embedding, the root) with one
+difference: the final norm and the LM head stay in the root unit instead of a unit of their own,
+because the LM-head program reads their weights directly and never calls those modules' forwards
+(which is what would gather a unit). The cross-block read of the next block's attention-norm gamma
+is handled in the model (``model._attention_gamma``); docs/design.md "FSDP2" has the design.
+Mixed precision, reshard-after-forward and gradient division follow TorchTitan's llama3 exactly.
+
+Tensor, context and pipeline parallelism are refused with one line that says what is supported.
 """
 
 from __future__ import annotations
 
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ac, apply_compile, apply_ddp
 from torchtitan.tools.logging import logger
+
+SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
+             "activation checkpointing and compile")
 
 
 def parallelize_coda(model, parallel_dims, job_config):
@@ -16,14 +27,14 @@ def parallelize_coda(model, parallel_dims, job_config):
         (parallel_dims.tp_enabled, "tensor_parallel_degree"),
         (parallel_dims.cp_enabled, "context_parallel_degree"),
         (parallel_dims.pp_enabled, "pipeline_parallel_degree"),
-        (parallel_dims.fsdp_enabled, "data_parallel_shard_degree"),
     ]
     for enabled, key in unsupported:
         if enabled:
-            raise ValueError(
-                f"coda_llama3 does not support parallelism.{key} > 1 yet; "
-                "use data_parallel_replicate_degree (DDP) or one device"
-            )
+            raise ValueError(f"coda_llama3 does not support parallelism.{key} > 1; it supports {SUPPORTED}")
+    if parallel_dims.fsdp_enabled and model.model_args.coda.precision == "fp8":
+        raise ValueError("coda_llama3: [coda] precision = 'fp8' with data_parallel_shard_degree > 1 is not "
+                         "supported yet (the fp8 weight pass reads every layer's full weights); use bf16, or fp8 "
+                         "on one device or with data_parallel_replicate_degree (DDP)")
     model_compile = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(
@@ -35,7 +46,42 @@ def parallelize_coda(model, parallel_dims, job_config):
         )
     if model_compile:
         apply_compile(model, job_config.compile)
-    if parallel_dims.dp_replicate_enabled:
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        logger.info(f"Applied {'HSDP' if parallel_dims.dp_replicate_enabled else 'FSDP'} to the model")
+    elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=model_compile)
         logger.info("Applied DDP to the model")
     return model
+
+
+def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward_policy: str = "default") -> None:
+    """FSDP2 units: the token embedding, every block, and the root (which keeps the final norm and the
+    LM head). Gradient division is off, as in TorchTitan, which scales the loss by the global token
+    count; on gloo (CPU) the reduce-scatter is a plain sum (gloo has no pre-multiplied sum)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    reshard = {"always": True, "never": False, "default": True}.get(reshard_after_forward_policy)
+    if reshard is None:
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward must be default, always or never, "
+                         f"got {reshard_after_forward_policy!r}")
+    config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=reshard)
+    fully_shard(model, **config)
+    gloo = dp_mesh.device_type == "cpu"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if gloo:
+                module.set_force_sum_reduction_for_comms(True)

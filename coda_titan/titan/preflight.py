@@ -161,4 +161,33 @@ def check_checkpoint(config) -> list[str]:
     else:
         notes.append(f"resuming from checkpoint step-{step} in {str(folder)!r}")
     check_shards(path)
+    if "dataloader" not in (ck.exclude_from_loading or []):
+        check_data_parallel_degree(path, config)
     return notes
+
+
+def data_parallel_degree(config) -> int:
+    """This run's data-parallel degree (replicate x shard), as TorchTitan derives it from the launch."""
+    p = config.parallelism
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    other = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        shard = max(world // (other * max(p.data_parallel_replicate_degree, 1)), 1)
+    return max(p.data_parallel_replicate_degree, 1) * shard
+
+
+def check_data_parallel_degree(step_dir: Path, config) -> None:
+    """TorchTitan keeps one dataloader position per data-parallel rank and cannot reshard them: a
+    checkpoint saved with another degree fails deep in the load. Say it first, with the way out."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    saved = sum(1 for k in keys if re.fullmatch(r"dataloader\.dp_rank_\d+", k))
+    now = data_parallel_degree(config)
+    if saved and saved != now:
+        raise PreflightError(
+            f"checkpoint {str(step_dir)!r} was saved by {saved} data-parallel ranks and this run has {now}: "
+            "TorchTitan cannot move the data loaders' positions between them; resume with "
+            "--checkpoint.exclude_from_loading dataloader (model and optimizer resume, the data order restarts) "
+            f"or with {saved} ranks")

@@ -1,0 +1,84 @@
+"""FSDP2 and HSDP for coda_llama3 on the CPU (gloo, 2 ranks): the sharded runs train the
+single-process model, their checkpoints load on one process into CODA and into stock llama3, and
+the real CLI trains under torchrun and resumes across world sizes (docs/design.md "FSDP2")."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import CONFIGS, ROOT, logged_losses, run_cli
+
+pytestmark = pytest.mark.slow
+
+FP32_U = 2.0**-24
+# The sharded step is the single-process step with its sums in another order: the loss is the global
+# token sum over ranks (one more fp32 addition), each weight gradient is a reduce-scatter sum of the
+# ranks' partial gradients (one more addition per element), and AdamW then moves every weight by a
+# step whose size no longer depends on the gradient's scale. Each step therefore starts from weights
+# a few fp32 roundings apart, and the loss difference compounds with the steps, as in the CODA vs
+# stock comparison (tests/test_training.py): bound 16 u per step (measured 2 u over 6 steps).
+SHARDED_VS_ONE = 16 * FP32_U
+
+
+def _torchrun(args, cwd, env_extra=None, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fsdp_and_hsdp_train_the_one_process_model_and_checkpoints_load_anywhere(tmp_path):
+    out = str(tmp_path)
+    proc = _torchrun(["-m", "tests.fsdp_worker", "sharded", out], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run([sys.executable, "-m", "tests.fsdp_worker", "single", out, str(tmp_path / "fsdp_ckpt")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one = json.loads((tmp_path / "single.json").read_text())["losses"]
+    for mode in ("fsdp", "hsdp"):
+        got = json.loads((tmp_path / f"{mode}.json").read_text())["losses"]
+        dev = [abs(a - b) / abs(b) for a, b in zip(got, one)]
+        print(f"{mode} vs one process: worst relative loss deviation {max(dev) / FP32_U:.1f} u")
+        assert len(got) == len(one) and max(dev) <= SHARDED_VS_ONE, (mode, got, one)
+    assert one[-1] < one[0]  # it trains
+    loaded = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert loaded == {"coda": True, "coda_keys": True, "stock": True, "stock_keys": True}
+
+
+def test_cli_trains_sharded_and_resumes_across_world_sizes(tmp_path, cache_dir):
+    common = ["--training.steps", "4", "--metrics.no-enable_wandb", "--checkpoint.enable", "--checkpoint.interval", "2",
+              "--metrics.disable_color_printing"]
+    env = {"CODA_TITAN_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    two = tmp_path / "two"
+    proc = _torchrun(["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder",
+                      str(two), "--parallelism.data_parallel_shard_degree", "2", *common], cwd=tmp_path, env_extra=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "Applied FSDP to the model" in out and sorted(logged_losses(out)) == [1, 2, 3, 4]
+    assert sum(line.startswith("coda-titan: done:") for line in proc.stdout.splitlines()) == 1  # said once, by rank 0
+    # 2 ranks -> 1 process: TorchTitan cannot reshard the data loaders' positions; said before any work
+    one = tmp_path / "one"
+    (one / "checkpoint").mkdir(parents=True)
+    os.symlink(two / "checkpoint" / "step-2", one / "checkpoint" / "step-2")
+    args = ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder", str(one), *common]
+    proc = run_cli(args, cwd=tmp_path, cache_dir=cache_dir)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "saved by 2 data-parallel ranks and this run has 1" in err[0] and "exclude_from_loading dataloader" in err[0]
+    proc = run_cli([*args, "--checkpoint.exclude_from_loading", "dataloader"], cwd=tmp_path, cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint step-2" in proc.stdout and sorted(logged_losses(proc.stdout + proc.stderr)) == [3, 4]
+    # 1 process -> 2 ranks (DDP: data_parallel_replicate_degree 2)
+    back = tmp_path / "back"
+    (back / "checkpoint").mkdir(parents=True)
+    os.symlink(one / "checkpoint" / "step-4", back / "checkpoint" / "step-4")
+    proc = _torchrun(["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder",
+                      str(back), "--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1", *common[2:], "--training.steps", "6",
+                      "--checkpoint.exclude_from_loading", "dataloader"], cwd=tmp_path, env_extra=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming from checkpoint step-4" in out and sorted(logged_losses(out)) == [5, 6]

@@ -17,8 +17,10 @@ import glob
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 PLUGIN = "coda_titan"
@@ -219,6 +221,44 @@ SHUTDOWN_S = 60
 _said: list[str] = []
 
 
+class CheckpointSafeInterrupts:
+    """SIGINT handling that never cuts a checkpoint write in half.
+
+    Outside a save, Ctrl-C raises KeyboardInterrupt as usual. During a save (TorchTitan's
+    ``CheckpointManager.save``, wrapped with :meth:`guard`) the first Ctrl-C is deferred: the save
+    finishes, then KeyboardInterrupt is raised. An interrupted DCP save would otherwise end as a
+    CheckpointException with a traceback, or block in its writer. A second Ctrl-C during the save
+    stops at once, saying that the step being written is incomplete (a resume skips it)."""
+
+    def __init__(self):
+        self.saving = False
+        self.pending = False
+
+    def handler(self, signum, frame):
+        if not self.saving:
+            raise KeyboardInterrupt
+        if not self.pending:
+            self.pending = True
+            _say("Ctrl-C: finishing the checkpoint being written, then stopping (Ctrl-C again to stop at once)")
+            return
+        sys.stderr.write("coda-titan: interrupted again while a checkpoint was being written: that step has no "
+                         ".metadata and a resume skips it\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    def guard(self, save):
+        def guarded(*args, **kwargs):
+            self.saving = True
+            try:
+                return save(*args, **kwargs)
+            finally:
+                self.saving = False
+                if self.pending:
+                    self.pending = False
+                    raise KeyboardInterrupt
+        return guarded
+
+
 def _exit_if_shutdown_hangs(message: str, dump_folder: str, seconds: float = SHUTDOWN_S) -> None:
     """After Ctrl-C: if closing the trainer or the interpreter's exit has not ended the process in
     ``seconds``, write every thread's stack to ``<dump_folder>/interrupt_stacks.txt``, say the
@@ -263,8 +303,13 @@ def train(config_path: str, overrides: list[str]) -> None:
     steps = StepLog()
     logging.getLogger().addHandler(steps)
     trainer = None
+    interrupts = CheckpointSafeInterrupts()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupts.handler)
     try:
         trainer = Trainer(config)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.save = interrupts.guard(trainer.checkpointer.save)
         trainer.train()
     except KeyboardInterrupt:
         ckpt = newest_checkpoint(config)

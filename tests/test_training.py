@@ -206,7 +206,32 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, cache_dir):
         warnings.warn(f"shutdown after Ctrl-C hung until the watchdog; stacks:\n{stacks.read_text()[-4000:]}")
     assert p.returncode == 130 and "Traceback" not in err, err[-4000:]
     (msg,) = [ln for ln in err.splitlines() if ln.startswith("coda-titan:")]
-    assert "interrupted during step" in msg and "step-5" in msg and "resume with: coda-titan " + " ".join(args) in msg
+    assert "interrupted during step" in msg and "resume with: coda-titan " + " ".join(args) in msg
+    # the checkpoint named is the newest complete one (step-5, or step-10 when the Ctrl-C came during
+    # its save: the save finishes first)
+    done = sorted(int(d.name[5:]) for d in (tmp_path / "o" / "checkpoint").iterdir() if (d / ".metadata").is_file())
+    assert done and f"the last checkpoint is {tmp_path / 'o' / 'checkpoint' / f'step-{done[-1]}'};" in msg, (msg, done)
+    assert all(s % 5 == 0 for s in done) and done[-1] >= 5
+
+
+def test_ctrl_c_during_a_checkpoint_save_lets_the_save_finish():
+    """The first Ctrl-C inside TorchTitan's save is deferred until the save returns, then stops the
+    run; outside a save it stops at once."""
+    from coda_titan.cli import CheckpointSafeInterrupts
+
+    intr, calls = CheckpointSafeInterrupts(), []
+
+    def save(step):
+        intr.handler(2, None)  # Ctrl-C while writing
+        calls.append(step)  # the write goes on to the end
+        return "saved"
+
+    with pytest.raises(KeyboardInterrupt):
+        intr.guard(save)(10)
+    assert calls == [10] and not intr.saving and not intr.pending
+    assert intr.guard(lambda: "ok")() == "ok"  # nothing pending afterwards
+    with pytest.raises(KeyboardInterrupt):
+        intr.handler(2, None)
 
 
 def test_a_hung_shutdown_after_ctrl_c_still_ends_the_process(tmp_path):

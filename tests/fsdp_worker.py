@@ -2,12 +2,12 @@
 one fixed global batch, on one process or sharded with FSDP2 / HSDP over gloo (launched by torchrun).
 
     python -m tests.fsdp_worker single OUT_DIR [CKPT_TO_CHECK]
-    torchrun --nproc_per_node 2 -m tests.fsdp_worker sharded OUT_DIR     (fsdp, then hsdp)
+    torchrun --nproc_per_node 2 -m tests.fsdp_worker sharded OUT_DIR     (fsdp, hsdp, fsdp in fp8)
 
 Each rank takes its rows of the global batch; the loss is the summed token cross-entropy over the
 global token count (TorchTitan's convention, FSDP's gradient division off), so the sharded runs
 compute the single process's gradient up to the order of float32 sums. Writes OUT_DIR/<mode>.json
-(per-step global loss); the fsdp run also saves a DCP checkpoint of the final model and its full
+(per-step global loss; ``<mode>_fp8.json`` for precision = "fp8", the exact emulation); the fsdp run also saves a DCP checkpoint of the final model and its full
 parameters (OUT_DIR/fsdp_full.pt). ``single`` given CKPT_TO_CHECK loads that checkpoint into a fresh
 CODA model and into stock llama3, and reports whether both equal the saved full parameters.
 """
@@ -24,14 +24,14 @@ import torch
 STEPS, BATCH, SEQ = 6, 4, 32
 
 
-def build(stock: bool = False):
+def build(stock: bool = False, precision: str = "bf16"):
     from torchtitan.models.llama3 import Transformer
 
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
     from coda_titan.titan.job_config import Coda
 
-    args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch"))
+    args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", precision=precision))
     torch.manual_seed(0)
     model = Transformer(args) if stock else CodaTransformer(args)
     with torch.no_grad():
@@ -45,10 +45,10 @@ def batch():
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-def train(mode: str, out: str) -> None:
+def train(mode: str, out: str, precision: str = "bf16") -> None:
     import torch.distributed as dist
 
-    model = build()
+    model = build(precision=precision)
     rank, world = 0, 1
     if mode != "single":
         from torch.distributed.device_mesh import init_device_mesh
@@ -76,7 +76,7 @@ def train(mode: str, out: str) -> None:
         losses.append(total.item())
     if world > 1:
         dist.barrier()
-    if mode == "fsdp":
+    if mode == "fsdp" and precision == "bf16":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -85,7 +85,7 @@ def train(mode: str, out: str) -> None:
         if rank == 0:
             torch.save(full, os.path.join(out, "fsdp_full.pt"))
     if rank == 0:
-        with open(os.path.join(out, f"{mode}.json"), "w") as f:
+        with open(os.path.join(out, f"{mode}{'_fp8' if precision == 'fp8' else ''}.json"), "w") as f:
             json.dump({"losses": losses}, f)
 
 
@@ -108,8 +108,9 @@ def check_checkpoint(ckpt: str, out: str) -> None:
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
-    for m in ("fsdp", "hsdp") if mode == "sharded" else (mode,):
-        train(m, out)
+    for m, precision in ([("fsdp", "bf16"), ("hsdp", "bf16"), ("fsdp", "fp8")] if mode == "sharded"
+                         else [(mode, "bf16"), (mode, "fp8")]):
+        train(m, out, precision)
     if mode == "sharded":
         import torch.distributed as dist
 

@@ -104,6 +104,12 @@ class CodaTransformerBlock(TransformerBlock):
         return x, h, rstd, hq_next, amax_ffn, amax_next
 
 
+def _is_sharded(block: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(block, FSDPModule)
+
+
 def _attention_gamma(block: torch.nn.Module) -> torch.Tensor:
     """The attention-norm gamma of ``block``, read by the program before it (the previous block's F1
     epilogue, or the prologue) to write H = X * gamma.
@@ -114,9 +120,7 @@ def _attention_gamma(block: torch.nn.Module) -> torch.Tensor:
     block reshards, and an activation-checkpointed reader recomputes from its inputs in the backward.
     The read carries no gradient (H is not differentiated); gamma's gradient comes from the block's
     own norm backward (B2), in its own FSDP unit."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(block, FSDPModule):
+    if not _is_sharded(block):
         return block.attention_norm.weight
     block.unshard()
     return block.attention_norm.weight.detach().clone()
@@ -203,22 +207,39 @@ class CodaTransformer(Transformer):
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
-        with torch.no_grad():  # the weight pass (straight-through: the backward uses the bf16 weights)
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = cfg.backend.fp8_layer_weights(
-                w1=[l.feed_forward.w1.weight for l in layers], w3=[l.feed_forward.w3.weight for l in layers],
-                wq=[l.attention.wq.weight for l in layers], wk=[l.attention.wk.weight for l in layers],
-                wv=[l.attention.wv.weight for l in layers], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
-            )
+
+        def weight_pass(blocks):  # straight-through: the backward uses the bf16 weights
+            with torch.no_grad():
+                return cfg.backend.fp8_layer_weights(
+                    w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
+                    wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
+                    wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
+                )
+
+        # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
+        sharded = _is_sharded(layers[0])
+        batched = None if sharded else weight_pass(layers)
+
+        def layer_weights(i, layer):
+            """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None) of layer i."""
+            if sharded:
+                layer.unshard()
+            ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws
+            return w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None
+
+        with torch.no_grad():
             inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
         for i, layer in enumerate(layers):
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = layer_weights(i, layer)
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else _attention_gamma(layers[i + 1])
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(
-                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv[i], s_w=s_qkv[i], w_t=wqkv_t[i] if qkv_dgrad else None),
+                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t),
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
-                w13=w13[i], s_13=s_13[i], w13_t=w13_t[i] if mlp_dgrad else None,
+                w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
             )
             x, h, rstd, hq, amax_ffn, amax_next = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)

@@ -31,10 +31,6 @@ def parallelize_coda(model, parallel_dims, job_config):
     for enabled, key in unsupported:
         if enabled:
             raise ValueError(f"coda_llama3 does not support parallelism.{key} > 1; it supports {SUPPORTED}")
-    if parallel_dims.fsdp_enabled and model.model_args.coda.precision == "fp8":
-        raise ValueError("coda_llama3: [coda] precision = 'fp8' with data_parallel_shard_degree > 1 is not "
-                         "supported yet (the fp8 weight pass reads every layer's full weights); use bf16, or fp8 "
-                         "on one device or with data_parallel_replicate_degree (DDP)")
     model_compile = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(
@@ -65,7 +61,7 @@ def parallelize_coda(model, parallel_dims, job_config):
 def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward_policy: str = "default") -> None:
     """FSDP2 units: the token embedding, every block, and the root (which keeps the final norm and the
-    LM head). Gradient division is off, as in TorchTitan, which scales the loss by the global token
+    LM head), forward inputs left in their dtypes. Gradient division is off, as in TorchTitan, which scales the loss by the global token
     count; on gloo (CPU) the reduce-scatter is a plain sum (gloo has no pre-multiplied sum)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -73,7 +69,10 @@ def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dty
     if reshard is None:
         raise ValueError(f"parallelism.fsdp_reshard_after_forward must be default, always or never, "
                          f"got {reshard_after_forward_policy!r}")
-    config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    # cast_forward_inputs off: a block's inputs are mixed on purpose (the fp32 rstd, the fp64 RoPE
+    # frequencies, e4m3 operands); FSDP's default would cast them all to the parameter dtype
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    config = {"mesh": dp_mesh, "mp_policy": mp}
     if model.tok_embeddings is not None:
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
     for block in model.layers.values():

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
+#     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
@@ -52,6 +53,14 @@ for phase in "$@"; do
       CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
         > "$logs/pytest_gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
+      ;;
+    fsdp2)
+      # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs,
+      # then the same pair on one GPU of the same host: tokens/s per GPU and the scaling efficiency
+      $cmp --nproc "${NPROC:-2}" configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag "fsdp${NPROC:-2}"
+      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag fsdp1
       ;;
     floor)
       python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-tuned}" > "$logs/floor.log" 2>&1

@@ -269,3 +269,18 @@ def test_a_loss_curve_shorter_than_its_warm_up_is_refused(tmp_path, capsys):
         compare.main(["--loss-curve", str(CONFIGS / "debug_cpu_baseline.toml"), str(CONFIGS / "debug_cpu_coda.toml"),
                       "--steps", "10", "--out", str(tmp_path)])
     assert e.value.code == 2 and "more than the 20 steps" in capsys.readouterr().err
+
+
+def test_nproc_launches_torchrun_with_fsdp_over_every_process():
+    import sys
+    from pathlib import Path
+
+    from scripts.compare.run import launch_command
+
+    one = launch_command(Path("c.toml"), ["--training.steps", "5"])
+    assert one == [sys.executable, "-m", "coda_titan.cli", "train", "c.toml", "--training.steps", "5"]
+    two = launch_command(Path("c.toml"), ["--training.steps", "5"], nproc=2)
+    assert two[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--local-ranks-filter"]
+    assert two[-2:] == ["--parallelism.data_parallel_shard_degree", "2"] and two[9:12] == ["coda_titan.cli", "train", "c.toml"]
+    ddp = launch_command(Path("c.toml"), ["--parallelism.data_parallel_replicate_degree", "2"], nproc=2)
+    assert "--parallelism.data_parallel_shard_degree" not in ddp  # the user's degrees win

@@ -63,8 +63,23 @@ def summarize(rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
     }
 
 
-def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=()) -> dict:
-    """Train ``config`` for ``steps`` steps in a fresh process; returns the parsed log and run facts."""
+def launch_command(derived: Path, overrides: list[str], nproc: int = 1) -> list[str]:
+    """The training command: ``coda_titan.cli train`` in one process, or under torchrun on ``nproc``
+    processes of this host (FSDP2 over all of them unless the overrides set the data-parallel
+    degrees), with only rank 0's output (its tokens/s is per GPU, as TorchTitan logs it)."""
+    train = ["-m", "coda_titan.cli", "train", str(derived), *overrides]
+    if nproc == 1:
+        return [sys.executable, *train]
+    if not any(o.startswith("--parallelism.data_parallel_") for o in overrides):
+        train += ["--parallelism.data_parallel_shard_degree", str(nproc)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--local-ranks-filter", "0", *train]
+
+
+def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
+               nproc: int = 1) -> dict:
+    """Train ``config`` for ``steps`` steps in a fresh process (``nproc`` > 1: under torchrun);
+    returns the parsed log and run facts."""
     from coda_titan.cli import parse_config
 
     doc = _load_toml(config)
@@ -90,8 +105,9 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     overrides += list(extra)
     job = parse_config(str(derived), overrides)
     tokens_per_step = job.training.local_batch_size * job.training.seq_len
-    cmd = [sys.executable, "-m", "coda_titan.cli", "train", str(derived), *overrides]
-    _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable} -> {run_dir}/train.log")
+    cmd = launch_command(derived, overrides, nproc)
+    _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable}"
+         f"{f', {nproc} processes' if nproc > 1 else ''} -> {run_dir}/train.log")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("WANDB_SILENT", "true")
     t0 = time.time()
@@ -176,9 +192,11 @@ def compare(args) -> Path:
     from scripts.report.training import compare_table, plot_compare, refresh  # (here: the report imports this package)
 
     doc = _header("compare")
-    doc.update(tag=args.tag, steps=args.steps, warmup=args.warmup, attention=args.attention, sets=args.set, runs=[])
+    doc.update(tag=args.tag, steps=args.steps, warmup=args.warmup, attention=args.attention, sets=args.set, runs=[],
+               nproc=getattr(args, "nproc", 1))
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
+                       nproc=getattr(args, "nproc", 1),
                        sets=args.set, timeout=args.timeout)
         rows = r.pop("rows")
         if "error" not in r:

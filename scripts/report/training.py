@@ -28,7 +28,8 @@ def compare_table(doc: dict) -> str:
         f"{what}Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
         f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "
         f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')} · "
-        f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}",
+        f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}"
+        + (f" · {doc['nproc']} processes (GPUs) per run (torchrun, FSDP2 unless overridden; tokens/s per GPU)" if doc.get("nproc", 1) > 1 else ""),
         "",
         "| config | attention | tokens/s | step ms (median) | step / floor | peak GiB | MFU % | vs compiled baseline | final loss |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -265,7 +265,6 @@ def _exit_if_shutdown_hangs(message: str, dump_folder: str, seconds: float = SHU
     interruption line (unless it was said already) and end the process with 130. A Ctrl-C must stop
     the run even when a library's shutdown blocks."""
     import faulthandler
-    import threading
 
     def fire():
         path = Path(dump_folder) / "interrupt_stacks.txt"

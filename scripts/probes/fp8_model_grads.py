@@ -55,16 +55,16 @@ def reordered_sums(tile_k: int = 256):
         return tiled_mm(aq.to(ct), bq.to(ct).t())
 
     mods = (gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms)
-    saved = [(m, m.mm) for m in mods] + [(norm_swiglu, norm_swiglu.fp8_mm)]
+    saved_mm, saved_fp8_mm = {m: m.mm for m in mods}, norm_swiglu.fp8_mm
     for m in mods:
         m.mm = tiled_mm
     norm_swiglu.fp8_mm = tiled_fp8_mm
     try:
         yield
     finally:
-        for m, f in saved[:-1]:
+        for m, f in saved_mm.items():
             m.mm = f
-        norm_swiglu.fp8_mm = saved[-1][1]
+        norm_swiglu.fp8_mm = saved_fp8_mm
 
 
 def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2) -> dict:

@@ -295,6 +295,7 @@ def train(config_path: str, overrides: list[str]) -> None:
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
 
+    from .titan import fp8_state
     from .titan.run_summary import StepLog, newest_checkpoint, summary
 
     init_logger()
@@ -309,6 +310,7 @@ def train(config_path: str, overrides: list[str]) -> None:
         trainer = Trainer(config)
         if trainer.checkpointer is not None:
             trainer.checkpointer.save = interrupts.guard(trainer.checkpointer.save)
+        fp8_state.attach(trainer)
         trainer.train()
     except KeyboardInterrupt:
         ckpt = newest_checkpoint(config)

@@ -11,8 +11,10 @@ amax of the whole tensor exists:
   ``GradAmaxSink`` tensor, and enters the history at the next forward. The scale keeps
   ``fp8_grad_margin`` powers of two of headroom over the history's max.
 
-The histories are non-persistent buffers: checkpoints stay stock llama3's; a resumed run
-recalibrates on its first step.
+The histories are non-persistent buffers, so the model's state dict stays stock llama3's. They reach
+TorchTitan's checkpoints as a state of their own, ``coda_fp8`` (``checkpoint_state`` /
+``load_checkpoint_state`` here, attached by ``titan.fp8_state``): a resumed fp8 run continues with the
+histories it saved, and a checkpoint without them (stock, bf16, older) starts a fresh calibration.
 """
 
 from __future__ import annotations
@@ -60,6 +62,28 @@ class Fp8Scaling(nn.Module):
         self.gradients_calibrated = False
         self.sink: GradAmaxSink | None = None
 
+    def flush_sink(self) -> None:
+        """Move the amaxes the last backward left into the gradient history now (what the next
+        forward would do first), so the history alone is the whole state."""
+        if self.sink is not None and self.sink.amaxes() is not None:
+            with torch.no_grad():
+                _push(self.gradient_history, self.sink.amaxes().to(self.gradient_history))
+            self.gradients_calibrated = True
+        self.sink = None
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: both histories and whether each is calibrated."""
+        self.flush_sink()
+        flags = torch.tensor([self.activations_calibrated, self.gradients_calibrated], dtype=torch.int8)
+        return {"activation_history": self.activation_history, "gradient_history": self.gradient_history,
+                "calibrated": flags}
+
+    def load_checkpoint_state(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.activation_history.copy_(state_dict["activation_history"])
+        self.gradient_history.copy_(state_dict["gradient_history"])
+        self.activations_calibrated, self.gradients_calibrated = (bool(v) for v in state_dict["calibrated"].tolist())
+        self.sink = None
+
     def activation_inv_scales(self) -> list[torch.Tensor | None]:
         """Per-site inverse scales 448 / max(history), or all None on the calibration step."""
         if not self.activations_calibrated:
@@ -76,11 +100,7 @@ class Fp8Scaling(nn.Module):
         Nones when ``enabled`` is False). First moves the amaxes the last backward left in the
         previous sink into the history."""
         n = self.gradient_history.shape[0]
-        if self.sink is not None and self.sink.amaxes() is not None:
-            with torch.no_grad():
-                _push(self.gradient_history, self.sink.amaxes().to(self.gradient_history))
-            self.gradients_calibrated = True
-        self.sink = None
+        self.flush_sink()
         if not enabled:
             return [None] * n, [None] * n
         inv: list[torch.Tensor | None] = [None] * n

@@ -5,7 +5,8 @@
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
-#     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU
+#     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU;
+#              python -m scripts.report then generates the scaling table (tokens/s per GPU, efficiency)
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)

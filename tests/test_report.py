@@ -95,3 +95,24 @@ def test_step_over_floor_uses_the_floor_of_the_same_gpu_and_day(tmp_path):
     other_day = {**doc, "date": "2026-01-03T10:00:00Z"}
     assert same_lease_floor(other_day, tmp_path) is None
     assert "Step / floor: n/a" in compare_table({**other_day, "floor": None})
+
+
+def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monkeypatch):
+    """gpu_train.sh fsdp2 writes compare_fsdp<N> (nproc N) and compare_fsdp1 on one host: the results
+    page gets tokens/s per GPU at N over 1 GPU per config; another day's single-GPU file is not used."""
+    from scripts.report import training
+
+    def doc(tag, nproc, date, tps):
+        runs = [{"config": f"configs/{c}.toml", "tokens_per_s": t} for c, t in zip(("m_baseline_compile", "m_coda_compile"), tps)]
+        return {"kind": "compare", "device": "GPU X", "date": f"{date}T01:00:00Z", "tag": tag, "nproc": nproc, "runs": runs}
+
+    files = {"compare_fsdp2_GPU_X_2026-01-02.json": doc("fsdp2", 2, "2026-01-02", (900.0, 1000.0)),
+             "compare_fsdp1_GPU_X_2026-01-02.json": doc("fsdp1", 1, "2026-01-02", (1000.0, 1100.0)),
+             "compare_fsdp4_GPU_X_2026-01-03.json": doc("fsdp4", 4, "2026-01-03", (800.0, 900.0))}
+    for name, d in files.items():
+        (tmp_path / name).write_text(json.dumps(d))
+    monkeypatch.setattr(training, "_latest", lambda kind: sorted(tmp_path.glob(f"{kind}_*.json")))
+    pairs = training.scaling_pairs()
+    assert [(m["tag"], s["tag"]) for m, s in pairs] == [("fsdp2", "fsdp1")]
+    table = training.scaling_table(*pairs[0])
+    assert "| m_baseline_compile | 900 | 1,000 | 0.900 |" in table and "| m_coda_compile | 1,000 | 1,100 | 0.909 |" in table

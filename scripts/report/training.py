@@ -63,6 +63,31 @@ def compare_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(multi: dict, single: dict) -> str:
+    """Tokens/s per GPU of each config on N GPUs (``compare --nproc N``) against the same config on
+    one GPU of the same host and day: the scaling efficiency, and CODA against stock at N GPUs."""
+    one = {Path(r["config"]).stem: r for r in single["runs"] if "error" not in r}
+    n = multi.get("nproc", 1)
+    lines = [f"Scaling on {multi['device']} ({multi['date'][:10]}): {n} GPUs per run against one "
+             f"(compare tags `{multi.get('tag')}` and `{single.get('tag')}`), tokens/s per GPU.", "",
+             f"| config | tokens/s per GPU, {n} GPUs | 1 GPU | scaling efficiency |", "|---|---:|---:|---:|"]
+    for r in multi["runs"]:
+        stem = Path(r["config"]).stem
+        if "error" in r or stem not in one:
+            continue
+        base = one[stem]["tokens_per_s"]
+        lines.append(f"| {stem} | {_f(r['tokens_per_s'], 0)} | {_f(base, 0)} | {r['tokens_per_s'] / base:.3f} |")
+    return "\n".join(lines)
+
+
+def scaling_pairs() -> list[tuple[dict, dict]]:
+    """(compare_fsdp<N>, compare_fsdp1) result pairs of the same device and day (``gpu_train.sh fsdp2``)."""
+    docs = [json.loads(p.read_text()) for p in _latest("compare")]
+    single = {(d["device"], d["date"][:10]): d for d in docs if d.get("tag") == "fsdp1"}
+    return [(d, single[(d["device"], d["date"][:10])]) for d in docs
+            if d.get("nproc", 1) > 1 and (d["device"], d["date"][:10]) in single]
+
+
 def profile_table(doc: dict, top: int = 12) -> str:
     s = doc["summary"]
     lines = [
@@ -187,6 +212,8 @@ def section() -> str:
     for p in _latest("compare"):
         doc = json.loads(p.read_text())
         parts += [compare_table(doc), "", f"![step-time comparison](../benchmarks/results/{p.with_suffix('.png').name})", ""]
+    for multi, single in scaling_pairs():
+        parts += [scaling_table(multi, single), ""]
     for p in _latest("loss_curve"):
         doc = json.loads(p.read_text())
         parts += [parity_table(doc), "", f"![loss curves](../benchmarks/results/{p.with_suffix('.png').name})", ""]

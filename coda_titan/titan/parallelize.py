@@ -61,8 +61,9 @@ def parallelize_coda(model, parallel_dims, job_config):
 def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward_policy: str = "default") -> None:
     """FSDP2 units: the token embedding, every block, and the root (which keeps the final norm and the
-    LM head), forward inputs left in their dtypes. Gradient division is off, as in TorchTitan, which scales the loss by the global token
-    count; on gloo (CPU) the reduce-scatter is a plain sum (gloo has no pre-multiplied sum)."""
+    LM head), forward inputs left in their dtypes. Gradient division is off, as in TorchTitan, which
+    scales the loss by the global token count; on gloo (CPU) the reduce-scatter is a plain sum (gloo
+    has no pre-multiplied sum)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     reshard = {"always": True, "never": False, "default": True}.get(reshard_after_forward_policy)

@@ -37,11 +37,11 @@ def bench(fn, reps=None):
 
 
 def try_bench(fn):
-    """``bench``, or None (with the reason printed) when a baseline cannot run."""
+    """``bench``, or None (with the reason printed) when a baseline or provider cannot run."""
     try:
         return bench(fn)
     except Exception as e:  # noqa: BLE001 - record why a baseline could not run
-        print(f"  baseline failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"  could not run: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
 
 

@@ -30,16 +30,19 @@ import re
 
 import torch
 
-from .common import BF, bench, header
+from .common import BF, bench, header, try_bench
 
 
-def _flavor(model: str):
+def _model(model: str):
+    """(args, FFN hidden size, every parameter's shape) of the flavor, read off the model built on
+    the meta device (the FFN size as TorchTitan derives it, no copy of its formula)."""
     from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
 
     a = coda_llama3_args[model]
-    hidden = int(a.ffn_dim_multiplier * int(8 * a.dim / 3))
-    hidden = a.multiple_of * -(-hidden // a.multiple_of)
-    return a, hidden
+    with torch.device("meta"):
+        params = dict(CodaTransformer(a).named_parameters())
+    return a, params["layers.0.feed_forward.w1.weight"].shape[0], [tuple(p.shape) for p in params.values()]
 
 
 def layer_gemms(d: int, ff: int, hq: int, hkv: int, hd: int, vocab: int) -> list[tuple[str, int, int]]:
@@ -58,14 +61,6 @@ def _best(times: dict) -> tuple[str, float]:
     return k, ok[k]
 
 
-def _try(fn):
-    try:
-        return bench(fn)
-    except Exception as e:  # noqa: BLE001 - a provider that cannot run this layout is recorded as None
-        print(f"    ({type(e).__name__}: {str(e)[:160]})", flush=True)
-        return None
-
-
 QUACK_TUNED = True  # --quack default: quack's own heuristic config for a bare GEMM (no sweep)
 
 
@@ -81,7 +76,7 @@ def bf16_gemm(m: int, n: int, k: int, gen) -> list[dict]:
     }
     rows = []
     for direction, (a, b) in cases.items():
-        t = {"cublas": _try(lambda: torch.mm(a, b)), "quack": _try(lambda: qgemm(a, b, tuned=QUACK_TUNED))}
+        t = {"cublas": try_bench(lambda: torch.mm(a, b)), "quack": try_bench(lambda: qgemm(a, b, tuned=QUACK_TUNED))}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[1], "K": a.shape[1], "ms": t,
                      "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[1] * a.shape[1] / ms / 1e9})
@@ -106,8 +101,8 @@ def fp8_gemm(m: int, n: int, k: int, gen) -> list[dict]:
         def sm(fast, a=a, b=b):
             return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=BF, use_fast_accum=fast)
 
-        t = {"cublas": _try(sm(False)), "cublas_fast_accum": _try(sm(True)),
-             "quack": _try(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=QUACK_TUNED))}
+        t = {"cublas": try_bench(sm(False)), "cublas_fast_accum": try_bench(sm(True)),
+             "quack": try_bench(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=QUACK_TUNED))}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1], "ms": t,
                      "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[0] * a.shape[1] / ms / 1e9})
@@ -144,9 +139,7 @@ def adamw(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> dict:
 
 
 def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save) -> dict:
-    from coda_titan.model.model import CodaTransformer
-
-    a, ff = _flavor(model)
+    a, ff, shapes = _model(model)
     hd = a.dim // a.n_heads
     m = seqlen * bs
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -166,8 +159,6 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save) -> dict:
             save(doc)  # a run cut short keeps what it measured ("complete": false)
     doc["fa4"] = fa4(bs, seqlen, a.n_heads, a.n_kv_heads, hd, gen)
     print(f"  FA4 fwd {doc['fa4']['fwd_ms']:.3f} bwd {doc['fa4']['bwd_ms']:.3f} ms per layer", flush=True)
-    with torch.device("meta"):
-        shapes = [tuple(p.shape) for p in CodaTransformer(a).parameters()]
     doc["adamw"] = adamw(shapes, dtype)
     print(f"  fused AdamW {doc['adamw']['ms']:.2f} ms over {doc['adamw']['params'] / 1e9:.3f} B params", flush=True)
     doc["totals"] = totals(doc)

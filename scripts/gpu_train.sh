@@ -5,7 +5,8 @@
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
 #     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
-#     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU;
+#     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU
+#              (FSDP_PART=multi|single|both, FSDP_MODEL=1b|8b);
 #              python -m scripts.report then generates the scaling table (tokens/s per GPU, efficiency)
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
@@ -56,12 +57,19 @@ for phase in "$@"; do
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
       ;;
     fsdp2)
-      # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs,
-      # then the same pair on one GPU of the same host: tokens/s per GPU and the scaling efficiency
-      $cmp --nproc "${NPROC:-2}" configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag "fsdp${NPROC:-2}"
-      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag fsdp1
+      # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs
+      # (FSDP_PART=multi), then the same pair on one GPU of the same host (FSDP_PART=single; default both):
+      # tokens/s per GPU, scaling efficiency and loss parity. FSDP_MODEL=1b (100 steps, default) or 8b
+      # (the 8B configs with compile on, 15 steps)
+      case ${FSDP_MODEL:-1b} in
+        1b) pair="configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml"
+            fs=(--steps "${STEPS:-90}" --warmup 10); sfx="" ;;
+        8b) pair="configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml"
+            fs=(--steps "${STEPS:-8}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
+        *) echo "FSDP_MODEL is 1b or 8b"; exit 2 ;;
+      esac
+      [ "${FSDP_PART:-both}" = single ] || $cmp --nproc "${NPROC:-2}" $pair "${fs[@]}" --tag "fsdp${NPROC:-2}$sfx"
+      [ "${FSDP_PART:-both}" = multi ] || CUDA_VISIBLE_DEVICES=${SINGLE_GPU:-0} $cmp $pair "${fs[@]}" --tag "fsdp1$sfx"
       ;;
     floor)
       python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-tuned}" > "$logs/floor.log" 2>&1

@@ -2,6 +2,7 @@
 and kernel targets are judged right."""
 
 import json
+import random
 import re
 
 from scripts.report import kernels as report
@@ -98,21 +99,33 @@ def test_step_over_floor_uses_the_floor_of_the_same_gpu_and_day(tmp_path):
 
 
 def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monkeypatch):
-    """gpu_train.sh fsdp2 writes compare_fsdp<N> (nproc N) and compare_fsdp1 on one host: the results
-    page gets tokens/s per GPU at N over 1 GPU per config; another day's single-GPU file is not used."""
+    """gpu_train.sh fsdp2 writes compare_fsdp<N>[_8b] (nproc N) and compare_fsdp1[_8b] on one host: the
+    results page gets tokens/s per GPU at N over 1 GPU per config, CODA over stock at each, and CODA's
+    loss deviation from stock at N GPUs beside one GPU's; another day's or another model's single-GPU
+    file is not used."""
     from scripts.report import training
 
-    def doc(tag, nproc, date, tps):
-        runs = [{"config": f"configs/{c}.toml", "tokens_per_s": t} for c, t in zip(("m_baseline_compile", "m_coda_compile"), tps)]
+    rng = random.Random(0)
+    stock = [4.0 - 0.01 * i for i in range(40)]
+
+    def doc(tag, nproc, date, tps, dev):
+        coda = [x * (1 + dev * rng.choice((-1, 1))) for x in stock]
+        runs = [{"config": f"configs/{c}.toml", "tokens_per_s": t, "loss": loss}
+                for c, t, loss in zip(("m_baseline_compile", "m_coda_compile"), tps, (stock, coda))]
         return {"kind": "compare", "device": "GPU X", "date": f"{date}T01:00:00Z", "tag": tag, "nproc": nproc, "runs": runs}
 
-    files = {"compare_fsdp2_GPU_X_2026-01-02.json": doc("fsdp2", 2, "2026-01-02", (900.0, 1000.0)),
-             "compare_fsdp1_GPU_X_2026-01-02.json": doc("fsdp1", 1, "2026-01-02", (1000.0, 1100.0)),
-             "compare_fsdp4_GPU_X_2026-01-03.json": doc("fsdp4", 4, "2026-01-03", (800.0, 900.0))}
+    files = {"compare_fsdp2_GPU_X_2026-01-02.json": doc("fsdp2", 2, "2026-01-02", (900.0, 1000.0), 0.002),
+             "compare_fsdp1_GPU_X_2026-01-02.json": doc("fsdp1", 1, "2026-01-02", (1000.0, 1100.0), 0.001),
+             "compare_fsdp2_8b_GPU_X_2026-01-02.json": doc("fsdp2_8b", 2, "2026-01-02", (90.0, 100.0), 0.0),
+             "compare_fsdp4_GPU_X_2026-01-03.json": doc("fsdp4", 4, "2026-01-03", (800.0, 900.0), 0.0)}
     for name, d in files.items():
         (tmp_path / name).write_text(json.dumps(d))
     monkeypatch.setattr(training, "_latest", lambda kind: sorted(tmp_path.glob(f"{kind}_*.json")))
     pairs = training.scaling_pairs()
     assert [(m["tag"], s["tag"]) for m, s in pairs] == [("fsdp2", "fsdp1")]
     table = training.scaling_table(*pairs[0])
-    assert "| m_baseline_compile | 900 | 1,000 | 0.900 |" in table and "| m_coda_compile | 1,000 | 1,100 | 0.909 |" in table
+    assert "| m_baseline_compile | 900 | 1,000 | 0.900 | n/a | n/a |" in table
+    assert "| m_coda_compile | 1,000 | 1,100 | 0.909 | 1.111x | 1.100x |" in table
+    # every step deviates by exactly 0.2% at 2 GPUs and 0.1% on one; 40 steps, the first 20 skipped
+    row = next(line for line in table.splitlines() if line.startswith("| m_coda_compile vs m_baseline_compile"))
+    assert row.split("|")[2:5] == [" 20 ", " 0.20% ", " 0.10% "] and row.rstrip().endswith("| none |")

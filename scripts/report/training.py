@@ -63,29 +63,73 @@ def compare_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _stock_of(stem: str) -> str:
+    """The compiled stock config a CODA config is set against (``m_coda[_compile]`` -> ``m_baseline_compile``)."""
+    return re.sub(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+
+
 def scaling_table(multi: dict, single: dict) -> str:
     """Tokens/s per GPU of each config on N GPUs (``compare --nproc N``) against the same config on
-    one GPU of the same host and day: the scaling efficiency, and CODA against stock at N GPUs."""
+    one GPU of the same host and day (the scaling efficiency), CODA against stock at N GPUs, and the
+    loss parity of CODA against stock at N GPUs beside the same pair's on one GPU."""
     one = {Path(r["config"]).stem: r for r in single["runs"] if "error" not in r}
+    many = {Path(r["config"]).stem: r for r in multi["runs"] if "error" not in r}
     n = multi.get("nproc", 1)
     lines = [f"Scaling on {multi['device']} ({multi['date'][:10]}): {n} GPUs per run against one "
              f"(compare tags `{multi.get('tag')}` and `{single.get('tag')}`), tokens/s per GPU.", "",
-             f"| config | tokens/s per GPU, {n} GPUs | 1 GPU | scaling efficiency |", "|---|---:|---:|---:|"]
+             f"| config | tokens/s per GPU, {n} GPUs | 1 GPU | scaling efficiency | vs stock, {n} GPUs | vs stock, 1 GPU |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in multi["runs"]:
         stem = Path(r["config"]).stem
-        if "error" in r or stem not in one:
+        if "error" in r:
+            lines.append(f"| {stem} | failed: {r['error'].splitlines()[0]} | | | | |")
+            continue
+        if stem not in one:
             continue
         base = one[stem]["tokens_per_s"]
-        lines.append(f"| {stem} | {_f(r['tokens_per_s'], 0)} | {_f(base, 0)} | {r['tokens_per_s'] / base:.3f} |")
+        ref_n, ref_1 = many.get(_stock_of(stem)), one.get(_stock_of(stem))
+        if _stock_of(stem) == stem:
+            ref_n = ref_1 = None
+        vs_n = f"{r['tokens_per_s'] / ref_n['tokens_per_s']:.3f}x" if ref_n else "n/a"
+        vs_1 = f"{base / ref_1['tokens_per_s']:.3f}x" if ref_1 else "n/a"
+        lines.append(f"| {stem} | {_f(r['tokens_per_s'], 0)} | {_f(base, 0)} | {r['tokens_per_s'] / base:.3f} | {vs_n} | {vs_1} |")
+    rows = []
+    for stem, r in many.items():
+        ref = many.get(_stock_of(stem))
+        if ref is None or ref is r or "loss" not in r:
+            continue
+        p_n = parity(ref["loss"], r["loss"])
+        p_1 = parity(one[_stock_of(stem)]["loss"], one[stem]["loss"]) if stem in one and _stock_of(stem) in one else None
+
+        def cell(p, key):
+            return "n/a" if p is None or p[key] is None else f"{100 * p[key]:.2f}%"
+        finite = not any(p_n["non_finite"].values()) and not (p_1 and any(p_1["non_finite"].values()))
+        rows.append(f"| {stem} vs {_stock_of(stem)} | {p_n['compared_steps']} | {cell(p_n, 'mean_abs_rel_dev')} | "
+                    f"{cell(p_1, 'mean_abs_rel_dev')} | {cell(p_n, 'max_rel_dev_10step_mean')} | "
+                    f"{cell(p_1, 'max_rel_dev_10step_mean')} | {'none' if finite else 'yes'} |")
+    if rows:
+        lines += ["", f"Loss parity, CODA against stock on the same data (steps after {PARITY_SKIP}); the one-GPU pair "
+                  "is the bf16 reference for the same measure (its global batch differs, so its steps are other data):", "",
+                  f"| pair | steps compared | mean abs dev, {n} GPUs | 1 GPU | largest 10-step-mean dev, {n} GPUs | 1 GPU | NaN/inf |",
+                  "|---|---:|---:|---:|---:|---:|:---:|", *rows]
     return "\n".join(lines)
 
 
 def scaling_pairs() -> list[tuple[dict, dict]]:
-    """(compare_fsdp<N>, compare_fsdp1) result pairs of the same device and day (``gpu_train.sh fsdp2``)."""
+    """(compare_fsdp<N><sfx>, compare_fsdp1<sfx>) result pairs of the same device and day
+    (``gpu_train.sh fsdp2``; sfx names the model, e.g. ``_8b``)."""
     docs = [json.loads(p.read_text()) for p in _latest("compare")]
-    single = {(d["device"], d["date"][:10]): d for d in docs if d.get("tag") == "fsdp1"}
-    return [(d, single[(d["device"], d["date"][:10])]) for d in docs
-            if d.get("nproc", 1) > 1 and (d["device"], d["date"][:10]) in single]
+
+    def split(tag):
+        m = re.fullmatch(r"fsdp(\d+)(.*)", tag or "")
+        return (int(m[1]), m[2]) if m else (None, None)
+    single = {(d["device"], d["date"][:10], split(d.get("tag"))[1]): d for d in docs if split(d.get("tag"))[0] == 1}
+    out = []
+    for d in docs:
+        k, sfx = split(d.get("tag"))
+        if d.get("nproc", 1) > 1 and k and (d["device"], d["date"][:10], sfx) in single:
+            out.append((d, single[(d["device"], d["date"][:10], sfx)]))
+    return out
 
 
 def profile_table(doc: dict, top: int = 12) -> str:

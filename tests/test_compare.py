@@ -195,6 +195,9 @@ def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
     for r in doc["runs"]:
         assert r["returncode"] == 0 and r["steps"] == 2 and len(r["loss"]) == 3 and len(r["step_ms_raw"]) == 2
         assert r["wandb"]["loss_steps"] == 3 and r["wandb"]["matches_console"], r["wandb"]
+        live = r["wandb"]["max_active_gib"]  # per step, from W&B: the timed steps' peak is reported apart
+        assert sorted(live) == ["1", "2", "3"] and r["peak_active_gib"] == max(live["2"], live["3"])
+        assert r["peak_active_gib_warmup"] == live["1"]
         assert "--training.steps" in r["overrides"] and "[model]" in r["config_run"]
     # same data and seed: the CODA reference programs track the baseline closely
     a, b = (r["loss"] for r in doc["runs"])

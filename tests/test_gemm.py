@@ -2,6 +2,7 @@
 (torchao's recipe, power-of-two scales) against its definition."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,44 @@ def test_fp8_ops_schemas_and_fakes():
     for amaxes in ((None, None), (torch.tensor(2.0), torch.tensor(3.0))):
         opcheck(torch.ops.coda.wgrad_fp8.default, (dy, amaxes[0], x, amaxes[1], torch.float32),
                 test_utils=("test_faketensor",))
+
+
+def test_first_call_gives_the_autotune_memory_back_once_per_shape(monkeypatch, request):
+    """After a program's first call for a shape (compile + autotune on 4-16 clones of its tensors), the
+    caching allocator's freed blocks go back to the device, so a run that tuned does not keep the
+    sweep's memory reserved; later calls of that shape, and a call that raised, do not."""
+    import importlib
+    import sys
+    import types
+
+    import coda_titan.kernels as kernels
+
+    if "coda_titan.kernels.cute" not in sys.modules:  # (CPU: the package itself needs quack; its plumbing does not)
+        pkg = types.ModuleType("coda_titan.kernels.cute")
+        pkg.__path__ = [str(Path(kernels.__file__).parent / "cute")]
+        monkeypatch.setitem(sys.modules, "coda_titan.kernels.cute", pkg)
+        request.addfinalizer(lambda: sys.modules.pop("coda_titan.kernels.cute._dispatch", None))
+    _dispatch = importlib.import_module("coda_titan.kernels.cute._dispatch")
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(_dispatch, "TUNE", True)
+    monkeypatch.setattr(_dispatch, "_seen", set())
+    a, b = torch.empty(8, 16), torch.empty(16, 8)
+    with pytest.raises(RuntimeError):
+        with _dispatch.first_call("prog", a, b):
+            raise RuntimeError("launch failed")
+    assert calls == []
+    for _ in range(2):
+        with _dispatch.first_call("prog", a, b):
+            pass
+    assert calls == ["empty_cache"]
+    with _dispatch.first_call("prog", torch.empty(4, 16), b):  # a new shape tunes again
+        pass
+    assert calls == ["empty_cache"] * 2
+    monkeypatch.setattr(_dispatch, "TUNE", False)  # compile only: nothing was cloned
+    with _dispatch.first_call("prog", torch.empty(2, 16), b):
+        pass
+    assert calls == ["empty_cache"] * 2

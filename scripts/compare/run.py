@@ -173,7 +173,18 @@ def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
         s in by_step and (abs(by_step[s] - v) <= 1e-4 * max(1.0, abs(v)) or (math.isnan(v) and math.isnan(by_step[s])))
         for s, v in console.items()
     )
-    return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match}
+    # the console's memory is the allocator's reserved peak; W&B also has the peak of live tensors
+    active = {str(int(h["_step"])): h["memory/max_active(GiB)"] for h in hist if "_step" in h and "memory/max_active(GiB)" in h}
+    return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match, "max_active_gib": active}
+
+
+def peak_active(wandb: dict, warmup: int) -> dict:
+    """The peak of live tensors (W&B's ``memory/max_active``) over the timed steps and over the warm-up
+    steps (which hold compilation and autotuning), or {} when the run's W&B history lacks it."""
+    active = {int(k): v for k, v in (wandb or {}).get("max_active_gib", {}).items()}
+    timed = [v for k, v in active.items() if k > warmup]
+    first = [v for k, v in active.items() if k <= warmup]
+    return {"peak_active_gib": max(timed), "peak_active_gib_warmup": max(first) if first else None} if timed else {}
 
 
 def same_lease_floor(doc: dict, out: Path) -> dict | None:
@@ -201,6 +212,7 @@ def compare(args) -> Path:
         rows = r.pop("rows")
         if "error" not in r:
             r.update(summarize(rows, args.warmup, r["tokens_per_step"]))
+            r.update(peak_active(r.get("wandb"), args.warmup))
         else:
             r["loss"] = [x["loss"] for x in rows]
         doc["runs"].append(r)

@@ -47,9 +47,13 @@ def compare_table(doc: dict) -> str:
         fl = floor.get(r.get("precision", "bf16")) if floor else None
         over = f"{r['step_ms'] / fl:.3f}" if fl and r["attention"] == "fa4" else "n/a"
         lines.append(
-            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {over} | {_f(r['peak_gib'], 2)} | "
+            f"| {stem} | {r['attention']} | {_f(r['tokens_per_s'], 0)} | {_f(r['step_ms'])} | {over} | {_f(r['peak_gib'], 2)}"
+            f"{f' ({_f(live, 1)})' if (live := r.get('peak_active_gib')) is not None else ''} | "
             f"{_f(r['mfu'], 1)} | {ratio} | {r['loss'][-1]:.4f} |"
         )
+    if any("peak_active_gib" in r for r in doc["runs"]):
+        lines += ["", "Peak GiB: the caching allocator's reserved peak over every step, as TorchTitan logs it; in "
+                  "parentheses the peak of live tensors over the timed steps (W&B's memory/max_active)."]
     if floor:
         lines += ["", f"Floor ({floor['file']}, same GPU and day): every GEMM of the step at the best of cuBLAS and quack, "
                   f"FA4 forward + backward, fused AdamW: bf16 {_f(floor.get('bf16'))} ms, fp8 {_f(floor.get('fp8'))} ms "

@@ -56,7 +56,14 @@ def unsupported_fp8(*tensors: torch.Tensor, dtypes=(E4M3,)) -> str | None:
 
 
 class first_call:
-    """Logs the wall time of the first call of a program for a shape (compile + autotune)."""
+    """Logs the wall time of the first call of a program for a shape (compile + autotune), then gives
+    the autotune sweep's memory back to the device.
+
+    quack's sweep benchmarks every candidate on 4 to 16 clones of the call's tensors (L2-cold inputs,
+    up to half the free memory), inside the training step. PyTorch's caching allocator keeps those
+    blocks reserved after they are freed, so without ``empty_cache`` a process that tuned holds them
+    for the rest of the run: more reserved memory (what TorchTitan logs as ``memory``) and less for
+    everyone else on the device, though nothing live uses it."""
 
     def __init__(self, name: str, *tensors: torch.Tensor):
         self.key = (name, *((tuple(t.shape), t.dtype) for t in tensors))
@@ -71,6 +78,8 @@ class first_call:
         if self.first and exc[0] is None:
             torch.cuda.synchronize()
             _seen.add(self.key)
+            if TUNE and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.empty_cache()
             logger.info(
                 f"coda_titan: cute {self.key[0]} {[s for s, _ in self.key[1:]]} ready in "
                 f"{time.perf_counter() - self.t0:.1f} s (first call: compile{' + autotune' if TUNE else ''})"

@@ -61,6 +61,16 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
         shape, names = ((world,), ("fsdp",)) if mode == "fsdp" else ((world, 1), ("dp_replicate", "fsdp"))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    unshards = {"sync": 0, "async": 0}  # the model's own early gathers (FSDP's hooks do not call unshard())
+    if mode != "single":
+        from torch.distributed.fsdp import FSDPModule
+
+        plain = FSDPModule.unshard
+
+        def counted(self, async_op=False):
+            unshards["async" if async_op else "sync"] += 1
+            return plain(self, async_op=async_op)
+        FSDPModule.unshard = counted
     tokens, labels = batch()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
@@ -74,7 +84,16 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
         if world > 1:
             dist.all_reduce(total)
         losses.append(total.item())
+    gammas_match = None
     if world > 1:
+        FSDPModule.unshard = plain
+        # the gamma-only gather gives what FSDP's all-gather in the parameter dtype gives (trained gammas)
+        from coda_titan.model.model import _attention_gammas
+
+        layers = list(model.layers.values())
+        fulls = [layer.attention_norm.weight.full_tensor() for layer in layers]
+        gammas_match = all(torch.equal(g, f.to(torch.bfloat16)) for g, f in zip(_attention_gammas(layers, torch.bfloat16), fulls))
+        gammas_match = gammas_match and any(not torch.equal(f, torch.ones_like(f)) for f in fulls)
         dist.barrier()
     if mode == "fsdp" and precision == "bf16":
         import torch.distributed.checkpoint as dcp
@@ -86,7 +105,7 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
             torch.save(full, os.path.join(out, "fsdp_full.pt"))
     if rank == 0:
         with open(os.path.join(out, f"{mode}{'_fp8' if precision == 'fp8' else ''}.json"), "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump({"losses": losses, "unshards": unshards, "layers": len(model.layers), "gammas_match": gammas_match}, f)
 
 
 def check_checkpoint(ckpt: str, out: str) -> None:

@@ -43,6 +43,10 @@ def test_fsdp_and_hsdp_train_the_one_process_model_and_checkpoints_load_anywhere
         dev = [abs(a - b) / abs(b) for a, b in zip(got, one)]
         print(f"{mode} vs one process: worst relative loss deviation {max(dev) / FP32_U:.1f} u")
         assert len(got) == len(one) and max(dev) <= SHARDED_VS_ONE, (mode, got, one)
+        # bf16: the next block's gamma comes from one gamma-only gather per forward, never from gathering
+        # the whole block early (an explicit unshard() runs its all-gather on the compute stream)
+        run = json.loads((tmp_path / f"{mode}.json").read_text())
+        assert run["unshards"] == {"sync": 0, "async": 0} and run["gammas_match"]
     assert one[-1] < one[0]  # it trains
     # fp8 (the exact emulation): each rank scales its activations by its own amax (local, as torchao's
     # dynamic scaling does) while the weights' scales come from the gathered full weights, so the
@@ -54,6 +58,11 @@ def test_fsdp_and_hsdp_train_the_one_process_model_and_checkpoints_load_anywhere
     effect = max(abs(a - b) / abs(b) for a, b in zip(fp8_one, one))
     print(f"fp8: sharded vs one process {sharding:.2e}; fp8 effect {effect:.2e}")
     assert len(fp8_two) == len(fp8_one) and 0 < effect and sharding <= effect
+    # fp8: each block is gathered for its weight pass, the next one prefetched asynchronously (one
+    # forward per step: every block but the first waits on a gather issued a block earlier)
+    fp8_run = json.loads((tmp_path / "fsdp_fp8.json").read_text())
+    n = fp8_run["layers"]
+    assert fp8_run["unshards"] == {"sync": len(fp8_two) * n, "async": len(fp8_two) * (n - 1)}
     loaded = json.loads((tmp_path / "checkpoint.json").read_text())
     assert loaded == {"coda": True, "coda_keys": True, "stock": True, "stock_keys": True}
 

@@ -110,20 +110,41 @@ def _is_sharded(block: torch.nn.Module) -> bool:
     return isinstance(block, FSDPModule)
 
 
-def _attention_gamma(block: torch.nn.Module) -> torch.Tensor:
-    """The attention-norm gamma of ``block``, read by the program before it (the previous block's F1
-    epilogue, or the prologue) to write H = X * gamma.
+def _attention_gammas(layers: list[torch.nn.Module], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Every block's attention-norm gamma, each read by the program before that block (the previous
+    block's F1 epilogue, or the prologue) to write H = X * gamma.
 
-    Under FSDP2 that parameter is sharded until ``block``'s own forward gathers it: the block is
-    unsharded here, early (what FSDP's forward prefetch does), and its forward then finds it
-    gathered. The copy (d values) is what the reader keeps: FSDP frees the gathered parameter when the
-    block reshards, and an activation-checkpointed reader recomputes from its inputs in the backward.
-    The read carries no gradient (H is not differentiated); gamma's gradient comes from the block's
+    Unsharded, these are the parameters. Under FSDP2 a block's parameters are sharded until its own
+    forward gathers them, so the gammas (d values per block) are gathered here, once per forward, in
+    one collective over the shards of all blocks, cast to FSDP's parameter dtype first (the values
+    FSDP's own all-gather gives). Gathering whole blocks early instead (``unshard()``) runs their
+    all-gathers on the compute stream, where FSDP's own run beside the compute (docs/history.md).
+    The copies carry no gradient (H is not differentiated); gamma's gradient comes from the block's
     own norm backward (B2), in its own FSDP unit."""
-    if not _is_sharded(block):
-        return block.attention_norm.weight
-    block.unshard()
-    return block.attention_norm.weight.detach().clone()
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    weights = [layer.attention_norm.weight for layer in layers]
+    sharded = [i for i, w in enumerate(weights) if isinstance(w, DTensor)]
+    if not sharded:
+        return weights
+    w0 = weights[sharded[0]]
+    mesh, placements = w0.device_mesh, w0.placements
+    if any(weights[i].device_mesh != mesh or weights[i].placements != placements for i in sharded):
+        gathered = [weights[i].full_tensor() for i in sharded]  # (not FSDP2's layout: one by one)
+    else:
+        with torch.no_grad():
+            local = torch.stack([weights[i].to_local() for i in sharded])
+            if dtype is not None:
+                local = local.to(dtype)
+            stacked = DTensor.from_local(
+                local, mesh, [Shard(1) if isinstance(q, Shard) else Replicate() for q in placements],
+                run_check=False, shape=(len(sharded), w0.shape[0]), stride=(w0.shape[0], 1),
+            )
+            gathered = list(stacked.full_tensor().unbind(0))
+    out = list(weights)
+    for i, g in zip(sharded, gathered):
+        out[i] = g.to(dtype) if dtype is not None else g
+    return out
 
 
 class CodaTransformer(Transformer):
@@ -177,7 +198,8 @@ class CodaTransformer(Transformer):
         layers = list(self.layers.values())
         fp8 = self.model_args.coda.precision == "fp8" and bool(layers)
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
-            gamma0 = _attention_gamma(layers[0]) if layers else self.norm.weight
+            gammas = _attention_gammas(layers, getattr(self, "fsdp_param_dtype", None))
+            gamma0 = gammas[0] if layers else self.norm.weight
             if fp8:
                 inv = self.fp8_scaling.activation_inv_scales()
                 h, s, hq, amax0 = cfg.backend.rms_partial_fp8(x=x, gamma=gamma0, tile_n=cfg.tile_n, inv_scale=inv[0])
@@ -185,10 +207,10 @@ class CodaTransformer(Transformer):
                 h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         if fp8:
-            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers)
+            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas)
         else:
             for i, layer in enumerate(layers):
-                gamma_next = _attention_gamma(layers[i + 1]) if i + 1 < len(layers) else self.norm.weight
+                gamma_next = gammas[i + 1] if i + 1 < len(layers) else self.norm.weight
                 x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
             logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
@@ -200,7 +222,7 @@ class CodaTransformer(Transformer):
             h, rstd, x, self.norm.weight, self.output.weight, labels.reshape(-1), cfg, compute_grad
         )
 
-    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers):
+    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
         """The layer chain with e4m3 F2/F3 operands. Site 2i is layer i's attention input, 2i + 1 its
         MLP input; a training forward records each site's current amax in the history."""
         amaxes = [amax0]
@@ -222,8 +244,10 @@ class CodaTransformer(Transformer):
 
         def layer_weights(i, layer):
             """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None) of layer i."""
-            if sharded:
-                layer.unshard()
+            if sharded:  # the block's own gather (at i > 0 issued at block i - 1), then the next block's,
+                layer.unshard()  # asynchronously: it runs beside this block's compute, as FSDP's prefetch does
+                if i + 1 < len(layers):
+                    layers[i + 1].unshard(async_op=True)
             ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws
             return w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None
@@ -233,7 +257,7 @@ class CodaTransformer(Transformer):
         for i, layer in enumerate(layers):
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = layer_weights(i, layer)
             last = i + 1 == len(layers)
-            gamma_next = self.norm.weight if last else _attention_gamma(layers[i + 1])
+            gamma_next = self.norm.weight if last else gammas[i + 1]
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(

@@ -5,7 +5,7 @@ FSDP2 units are TorchTitan's (one per Transformer block, the token embedding, th
 difference: the final norm and the LM head stay in the root unit instead of a unit of their own,
 because the LM-head program reads their weights directly and never calls those modules' forwards
 (which is what would gather a unit). The cross-block read of the next block's attention-norm gamma
-is handled in the model (``model._attention_gamma``); docs/design.md "FSDP2" has the design.
+is handled in the model (``model._attention_gammas``); docs/design.md "FSDP2" has the design.
 Mixed precision, reshard-after-forward and gradient division follow TorchTitan's llama3 exactly.
 
 Tensor, context and pipeline parallelism are refused with one line that says what is supported.
@@ -79,6 +79,7 @@ def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dty
     for block in model.layers.values():
         fully_shard(block, **config, reshard_after_forward=reshard)
     fully_shard(model, **config)
+    model.fsdp_param_dtype = param_dtype  # the dtype of FSDP's gathered parameters (the model's gamma gather)
     gloo = dp_mesh.device_type == "cpu"
     for module in model.modules():
         if isinstance(module, FSDPModule):

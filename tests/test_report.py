@@ -129,3 +129,35 @@ def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monke
     # every step deviates by exactly 0.2% at 2 GPUs and 0.1% on one; 40 steps, the first 20 skipped
     row = next(line for line in table.splitlines() if line.startswith("| m_coda_compile vs m_baseline_compile"))
     assert row.split("|")[2:5] == [" 20 ", " 0.20% ", " 0.10% "] and row.rstrip().endswith("| none |")
+
+
+def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path, monkeypatch):
+    """A CODA profile with its GEMM-family attribution, the stock profile of the same device, day and
+    precision, and that day's floor: one row per family and direction, CODA / floor against the floor
+    of the run's precision, totals."""
+    from scripts.compare import common
+    from scripts.report import training
+
+    fams = {f"{f}/{d}": 1.0 for f in ("qkv", "out", "w13", "w2") for d in ("fwd", "dgrad", "wgrad")}
+
+    def prof(stem, precision, families):
+        return {"kind": "profile", "device": "GPU X", "date": "2026-01-02T03:00:00Z", "config": f"configs/{stem}.toml",
+                "run": {"precision": precision}, "summary": {"gemm_families": {"families_ms": families, "unattributed_gemm_ms": 0.0}}}
+
+    coda = prof("m_bf16_coda_compile", "bf16", {**fams, "lm_head/all": 6.0})
+    stock = prof("m_bf16_baseline_compile", "bf16", {**{k: 0.5 for k in fams}, "lm_head/fwd": 1.0, "lm_head/dgrad": 2.0,
+                                                      "lm_head/wgrad": 3.0})
+    other = prof("m_fp8_baseline_compile", "fp8", fams)
+    pairs = training.family_pairs([stock, other, coda])
+    assert pairs == [(coda, stock)]
+    gemms = [{"weight": w, "precision": p, "direction": d, "best_ms": 0.25 if p == "bf16" else 0.125}
+             for w in ("qkv", "out", "w13", "w2", "lm_head") for p in ("bf16", "fp8") for d in ("fwd", "dgrad", "wgrad")]
+    floor = {"device": "GPU X", "date": "2026-01-02", "n_layers": 2, "complete": True, "gemms": gemms}
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    table = training.family_table(coda, stock, training._floor_of("GPU X", coda["date"]))
+    assert "| qkv fwd | 1.00 | 0.50 | 0.50 | 0.25 | 2.00x |" in table  # floor: 2 layers x 0.25 ms (bf16 run)
+    assert "| lm_head fwd+dgrad+wgrad | 6.00 | 6.00 | 0.75 | 0.75 | 8.00x |" in table  # the head once, not per layer
+    assert "| **all** | 18.00 | 12.00 | 6.75 | 3.75 | 2.67x |" in table
+    assert "floor bf16" in training.family_table(coda, None, None) and "| qkv fwd | 1.00 | n/a | n/a | n/a | n/a |" in \
+        training.family_table(coda, None, None)

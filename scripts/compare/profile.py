@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from scripts.compare.common import _header, _out_path, _say
+from scripts.compare.families import trace_families
 from scripts.compare.run import run_config
 
 
@@ -125,6 +126,10 @@ def profile(args) -> Path:
     if not traces:
         raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
     doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]))
+    try:  # GPU ms per GEMM family (scripts/compare/families.py), for the family table against the floor
+        doc["summary"]["gemm_families"] = trace_families(traces[-1], r["model"].split("/")[-1])
+    except KeyError as e:
+        _say(f"no GEMM-family attribution for {r['model']} (unknown flavor {e})")
     doc["run"]["loss"] = [x["loss"] for x in rows]
     path = _out_path(Path(args.out), "profile", doc["device"], doc["date"], extra=f"{cfg.stem}_")
     path.parent.mkdir(parents=True, exist_ok=True)

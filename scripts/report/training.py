@@ -253,6 +253,74 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _floor_of(device: str, date: str) -> dict | None:
+    """The floor file (``scripts.bench.floor``) of this device and day, if one was measured."""
+    from scripts.compare.common import RESULTS, _slug
+
+    for p in sorted(RESULTS.glob(f"floor_{_slug(device)}_{date[:10]}.json"), reverse=True):
+        doc = json.loads(p.read_text())
+        if doc.get("device") == device and doc.get("complete"):
+            return doc
+    return None
+
+
+def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:
+    """GPU ms per GEMM family and direction in one profiled step of CODA and of stock (the same
+    device and day), beside the floor's bare GEMMs (``scripts.bench.floor``, times its layers)."""
+    from scripts.compare.families import DIRECTIONS, FAMILIES
+
+    fc = coda["summary"]["gemm_families"]["families_ms"]
+    fs = stock["summary"]["gemm_families"]["families_ms"] if stock and "gemm_families" in stock["summary"] else {}
+    best = {(g["weight"], g["precision"], g["direction"]): g["best_ms"] for g in floor["gemms"]} if floor else {}
+    nl = floor["n_layers"] if floor else 0
+    precision = coda["run"].get("precision", "bf16")
+
+    def fl(w, prec, dirs):
+        vals = [best.get((w, prec, d)) for d in dirs]
+        return None if not floor or None in vals else (1 if w == "lm_head" else nl) * sum(vals)
+    rows, tot = [], {"coda": 0.0, "stock": 0.0, "bf16": 0.0, "fp8": 0.0}
+    for fam in FAMILIES:
+        dirs = [(d, (d,)) for d in DIRECTIONS] if fam != "lm_head" else [("fwd+dgrad+wgrad", DIRECTIONS)]
+        for label, ds in dirs:
+            c = fc.get(f"{fam}/all", 0.0) if fam == "lm_head" else 0.0
+            c += sum(fc.get(f"{fam}/{d}", 0.0) for d in ds)
+            st = sum(fs.get(f"{fam}/{d}", 0.0) for d in ds) if fs else None
+            fb = fl(fam, "bf16", ds)
+            f8 = fl(fam, "fp8", ds) if fam != "lm_head" else fb  # (the LM head stays bf16 in both recipes)
+            ref = f8 if precision == "fp8" else fb
+            rows.append(f"| {fam} {label} | {_f(c, 2)} | {_f(st, 2)} | {_f(fb, 2)} | {_f(f8, 2)} | "
+                        f"{f'{c / ref:.2f}x' if ref else 'n/a'} |")
+            for k, v in (("coda", c), ("stock", st or 0.0), ("bf16", fb or 0.0), ("fp8", f8 or 0.0)):
+                tot[k] += v
+    ref = tot["fp8"] if precision == "fp8" else tot["bf16"]
+    over = f"{tot['coda'] / ref:.2f}x" if ref else "n/a"
+    lines = [f"GEMM families in one step: `{Path(coda['config']).stem}` against "
+             f"`{Path(stock['config']).stem if stock else 'n/a'}` ({coda['device']}, {coda['date'][:10]}), GPU ms; "
+             f"floor: {'n/a (no floor measured that day)' if not floor else 'the best of cuBLAS and quack per GEMM, x layers'}. "
+             "CODA's programs count with their epilogues and every kernel they launch.", "",
+             "| GEMM | CODA ms | stock ms | floor bf16 | floor fp8 | CODA / floor |", "|---|---:|---:|---:|---:|---:|", *rows,
+             f"| **all** | {tot['coda']:.2f} | {_f(tot['stock'] if fs else None, 2)} | {_f(tot['bf16'] or None, 2)} | "
+             f"{_f(tot['fp8'] or None, 2)} | {over} |"]
+    left = coda["summary"]["gemm_families"].get("unattributed_gemm_ms", 0.0)
+    if left:
+        lines += ["", f"GEMM kernels of CODA's step that no family claimed: {left:.2f} ms."]
+    return "\n".join(lines)
+
+
+def family_pairs(profiles: list[dict]) -> list[tuple[dict, dict | None]]:
+    """(CODA profile, stock profile of the same device, day and precision) for every CODA profile
+    that has the GEMM-family attribution."""
+    out = []
+    for doc in profiles:
+        if "gemm_families" not in doc["summary"] or "_coda" not in Path(doc["config"]).stem:
+            continue
+        same = [d for d in profiles if "_baseline" in Path(d["config"]).stem and d["device"] == doc["device"]
+                and d["date"][:10] == doc["date"][:10] and d["run"].get("precision") == doc["run"].get("precision")
+                and "gemm_families" in d["summary"]]
+        out.append((doc, same[0] if same else None))
+    return out
+
+
 def section() -> str:
     """The training results (comparisons, loss curves, run-to-run spread, profiles) as markdown, links
     relative to docs/."""
@@ -273,6 +341,8 @@ def section() -> str:
         parts += [profile_side_by_side(profiles), ""]
         for line in budget_lines(profiles):
             parts += [line, ""]
+    for coda, stock in family_pairs(profiles):
+        parts += [family_table(coda, stock, _floor_of(coda["device"], coda["date"])), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]
     return "\n".join(parts).rstrip()

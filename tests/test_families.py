@@ -1,0 +1,124 @@
+"""GEMM-family attribution of a profiled step (scripts/compare/families.py), on synthetic torch-profiler
+traces of a stock and a CODA step whose every kernel's family is known by construction."""
+
+import pytest
+
+from scripts.compare.families import gemm_families, gemm_matches
+
+T, D, KV, FF, V = 64, 32, 8, 96, 50  # tokens, dim, kv width, FFN, vocab: W_q and W_o are both D x D
+WEIGHTS = {"wq": (D, D), "wk": (KV, D), "wv": (KV, D), "wo": (D, D), "w1": (FF, D), "w3": (FF, D), "w2": (D, FF),
+           "qkv": (D + 2 * KV, D), "w13": (2 * FF, D), "lm_head": (V, D)}
+
+
+class Trace:
+    """Builds chrome-trace events as the torch profiler writes them: host operators (nested, with
+    Input Dims), a runtime launch per kernel, the kernel with the launch's correlation id."""
+
+    def __init__(self):
+        self.events, self.t, self.corr, self.expected = [], 0.0, 0, {}
+
+    def op(self, name, dims, kernels, tid=1, parent="aten::linear"):
+        """An operator (inside ``parent``) launching ``kernels``: (kernel name, family/direction or None)."""
+        t0 = self.t
+        inner = []
+        for kname, fam in kernels:
+            self.corr += 1
+            self.t += 1
+            inner.append({"ph": "X", "cat": "cuda_runtime" if self.corr % 2 else "cuda_driver", "name": "cudaLaunchKernel",
+                          "pid": 1, "tid": tid, "ts": self.t, "dur": 0.5, "args": {"correlation": self.corr}})
+            dur = 10.0 + self.corr  # every kernel its own duration
+            self.events.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": 7, "ts": 1e6 + 100 * self.corr,
+                                "dur": dur, "args": {"correlation": self.corr}})
+            if fam:
+                self.expected[fam] = self.expected.get(fam, 0.0) + dur
+        self.t += 2
+        self.events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": t0 + 0.5,
+                            "dur": self.t - t0 - 1, "args": {"Input Dims": dims}})
+        if parent:
+            self.events.append({"ph": "X", "cat": "cpu_op", "name": parent, "pid": 1, "tid": tid, "ts": t0, "dur": self.t - t0,
+                                "args": {"Input Dims": []}})
+        self.t += 1
+        self.events += inner
+
+    def mm(self, weight, direction, fam, tid=1, op="aten::mm"):
+        n, k = WEIGHTS[weight]
+        dims = {"fwd": [[T, k], [k, n]], "dgrad": [[T, n], [n, k]], "wgrad": [[n, T], [T, k]]}[direction]
+        if op == "aten::addmm":
+            dims = [[n], *dims]
+        self.op(op, dims, [("sm90_xmma_gemm_bf16bf16", f"{fam}/{direction}")], tid=tid)
+
+    def attention(self, direction, tid=1):
+        self.op(f"coda::flash_attn_{direction}", [[1, T, 4, 8]] * 3, [(f"flash_{direction}_sm90", None)], tid=tid, parent=None)
+
+    def ms(self):
+        return {k: round(v / 1e3, 3) for k, v in sorted(self.expected.items())}
+
+
+def test_stock_step_is_attributed_by_shape_and_order():
+    tr, layers = Trace(), 2
+    for _ in range(layers):  # forward
+        for w in ("wq", "wk", "wv"):
+            tr.mm(w, "fwd", "qkv", op="aten::addmm" if w == "wk" else "aten::mm")
+        tr.attention("fwd")
+        tr.mm("wo", "fwd", "out")
+        for w, f in (("w1", "w13"), ("w3", "w13"), ("w2", "w2")):
+            tr.mm(w, "fwd", f)
+    tr.mm("lm_head", "fwd", "lm_head")
+    tr.op("aten::_log_softmax", [[T, V]], [("softmax_kernel", None)], parent=None)
+    for d in ("dgrad", "wgrad"):  # backward, on the autograd thread
+        tr.mm("lm_head", d, "lm_head", tid=2)
+    for _ in range(layers):
+        for w, f in (("w2", "w2"), ("w3", "w13"), ("w1", "w13"), ("wo", "out")):
+            for d in ("dgrad", "wgrad"):
+                tr.mm(w, d, f, tid=2)
+        tr.attention("bwd", tid=2)
+        for w in ("wv", "wk", "wq"):
+            for d in ("dgrad", "wgrad"):
+                tr.mm(w, d, "qkv", tid=2)
+    got = gemm_families(tr.events, WEIGHTS)
+    assert got["families_ms"] == tr.ms()
+    assert got["unattributed_gemm_ms"] == 0 and got["attention_ms"] > 0
+    # the shapes alone are ambiguous: W1's forward is W2's dgrad, W_q's GEMMs are W_o's
+    assert gemm_matches([[T, D], [D, FF]], WEIGHTS) >= {("w1", "fwd"), ("w2", "dgrad")}
+    assert gemm_matches([[T, D], [D, D]], WEIGHTS) >= {("wq", "fwd"), ("wo", "fwd"), ("wq", "dgrad")}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_coda_step_is_attributed_by_program(fp8):
+    s = "_fp8" if fp8 else ""
+    tr = Trace()
+    quack = "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_x"
+    triton = "triton_poi_fused_rope_bwd_0"
+
+    def prog(name, dims, fam, extra=(), tid=1):
+        tr.op(f"coda::{name}", dims, [(quack, fam), *((k, fam) for k in extra)], tid=tid, parent="CompiledFunction")
+
+    prog(f"rms_partial{s}", [[T, D], [D]], None)
+    for _ in range(2):
+        prog(f"norm_rope{s}", [[T, D], [T, 1], [D + 2 * KV, D]], "qkv/fwd")
+        tr.attention("fwd")
+        prog(f"residual_rms{s}", [[T, D], [D, D], [T, D], [D], []], "out/fwd")
+        prog(f"norm_swiglu{s}", [[T, D], [T, 1], [2 * FF, D]], "w13/fwd")
+        prog(f"residual_rms{s}", [[T, FF], [D, FF], [T, D], [D], []], "w2/fwd")
+    tr.op("coda::lm_head_ce", [[T, D], [T, 1], [T, D], [D], [V, D], [T]],
+          [(quack, "lm_head/all"), ("triton_red_fused_ce_grad", "lm_head/all"), ("sm90_xmma_gemm", "lm_head/all")],
+          parent="LMHeadCE")
+    for _ in range(2):
+        prog(f"swiglu_bwd{s}", [[T, D], [D, FF], [T, 2 * FF], [T, 1]], "w2/dgrad", tid=2)
+        prog(f"norm_residual_bwd{s}", [[T, 2 * FF], [2 * FF, D], [T, D], [D], [T, 1], [T, 1], [T, D]], "w13/dgrad", tid=2)
+        tr.op("coda::wgrad", [[T, D], [T, FF], []], [("sm90_xmma_gemm", "w2/wgrad")], tid=2)
+        if fp8:
+            tr.op("coda::wgrad_fp8", [[T, 2 * FF], [], [T, D], [], []], [("cast_transpose", "w13/wgrad"),
+                                                                           ("sm90_xmma_gemm_e5m2", "w13/wgrad")], tid=2)
+        else:
+            tr.op("coda::wgrad", [[T, 2 * FF], [T, D], []], [("sm90_xmma_gemm", "w13/wgrad")], tid=2)
+        tr.op("coda::dgrad", [[T, D], [D, D], []], [("sm90_xmma_gemm", "out/dgrad")], tid=2)
+        tr.op("coda::wgrad", [[T, D], [T, D], []], [("sm90_xmma_gemm", "out/wgrad")], tid=2)
+        tr.attention("bwd", tid=2)
+        tr.op(f"coda::rope_bwd{s}", [[T, D + 2 * KV]], [(triton, None)], tid=2)
+        prog(f"norm_residual_bwd{s}", [[T, D + 2 * KV], [D + 2 * KV, D], [T, D], [D], [T, 1], [T, 1], [T, D]],
+             "qkv/dgrad", tid=2)
+        tr.op("coda::wgrad", [[T, D + 2 * KV], [T, D], []], [("sm90_xmma_gemm", "qkv/wgrad")], tid=2)
+    got = gemm_families(tr.events, WEIGHTS)
+    assert got["families_ms"] == tr.ms() and got["unattributed_gemm_ms"] == 0
+    assert set(got["families_ms"]) == {f"{f}/{d}" for f in ("qkv", "out", "w13", "w2") for d in ("fwd", "dgrad", "wgrad")} | {"lm_head/all"}

@@ -14,6 +14,8 @@
 #     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
 #     profile  python -m scripts.compare --profile of the 1B coda and compiled baseline configs
+#     families the floor, then profiles of the compiled 1B CODA and stock configs (PRECISION=bf16|fp8): the
+#              GEMM-family table (CODA ms, stock ms, floor ms per family and direction)
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
@@ -92,6 +94,15 @@ for phase in "$@"; do
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15
       $cmp --profile configs/llama3_1b_bf16_baseline_compile.toml --steps 15
+      ;;
+    families)
+      # the GEMM-family table of the results page in one lease: the floor (quack at its default config),
+      # then one profiled step of the compiled CODA and stock configs of PRECISION (bf16 or fp8)
+      python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
+      echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
+      p=${PRECISION:-bf16}
+      $cmp --profile "configs/llama3_1b_${p}_coda_compile.toml" --steps 15
+      $cmp --profile "configs/llama3_1b_${p}_baseline_compile.toml" --steps 15
       ;;
     sdpa)
       $cmp --attention sdpa configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda.toml \

@@ -102,3 +102,61 @@ def test_cli_trains_sharded_and_resumes_across_world_sizes(tmp_path, cache_dir):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "resuming from checkpoint step-4" in out and sorted(logged_losses(out)) == [5, 6]
+
+
+def _dcp_tensors(path, tmp_path, name):
+    """Every tensor of a DCP checkpoint folder, read on one process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(tmp_path / f"{name}.pt"))
+    flat = {}
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, torch.Tensor):
+            flat[prefix] = v
+    walk("", torch.load(tmp_path / f"{name}.pt", weights_only=False))
+    return flat
+
+
+def test_sharded_fp8_resume_continues_bit_for_bit(tmp_path, cache_dir):
+    """fp8 under FSDP2: each rank's amax histories are its own (its own batches), so each rank saves
+    its own (``coda_fp8.rank<r>``) and a resume on the same ranks ends at the very parameters of the
+    uninterrupted run; a resume on one process says it recalibrates."""
+    import shutil
+
+    import torch
+
+    env = {"CODA_TITAN_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    common = ["--metrics.no-enable_wandb", "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4",
+              "--coda.precision", "fp8", "--parallelism.data_parallel_shard_degree", "2", "--metrics.disable_color_printing"]
+    cmd = ["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml")]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    proc = _torchrun([*cmd, "--job.dump_folder", str(whole), *common], cwd=tmp_path, env_extra=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    step2 = _dcp_tensors(whole / "checkpoint" / "step-2", tmp_path, "step2")
+    assert {k for k in step2 if k.startswith("coda_fp8.")} >= {f"coda_fp8.rank{r}.activation_history" for r in (0, 1)}
+    assert not torch.equal(step2["coda_fp8.rank0.activation_history"], step2["coda_fp8.rank1.activation_history"])
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    proc = _torchrun([*cmd, "--job.dump_folder", str(resumed), *common], cwd=tmp_path, env_extra=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "resuming from checkpoint step-2" in out, out[-4000:]
+    a = _dcp_tensors(whole / "checkpoint" / "step-4", tmp_path, "a")
+    b = _dcp_tensors(resumed / "checkpoint" / "step-4", tmp_path, "b")
+    model = [k for k in a if not k.startswith(("optimizer.", "coda_fp8.", "train_state.", "dataloader.", "lr_scheduler."))]
+    assert len(model) > 10 and "layers.0.attention.wq.weight" in model
+    differ = [k for k in a if isinstance(a[k], torch.Tensor) and not torch.equal(a[k], b[k])]
+    assert not differ, differ[:8]  # parameters, optimizer states and histories alike
+    # one process from the 2-rank checkpoint: the histories are the ranks' own, so it calibrates afresh
+    one = tmp_path / "one"
+    (one / "checkpoint").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoint" / "step-2", one / "checkpoint" / "step-2")
+    proc = run_cli(["train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder", str(one), *common[:-3],
+                    "--checkpoint.exclude_from_loading", "dataloader", "--metrics.disable_color_printing"],
+                   cwd=tmp_path, cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved by 2 data-parallel ranks and this run has 1: the fp8 scales calibrate afresh" in proc.stdout + proc.stderr

@@ -5,13 +5,17 @@ bf16 checkpoint unloadable into an fp8 model (DCP refuses a missing key). So the
 after TorchTitan's ``CheckpointManager.load`` has run, the histories are read from the step it
 loaded if that step has them (a run of ours resumed), and from then on every save writes them.
 A checkpoint without them starts a fresh calibration, as before; stock llama3 ignores them.
-Under FSDP2 each rank's histories are its own (local amaxes); DCP saves one rank's copy (it treats
-a plain tensor as replicated), which every rank resumes from.
+Under data parallelism each rank's histories are its own (the amaxes of its own batches), so each rank
+saves its own under ``coda_fp8.rank<r>`` (as TorchTitan keys its data loaders), and a resume on the
+same number of ranks continues bit for bit. A resume on another number of ranks recalibrates (and
+says so); a one-process checkpoint's histories are loaded by every rank.
 """
 
 from __future__ import annotations
 
 import os
+
+from torchtitan.tools.logging import logger
 
 KEY = "coda_fp8"
 
@@ -23,10 +27,31 @@ class Fp8ScalingState:
         self.scaling = scaling
 
     def state_dict(self):
-        return self.scaling.checkpoint_state()
+        world, rank = _world_rank()
+        state = self.scaling.checkpoint_state()
+        return {f"rank{rank}": state} if world > 1 else state
 
     def load_state_dict(self, state_dict) -> None:
-        self.scaling.load_checkpoint_state(state_dict)
+        world, rank = _world_rank()
+        self.scaling.load_checkpoint_state(state_dict[f"rank{rank}"] if f"rank{rank}" in state_dict else state_dict)
+
+
+def _world_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def saved_layout(keys) -> tuple[str, int] | None:
+    """How a checkpoint's keys hold the histories: ("ranks", number of ranks that saved them),
+    ("one", 1) for one copy (a one-process run, or an older sharded one), or None."""
+    ours = [k[len(KEY) + 1:] for k in keys if k.startswith(KEY + ".")]
+    ranks = {k.split(".", 1)[0] for k in ours if k.startswith("rank")}
+    if ranks:
+        return "ranks", len(ranks)
+    return ("one", 1) if ours else None
 
 
 def attach(trainer) -> bool:
@@ -48,11 +73,16 @@ def attach(trainer) -> bool:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemReader
 
-            keys = FileSystemReader(path).read_metadata().state_dict_metadata
-            if any(k.startswith(KEY + ".") for k in keys):
-                sd = {KEY: state.state_dict()}
+            layout = saved_layout(FileSystemReader(path).read_metadata().state_dict_metadata)
+            world, rank = _world_rank()
+            if layout == ("ranks", world) or layout == ("one", 1):
+                current = scaling.checkpoint_state()
+                sd = {KEY: {f"rank{rank}": current} if layout[0] == "ranks" else current}
                 dcp.load(sd, checkpoint_id=path)
                 state.load_state_dict(sd[KEY])
+            elif layout is not None and rank == 0:
+                logger.warning(f"coda_titan: the fp8 amax histories in {path} were saved by {layout[1]} data-parallel "
+                               f"ranks and this run has {world}: the fp8 scales calibrate afresh")
         ck.states[KEY] = state
         return loaded
 

@@ -26,6 +26,7 @@
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
 #     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad = true and = false (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
+#     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile python -m scripts.compare --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
 #                SKIP_BASELINE=1 skips the baseline, KEEP_TRACE=1 also returns the gzipped chrome traces
@@ -143,6 +144,11 @@ for phase in "$@"; do
       done
       $cmp configs/llama3_1b_fp8_baseline_compile.toml /tmp/llama3_1b_fp8_coda_compile_fp8_wgrad.toml \
         /tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
+      ;;
+    fp8store)
+      # issue 19's first experiment: F2 writing y as e4m3 from its epilogue on SM90 (scripts/probes/fp8_gated_store.py)
+      python3 -m scripts.probes.fp8_gated_store > "$logs/fp8store.log" 2>&1
+      echo "fp8store rc=$?"; grep -E '^\{|wrote|Error' "$logs/fp8store.log" | tail -6
       ;;
     fp8model)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py -k whole_1b_fp8 -s --tb=short -W ignore::DeprecationWarning 2>&1 \

@@ -1,0 +1,136 @@
+"""Probe (GPU): can F2 write its SwiGLU output y as e4m3 (the down-projection's fp8 operand) from its
+epilogue on SM90, and what does it save over a separate cast pass? Issue 19's first experiment.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_gated_store
+
+quack 0.6.5 stores a gated (paired-column) output of 8 bits on SM100/SM120 only. On SM90 everything
+else it needs exists (docs/fp8.md, "The 8-bit paired-column (gated) store on SM90"); one trace-time
+assertion in ``TileStore.to_params`` refuses it. ``GatedNarrowStore`` below is quack's ``TileStore``
+with that method letting 8 bits through on SM90 (the rest is quack's). At the 1B shapes (M = 16384,
+d = 2048, F = 8192) the probe runs, with quack's default config and then autotuned:
+
+* ``f2_bf16_y``: the F2 program as shipped (``norm_swiglu_fp8``: e4m3 operands, bf16 y);
+* ``f2_bf16_y_cast``: the same, then y cast to e4m3 by an inductor pass (the fallback design);
+* ``f2_e4m3_y``: F2 with y = sat(SwiGLU * inv_y) stored as e4m3 by its epilogue;
+
+checks the e4m3 codes of ``f2_e4m3_y`` against the reference's (the same math in fp32, quantized by
+``quantize_e4m3``): codes may differ only where the fp32 sums' order moves a value across an e4m3
+rounding boundary, so the check is the fraction of differing codes and that each differs by one
+e4m3 step. Writes ``$OUT/probe_fp8_gated_store_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import cutlass
+import cutlass.utils
+import torch
+from quack.activation import swiglu
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.math import pack, unpack
+from quack.epilogue.ops import ColVecLoad, Scalar, TileStore, setup_epi_tensor
+
+
+class GatedNarrowStore(TileStore):
+    """quack's gated (paired-column, half of GEMM-N) ``TileStore``, letting an 8-bit output through on
+    SM90: the store converts with the narrow register permute and the universal copy atom quack
+    already has for that case; only ``to_params``' width assertion is different."""
+
+    def to_params(self, gemm, args):
+        tensor = getattr(args, self.name)
+        if not (self.gated and gemm.arch == 90 and tensor.element_type.width == 8):
+            return super().to_params(gemm, args)
+        layout = cutlass.utils.LayoutEnum.from_tensor(tensor)
+        assert gemm.d_layout is None or gemm.d_layout.is_n_major_c()
+        assert layout.is_n_major_c()
+        assert gemm.cta_tile_shape_mnk[1] % 32 == 0, "gated epilogue on SM90 requires tile_N divisible by 32"
+        setattr(gemm, self._layout_gemm_attr(), layout)
+        setattr(gemm, self._dtype_gemm_attr(), tensor.element_type)
+        epi_tile = self.epi_tile_fn(gemm, gemm.epi_tile) if self.epi_tile_fn else None
+        tma_atom, tma_tensor, smem_layout, epi_tile_out = setup_epi_tensor(gemm, tensor, epi_tile=epi_tile)
+        return {
+            self._tma_atom_key(): tma_atom,
+            self.name: tma_tensor,
+            self._smem_layout_key(): smem_layout,
+            self._epi_tile_key(): epi_tile_out,
+            self._dtype_field(): tensor.element_type,
+        }
+
+
+@gemm_epilogue(
+    outputs=(GatedNarrowStore("postact", gated=True),),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_y": Scalar("inv_y")},
+    mode="acc_pair",
+)
+def fp8_swiglu_e4m3_epi(acc, rstd, scale, inv_y):
+    """F2 on e4m3 operands with an e4m3 y: v = (s_a s_w) acc saved as D; y = sat(SwiGLU(r v) * inv_y)
+    (the f32 -> e4m3 store converts with saturation)."""
+    v = acc * scale
+    g, u = unpack(v)
+    gs, us = unpack(v * rstd)
+    return {"D": pack(g, u), "postact": swiglu(gs, us) * inv_y}
+
+
+def main() -> int:
+    from coda_titan.kernels import norm_swiglu as ref
+    from coda_titan.kernels.cute import _dispatch
+    from coda_titan.kernels.cute.epilogues import fp8_rstd_swiglu_preact_epi
+    from coda_titan.kernels.scaling import E4M3, inv_scale_from_amax, quantize_e4m3
+    from scripts.bench.common import bench, header
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, d, f = 16384, 2048, 8192
+    hq = (torch.randn(m, d, device="cuda", generator=gen) * 64).clamp(-448, 448).to(E4M3)
+    w13q = (torch.randn(2 * f, d, device="cuda", generator=gen) * 64).clamp(-448, 448).to(E4M3)
+    rstd = (1 + 0.1 * torch.rand(m, device="cuda", generator=gen)).float()
+    scale = torch.tensor(1.0 / (64 * 64 * d**0.5), device="cuda")
+    y_ref32, _ = ref.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, out_dtype=torch.float32)
+    inv_y = inv_scale_from_amax(y_ref32.abs().amax())
+    codes_ref = quantize_e4m3(y_ref32, inv_y)
+    a = torch.empty(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+    y16 = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+    y8 = torch.empty(m, f, device="cuda", dtype=E4M3)
+    ops = dict(rstd=rstd, scale=_dispatch.scalar32(scale))
+    cast = torch.compile(lambda t, s: (t.float() * s).clamp(-448, 448).to(E4M3), dynamic=False)
+    doc = {**header(), "kind": "probe_fp8_gated_store", "M": m, "d": d, "F": f,
+           "timing": "triton.testing.do_bench median after one untimed call", "runs": []}
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
+    out = os.path.join(os.environ.get("OUT", "benchmarks/results"), f"probe_fp8_gated_store_{slug}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    for tuned in (False, True):
+        row = {"tuned": tuned, "ms": {}}
+
+        def f2_bf16():
+            fp8_rstd_swiglu_preact_epi(hq, w13q.t(), None, out={"D": a, "postact": y16}, tuned=tuned, **ops)
+
+        def f2_e4m3():
+            fp8_swiglu_e4m3_epi(hq, w13q.t(), None, out={"D": a, "postact": y8}, tuned=tuned,
+                                inv_y=_dispatch.scalar32(inv_y), **ops)
+        row["ms"]["f2_bf16_y"] = bench(f2_bf16)
+        row["ms"]["f2_bf16_y_cast"] = bench(lambda: (f2_bf16(), cast(y16, inv_y)))
+        try:
+            row["ms"]["f2_e4m3_y"] = bench(f2_e4m3)
+            f2_e4m3()
+            torch.cuda.synchronize()
+            got, want = (t.view(torch.uint8).int() for t in (y8, codes_ref))
+            got, want = (torch.where(c == 0x80, 0, c) for c in (got, want))  # -0 and +0 alike
+            differ = got != want  # (sign-magnitude codes: neighbours of one sign differ by 1)
+            row["codes_differing"] = float(differ.float().mean())
+            row["codes_max_step"] = int((got - want).abs()[differ].max()) if bool(differ.any()) else 0
+            row["codes_ok"] = row["codes_differing"] < 1e-3 and row["codes_max_step"] <= 1
+        except Exception as e:  # noqa: BLE001 - the experiment's outcome, recorded
+            row["f2_e4m3_y_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        print(json.dumps(row), flush=True)
+        doc["runs"].append(row)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    print("wrote", out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

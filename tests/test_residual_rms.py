@@ -118,3 +118,87 @@ def test_cute_f1_writes_e4m3_h():
         step = torch.where(want.abs() >= 2**-6, want.abs() * 2**-3, torch.full_like(want, 2**-9))
         assert (diff <= step * 1.0001).all()
         assert (diff > 0).float().mean() < 1e-2
+
+
+def _q_inputs(gen, m, k, d, device="cpu"):
+    """e4m3 yq, Wq with their dequantization scales, and the residual / gamma (fp64 on the CPU)."""
+    from coda_titan.kernels.scaling import E4M3
+
+    yq = (torch.randn(m, k, generator=gen, device=device) * 40).clamp(-448, 448).to(E4M3)
+    wq = (torch.randn(d, k, generator=gen, device=device) * 40).clamp(-448, 448).to(E4M3)
+    s_y, s_w = torch.tensor(0.03125, device=device), torch.tensor(1 / (40 * 40 * k**0.5), device=device)
+    return yq, wq, s_y, s_w
+
+
+@pytest.mark.parametrize("inv", [None, 64.0])
+def test_fp8_mainloop_f1_is_f1_on_the_dequantized_operands(inv):
+    """``residual_rms_q[_fp8]`` (fp8 mainloop) equals ``residual_rms[_fp8]`` on yq * s_y and Wq * s_w:
+    in fp64 the e4m3 products are exact and the scale factors out of the sum, so the two agree to a
+    few fp64 roundings; Hq and amax follow H as in the bf16-mainloop producer."""
+    gen = torch.Generator().manual_seed(11)
+    m, k, d = 40, 64, 48
+    yq, wq, s_y, s_w = _q_inputs(gen, m, k, d)
+    res, gamma = torch.randn(m, d, generator=gen, dtype=torch.float64), torch.rand(d, generator=gen, dtype=torch.float64) + 0.5
+    y, w = yq.double() * s_y.double(), wq.double() * s_w.double()
+    got = TORCH.residual_rms_q(yq=yq, wq=wq, scale=s_y * s_w, residual=res, gamma=gamma, tile_n=16)
+    want = TORCH.residual_rms(y=y, weight=w, residual=res, gamma=gamma, tile_n=16)
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, rtol=1e-12, atol=1e-12)
+    inv_t = None if inv is None else torch.tensor(inv, dtype=torch.float64)
+    x, h, s, hq, amax = TORCH.residual_rms_q_fp8(yq=yq, wq=wq, scale=s_y * s_w, residual=res, gamma=gamma, tile_n=16,
+                                                 inv_scale=inv_t)
+    assert torch.equal(x, got[0]) and torch.equal(h, got[1]) and torch.equal(s, got[2])
+    assert amax == h.abs().amax()
+    used = inv_scale_from_amax(amax) if inv is None else inv_t
+    assert torch.equal(hq.float(), quantize_e4m3(h, used).float())
+    # bf16 residual: fp32 accumulator, one rounding of X and H on store (as every F1)
+    xb, hb, sb = TORCH.residual_rms_q(yq=yq, wq=wq, scale=s_y * s_w, residual=res.to(BF), gamma=gamma.to(BF), tile_n=16)
+    assert xb.dtype == BF and sb.dtype == torch.float32
+    torch.testing.assert_close(xb.double(), got[0], rtol=2**-7, atol=2**-7 * got[0].abs().max().item())
+
+
+def test_fp8_mainloop_f1_ops_schemas_and_fakes():
+    gen = torch.Generator().manual_seed(12)
+    yq, wq, s_y, s_w = _q_inputs(gen, 32, 48, 64)
+    res, g = torch.randn(32, 64, generator=gen), torch.rand(64, generator=gen)
+    opcheck(torch.ops.coda.residual_rms_q.default, (yq, wq, s_y * s_w, res, g, 16), test_utils=("test_faketensor",))
+    for inv in (None, torch.tensor(3.0)):
+        opcheck(torch.ops.coda.residual_rms_q_fp8.default, (yq, wq, s_y * s_w, res, g, 16, inv),
+                test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_cute_fp8_mainloop_f1_matches_reference(d):
+    """The fp8-mainloop F1 kernels against the reference in fp64 on the same e4m3 operands, with the
+    bound of ``helpers.check_cute_matches_reference`` (2 x the in-precision reference's error + 2^-24:
+    the same exact products summed in fp32 in another order), and Hq within one e4m3 step of the
+    fp64 H quantized with the same scale."""
+    from .helpers import log_bound, poison, rel
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    m, k = 4000, 4 * d  # (K: the down-projection's FFN width)
+    yq, wq, s_y, s_w = _q_inputs(gen, m, k, d, device="cuda")
+    res = torch.randn(m, d, generator=gen, device="cuda").to(BF)
+    gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(BF)
+    kw = dict(yq=yq, wq=wq, scale=s_y * s_w, residual=res, gamma=gamma, tile_n=128)
+    ref64 = list(TORCH.residual_rms_q(**{**kw, "residual": res.double(), "gamma": gamma.double()}))
+    bf = list(TORCH.residual_rms_q(**kw))
+    ref64[-1], bf[-1] = ref64[-1].sum(-1, keepdim=True), bf[-1].sum(-1, keepdim=True)
+    poison()
+    out = list(cute.residual_rms_q(**kw))
+    inv = inv_scale_from_amax(ref64[1].abs().amax().float())
+    out8 = cute.residual_rms_q_fp8(**kw, inv_scale=inv)
+    torch.cuda.synchronize()
+    for i, (o, r64, b) in enumerate(zip(out, ref64, bf)):
+        assert o.shape == r64.shape and o.dtype == b.dtype and not o.isnan().any()
+        err, err_ref = rel(o, r64), rel(b, r64)
+        bound = 2 * err_ref + 2.0**-24
+        log_bound(f"residual_rms_q[{i}] d={d}", dtype=str(o.dtype), err=err, err_ref=err_ref, bound=bound)
+        assert err <= bound, f"residual_rms_q d={d} output {i}: rel err {err:.3e} > 2 x {err_ref:.3e} + 2^-24"
+    assert torch.equal(out8[0], out[0]) and torch.equal(out8[1], out[1])
+    got, want = out8[3].float(), quantize_e4m3(ref64[1].float(), inv).float()
+    step = torch.where(want.abs() >= 2**-6, want.abs() * 2**-3, torch.full_like(want, 2**-9))
+    assert ((got - want).abs() <= step * 1.0001).all() and ((got - want) != 0).float().mean() < 1e-2
+    assert abs(out8[4].item() - ref64[1].abs().amax().item()) <= 1e-5 * ref64[1].abs().amax().item()

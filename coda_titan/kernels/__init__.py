@@ -61,6 +61,8 @@ class Backend:
     quantize_tensorwise: Callable
     rms_partial_fp8: Callable
     residual_rms_fp8: Callable
+    residual_rms_q: Callable  # F1 with an fp8 mainloop (issue 19, not yet in the model)
+    residual_rms_q_fp8: Callable
     norm_swiglu_fp8: Callable
     norm_rope_fp8: Callable
     rope_bwd_fp8: Callable
@@ -88,6 +90,8 @@ TORCH = Backend(
     quantize_tensorwise=gemm.quantize_tensorwise,
     rms_partial_fp8=rms_partial.rms_partial_fp8,
     residual_rms_fp8=residual_rms.residual_rms_fp8,
+    residual_rms_q=residual_rms.residual_rms_q,
+    residual_rms_q_fp8=residual_rms.residual_rms_q_fp8,
     norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8,
     norm_rope_fp8=norm_rope.norm_rope_fp8,
     rope_bwd_fp8=norm_rope.rope_bwd_fp8,
@@ -116,6 +120,8 @@ def op_backend(name: str = "ops") -> Backend:
         quantize_tensorwise=gemm.quantize_tensorwise_op,
         rms_partial_fp8=rms_partial.rms_partial_fp8_op,
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,
+        residual_rms_q=residual_rms.residual_rms_q_op,
+        residual_rms_q_fp8=residual_rms.residual_rms_q_fp8_op,
         norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8_op,
         norm_rope_fp8=norm_rope.norm_rope_fp8_op,
         rope_bwd_fp8=norm_rope.rope_bwd_fp8_op,

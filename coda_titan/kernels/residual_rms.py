@@ -10,6 +10,10 @@ Forward, with acc = y @ W^T (fp32 accumulator), W (d, K) as in nn.Linear:
 consumer's e4m3 operand Hq = sat(H * inv) and reports amax |H| (inv: the site's delayed scale;
 None = the current amax, the calibration step).
 
+``residual_rms_q`` / ``residual_rms_q_fp8``: the same programs with an fp8 mainloop, acc = scale *
+(yq @ Wq^T) on e4m3 operands (scale = s_y * s_w, their dequantization scales), for the
+down-projection and the out-projection forward in fp8 (issue 19; not yet wired into the model).
+
 Backward (``coda_titan.model.autograd``): the consumer of H returns the fully assembled residual
 gradient D (norm backward + residual add, see ``norm_residual_bwd``), so F1's backward is two
 plain GEMMs: dy = D @ W (``gemm.dgrad``) and dW = D^T @ y (``gemm.wgrad``); d x_res = D.
@@ -24,7 +28,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op, tile_sumsq
 from .rms_partial import h_and_q
-from .scaling import E4M3
+from .scaling import E4M3, compute_dtype, fp8_mm
 
 
 def residual_acc(y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,34 @@ def residual_rms_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X, H, S, Hq, amax): F1 (bf16 GEMM) whose epilogue also quantizes H for the next consumer."""
     xf = residual_acc(y, weight, residual)
+    h, hq, amax = h_and_q(xf, gamma, inv_scale, residual.dtype)
+    return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
+
+
+def residual_q_acc(yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """X = scale * (yq @ Wq^T) + x_res in the accumulator dtype, from e4m3 operands: the products are
+    exact and summed in fp32 (the tensor core's accumulator; fp64 for fp64 residuals, in tests)."""
+    check_2d("yq", yq, wq.shape[1])
+    check_2d("residual", residual, wq.shape[0])
+    ct = compute_dtype(residual.dtype)
+    return fp8_mm(yq, wq, ct) * scale.to(ct) + residual.to(ct)
+
+
+def residual_rms_q(
+    *, yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+    tile_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, H, S) of F1 on e4m3 yq (M, K) and Wq (d, K); ``scale`` = s_y * s_w (0-dim)."""
+    x = residual_q_acc(yq, wq, scale, residual)
+    return x.to(residual.dtype), (x * gamma.to(x.dtype)).to(residual.dtype), tile_sumsq(x, tile_n)
+
+
+def residual_rms_q_fp8(
+    *, yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+    tile_n: int, inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, H, S, Hq, amax): ``residual_rms_q`` whose epilogue also quantizes H for the next consumer."""
+    xf = residual_q_acc(yq, wq, scale, residual)
     h, hq, amax = h_and_q(xf, gamma, inv_scale, residual.dtype)
     return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
 
@@ -87,6 +119,40 @@ def residual_rms_fp8_op(
 @residual_rms_fp8_op.register_fake
 def _(y, weight, residual, gamma, tile_n, inv_scale):
     ct = acc_dtype(y, weight)
+    return (
+        torch.empty_like(residual), torch.empty_like(residual), residual.new_empty((residual.shape[0], 1), dtype=ct),
+        residual.new_empty(residual.shape, dtype=E4M3), residual.new_empty((), dtype=ct),
+    )
+
+
+@program_op("residual_rms_q")
+def residual_rms_q_op(
+    yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s = residual_rms_q(yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n)
+    return x, h, s.sum(-1, keepdim=True)
+
+
+@residual_rms_q_op.register_fake
+def _(yq, wq, scale, residual, gamma, tile_n):
+    s = residual.new_empty((residual.shape[0], 1), dtype=compute_dtype(residual.dtype))
+    return torch.empty_like(residual), torch.empty_like(residual), s
+
+
+@program_op("residual_rms_q_fp8")
+def residual_rms_q_fp8_op(
+    yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int,
+    inv_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s, hq, amax = residual_rms_q_fp8(
+        yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale
+    )
+    return x, h, s.sum(-1, keepdim=True), hq, amax
+
+
+@residual_rms_q_fp8_op.register_fake
+def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+    ct = compute_dtype(residual.dtype)
     return (
         torch.empty_like(residual), torch.empty_like(residual), residual.new_empty((residual.shape[0], 1), dtype=ct),
         residual.new_empty(residual.shape, dtype=E4M3), residual.new_empty((), dtype=ct),

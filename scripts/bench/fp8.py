@@ -43,6 +43,30 @@ def residual_rms_fp8(s: Setup):
 
 
 
+def residual_rms_q_w2(s: Setup):
+    """F1 with an fp8 mainloop at the down-projection (e4m3 y of width F, e4m3 W2), writing e4m3 H:
+    issue 19's program for W2's forward."""
+    d, k = s.d, s.ff
+    y = s.r(M, k, scale=0.5)
+    inv_y = inv_scale_from_amax(y.float().abs().amax())
+    yq = quantize_e4m3(y.float(), inv_y)
+    w2q, s_w2 = s.be.quantize_tensorwise(w=s.w2)
+    res = s.r(M, d)
+    f8_w2 = float8_linears(s.w2)[0]
+    _, inv_h = s.h8
+
+    def eager():
+        x = res + f8_w2(y)
+        return x, F.rms_norm(x, (d,), s.gamma, EPS)
+
+    return "residual_rms_q_w2", "fwd", dict(
+        coda=lambda: s.be.residual_rms_q_fp8(yq=yq, wq=w2q, scale=s_w2 / inv_y, residual=res, gamma=s.gamma,
+                                             tile_n=128, inv_scale=inv_h),
+        coda_bf16=lambda: s.be.residual_rms_fp8(y=y, weight=s.w2, residual=res, gamma=s.gamma, tile_n=128,
+                                                inv_scale=inv_h),
+        bare_gemm=[scaled_mm(yq, w2q)], eager=eager)
+
+
 def norm_swiglu_fp8(s: Setup):
     """F2 on e4m3 operands."""
     h8, inv_h = s.h8
@@ -153,5 +177,5 @@ def quantize_tensorwise(s: Setup):
         eager=lambda: quantize_e4m3(w.float(), inv_scale_from_amax(w.float().abs().amax())))
 
 
-PROGRAMS = (residual_rms_fp8, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
+PROGRAMS = (residual_rms_fp8, residual_rms_q_w2, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
             norm_residual_bwd_fp8_w13, wgrad_fp8_w13, quantize_tensorwise)

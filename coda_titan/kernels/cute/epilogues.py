@@ -50,6 +50,31 @@ def rms_partial_fp8_epi(acc, c, weight, inv_scale):
 
 
 @gemm_epilogue(
+    outputs=("resid_out",),
+    ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True)},
+)
+def rms_partial_scaled_epi(acc, c, weight, scale):
+    """F1's epilogue on e4m3 operands: X = scale * acc + residual (resid_out), H = X * gamma (D),
+    per-tile sum X^2; scale = s_y * s_w dequantizes the fp8 product."""
+    x = acc * scale + c
+    return {"D": x * weight, "resid_out": x, "sqsum": (x, x)}
+
+
+@gemm_epilogue(
+    outputs=("resid_out", "hq"),
+    ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
+    """``rms_partial_scaled_epi`` that also writes the next consumer's e4m3 Hq = sat(H * inv) and the
+    per-row amax |H| (as ``rms_partial_fp8_epi``)."""
+    x = acc * scale + c
+    h = x * weight
+    return {"D": h, "resid_out": x, "sqsum": (x, x), "hq": h * inv_scale, "amax": h}
+
+
+@gemm_epilogue(
     outputs=("postact",),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale")},
     mode="acc_pair",

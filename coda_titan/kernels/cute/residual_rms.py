@@ -4,6 +4,9 @@ residual_rms      quack's ``rms_partial_epi``: X = acc + residual, H = X * gamma
 residual_rms_fp8  ``epilogues.rms_partial_fp8_epi``: the same plus e4m3 Hq = sat(H * inv) and
                   the per-row amax |H|; the calibration step (no delayed scale yet) runs the
                   reference, since a current-amax scale needs all of H before its first element
+residual_rms_q    ``epilogues.rms_partial_scaled_epi`` on e4m3 yq and Wq (fp8 mainloop, fast
+                  accumulation as every fp8 program here): X = scale * acc + residual
+residual_rms_q_fp8  ``epilogues.rms_partial_scaled_fp8_epi``: the same plus e4m3 Hq and amax |H|
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from quack.epilogue.library import rms_partial_epi
 
 from .. import residual_rms as ref
 from ..scaling import E4M3
-from ._dispatch import fallback, first_call, gemm, scalar32, unsupported
-from .epilogues import rms_partial_fp8_epi
+from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi
 
 
 @torch.library.register_kernel("coda::residual_rms", "cuda")
@@ -46,4 +49,40 @@ def _residual_rms_fp8(y, weight, residual, gamma, tile_n, inv_scale):
             rms_partial_fp8_epi, y, weight.t(), residual, {"D": h, "resid_out": x, "hq": hq},
             weight=gamma.float(), inv_scale=scalar32(inv_scale),
         )
+    return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
+
+
+def _q_unsupported(yq, wq, residual) -> str | None:
+    why = unsupported_fp8(yq, wq) or unsupported(residual)
+    if why is None and residual.shape[1] % 16:
+        why = f"width {residual.shape[1]} (need % 16)"
+    return why
+
+
+@torch.library.register_kernel("coda::residual_rms_q", "cuda")
+def _residual_rms_q(yq, wq, scale, residual, gamma, tile_n):
+    why = _q_unsupported(yq, wq, residual)
+    if why:
+        return fallback(ref.residual_rms_q_op, why, yq, wq, scale, residual, gamma, tile_n)
+    x = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    with first_call("residual_rms_q", yq, wq):
+        res = gemm(rms_partial_scaled_epi, yq, wq.t(), residual, {"D": h, "resid_out": x},
+                   weight=gamma.float(), scale=scalar32(scale))
+    return x, h, res["sqsum"].unsqueeze(1)
+
+
+@torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")
+def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+    why = _q_unsupported(yq, wq, residual)
+    if why is None and inv_scale is None:
+        why = "a current-amax scale (the calibration step)"
+    if why:
+        return fallback(ref.residual_rms_q_fp8_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    x = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
+    with first_call("residual_rms_q_fp8", yq, wq):
+        res = gemm(rms_partial_scaled_fp8_epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq},
+                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
     return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()

@@ -156,3 +156,46 @@ def test_first_call_gives_the_autotune_memory_back_once_per_shape(monkeypatch, r
     with _dispatch.first_call("prog", torch.empty(2, 16), b):
         pass
     assert calls == ["empty_cache"] * 2
+
+
+@pytest.mark.parametrize("inv", [None, 8.0])
+def test_quantize_delayed_and_fp8_weights(inv):
+    """y to e4m3 with its site's delayed scale (None: the current amax) and its amax; the weight pass
+    of one kind: per layer the tensorwise e4m3 weight and its scale, as ``quantize_tensorwise``."""
+    from coda_titan.kernels import TORCH
+    from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3
+
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(24, 32, generator=gen).to(torch.bfloat16) * 30
+    inv_t = None if inv is None else torch.tensor(inv)
+    q, amax = TORCH.quantize_delayed(t=t, inv_scale=inv_t)
+    assert amax == t.float().abs().amax() and q.dtype == E4M3
+    used = inv_scale_from_amax(amax) if inv is None else inv_t
+    assert torch.equal(q.float(), quantize_e4m3(t.float(), used).float())
+    if inv is not None:  # an older, smaller amax: the outliers saturate
+        assert q.float().abs().max() == E4M3_MAX
+    opcheck(torch.ops.coda.quantize_delayed.default, (t, inv_t), test_utils=("test_faketensor",))
+    ws = [torch.randn(16, 8, generator=gen) * (i + 1) for i in range(3)]
+    qs, scales = TORCH.fp8_weights(ws=ws)
+    assert scales.shape == (3,)
+    for w, wq, sc in zip(ws, qs, scales):
+        want, s = TORCH.quantize_tensorwise(w=w)
+        assert torch.equal(wq.float(), want.float()) and sc == s
+    opcheck(torch.ops.coda.fp8_weights.default, (ws,), test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
+    """Inductor-fused on the GPU: the same elementwise math as the reference, bit for bit."""
+    from coda_titan.kernels import TORCH, get_backend
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    t = (torch.randn(4096, 8192, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    for inv in (None, torch.tensor(100.0, device="cuda")):
+        q, amax = cute.quantize_delayed(t=t, inv_scale=inv)
+        q0, amax0 = TORCH.quantize_delayed(t=t, inv_scale=inv)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and amax == amax0
+    ws = [torch.randn(2048, 8192, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    (qs, s), (qs0, s0) = cute.fp8_weights(ws=ws), TORCH.fp8_weights(ws=ws)
+    assert torch.equal(s, s0) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs, qs0))

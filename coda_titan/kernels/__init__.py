@@ -59,6 +59,8 @@ class Backend:
     # precision = "fp8"
     fp8_layer_weights: Callable  # the weight pass
     quantize_tensorwise: Callable
+    fp8_weights: Callable  # the weight pass of one kind (W2)
+    quantize_delayed: Callable  # an activation to e4m3 with its delayed scale (y for the down-projection)
     rms_partial_fp8: Callable
     residual_rms_fp8: Callable
     residual_rms_q: Callable  # F1 with an fp8 mainloop (issue 19, not yet in the model)
@@ -88,6 +90,8 @@ TORCH = Backend(
     dgrad=gemm.dgrad,
     fp8_layer_weights=gemm.fp8_layer_weights,
     quantize_tensorwise=gemm.quantize_tensorwise,
+    fp8_weights=gemm.fp8_weights,
+    quantize_delayed=gemm.quantize_delayed,
     rms_partial_fp8=rms_partial.rms_partial_fp8,
     residual_rms_fp8=residual_rms.residual_rms_fp8,
     residual_rms_q=residual_rms.residual_rms_q,
@@ -118,6 +122,8 @@ def op_backend(name: str = "ops") -> Backend:
         dgrad=gemm.dgrad_op,
         fp8_layer_weights=gemm.fp8_layer_weights_op,
         quantize_tensorwise=gemm.quantize_tensorwise_op,
+        fp8_weights=gemm.fp8_weights_op,
+        quantize_delayed=gemm.quantize_delayed_op,
         rms_partial_fp8=rms_partial.rms_partial_fp8_op,
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,
         residual_rms_q=residual_rms.residual_rms_q_op,

@@ -78,6 +78,22 @@ def fp8_layer_weights(
             transposed(w13, w13_t), transposed(qkv, wqkv_t))
 
 
+def fp8_weights(*, ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(e4m3 W per layer, their dequantization scales (L,)): the weight pass of one weight kind
+    (tensorwise, current amax), e.g. every layer's W2 for ``fp8_down_proj``."""
+    pairs = [quantize_tensorwise(w=w) for w in ws]
+    return [q for q, _ in pairs], torch.stack([s for _, s in pairs]) if pairs else torch.empty(0)
+
+
+def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sat(t * inv) as e4m3, amax |t|): an activation quantized with its site's delayed scale
+    (``inv_scale``; None = the current amax, the calibration step), reporting the amax for the
+    site's history."""
+    tf = t.to(acc_dtype(t))
+    amax = tf.abs().amax()
+    return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
+
+
 def wgrad_fp8_operands(
     grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,6 +173,27 @@ def _(w1, w3, wq, wk, wv, w13_t, wqkv_t):
     w13_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in w13] if w13_t else []
     qkv_ts = [t.new_empty((t.shape[1], t.shape[0])) for t in qkv] if wqkv_t else []
     return w13, torch.empty(n, dtype=ct, device=dev), qkv, torch.empty(n, dtype=ct, device=dev), w13_ts, qkv_ts
+
+
+@program_op("fp8_weights")
+def fp8_weights_op(ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    return fp8_weights(ws=ws)
+
+
+@fp8_weights_op.register_fake
+def _(ws):
+    return [w.new_empty(w.shape, dtype=E4M3) for w in ws], torch.empty(len(ws), dtype=acc_dtype(ws[0]) if ws else torch.float32,
+                                                                       device=ws[0].device if ws else None)
+
+
+@program_op("quantize_delayed")
+def quantize_delayed_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_delayed(t=t, inv_scale=inv_scale)
+
+
+@quantize_delayed_op.register_fake
+def _(t, inv_scale):
+    return t.new_empty(t.shape, dtype=E4M3), t.new_empty((), dtype=acc_dtype(t))
 
 
 @program_op("wgrad_fp8")

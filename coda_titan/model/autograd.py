@@ -62,17 +62,30 @@ class Fp8Operands:
 
 
 @dataclass(frozen=True)
+class DownFp8:
+    """The down-projection on an fp8 mainloop (``fp8_down_proj``): y is cast to e4m3 with its site's
+    delayed scale ``inv`` (None = the current amax, the calibration step) and F1 multiplies it by the
+    layer's e4m3 W2 ``w`` (scale ``s_w``). The backward keeps the bf16 W2 (straight through)."""
+
+    w: torch.Tensor
+    s_w: torch.Tensor
+    inv: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class MlpFp8:
     """The MLP sub-layer on fp8: F2 on ``f2``'s operands; F1 writes e4m3 H for the next layer when
     ``quantize_next`` is given (every layer but the last). With a gradient sink given to the
     Function (``fp8_mlp_dgrad`` or ``fp8_mlp_wgrad``), B3 also writes da as e5m2 with the delayed
     ``grad_inv_scale`` (None = calibrate on the current amax); B2 then runs on it when ``f2.w_t`` is
-    given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given."""
+    given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given.
+    With ``down``, F1 runs its GEMM on e4m3 y and W2, and the Function's outputs end with amax |y|."""
 
     f2: Fp8Operands
     quantize_next: QuantizeH | None
     grad_inv_scale: torch.Tensor | None = None
     h_amax: torch.Tensor | None = None
+    down: DownFp8 | None = None
 
 
 def _grads(inputs: tuple[str, ...], **given) -> tuple:
@@ -172,11 +185,19 @@ class NormSwiGLUResidual(torch.autograd.Function):
             f2 = fp8.f2
             y, a = be.norm_swiglu_fp8(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w),
                                       out_dtype=h.dtype)
-        f1 = dict(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
-        if fp8 is not None and fp8.quantize_next is not None:
-            outs = be.residual_rms_fp8(**f1, inv_scale=fp8.quantize_next.inv_scale)
+        down = fp8.down if fp8 is not None else None
+        quantize_next = fp8.quantize_next if fp8 is not None else None
+        if down is not None:  # fp8_down_proj: F1's GEMM on e4m3 y and W2
+            yq, amax_y = be.quantize_delayed(t=y, inv_scale=down.inv)
+            inv_y = inv_scale_from_amax(amax_y) if down.inv is None else down.inv
+            f1 = dict(yq=yq, wq=down.w, scale=dequant_scale(inv_y, down.s_w), residual=x, gamma=gamma_next,
+                      tile_n=cfg.tile_n)
+            outs = (*(be.residual_rms_q_fp8(**f1, inv_scale=quantize_next.inv_scale) if quantize_next is not None
+                      else be.residual_rms_q(**f1)), amax_y)
         else:
-            outs = be.residual_rms(**f1)
+            f1 = dict(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
+            outs = (be.residual_rms_fp8(**f1, inv_scale=quantize_next.inv_scale) if quantize_next is not None
+                    else be.residual_rms(**f1))
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax) if ctx.e5m2 else (None,) * 4

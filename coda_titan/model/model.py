@@ -33,7 +33,7 @@ from ..kernels import get_backend, resolve_backend
 from ..kernels.scaling import inv_scale_from_amax
 from ..titan.job_config import validate
 from .args import CodaModelArgs
-from .autograd import Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
+from .autograd import DownFp8, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
 from .fp8_scaling import Fp8Scaling
 from .rope import rope_freqs
 
@@ -45,7 +45,7 @@ class LayerFp8:
     (``inv_ffn``) and of the next layer's input (``inv_next``; None = calibrate on the current amax),
     ``last`` for the last layer; its e4m3 W13 (``w13``, scale ``s_13``, transposed ``w13_t`` or
     None); the MLP's delayed gradient scale and amax sink (None, None without an e5m2 gradient);
-    whether dW13 runs on fp8."""
+    whether dW13 runs on fp8; the down-projection's e4m3 W2 and delayed y scale (``fp8_down_proj``)."""
 
     attn: Fp8Operands
     inv_ffn: torch.Tensor | None
@@ -57,14 +57,16 @@ class LayerFp8:
     grad_inv_scale: torch.Tensor | None
     grad_sink: torch.Tensor | None
     mlp_wgrad: bool
+    down: DownFp8 | None = None
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8: LayerFp8 | None = None):
-        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next): the e4m3 H of the
-        next layer and the amaxes of this layer's MLP input and the next layer's input (hq_next and
+        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y): the e4m3 H of
+        the next layer, the amaxes of this layer's MLP input, of the next layer's input and (with
+        ``fp8.down``, else None) of the down-projection's input y (hq_next and
         amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -95,13 +97,14 @@ class CodaTransformerBlock(TransformerBlock):
         mlp = MlpFp8(
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next),
-            grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None,
+            grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
         )
         out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink)
         x, h, s = out[:3]
-        hq_next, amax_next = (None, None) if fp8.last else out[3:]
+        hq_next, amax_next = (None, None) if fp8.last else out[3:5]
+        amax_y = out[-1] if fp8.down is not None else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd, hq_next, amax_ffn, amax_next
+        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y
 
 
 def _is_sharded(block: torch.nn.Module) -> bool:
@@ -223,20 +226,25 @@ class CodaTransformer(Transformer):
         )
 
     def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
-        """The layer chain with e4m3 F2/F3 operands. Site 2i is layer i's attention input, 2i + 1 its
-        MLP input; a training forward records each site's current amax in the history."""
+        """The layer chain with e4m3 F2/F3 operands (and F1 of W2 with ``fp8_down_proj``). Site 2i is
+        layer i's attention input, 2i + 1 its MLP input (and down-projection site i its SwiGLU output);
+        a training forward records each site's current amax in its history."""
         amaxes = [amax0]
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
 
+        down = coda.fp8_down_proj
+
         def weight_pass(blocks):  # straight-through: the backward uses the bf16 weights
             with torch.no_grad():
-                return cfg.backend.fp8_layer_weights(
+                ws = cfg.backend.fp8_layer_weights(
                     w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
                     wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                     wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
                 )
+                w2 = cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks]) if down else ([], None)
+                return (*ws, *w2)
 
         # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])
@@ -249,13 +257,16 @@ class CodaTransformer(Transformer):
                 if i + 1 < len(layers):
                     layers[i + 1].unshard(async_op=True)
             ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws
-            return w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w2q, s_2 = ws
+            return (w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None,
+                    (w2q[j], s_2[j]) if down else None)
 
         with torch.no_grad():
             inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
+        inv_y = self.fp8_scaling.down_inv_scales()
+        amaxes_y = []
         for i, layer in enumerate(layers):
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = layer_weights(i, layer)
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w2 = layer_weights(i, layer)
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else gammas[i + 1]
             # calibration step: the producer quantized with the current amax, and so must the consumer
@@ -265,9 +276,13 @@ class CodaTransformer(Transformer):
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
+                down=None if w2 is None else DownFp8(w=w2[0], s_w=w2[1], inv=inv_y[i]),
             )
-            x, h, rstd, hq, amax_ffn, amax_next = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
+            amaxes_y.append(amax_y)
         if self.training:
             self.fp8_scaling.record_activations(amaxes)
+            if down:
+                self.fp8_scaling.record_down(amaxes_y)
         return x, h, rstd

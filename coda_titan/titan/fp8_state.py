@@ -73,10 +73,13 @@ def attach(trainer) -> bool:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemReader
 
-            layout = saved_layout(FileSystemReader(path).read_metadata().state_dict_metadata)
+            saved = FileSystemReader(path).read_metadata().state_dict_metadata
+            layout = saved_layout(saved)
             world, rank = _world_rank()
             if layout == ("ranks", world) or layout == ("one", 1):
-                current = scaling.checkpoint_state()
+                prefix = f"{KEY}.rank{rank}." if layout[0] == "ranks" else f"{KEY}."
+                # (only what that checkpoint holds: one older than a history starts that one afresh)
+                current = {k: v for k, v in scaling.checkpoint_state().items() if prefix + k in saved}
                 sd = {KEY: {f"rank{rank}": current} if layout[0] == "ranks" else current}
                 dcp.load(sd, checkpoint_id=path)
                 state.load_state_dict(sd[KEY])

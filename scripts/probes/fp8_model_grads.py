@@ -55,19 +55,22 @@ def reordered_sums(tile_k: int = 256):
         return tiled_mm(aq.to(ct), bq.to(ct).t())
 
     mods = (gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms)
-    saved_mm, saved_fp8_mm = {m: m.mm for m in mods}, norm_swiglu.fp8_mm
+    fp8_mods = tuple(m for m in mods if hasattr(m, "fp8_mm"))
+    saved_mm, saved_fp8_mm = {m: m.mm for m in mods}, {m: m.fp8_mm for m in fp8_mods}
     for m in mods:
         m.mm = tiled_mm
-    norm_swiglu.fp8_mm = tiled_fp8_mm
+    for m in fp8_mods:
+        m.fp8_mm = tiled_fp8_mm
     try:
         yield
     finally:
         for m, f in saved_mm.items():
             m.mm = f
-        norm_swiglu.fp8_mm = saved_fp8_mm
+        for m, f in saved_fp8_mm.items():
+            m.fp8_mm = f
 
 
-def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2) -> dict:
+def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2, down_proj: bool = False) -> dict:
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
@@ -76,7 +79,8 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     models = {}
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("reordered", "torch", "fp8"),
                                 ("bf16", "torch", "bf16")):
-        coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad)
+        coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad,
+                    fp8_down_proj=down_proj)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -104,6 +108,8 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     for name in ("cute", "reordered"):
         models[name].fp8_scaling.activation_history.copy_(ref.fp8_scaling.activation_history)
         models[name].fp8_scaling.activations_calibrated = True
+        models[name].fp8_scaling.down_history.copy_(ref.fp8_scaling.down_history)
+        models[name].fp8_scaling.down_calibrated = ref.fp8_scaling.down_calibrated
     losses, grads, amaxes = {}, {}, {}
     for name, model in models.items():
         with reordered_sums() if name == "reordered" else contextlib.nullcontext():
@@ -126,7 +132,8 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
         p["order_ratio"] = p["order"] / max(p["effect"], 1e-12)
     del models, grads
     torch.cuda.empty_cache()
-    return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "losses": losses, "params": params, "amax": amaxes}
+    return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "down_proj": down_proj, "losses": losses, "params": params,
+            "amax": amaxes}
 
 
 def _kind(name: str) -> str:

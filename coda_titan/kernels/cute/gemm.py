@@ -5,6 +5,8 @@ wgrad / dgrad        cuBLAS with fp32 accumulation: every backward program alrea
 quantize_tensorwise  amax reduction + saturated cast, inductor-fused
 fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
+fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``)
+quantize_delayed     an activation's amax and its e4m3 cast with the delayed scale, inductor-fused
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -45,6 +47,17 @@ def _fp8_layer_weights(w1, w3, wq, wk, wv, w13_t, wqkv_t):
     return fused(f"fp8_layer_weights_{w13_t:d}{wqkv_t:d}", lambda *ws: ref.fp8_layer_weights(
         w1=ws[0], w3=ws[1], wq=ws[2], wk=ws[3], wv=ws[4], w13_t=w13_t, wqkv_t=wqkv_t,
     ))(list(w1), list(w3), list(wq), list(wk), list(wv))
+
+
+@torch.library.register_kernel("coda::fp8_weights", "cuda")
+def _fp8_weights(ws):
+    return fused("fp8_weights", lambda ts: ref.fp8_weights(ws=ts))(list(ws))
+
+
+@torch.library.register_kernel("coda::quantize_delayed", "cuda")
+def _quantize_delayed(t, inv_scale):
+    return fused(f"quantize_delayed_{inv_scale is None:d}", lambda a, inv: ref.quantize_delayed(t=a, inv_scale=inv))(
+        t, inv_scale)
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

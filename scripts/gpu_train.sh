@@ -26,7 +26,7 @@
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
 #     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad = true and = false (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
-#     fp8down    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_proj = true and = false (A/B)
+#     fp8down    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_proj and fp8_out_proj on / off (A/B)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
 #     fp8profile python -m scripts.compare --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
@@ -147,11 +147,12 @@ for phase in "$@"; do
         /tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
       ;;
     fp8down)
-      # A/B: the compiled CODA fp8 config with [coda] fp8_down_proj = true and = false, against float8 + compile
+      # A/B: the compiled CODA fp8 config with [coda] fp8_down_proj and fp8_out_proj both true and both
+      # false, against float8 + compile
       for v in down:true plain:false; do
         ab=/tmp/llama3_1b_fp8_coda_compile_${v%%:*}.toml
-        sed "s/^\[coda\]$/[coda]\nfp8_down_proj = ${v##*:}/" configs/llama3_1b_fp8_coda_compile.toml > $ab
-        grep -q "^fp8_down_proj = ${v##*:}$" $ab || { echo "could not derive $ab"; exit 2; }
+        sed "s/^\[coda\]$/[coda]\nfp8_down_proj = ${v##*:}\nfp8_out_proj = ${v##*:}/" configs/llama3_1b_fp8_coda_compile.toml > $ab
+        grep -q "^fp8_out_proj = ${v##*:}$" $ab || { echo "could not derive $ab"; exit 2; }
       done
       $cmp configs/llama3_1b_fp8_baseline_compile.toml /tmp/llama3_1b_fp8_coda_compile_down.toml \
         /tmp/llama3_1b_fp8_coda_compile_plain.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj

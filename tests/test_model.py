@@ -223,7 +223,7 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=precision == "fp8_mlp_dgrad", fp8_mlp_wgrad=precision == "fp8_mlp_dgrad",
-                fp8_down_proj=precision == "fp8_down")
+                fp8_down_proj=precision == "fp8_down", fp8_out_proj=precision == "fp8_down")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -238,11 +238,12 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
         model(tokens, labels=labels).backward()
         model.zero_grad()
     history = model.fp8_scaling.activation_history.clone()
-    down_history = model.fp8_scaling.down_history.clone()
+    inputs = {site: model.fp8_scaling.input_history(site).clone() for site in ("down", "out")}
     eager = model(tokens, labels=labels)
     eager.backward()
     model.fp8_scaling.activation_history.copy_(history)
-    model.fp8_scaling.down_history.copy_(down_history)
+    for site, hist in inputs.items():
+        model.fp8_scaling.input_history(site).copy_(hist)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     if programs == "custom_ops":
@@ -274,7 +275,7 @@ def _models(**kw):
     fp8_args.coda = dataclasses.replace(
         args.coda, precision=kw.get("precision", "fp8"), fp8_dgrad=kw.get("fp8_dgrad", False),
         fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
-        fp8_down_proj=kw.get("fp8_down_proj", False),
+        fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -508,7 +509,7 @@ def test_whole_1b_model_cute_matches_torch_backend():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mlp_dgrad,down_proj", [(False, False), (True, False), (True, True)])  # True: fp8_mlp_dgrad
+@pytest.mark.parametrize("mlp_dgrad,down_proj", [(False, False), (True, False), (True, True)])  # down_proj: also out_proj
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
     in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
@@ -525,7 +526,7 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj):  #
     (Before this bound: 1.0 flat, measured 0.60 and 0.79, ``scripts/probes/fp8_model_grads.py``.)"""
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
-    res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj)
+    res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj, out_proj=down_proj)  # (both F1 input sites)
     losses, s = res["losses"], summary(res)
     bound = 2 * s["worst_order_ratio"]
     print(f"model (mlp_dgrad {mlp_dgrad}, down_proj {down_proj}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
@@ -537,39 +538,43 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj):  #
     assert s["worst_ratio"] <= bound
 
 
-def test_fp8_down_projection_runs_w2_forward_on_e4m3_and_its_own_history():
-    """``fp8_down_proj``: F1 of W2 multiplies e4m3 y by e4m3 W2 (delayed scale of y, its own history);
-    the loss moves by an fp8 effect of the same size as the other sites', the backward keeps the bf16
-    W2 (straight through), so only what the forward's rounding moves changes, and the scales come
-    from the recorded history after the calibration step."""
+@pytest.mark.parametrize("site", ["down", "out"])
+def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
+    """``fp8_down_proj`` / ``fp8_out_proj``: F1 of W2 / W_o multiplies its input cast to e4m3 (the
+    site's delayed scale, its own history) by the e4m3 weight; the loss moves by an fp8 effect of the
+    same size as the other sites', the backward keeps the bf16 weight (straight through), and the
+    scales come from the recorded history after the calibration step."""
     bf16, fp8 = _models()
-    _, down = _models(fp8_down_proj=True)
+    _, f1q = _models(**{f"fp8_{site}_proj": True})
+    other = {"down": "out", "out": "down"}[site]
     tokens, labels = _batch(fp8.model_args.vocab_size)
-    n = down.model_args.n_layers
-    assert not down.fp8_scaling.down_calibrated and down.fp8_scaling.down_inv_scales() == [None] * n
-    for m in (bf16, fp8, down):  # calibration step, then a step on the delayed scales
+    n = f1q.model_args.n_layers
+    sc = f1q.fp8_scaling
+    assert not sc.input_calibrated[site] and sc.input_inv_scales(site) == [None] * n
+    for m in (bf16, fp8, f1q):  # calibration step, then a step on the delayed scales
         m(tokens, labels=labels).backward()
         m.zero_grad()
-    assert down.fp8_scaling.down_calibrated and not fp8.fp8_scaling.down_calibrated
-    assert (down.fp8_scaling.down_history[:, 0] > 0).all() and (down.fp8_scaling.down_history[:, 1:] == 0).all()
-    loss, loss8, loss_d = (m(tokens, labels=labels) for m in (bf16, fp8, down))
-    for m, lo in ((bf16, loss), (fp8, loss8), (down, loss_d)):
+    assert sc.input_calibrated[site] and not sc.input_calibrated[other] and not fp8.fp8_scaling.input_calibrated[site]
+    assert (sc.input_history(site)[:, 0] > 0).all() and (sc.input_history(site)[:, 1:] == 0).all()
+    assert (sc.input_history(other) == 0).all()
+    loss, loss8, loss_q = (m(tokens, labels=labels) for m in (bf16, fp8, f1q))
+    for m, lo in ((bf16, loss), (fp8, loss8), (f1q, loss_q)):
         lo.backward()
-    assert loss_d.item() != loss8.item()  # W2's forward did quantize
+    assert loss_q.item() != loss8.item()  # the F1's forward did quantize
     effect = abs(loss8.item() - loss.item())
-    assert abs(loss_d.item() - loss.item()) <= 4 * effect + 1e-3 * abs(loss.item()), (loss.item(), loss8.item(), loss_d.item())
-    g, gd = _grads(bf16), _grads(down)
+    assert abs(loss_q.item() - loss.item()) <= 4 * effect + 1e-3 * abs(loss.item()), (loss.item(), loss8.item(), loss_q.item())
+    g, gq = _grads(bf16), _grads(f1q)
     for name in g:
-        cos = torch.nn.functional.cosine_similarity(g[name].flatten(), gd[name].flatten(), dim=0).item()
+        cos = torch.nn.functional.cosine_similarity(g[name].flatten(), gq[name].flatten(), dim=0).item()
         assert cos > 0.98, (name, cos)
-    # the delayed scale of y is the history's: a history 3x the amax (not a power of two, which
-    # would only shift e4m3's exponents) rounds y differently
-    down.fp8_scaling.down_history.mul_(3)
-    assert not torch.equal(down(tokens, labels=labels), loss_d)
-    # checkpoints: the down history travels with the others; a state without it (older) recalibrates
-    state = {k: v.clone() for k, v in down.fp8_scaling.checkpoint_state().items()}
-    assert {"down_history", "down_calibrated"} <= state.keys()
-    down.fp8_scaling.load_checkpoint_state({k: v for k, v in state.items() if not k.startswith("down")})
-    assert not down.fp8_scaling.down_calibrated and (down.fp8_scaling.down_history == 0).all()
-    down.fp8_scaling.load_checkpoint_state(state)
-    assert down.fp8_scaling.down_calibrated and torch.equal(down.fp8_scaling.down_history, state["down_history"])
+    # the delayed scale is the history's: a history 3x the amax (not a power of two, which would
+    # only shift e4m3's exponents) rounds the input differently
+    sc.input_history(site).mul_(3)
+    assert not torch.equal(f1q(tokens, labels=labels), loss_q)
+    # checkpoints: the site's history travels with the others; a state without it (older) recalibrates
+    state = {k: v.clone() for k, v in sc.checkpoint_state().items()}
+    assert {f"{site}_history", f"{site}_calibrated"} <= state.keys()
+    sc.load_checkpoint_state({k: v for k, v in state.items() if not k.startswith(site)})
+    assert not sc.input_calibrated[site] and (sc.input_history(site) == 0).all()
+    sc.load_checkpoint_state(state)
+    assert sc.input_calibrated[site] and torch.equal(sc.input_history(site), state[f"{site}_history"])

@@ -271,8 +271,9 @@ def test_fp8_trains_through_the_real_trainer_and_resumes(tmp_path, cache_dir):
     Trainer: it trains, checkpoints its amax histories beside the model (``coda_fp8``), and a resume
     continues bit for bit. A stock checkpoint has no histories: an fp8 run resumes from it with a
     fresh calibration, and stock llama3 loads an fp8 CODA checkpoint (it ignores the histories)."""
-    # (with fp8_down_proj: the bit-for-bit resume needs the down-projection's history restored too)
-    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8", "--coda.fp8_down_proj"]
+    # (with the F1 input sites on: the bit-for-bit resume needs their histories restored too)
+    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8", "--coda.fp8_down_proj",
+           "--coda.fp8_out_proj"]
     a = _train("G", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)
     assert "exact fp8 emulation" in a["out"] and sorted(a["losses"]) == list(range(1, 11))
     (tmp_path / "H" / "checkpoint").mkdir(parents=True)

@@ -62,14 +62,31 @@ class Fp8Operands:
 
 
 @dataclass(frozen=True)
-class DownFp8:
-    """The down-projection on an fp8 mainloop (``fp8_down_proj``): y is cast to e4m3 with its site's
-    delayed scale ``inv`` (None = the current amax, the calibration step) and F1 multiplies it by the
-    layer's e4m3 W2 ``w`` (scale ``s_w``). The backward keeps the bf16 W2 (straight through)."""
+class Fp8Input:
+    """An F1 on an fp8 mainloop (``fp8_down_proj``: W2; ``fp8_out_proj``: W_o): its input is cast to
+    e4m3 with the site's delayed scale ``inv`` (None = the current amax, the calibration step) and F1
+    multiplies it by the layer's e4m3 weight ``w`` (scale ``s_w``). The backward keeps the bf16
+    weight (straight through)."""
 
     w: torch.Tensor
     s_w: torch.Tensor
     inv: torch.Tensor | None
+
+
+def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
+        fp8_in: Fp8Input | None) -> tuple:
+    """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize``, then amax |y| with ``fp8_in``
+    (y cast to e4m3 and the GEMM on the fp8 mainloop)."""
+    inv_next = None if quantize is None else quantize.inv_scale
+    if fp8_in is None:
+        f1 = dict(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=tile_n)
+        return be.residual_rms(**f1) if quantize is None else be.residual_rms_fp8(**f1, inv_scale=inv_next)
+    yq, amax_y = be.quantize_delayed(t=y, inv_scale=fp8_in.inv)
+    inv_y = inv_scale_from_amax(amax_y) if fp8_in.inv is None else fp8_in.inv
+    f1 = dict(yq=yq, wq=fp8_in.w, scale=dequant_scale(inv_y, fp8_in.s_w), residual=residual, gamma=gamma_next,
+              tile_n=tile_n)
+    outs = be.residual_rms_q(**f1) if quantize is None else be.residual_rms_q_fp8(**f1, inv_scale=inv_next)
+    return (*outs, amax_y)
 
 
 @dataclass(frozen=True)
@@ -85,7 +102,7 @@ class MlpFp8:
     quantize_next: QuantizeH | None
     grad_inv_scale: torch.Tensor | None = None
     h_amax: torch.Tensor | None = None
-    down: DownFp8 | None = None
+    down: Fp8Input | None = None
 
 
 def _grads(inputs: tuple[str, ...], **given) -> tuple:
@@ -95,21 +112,17 @@ def _grads(inputs: tuple[str, ...], **given) -> tuple:
     return tuple(given.get(name) for name in inputs)
 
 
-RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize")  # ResidualRMS.forward's inputs, in order
+RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize", "fp8_in")  # ResidualRMS.forward's inputs, in order
 
 
 class ResidualRMS(torch.autograd.Function):
     """F1: X = y @ W^T + residual; H = X * gamma_next; S partials (with ``quantize``: also e4m3 H and
-    amax |H|). Backward: dgrad + wgrad."""
+    amax |H|; with ``fp8_in``: the GEMM on e4m3 y, and amax |y| last). Backward: dgrad + wgrad (bf16)."""
 
     @staticmethod
-    def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None):
-        be = cfg.backend
-        if quantize is None:
-            outs = be.residual_rms(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=cfg.tile_n)
-        else:
-            outs = be.residual_rms_fp8(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=cfg.tile_n,
-                                       inv_scale=quantize.inv_scale)
+    def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None,
+                fp8_in: Fp8Input | None = None):
+        outs = _f1(cfg.backend, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.save_for_backward(y, weight)
         ctx.cfg = cfg
@@ -185,19 +198,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
             f2 = fp8.f2
             y, a = be.norm_swiglu_fp8(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w),
                                       out_dtype=h.dtype)
-        down = fp8.down if fp8 is not None else None
-        quantize_next = fp8.quantize_next if fp8 is not None else None
-        if down is not None:  # fp8_down_proj: F1's GEMM on e4m3 y and W2
-            yq, amax_y = be.quantize_delayed(t=y, inv_scale=down.inv)
-            inv_y = inv_scale_from_amax(amax_y) if down.inv is None else down.inv
-            f1 = dict(yq=yq, wq=down.w, scale=dequant_scale(inv_y, down.s_w), residual=x, gamma=gamma_next,
-                      tile_n=cfg.tile_n)
-            outs = (*(be.residual_rms_q_fp8(**f1, inv_scale=quantize_next.inv_scale) if quantize_next is not None
-                      else be.residual_rms_q(**f1)), amax_y)
-        else:
-            f1 = dict(y=y, weight=w2, residual=x, gamma=gamma_next, tile_n=cfg.tile_n)
-            outs = (be.residual_rms_fp8(**f1, inv_scale=quantize_next.inv_scale) if quantize_next is not None
-                    else be.residual_rms(**f1))
+        outs = _f1(be, y, w2, x, gamma_next, cfg.tile_n, fp8.quantize_next if fp8 is not None else None,
+                   fp8.down if fp8 is not None else None)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax) if ctx.e5m2 else (None,) * 4

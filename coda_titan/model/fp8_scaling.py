@@ -6,8 +6,10 @@ amax of the whole tensor exists:
 * activations: per layer l, site 2l is the attention input H (F3's A operand) and site 2l + 1 the
   MLP input H (F2's). A training forward records each site's current amax; the scale is
   e4m3_max / max(history). The first step has no history: it calibrates on the current amax.
-* down-projection inputs (``fp8_down_proj``): per layer, the SwiGLU output y that the down-projection
-  (F1 on an fp8 mainloop) reads as e4m3; delayed like the activations, its amax recorded by the cast.
+* F1 inputs on an fp8 mainloop (``INPUT_SITES``): per layer, the SwiGLU output y that the
+  down-projection reads as e4m3 (``fp8_down_proj``, site "down") and the attention output o that the
+  out-projection reads (``fp8_out_proj``, site "out"); delayed like the activations, each amax
+  recorded by its cast.
 * MLP gradients (``fp8_mlp_dgrad`` / ``fp8_mlp_wgrad``): per layer, da as e5m2 written by B3. Its
   amax is only known in the backward; it comes back through autograd as the gradient of a
   ``GradAmaxSink`` tensor, and enters the history at the next forward. The scale keeps
@@ -42,6 +44,9 @@ class GradAmaxSink:
         return self.tensor.grad
 
 
+INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
+
+
 class Fp8Scaling(nn.Module):
     """Amax histories (newest first) and the scales they give."""
 
@@ -50,7 +55,8 @@ class Fp8Scaling(nn.Module):
         self.grad_margin = grad_margin
         self.register_buffer("activation_history", torch.zeros(2 * n_layers, history), persistent=False)
         self.register_buffer("gradient_history", torch.zeros(n_layers, history), persistent=False)
-        self.register_buffer("down_history", torch.zeros(n_layers, history), persistent=False)
+        for site in INPUT_SITES:
+            self.register_buffer(f"{site}_history", torch.zeros(n_layers, history), persistent=False)
         self.reset()
 
     def reset(self, device=None) -> None:
@@ -58,14 +64,16 @@ class Fp8Scaling(nn.Module):
         if device is not None:
             self.activation_history = torch.zeros_like(self.activation_history, device=device)
             self.gradient_history = torch.zeros_like(self.gradient_history, device=device)
-            self.down_history = torch.zeros_like(self.down_history, device=device)
+            for site in INPUT_SITES:
+                setattr(self, f"{site}_history", torch.zeros_like(self.input_history(site), device=device))
         else:
             self.activation_history.zero_()
             self.gradient_history.zero_()
-            self.down_history.zero_()
+            for site in INPUT_SITES:
+                self.input_history(site).zero_()
         self.activations_calibrated = False
         self.gradients_calibrated = False
-        self.down_calibrated = False
+        self.input_calibrated = {site: False for site in INPUT_SITES}
         self.sink: GradAmaxSink | None = None
 
     def flush_sink(self) -> None:
@@ -81,20 +89,24 @@ class Fp8Scaling(nn.Module):
         """What a checkpoint keeps: both histories and whether each is calibrated."""
         self.flush_sink()
         flags = torch.tensor([self.activations_calibrated, self.gradients_calibrated], dtype=torch.int8)
-        return {"activation_history": self.activation_history, "gradient_history": self.gradient_history,
-                "calibrated": flags, "down_history": self.down_history,
-                "down_calibrated": torch.tensor([self.down_calibrated], dtype=torch.int8)}
+        state = {"activation_history": self.activation_history, "gradient_history": self.gradient_history,
+                 "calibrated": flags}
+        for site in INPUT_SITES:
+            state[f"{site}_history"] = self.input_history(site)
+            state[f"{site}_calibrated"] = torch.tensor([self.input_calibrated[site]], dtype=torch.int8)
+        return state
 
     def load_checkpoint_state(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.activation_history.copy_(state_dict["activation_history"])
         self.gradient_history.copy_(state_dict["gradient_history"])
         self.activations_calibrated, self.gradients_calibrated = (bool(v) for v in state_dict["calibrated"].tolist())
-        if "down_history" in state_dict:  # (a checkpoint older than fp8_down_proj has none: it calibrates)
-            self.down_history.copy_(state_dict["down_history"])
-            self.down_calibrated = bool(state_dict["down_calibrated"].item())
-        else:
-            self.down_history.zero_()
-            self.down_calibrated = False
+        for site in INPUT_SITES:  # (a checkpoint older than a site has none of it: that site calibrates)
+            if f"{site}_history" in state_dict:
+                self.input_history(site).copy_(state_dict[f"{site}_history"])
+                self.input_calibrated[site] = bool(state_dict[f"{site}_calibrated"].item())
+            else:
+                self.input_history(site).zero_()
+                self.input_calibrated[site] = False
         self.sink = None
 
     def activation_inv_scales(self) -> list[torch.Tensor | None]:
@@ -103,16 +115,20 @@ class Fp8Scaling(nn.Module):
             return [None] * self.activation_history.shape[0]
         return list(inv_scale_from_amax(self.activation_history.amax(-1)).unbind(0))
 
-    def down_inv_scales(self) -> list[torch.Tensor | None]:
-        """Per-layer inverse scales of the down-projection input y, or all None to calibrate."""
-        if not self.down_calibrated:
-            return [None] * self.down_history.shape[0]
-        return list(inv_scale_from_amax(self.down_history.amax(-1)).unbind(0))
+    def input_history(self, site: str) -> torch.Tensor:
+        return getattr(self, f"{site}_history")
+
+    def input_inv_scales(self, site: str) -> list[torch.Tensor | None]:
+        """Per-layer inverse scales of an F1 input site (``INPUT_SITES``), or all None to calibrate."""
+        if not self.input_calibrated[site]:
+            return [None] * self.input_history(site).shape[0]
+        return list(inv_scale_from_amax(self.input_history(site).amax(-1)).unbind(0))
 
     @torch.no_grad()
-    def record_down(self, amaxes: list[torch.Tensor]) -> None:
-        _push(self.down_history, torch.stack([a.to(self.down_history.dtype) for a in amaxes]))
-        self.down_calibrated = True
+    def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
+        history = self.input_history(site)
+        _push(history, torch.stack([a.to(history.dtype) for a in amaxes]))
+        self.input_calibrated[site] = True
 
     @torch.no_grad()
     def record_activations(self, amaxes: list[torch.Tensor]) -> None:

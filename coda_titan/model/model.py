@@ -33,7 +33,7 @@ from ..kernels import get_backend, resolve_backend
 from ..kernels.scaling import inv_scale_from_amax
 from ..titan.job_config import validate
 from .args import CodaModelArgs
-from .autograd import DownFp8, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
+from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
 from .fp8_scaling import Fp8Scaling
 from .rope import rope_freqs
 
@@ -45,7 +45,8 @@ class LayerFp8:
     (``inv_ffn``) and of the next layer's input (``inv_next``; None = calibrate on the current amax),
     ``last`` for the last layer; its e4m3 W13 (``w13``, scale ``s_13``, transposed ``w13_t`` or
     None); the MLP's delayed gradient scale and amax sink (None, None without an e5m2 gradient);
-    whether dW13 runs on fp8; the down-projection's e4m3 W2 and delayed y scale (``fp8_down_proj``)."""
+    whether dW13 runs on fp8; the down- and out-projections' e4m3 weights and delayed input scales
+    (``fp8_down_proj``, ``fp8_out_proj``)."""
 
     attn: Fp8Operands
     inv_ffn: torch.Tensor | None
@@ -57,16 +58,17 @@ class LayerFp8:
     grad_inv_scale: torch.Tensor | None
     grad_sink: torch.Tensor | None
     mlp_wgrad: bool
-    down: DownFp8 | None = None
+    down: Fp8Input | None = None
+    out: Fp8Input | None = None
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8: LayerFp8 | None = None):
-        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y): the e4m3 H of
-        the next layer, the amaxes of this layer's MLP input, of the next layer's input and (with
-        ``fp8.down``, else None) of the down-projection's input y (hq_next and
+        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o): the
+        e4m3 H of the next layer, the amaxes of this layer's MLP input, of the next layer's input and
+        (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs (hq_next and
         amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn = self.attention
@@ -90,8 +92,9 @@ class CodaTransformerBlock(TransformerBlock):
             x, h, s = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg)
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
             return x, h, rstd
-        x, h, s, hq, amax_ffn = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg,
-                                                  QuantizeH(fp8.inv_ffn))
+        out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn), fp8.out)
+        x, h, s, hq, amax_ffn = out[:5]
+        amax_o = out[5] if fp8.out is not None else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if fp8.inv_ffn is None else fp8.inv_ffn  # calibration: current
         mlp = MlpFp8(
@@ -104,7 +107,7 @@ class CodaTransformerBlock(TransformerBlock):
         hq_next, amax_next = (None, None) if fp8.last else out[3:5]
         amax_y = out[-1] if fp8.down is not None else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y
+        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o
 
 
 def _is_sharded(block: torch.nn.Module) -> bool:
@@ -226,15 +229,18 @@ class CodaTransformer(Transformer):
         )
 
     def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
-        """The layer chain with e4m3 F2/F3 operands (and F1 of W2 with ``fp8_down_proj``). Site 2i is
-        layer i's attention input, 2i + 1 its MLP input (and down-projection site i its SwiGLU output);
-        a training forward records each site's current amax in its history."""
+        """The layer chain with e4m3 F2/F3 operands (and the F1s of W2 / W_o with ``fp8_down_proj`` /
+        ``fp8_out_proj``). Site 2i is layer i's attention input, 2i + 1 its MLP input (and the input
+        sites "down" / "out" i its SwiGLU / attention output); a training forward records each site's
+        current amax in its history."""
         amaxes = [amax0]
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
 
-        down = coda.fp8_down_proj
+        # F1s on an fp8 mainloop, by site: the weight each multiplies
+        inputs = {site: weight for site, weight, on in (("down", lambda l: l.feed_forward.w2.weight, coda.fp8_down_proj),
+                                                         ("out", lambda l: l.attention.wo.weight, coda.fp8_out_proj)) if on}
 
         def weight_pass(blocks):  # straight-through: the backward uses the bf16 weights
             with torch.no_grad():
@@ -243,8 +249,7 @@ class CodaTransformer(Transformer):
                     wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                     wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
                 )
-                w2 = cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks]) if down else ([], None)
-                return (*ws, *w2)
+                return (*ws, {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()})
 
         # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])
@@ -257,16 +262,17 @@ class CodaTransformer(Transformer):
                 if i + 1 < len(layers):
                     layers[i + 1].unshard(async_op=True)
             ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w2q, s_2 = ws
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, fp8_in = ws
             return (w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None,
-                    (w2q[j], s_2[j]) if down else None)
+                    {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()})
 
         with torch.no_grad():
             inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
-        inv_y = self.fp8_scaling.down_inv_scales()
-        amaxes_y = []
+        inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs}
+        amaxes_in = {site: [] for site in inputs}
         for i, layer in enumerate(layers):
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w2 = layer_weights(i, layer)
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in = layer_weights(i, layer)
+            f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i]) for site, (w, sc) in w_in.items()}
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else gammas[i + 1]
             # calibration step: the producer quantized with the current amax, and so must the consumer
@@ -276,13 +282,15 @@ class CodaTransformer(Transformer):
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
-                down=None if w2 is None else DownFp8(w=w2[0], s_w=w2[1], inv=inv_y[i]),
+                down=f1_in.get("down"), out=f1_in.get("out"),
             )
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
-            amaxes_y.append(amax_y)
+            for site, amax in (("down", amax_y), ("out", amax_o)):
+                if site in inputs:
+                    amaxes_in[site].append(amax)
         if self.training:
             self.fp8_scaling.record_activations(amaxes)
-            if down:
-                self.fp8_scaling.record_down(amaxes_y)
+            for site, amaxes_site in amaxes_in.items():
+                self.fp8_scaling.record_input(site, amaxes_site)
         return x, h, rstd

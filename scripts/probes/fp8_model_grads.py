@@ -70,7 +70,8 @@ def reordered_sums(tile_k: int = 256):
             m.fp8_mm = f
 
 
-def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2, down_proj: bool = False) -> dict:
+def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2, down_proj: bool = False,
+                out_proj: bool = False) -> dict:
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
@@ -80,7 +81,7 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("reordered", "torch", "fp8"),
                                 ("bf16", "torch", "bf16")):
         coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad,
-                    fp8_down_proj=down_proj)
+                    fp8_down_proj=down_proj, fp8_out_proj=out_proj)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -108,8 +109,9 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     for name in ("cute", "reordered"):
         models[name].fp8_scaling.activation_history.copy_(ref.fp8_scaling.activation_history)
         models[name].fp8_scaling.activations_calibrated = True
-        models[name].fp8_scaling.down_history.copy_(ref.fp8_scaling.down_history)
-        models[name].fp8_scaling.down_calibrated = ref.fp8_scaling.down_calibrated
+        for site, calibrated in ref.fp8_scaling.input_calibrated.items():
+            models[name].fp8_scaling.input_history(site).copy_(ref.fp8_scaling.input_history(site))
+            models[name].fp8_scaling.input_calibrated[site] = calibrated
     losses, grads, amaxes = {}, {}, {}
     for name, model in models.items():
         with reordered_sums() if name == "reordered" else contextlib.nullcontext():
@@ -132,7 +134,8 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
         p["order_ratio"] = p["order"] / max(p["effect"], 1e-12)
     del models, grads
     torch.cuda.empty_cache()
-    return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "down_proj": down_proj, "losses": losses, "params": params,
+    return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "down_proj": down_proj, "out_proj": out_proj,
+            "losses": losses, "params": params,
             "amax": amaxes}
 
 

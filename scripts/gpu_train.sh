@@ -49,6 +49,15 @@ finish() {
 }
 trap finish EXIT
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
+# variant NAME "KEY = VALUE" ...: the compiled CODA fp8 config with those [coda] lines, as /tmp/<stem>_NAME.toml
+# (an A/B arm: variant stems have no target; the table sets them against the compiled baseline)
+variant() {
+  local v=/tmp/llama3_1b_fp8_coda_compile_$1.toml lines="" l; shift
+  for l in "$@"; do lines="$lines\n$l"; done
+  sed "s/^\[coda\]$/[coda]$lines/" configs/llama3_1b_fp8_coda_compile.toml > "$v"
+  for l in "$@"; do grep -qx "$l" "$v" || { echo "could not derive $v" >&2; return 1; }; done
+  echo "$v"
+}
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
@@ -137,25 +146,14 @@ for phase in "$@"; do
       ;;
     fp8wgrad)
       # A/B: the compiled CODA fp8 config with fp8_mlp_wgrad set either way, whatever its default
-      # (variant stems have no target; the table sets them against the compiled baseline)
-      for v in fp8:true bf16:false; do
-        ab=/tmp/llama3_1b_fp8_coda_compile_${v%%:*}_wgrad.toml
-        sed "s/^\[coda\]$/[coda]\nfp8_mlp_wgrad = ${v##*:}/" configs/llama3_1b_fp8_coda_compile.toml > $ab
-        grep -q "^fp8_mlp_wgrad = ${v##*:}$" $ab || { echo "could not derive $ab"; exit 2; }
-      done
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml /tmp/llama3_1b_fp8_coda_compile_fp8_wgrad.toml \
-        /tmp/llama3_1b_fp8_coda_compile_bf16_wgrad.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
+      a=$(variant fp8_wgrad "fp8_mlp_wgrad = true") && b=$(variant bf16_wgrad "fp8_mlp_wgrad = false") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
       ;;
     fp8down)
-      # A/B: the compiled CODA fp8 config with [coda] fp8_down_proj and fp8_out_proj both true and both
-      # false, against float8 + compile
-      for v in down:true plain:false; do
-        ab=/tmp/llama3_1b_fp8_coda_compile_${v%%:*}.toml
-        sed "s/^\[coda\]$/[coda]\nfp8_down_proj = ${v##*:}\nfp8_out_proj = ${v##*:}/" configs/llama3_1b_fp8_coda_compile.toml > $ab
-        grep -q "^fp8_out_proj = ${v##*:}$" $ab || { echo "could not derive $ab"; exit 2; }
-      done
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml /tmp/llama3_1b_fp8_coda_compile_down.toml \
-        /tmp/llama3_1b_fp8_coda_compile_plain.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj
+      # A/B: [coda] fp8_down_proj and fp8_out_proj both true and both false, against float8 + compile
+      a=$(variant down "fp8_down_proj = true" "fp8_out_proj = true") &&
+        b=$(variant plain "fp8_down_proj = false" "fp8_out_proj = false") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj
       ;;
     fp8store)
       # issue 19's first experiment: F2 writing y as e4m3 from its epilogue on SM90 (scripts/probes/fp8_gated_store.py)

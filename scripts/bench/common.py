@@ -27,6 +27,28 @@ def header() -> dict:
     }
 
 
+def out_json(name: str) -> str:
+    """``$OUT/<name>_<gpu>.json`` (benchmarks/results without $OUT), its folder created."""
+    import os
+    import re
+
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_")
+    out_dir = os.environ.get("OUT", "benchmarks/results")
+    os.makedirs(out_dir, exist_ok=True)
+    return os.path.join(out_dir, f"{name}_{slug}.json")
+
+
+def log_row(doc: dict, key: str, row: dict, path: str) -> None:
+    """Append ``row`` to ``doc[key]``, print it as one JSON line and rewrite ``path`` (a call cut
+    short keeps every row measured so far)."""
+    import json
+
+    doc[key].append(row)
+    print(json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def bench(fn, reps=None):
     """Median ms of triton's do_bench, after one untimed call (compile / autotune / allocate)."""
     from triton.testing import do_bench

@@ -13,13 +13,10 @@ and once the bare GEMMs of the full head (forward, dgrad, wgrad, cuBLAS). Writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 
 import torch
 
-from scripts.bench.common import BF, EPS, M, VOCAB, bench, header, peak_gib
+from scripts.bench.common import BF, EPS, M, VOCAB, bench, header, log_row, out_json, peak_gib
 
 
 def _bare_gemms(h, w, gen) -> dict:
@@ -52,20 +49,14 @@ def main(argv=None) -> int:
     doc["bare_gemm_ms"] = _bare_gemms(h, w, gen)
     torch.cuda.empty_cache()
     bare = sum(doc["bare_gemm_ms"].values())
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
-    out = os.path.join(os.environ.get("OUT", "benchmarks/results"), f"probe_ce_chunks_{slug}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = out_json("probe_ce_chunks")
     for rows in args.chunks:
         def run():
             return be.lm_head_ce(h=h, rstd=rstd, x=x, gamma=gamma, weight=w, targets=tgt, chunk_rows=rows,
                                  compute_grad=True)
         ms = bench(run)
         torch.cuda.empty_cache()
-        row = {"chunk_rows": rows, "ms": ms, "over_bare_gemms": ms / bare, "peak_gib": peak_gib(run)}
-        doc["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=1)
+        log_row(doc, "rows", {"chunk_rows": rows, "ms": ms, "over_bare_gemms": ms / bare, "peak_gib": peak_gib(run)}, out)
     print("wrote", out, flush=True)
     return 0
 

@@ -21,10 +21,6 @@ e4m3 step. Writes ``$OUT/probe_fp8_gated_store_<gpu>.json``.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-
 import cutlass
 import cutlass.utils
 import torch
@@ -79,7 +75,7 @@ def main() -> int:
     from coda_titan.kernels.cute import _dispatch
     from coda_titan.kernels.cute.epilogues import fp8_rstd_swiglu_preact_epi
     from coda_titan.kernels.scaling import E4M3, inv_scale_from_amax, quantize_e4m3
-    from scripts.bench.common import bench, header
+    from scripts.bench.common import bench, header, log_row, out_json
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -98,9 +94,7 @@ def main() -> int:
     cast = torch.compile(lambda t, s: (t.float() * s).clamp(-448, 448).to(E4M3), dynamic=False)
     doc = {**header(), "kind": "probe_fp8_gated_store", "M": m, "d": d, "F": f,
            "timing": "triton.testing.do_bench median after one untimed call", "runs": []}
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", doc["device"]).strip("_")
-    out = os.path.join(os.environ.get("OUT", "benchmarks/results"), f"probe_fp8_gated_store_{slug}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = out_json("probe_fp8_gated_store")
     for tuned in (False, True):
         row = {"tuned": tuned, "ms": {}}
 
@@ -124,10 +118,7 @@ def main() -> int:
             row["codes_ok"] = row["codes_differing"] < 1e-3 and row["codes_max_step"] <= 1
         except Exception as e:  # noqa: BLE001 - the experiment's outcome, recorded
             row["f2_e4m3_y_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-        print(json.dumps(row), flush=True)
-        doc["runs"].append(row)
-        with open(out, "w") as fh:
-            json.dump(doc, fh, indent=1)
+        log_row(doc, "runs", row, out)
     print("wrote", out, flush=True)
     return 0
 

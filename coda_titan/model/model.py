@@ -256,7 +256,8 @@ class CodaTransformer(Transformer):
         batched = None if sharded else weight_pass(layers)
 
         def layer_weights(i, layer):
-            """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None) of layer i."""
+            """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None, {site: (e4m3 weight, its
+            scale)} of the F1 input sites on) of layer i."""
             if sharded:  # the block's own gather (at i > 0 issued at block i - 1), then the next block's,
                 layer.unshard()  # asynchronously: it runs beside this block's compute, as FSDP's prefetch does
                 if i + 1 < len(layers):

@@ -30,12 +30,12 @@ def header() -> dict:
 def out_json(name: str) -> str:
     """``$OUT/<name>_<gpu>.json`` (benchmarks/results without $OUT), its folder created."""
     import os
-    import re
 
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_")
+    from scripts.compare.common import _slug
+
     out_dir = os.environ.get("OUT", "benchmarks/results")
     os.makedirs(out_dir, exist_ok=True)
-    return os.path.join(out_dir, f"{name}_{slug}.json")
+    return os.path.join(out_dir, f"{name}_{_slug(torch.cuda.get_device_name())}.json")
 
 
 def log_row(doc: dict, key: str, row: dict, path: str) -> None:

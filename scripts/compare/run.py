@@ -187,15 +187,25 @@ def peak_active(wandb: dict, warmup: int) -> dict:
     return {"peak_active_gib": max(timed), "peak_active_gib_warmup": max(first) if first else None} if timed else {}
 
 
+def floor_files(device: str, date: str, dirs) -> list[tuple[Path, dict]]:
+    """(path, doc) of every floor file (``scripts.bench.floor``) of this device and day in ``dirs``,
+    in that order, the newest name first within a folder."""
+    out = []
+    for d in dirs:
+        for p in sorted(Path(d).glob(f"floor_{_slug(device)}_{date[:10]}.json"), reverse=True):
+            f = json.loads(p.read_text())
+            if f["device"] == device:
+                out.append((p, f))
+    return out
+
+
 def same_lease_floor(doc: dict, out: Path) -> dict | None:
     """The step floor (``scripts.bench.floor``) measured on this GPU today for this model shape, found
     in ``out`` or benchmarks/results: its file and its floor ms per precision, or None."""
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
-    for d in (out, RESULTS):
-        for p in sorted(d.glob(f"floor_{_slug(doc['device'])}_{doc['date'][:10]}.json"), reverse=True):
-            f = json.loads(p.read_text())
-            if f["device"] == doc["device"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
-                return {"file": p.name, **{k: v["floor_ms"] for k, v in f["totals"].items()}}
+    for p, f in floor_files(doc["device"], doc["date"], (out, RESULTS)):
+        if (f["seq_len"], f["local_batch_size"]) == (seq, bs):
+            return {"file": p.name, **{k: v["floor_ms"] for k, v in f["totals"].items()}}
     return None
 
 

@@ -41,8 +41,7 @@ def compare_table(doc: dict) -> str:
             lines.append(f"| {stem} | {r['attention']} | failed: {r['error'].splitlines()[0]} | | | | | | |")
             continue
         # (a variant such as <model>_coda_compile_<what> is set against the same compiled baseline)
-        name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
-        ref = base.get(name) if n else None
+        ref = base.get(_stock_of(stem))
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
         fl = floor.get(r.get("precision", "bf16")) if floor else None
         over = f"{r['step_ms'] / fl:.3f}" if fl and r["attention"] == "fa4" else "n/a"
@@ -67,9 +66,11 @@ def compare_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _stock_of(stem: str) -> str:
-    """The compiled stock config a CODA config is set against (``m_coda[_compile]`` -> ``m_baseline_compile``)."""
-    return re.sub(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+def _stock_of(stem: str) -> str | None:
+    """The compiled stock config a config is set against (``m_coda[_compile][_variant]`` and
+    ``m_baseline[_compile]`` -> ``m_baseline_compile``), None for a stem of neither kind."""
+    name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+    return name if n else None
 
 
 def scaling_table(multi: dict, single: dict) -> str:
@@ -254,14 +255,11 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
 
 
 def _floor_of(device: str, date: str) -> dict | None:
-    """The floor file (``scripts.bench.floor``) of this device and day, if one was measured."""
-    from scripts.compare.common import RESULTS, _slug
+    """The complete floor file (``scripts.bench.floor``) of this device and day, if one was measured."""
+    from scripts.compare.common import RESULTS
+    from scripts.compare.run import floor_files
 
-    for p in sorted(RESULTS.glob(f"floor_{_slug(device)}_{date[:10]}.json"), reverse=True):
-        doc = json.loads(p.read_text())
-        if doc.get("device") == device and doc.get("complete"):
-            return doc
-    return None
+    return next((doc for _, doc in floor_files(device, date, (RESULTS,)) if doc.get("complete")), None)
 
 
 def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:

@@ -129,6 +129,12 @@ def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monke
     # every step deviates by exactly 0.2% at 2 GPUs and 0.1% on one; 40 steps, the first 20 skipped
     row = next(line for line in table.splitlines() if line.startswith("| m_coda_compile vs m_baseline_compile"))
     assert row.split("|")[2:5] == [" 20 ", " 0.20% ", " 0.10% "] and row.rstrip().endswith("| none |")
+    # the 8B pair: stock and CODA configs named without _compile (compile set by an override)
+    eager = [{**d, "runs": [{**r, "config": r["config"].replace("_compile", "")} for r in d["runs"]]} for d in pairs[0]]
+    table = training.scaling_table(*eager)
+    assert "| m_baseline | 900 | 1,000 | 0.900 | n/a | n/a |" in table
+    assert "| m_coda | 1,000 | 1,100 | 0.909 | 1.111x | 1.100x |" in table
+    assert any(line.startswith("| m_coda vs m_baseline | 20 |") for line in table.splitlines())
 
 
 def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path, monkeypatch):

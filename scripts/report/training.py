@@ -73,6 +73,14 @@ def _stock_of(stem: str) -> str | None:
     return name if n else None
 
 
+def _stock_in(stem: str, runs: dict) -> str | None:
+    """The stock config of ``runs`` that ``stem`` is set against in a scaling table: its compiled
+    stock config, or else the stock config of the same model under the run's own flags (the 8B pair
+    runs ``m_baseline`` and ``m_coda`` with ``--set compile.enable=true``); None for stock itself."""
+    eager = re.sub(r"_coda(_compile)?(_[a-z0-9_]+)?$", "_baseline", stem)
+    return next((s for s in (_stock_of(stem), eager) if s in runs and s != stem and "_coda" not in s), None)
+
+
 def scaling_table(multi: dict, single: dict) -> str:
     """Tokens/s per GPU of each config on N GPUs (``compare --nproc N``) against the same config on
     one GPU of the same host and day (the scaling efficiency), CODA against stock at N GPUs, and the
@@ -92,24 +100,22 @@ def scaling_table(multi: dict, single: dict) -> str:
         if stem not in one:
             continue
         base = one[stem]["tokens_per_s"]
-        ref_n, ref_1 = many.get(_stock_of(stem)), one.get(_stock_of(stem))
-        if _stock_of(stem) == stem:
-            ref_n = ref_1 = None
+        ref_n, ref_1 = many.get(_stock_in(stem, many)), one.get(_stock_in(stem, one))
         vs_n = f"{r['tokens_per_s'] / ref_n['tokens_per_s']:.3f}x" if ref_n else "n/a"
         vs_1 = f"{base / ref_1['tokens_per_s']:.3f}x" if ref_1 else "n/a"
         lines.append(f"| {stem} | {_f(r['tokens_per_s'], 0)} | {_f(base, 0)} | {r['tokens_per_s'] / base:.3f} | {vs_n} | {vs_1} |")
     rows = []
     for stem, r in many.items():
-        ref = many.get(_stock_of(stem))
-        if ref is None or ref is r or "loss" not in r:
+        ref, stock = many.get(_stock_in(stem, many)), _stock_in(stem, many)
+        if ref is None or "loss" not in r:
             continue
         p_n = parity(ref["loss"], r["loss"])
-        p_1 = parity(one[_stock_of(stem)]["loss"], one[stem]["loss"]) if stem in one and _stock_of(stem) in one else None
+        p_1 = parity(one[stock]["loss"], one[stem]["loss"]) if stem in one and stock in one else None
 
         def cell(p, key):
             return "n/a" if p is None or p[key] is None else f"{100 * p[key]:.2f}%"
         finite = not any(p_n["non_finite"].values()) and not (p_1 and any(p_1["non_finite"].values()))
-        rows.append(f"| {stem} vs {_stock_of(stem)} | {p_n['compared_steps']} | {cell(p_n, 'mean_abs_rel_dev')} | "
+        rows.append(f"| {stem} vs {stock} | {p_n['compared_steps']} | {cell(p_n, 'mean_abs_rel_dev')} | "
                     f"{cell(p_1, 'mean_abs_rel_dev')} | {cell(p_n, 'max_rel_dev_10step_mean')} | "
                     f"{cell(p_1, 'max_rel_dev_10step_mean')} | {'none' if finite else 'yes'} |")
     if rows:

@@ -195,7 +195,10 @@ def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
     for inv in (None, torch.tensor(100.0, device="cuda")):
         q, amax = cute.quantize_delayed(t=t, inv_scale=inv)
         q0, amax0 = TORCH.quantize_delayed(t=t, inv_scale=inv)
-        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and amax == amax0
+        assert amax == amax0, (inv, amax, amax0)
+        diff = (q.view(torch.uint8) != q0.view(torch.uint8)).nonzero()
+        examples = [(t[i, j].item(), q[i, j].item(), q0[i, j].item()) for i, j in diff[:4].tolist()]
+        assert len(diff) == 0, f"inv {inv}: {len(diff)} codes differ; (t, got, want): {examples}"
     ws = [torch.randn(2048, 8192, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
     (qs, s), (qs0, s0) = cute.fp8_weights(ws=ws), TORCH.fp8_weights(ws=ws)
     assert torch.equal(s, s0) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs, qs0))

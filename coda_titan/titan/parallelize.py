@@ -32,15 +32,26 @@ def parallelize_coda(model, parallel_dims, job_config):
         if enabled:
             raise ValueError(f"coda_llama3 does not support parallelism.{key} > 1; it supports {SUPPORTED}")
     model_compile = job_config.compile.enable and "model" in job_config.compile.components
-    if job_config.activation_checkpoint.mode != "none":
+    ac = job_config.activation_checkpoint
+    # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
+    # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept
+    # the outputs of CODA's programs (custom ops): on 8B with compile, full AC recomputed nothing
+    # (docs/design.md "Activation checkpointing with compile"). Around, the block keeps only its
+    # inputs and reruns its compiled forward in the backward, as full AC does without compile.
+    compile_first = model_compile and ac.mode == "full"
+    if compile_first:  # in place (nn.Module.compile): no _orig_mod in the checkpoint FQNs under the wrapper
+        for block in model.layers.children():
+            block.compile(backend=job_config.compile.backend, fullgraph=True)
+        logger.info("Compiling each TransformerBlock with torch.compile (inside its full activation checkpoint)")
+    if ac.mode != "none":
         apply_ac(
             model,
-            job_config.activation_checkpoint,
-            model_compile_enabled=model_compile,
+            ac,
+            model_compile_enabled=model_compile and not compile_first,
             op_sac_save_list=_op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
-    if model_compile:
+    if model_compile and not compile_first:
         apply_compile(model, job_config.compile)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -6,7 +6,7 @@ quantize_tensorwise  amax reduction + saturated cast, inductor-fused
 fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``)
-quantize_delayed     an activation's amax and its e4m3 cast with the delayed scale, inductor-fused
+quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast inductor-fused
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
+from .._common import acc_dtype
+from ..scaling import inv_scale_from_amax, quantize_e4m3
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
 
 
@@ -56,8 +58,11 @@ def _fp8_weights(ws):
 
 @torch.library.register_kernel("coda::quantize_delayed", "cuda")
 def _quantize_delayed(t, inv_scale):
-    return fused(f"quantize_delayed_{inv_scale is None:d}", lambda a, inv: ref.quantize_delayed(t=a, inv_scale=inv))(
-        t, inv_scale)
+    # the amax and the scale in eager ops, as the reference rounds them (a calibration step's scale
+    # must be the one the caller derives from the returned amax); only the cast pass is fused
+    amax = t.abs().amax().to(acc_dtype(t))
+    inv = inv_scale_from_amax(amax) if inv_scale is None else inv_scale
+    return fused("quantize_e4m3", lambda a, i: quantize_e4m3(a.to(acc_dtype(a)), i))(t, inv), amax
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

@@ -8,6 +8,8 @@
 #     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU
 #              (FSDP_PART=multi|single|both, FSDP_MODEL=1b|8b);
 #              python -m scripts.report then generates the scaling table (tokens/s per GPU, efficiency)
+#     fsdp2profile (2+ GPUs) one profiled step of the 1B compiled stock and CODA configs under FSDP2 on NPROC
+#              GPUs (rank 0's trace): collectives and how much of them no compute overlaps
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
@@ -83,6 +85,11 @@ for phase in "$@"; do
       esac
       [ "${FSDP_PART:-both}" = single ] || $cmp --nproc "${NPROC:-2}" $pair "${fs[@]}" --tag "fsdp${NPROC:-2}$sfx"
       [ "${FSDP_PART:-both}" = multi ] || CUDA_VISIBLE_DEVICES=${SINGLE_GPU:-0} $cmp $pair "${fs[@]}" --tag "fsdp1$sfx"
+      ;;
+    fsdp2profile)
+      for c in configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml; do
+        $cmp --profile --nproc "${NPROC:-2}" "$c" --steps 15 $keep
+      done
       ;;
     floor)
       python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-tuned}" > "$logs/floor.log" 2>&1

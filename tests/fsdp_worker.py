@@ -71,11 +71,23 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
             unshards["async" if async_op else "sync"] += 1
             return plain(self, async_op=async_op)
         FSDPModule.unshard = counted
+    reduced = []  # the FSDP units in the order their gradients are reduce-scattered (last step)
+    if mode != "single":
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        names = {id(m): n or "root" for n, m in model.named_modules()}
+        plain_pb = FSDPParamGroup.post_backward
+
+        def recorded(self, *a, **k):
+            reduced.append(names.get(id(self.modules[0]), "?"))
+            return plain_pb(self, *a, **k)
+        FSDPParamGroup.post_backward = recorded
     tokens, labels = batch()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     losses = []
     for _ in range(STEPS):
+        reduced.clear()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens[rows], labels=labels[rows]) / (BATCH * SEQ)
         loss.backward()
@@ -87,6 +99,7 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
     gammas_match = None
     if world > 1:
         FSDPModule.unshard = plain
+        FSDPParamGroup.post_backward = plain_pb
         # the gamma-only gather gives what FSDP's all-gather in the parameter dtype gives (trained gammas)
         from coda_titan.model.model import _attention_gammas
 
@@ -105,7 +118,8 @@ def train(mode: str, out: str, precision: str = "bf16") -> None:
             torch.save(full, os.path.join(out, "fsdp_full.pt"))
     if rank == 0:
         with open(os.path.join(out, f"{mode}{'_fp8' if precision == 'fp8' else ''}.json"), "w") as f:
-            json.dump({"losses": losses, "unshards": unshards, "layers": len(model.layers), "gammas_match": gammas_match}, f)
+            json.dump({"losses": losses, "unshards": unshards, "layers": len(model.layers), "gammas_match": gammas_match,
+                       "reduced": reduced}, f)
 
 
 def check_checkpoint(ckpt: str, out: str) -> None:

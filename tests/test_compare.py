@@ -287,3 +287,23 @@ def test_nproc_launches_torchrun_with_fsdp_over_every_process():
     assert two[-2:] == ["--parallelism.data_parallel_shard_degree", "2"] and two[9:12] == ["coda_titan.cli", "train", "c.toml"]
     ddp = launch_command(Path("c.toml"), ["--parallelism.data_parallel_replicate_degree", "2"], nproc=2)
     assert "--parallelism.data_parallel_shard_degree" not in ddp  # the user's degrees win
+
+
+def test_trace_summary_counts_collectives_that_no_compute_overlaps(tmp_path):
+    """A sharded step: an all-gather beside a GEMM is overlapped, a reduce-scatter alone is exposed,
+    and a collective half under a kernel is half exposed; the profile table of an FSDP2 run says so."""
+    from scripts.report.training import profile_table
+
+    events = [
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 0, "dur": 400},
+        {"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 100, "dur": 200},  # under the GEMM
+        {"cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32", "ts": 500, "dur": 300},  # alone
+        {"cat": "kernel", "name": "triton_poi_fused_add", "ts": 900, "dur": 100},
+        {"cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32", "ts": 900, "dur": 200},  # half under
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["communication_ms"] == 0.7 and s["communication_exposed_ms"] == 0.4
+    assert s["categories_ms"]["communication"] == 0.7
+    doc = {"config": "configs/m_coda_compile.toml", "profiled_step": 3, "device": "GPU X", "nproc": 2, "summary": s}
+    assert "Rank 0 of 2 (FSDP2): collectives 0.7 ms, of which 0.4 ms with no other kernel running" in profile_table(doc)

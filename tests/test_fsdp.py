@@ -47,6 +47,10 @@ def test_fsdp_and_hsdp_train_the_one_process_model_and_checkpoints_load_anywhere
         # the whole block early (an explicit unshard() runs its all-gather on the compute stream)
         run = json.loads((tmp_path / f"{mode}.json").read_text())
         assert run["unshards"] == {"sync": 0, "async": 0} and run["gammas_match"]
+        # the LM head is a unit of its own, reduce-scattered first, before any block's backward ends
+        # (in the root unit its fp32 reduce-scatter waited for the whole backward)
+        n = run["layers"]
+        assert run["reduced"][0] == "output" and run["reduced"][1:n + 1] == [f"layers.{i}" for i in reversed(range(n))]
     assert one[-1] < one[0]  # it trains
     # fp8 (the exact emulation): each rank scales its activations by its own amax (local, as torchao's
     # dynamic scaling does) while the weights' scales come from the gathered full weights, so the

@@ -153,6 +153,25 @@ def _attention_gammas(layers: list[torch.nn.Module], dtype: torch.dtype | None) 
     return out
 
 
+class LMHead(torch.nn.Module):
+    """TorchTitan's ``output`` projection, the same parameter under the same name (``output.weight``,
+    (vocab, dim)), whose forward runs CODA's LM-head program: F4 (chunked LM head + CE) with labels,
+    the logits without. The program runs in this module's forward so that the projection can be an
+    FSDP2 unit of its own, as in TorchTitan: gathered by its own hooks when the head starts and its
+    gradient reduce-scattered as soon as the head's backward ends, beside the blocks' backward."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__()
+        self.in_features, self.out_features = dim, vocab_size
+        self.weight = torch.nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, h, rstd, x=None, norm_weight=None, labels=None, cfg: ProgramConfig | None = None):
+        if labels is None:
+            return (h @ self.weight.t()).to(rstd.dtype) * rstd[:, None]
+        compute_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, self.weight))
+        return LMHeadCE.apply(h, rstd, x, norm_weight, self.weight, labels, cfg, compute_grad)
+
+
 class CodaTransformer(Transformer):
     """TorchTitan llama3 ``Transformer`` whose forward runs the CODA programs.
 
@@ -173,6 +192,8 @@ class CodaTransformer(Transformer):
         self.layers = torch.nn.ModuleDict(
             {str(i): CodaTransformerBlock(i, model_args) for i in range(model_args.n_layers)}
         )
+        if self.output is not None:
+            self.output = LMHead(model_args.dim, model_args.vocab_size)
         self._freqs_cache: dict[torch.device, torch.Tensor] = {}
         self.fp8_scaling = Fp8Scaling(model_args.n_layers, coda.fp8_amax_history, coda.fp8_grad_margin)
 
@@ -219,14 +240,8 @@ class CodaTransformer(Transformer):
                 gamma_next = gammas[i + 1] if i + 1 < len(layers) else self.norm.weight
                 x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
-            logits = (h @ self.output.weight.t()).to(rstd.dtype) * rstd[:, None]
-            return logits.to(h.dtype).view(bs, seqlen, -1)
-        compute_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, self.norm.weight, self.output.weight)
-        )
-        return LMHeadCE.apply(
-            h, rstd, x, self.norm.weight, self.output.weight, labels.reshape(-1), cfg, compute_grad
-        )
+            return self.output(h, rstd).to(h.dtype).view(bs, seqlen, -1)
+        return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
 
     def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
         """The layer chain with e4m3 F2/F3 operands (and the F1s of W2 / W_o with ``fp8_down_proj`` /

@@ -1,10 +1,10 @@
 """Parallelize ``coda_llama3`` through TorchTitan's own pieces: activation checkpointing and
 per-block torch.compile (``apply_ac`` / ``apply_compile``), FSDP2 and HSDP (``fully_shard``), DDP.
 
-FSDP2 units are TorchTitan's (one per Transformer block, the token embedding, the root) with one
-difference: the final norm and the LM head stay in the root unit instead of a unit of their own,
-because the LM-head program reads their weights directly and never calls those modules' forwards
-(which is what would gather a unit). The cross-block read of the next block's attention-norm gamma
+FSDP2 units are TorchTitan's (one per Transformer block, the token embedding, the LM head, the root)
+with one difference: the final norm stays in the root unit instead of sharing the LM head's, because
+the LM-head program (run by ``output``'s forward, which gathers that unit) reads its gamma directly
+and the norm module's own forward never runs. The cross-block read of the next block's attention-norm gamma
 is handled in the model (``model._attention_gammas``); docs/design.md "FSDP2" has the design.
 Mixed precision, reshard-after-forward and gradient division follow TorchTitan's llama3 exactly.
 
@@ -71,8 +71,8 @@ def parallelize_coda(model, parallel_dims, job_config):
 
 def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward_policy: str = "default") -> None:
-    """FSDP2 units: the token embedding, every block, and the root (which keeps the final norm and the
-    LM head), forward inputs left in their dtypes. Gradient division is off, as in TorchTitan, which
+    """FSDP2 units: the token embedding, every block, the LM head (``output``, whose forward runs F4)
+    and the root (which keeps the final norm), forward inputs left in their dtypes. Gradient division is off, as in TorchTitan, which
     scales the loss by the global token count; on gloo (CPU) the reduce-scatter is a plain sum (gloo
     has no pre-multiplied sum)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -89,6 +89,8 @@ def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dty
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
     for block in model.layers.values():
         fully_shard(block, **config, reshard_after_forward=reshard)
+    if model.output is not None:  # as TorchTitan's [norm, output] unit; the norm (d values) stays in the root
+        fully_shard(model.output, **config, reshard_after_forward=reshard_after_forward_policy == "always")
     fully_shard(model, **config)
     model.fsdp_param_dtype = param_dtype  # the dtype of FSDP's gathered parameters (the model's gamma gather)
     gloo = dp_mesh.device_type == "cpu"

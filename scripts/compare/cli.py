@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
     ap.add_argument("--tag", default="", help="name part of the result file (compare_<tag>_<gpu>_<date>.json, loss_curve_<tag>_...)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
-    ap.add_argument("--nproc", type=int, default=1, help="compare: GPUs of this host per run (torchrun; FSDP2 over all of "
-                    "them unless --set gives parallelism.data_parallel_* degrees); tokens/s is per GPU")
+    ap.add_argument("--nproc", type=int, default=1, help="compare and profile: GPUs of this host per run (torchrun; FSDP2 over all "
+                    "of them unless --set gives parallelism.data_parallel_* degrees); tokens/s is per GPU; a "
+                    "profile is rank 0's, written as fsdp<N>_profile_*.json")
     ap.add_argument("--keep-trace", action="store_true", help="profile: also write the chrome trace, gzipped, next to the JSON")
     args = ap.parse_args(argv)
     if args.report:
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
     for kv in args.set:
         if "=" not in kv:
             ap.error(f"--set takes KEY=VALUE, got {kv!r}")
-    if args.nproc < 1 or (args.nproc > 1 and (args.loss_curve or args.profile)):
-        ap.error("--nproc takes a positive count, and only in the step-time comparison")
+    if args.nproc < 1 or (args.nproc > 1 and args.loss_curve):
+        ap.error("--nproc takes a positive count, and only in the step-time comparison and the profile")
     from coda_titan.cli import UserError
 
     try:

@@ -33,6 +33,7 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
         "gpu_span_ms": span / 1e3,
         "kernel_launches": len(kernels),
         **idle_gaps(events, kernels),
+        **communication(kernels),
         "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
             {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d),
@@ -40,6 +41,34 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
             for n, d in ranked[:top]
         ],
     }
+
+
+def _merged(ivs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(ivs):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def communication(kernels: list[dict]) -> dict:
+    """Collective kernels (NCCL) of the step: their time, and the part of it no other kernel covers
+    (communication the step waits on rather than overlaps: an FSDP all-gather or reduce-scatter that
+    did not run beside compute). Sums over the merged intervals, us -> ms."""
+    comm = _merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_category(e["name"]) == "communication"])
+    rest = _merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_category(e["name"]) != "communication"])
+    covered, j = 0.0, 0
+    for a, b in comm:
+        while j < len(rest) and rest[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(rest) and rest[k][0] < b:
+            covered += min(b, rest[k][1]) - max(a, rest[k][0])
+            k += 1
+    total = sum(b - a for a, b in comm)
+    return {"communication_ms": round(total / 1e3, 3), "communication_exposed_ms": round((total - covered) / 1e3, 3)}
 
 
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
@@ -119,19 +148,22 @@ def profile(args) -> Path:
     steps = args.steps
     extra = ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
              "--profiling.profiler_warmup", "3", "--profiling.profiler_active", "1"]
+    nproc = getattr(args, "nproc", 1)
     r = run_config(cfg, steps=steps, workdir=Path(args.workdir), attention=args.attention, sets=args.set,
-                   timeout=args.timeout, extra=extra)
+                   timeout=args.timeout, extra=extra, nproc=nproc)
     rows = r.pop("rows")
     traces = sorted(glob.glob(str(Path(args.workdir) / cfg.stem / "out" / "**" / "rank0_trace.json"), recursive=True))
     if not traces:
         raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
-    doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]))
+    doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]), nproc=nproc)
     try:  # GPU ms per GEMM family (scripts/compare/families.py), for the family table against the floor
         doc["summary"]["gemm_families"] = trace_families(traces[-1], r["model"].split("/")[-1])
     except KeyError as e:
         _say(f"no GEMM-family attribution for {r['model']} (unknown flavor {e})")
     doc["run"]["loss"] = [x["loss"] for x in rows]
-    path = _out_path(Path(args.out), "profile", doc["device"], doc["date"], extra=f"{cfg.stem}_")
+    # (a sharded run's profile, rank 0's, is filed apart: its step is not the one-GPU step of the tables)
+    kind = f"fsdp{nproc}_profile" if nproc > 1 else "profile"
+    path = _out_path(Path(args.out), kind, doc["device"], doc["date"], extra=f"{cfg.stem}_")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     if getattr(args, "keep_trace", False):

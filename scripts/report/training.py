@@ -155,6 +155,9 @@ def profile_table(doc: dict, top: int = 12) -> str:
         b = s["blocking_runtime_calls"]
         lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
                   f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    if doc.get("nproc", 1) > 1 and "communication_ms" in s:
+        lines += [f"Rank 0 of {doc['nproc']} (FSDP2): collectives {s['communication_ms']:.1f} ms, of which "
+                  f"{s['communication_exposed_ms']:.1f} ms with no other kernel running (not overlapped).", ""]
     lines += [
         "| category | ms | share |",
         "|---|---:|---:|",
@@ -349,6 +352,8 @@ def section() -> str:
         parts += [family_table(coda, stock, _floor_of(coda["device"], coda["date"])), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]
+    for p in [p for n in (2, 4, 8) for p in _latest(f"fsdp{n}_profile")]:  # sharded steps (rank 0), apart
+        parts += [profile_table(json.loads(p.read_text())), ""]
     return "\n".join(parts).rstrip()
 
 

@@ -75,12 +75,12 @@ for phase in "$@"; do
       # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs
       # (FSDP_PART=multi), then the same pair on one GPU of the same host (FSDP_PART=single; default both):
       # tokens/s per GPU, scaling efficiency and loss parity. FSDP_MODEL=1b (100 steps, default) or 8b
-      # (the 8B configs with compile on, 15 steps)
+      # (the 8B configs with compile on, 100 steps: about 5 min per pair on two H200s)
       case ${FSDP_MODEL:-1b} in
         1b) pair="configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml"
             fs=(--steps "${STEPS:-90}" --warmup 10); sfx="" ;;
         8b) pair="configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml"
-            fs=(--steps "${STEPS:-8}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
+            fs=(--steps "${STEPS:-93}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
         *) echo "FSDP_MODEL is 1b or 8b"; exit 2 ;;
       esac
       [ "${FSDP_PART:-both}" = single ] || $cmp --nproc "${NPROC:-2}" $pair "${fs[@]}" --tag "fsdp${NPROC:-2}$sfx"
@@ -119,8 +119,8 @@ for phase in "$@"; do
       python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
       echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
       p=${PRECISION:-bf16}
-      $cmp --profile "configs/llama3_1b_${p}_coda_compile.toml" --steps 15
-      $cmp --profile "configs/llama3_1b_${p}_baseline_compile.toml" --steps 15
+      $cmp --profile "configs/llama3_1b_${p}_coda_compile.toml" --steps 15 $keep
+      $cmp --profile "configs/llama3_1b_${p}_baseline_compile.toml" --steps 15 $keep
       ;;
     sdpa)
       $cmp --attention sdpa configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda.toml \

@@ -21,6 +21,7 @@
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
+#     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -181,6 +182,11 @@ for phase in "$@"; do
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b
+      ;;
+    fp88b)
+      # issue 19: does 8B fp8 fit one GPU (full AC), and its tokens/s against float8 + compile at 8B
+      $cmp configs/llama3_8b_fp8_baseline.toml configs/llama3_8b_fp8_coda.toml --set compile.enable=true \
+        --steps "${STEPS:-8}" --warmup 7 --tag fp8_8b
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -167,3 +167,20 @@ def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path
     assert "| **all** | 18.00 | 12.00 | 6.75 | 3.75 | 2.67x |" in table
     assert "floor bf16" in training.family_table(coda, None, None) and "| qkv fwd | 1.00 | n/a | n/a | n/a | n/a |" in \
         training.family_table(coda, None, None)
+
+
+def test_compare_table_sets_coda_against_stock_compiled_by_an_override():
+    """The 8B pairs run m_baseline and m_coda with --set compile.enable=true: CODA is set against that
+    compiled stock run; an eager stock run is no 'compiled baseline' (n/a)."""
+    from scripts.report.training import compare_table
+
+    def doc(compiled):
+        runs = [{"config": f"configs/{c}.toml", "attention": "fa4", "tokens_per_s": t, "step_ms": 1.0, "peak_gib": 1.0,
+                 "mfu": 1.0, "loss": [1.0], "compile": compiled, "seq_len": 8, "local_batch_size": 1}
+                for c, t in (("m_baseline", 100.0), ("m_coda", 125.0))]
+        return {"device": "GPU X", "date": "2026-01-02", "versions": {}, "steps": 1, "warmup": 1, "runs": runs}
+
+    row = next(line for line in compare_table(doc(True)).splitlines() if line.startswith("| m_coda "))
+    assert "| 1.250x |" in row
+    row = next(line for line in compare_table(doc(False)).splitlines() if line.startswith("| m_coda "))
+    assert "| n/a |" in row and "1.250x" not in row

@@ -252,16 +252,16 @@ def test_compile_twin_differs_only_in_compile(eager, compiled):
     assert c[("compile", "enable")] is True and e[("compile", "enable")] is False
 
 
-@pytest.mark.parametrize("kind", ["baseline", "baseline_compile"])
-def test_fp8_baseline_is_its_bf16_twin_plus_float8(kind):
-    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
-    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+@pytest.mark.parametrize("size,kind", [("1b", "baseline"), ("1b", "baseline_compile"), ("8b", "baseline")])
+def test_fp8_baseline_is_its_bf16_twin_plus_float8(size, kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_{size}_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_{size}_fp8_{kind}.toml")))
     diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
     assert diff == {("model", "converters"), ("quantize", "linear", "float8", "recipe_name"),
                     ("quantize", "linear", "float8", "filter_fqns")}
     assert f[("model", "converters")] == ["fa4", "quantize.linear.float8"]
     assert f[("quantize", "linear", "float8", "filter_fqns")] == ["output"]  # LM head in bf16
-    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    config = cli.parse_config(str(CONFIGS / f"llama3_{size}_fp8_{kind}.toml"), [])
     assert config.quantize.linear.float8.recipe_name == "tensorwise"
 
 
@@ -270,13 +270,13 @@ def test_1b_and_8b_configs_use_fa4_on_both_sides():
         assert cli._load_toml(p)["model"]["converters"][0] == "fa4", p.name
 
 
-@pytest.mark.parametrize("kind", ["coda", "coda_compile"])
-def test_fp8_coda_is_its_bf16_twin_plus_precision(kind):
-    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_bf16_{kind}.toml")))
-    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_1b_fp8_{kind}.toml")))
+@pytest.mark.parametrize("size,kind", [("1b", "coda"), ("1b", "coda_compile"), ("8b", "coda")])
+def test_fp8_coda_is_its_bf16_twin_plus_precision(size, kind):
+    b = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_{size}_bf16_{kind}.toml")))
+    f = dict(_flatten(cli._load_toml(CONFIGS / f"llama3_{size}_fp8_{kind}.toml")))
     diff = {k for k in b.keys() | f.keys() if b.get(k) != f.get(k)} - OUTPUT_ONLY
     assert diff == {("coda", "precision"), ("coda", "fp8_amax_history")}
-    config = cli.parse_config(str(CONFIGS / f"llama3_1b_fp8_{kind}.toml"), [])
+    config = cli.parse_config(str(CONFIGS / f"llama3_{size}_fp8_{kind}.toml"), [])
     assert config.coda.precision == "fp8" and config.model.converters == ["fa4"]
 
 

@@ -42,6 +42,8 @@ def compare_table(doc: dict) -> str:
             continue
         # (a variant such as <model>_coda_compile_<what> is set against the same compiled baseline)
         ref = base.get(_stock_of(stem))
+        if ref is None and (alt := _stock_in(stem, base)) and base[alt].get("compile"):  # compiled by an override
+            ref = base[alt]
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x" if ref else "n/a"
         fl = floor.get(r.get("precision", "bf16")) if floor else None
         over = f"{r['step_ms'] / fl:.3f}" if fl and r["attention"] == "fa4" else "n/a"

@@ -76,16 +76,18 @@ for phase in "$@"; do
       # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs
       # (FSDP_PART=multi), then the same pair on one GPU of the same host (FSDP_PART=single; default both):
       # tokens/s per GPU, scaling efficiency and loss parity. FSDP_MODEL=1b (100 steps, default) or 8b
-      # (the 8B configs with compile on, 100 steps: about 5 min per pair on two H200s)
+      # (the 8B configs with compile on: 100 steps sharded, for the loss parity, about 5 min per pair
+      # on two H200s; 15 on one GPU, for its tokens/s)
       case ${FSDP_MODEL:-1b} in
         1b) pair="configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml"
-            fs=(--steps "${STEPS:-90}" --warmup 10); sfx="" ;;
+            fs=(--steps "${STEPS:-90}" --warmup 10); one=("${fs[@]}"); sfx="" ;;
         8b) pair="configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml"
-            fs=(--steps "${STEPS:-93}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
+            fs=(--steps "${STEPS:-93}" --warmup 7 --set compile.enable=true)
+            one=(--steps "${SINGLE_STEPS:-8}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
         *) echo "FSDP_MODEL is 1b or 8b"; exit 2 ;;
       esac
       [ "${FSDP_PART:-both}" = single ] || $cmp --nproc "${NPROC:-2}" $pair "${fs[@]}" --tag "fsdp${NPROC:-2}$sfx"
-      [ "${FSDP_PART:-both}" = multi ] || CUDA_VISIBLE_DEVICES=${SINGLE_GPU:-0} $cmp $pair "${fs[@]}" --tag "fsdp1$sfx"
+      [ "${FSDP_PART:-both}" = multi ] || CUDA_VISIBLE_DEVICES=${SINGLE_GPU:-0} $cmp $pair "${one[@]}" --tag "fsdp1$sfx"
       ;;
     fsdp2profile)
       for c in configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml; do

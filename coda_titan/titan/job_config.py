@@ -44,9 +44,9 @@ class Coda:
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
     fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, its input y cast to "
-                                      "e4m3 with a delayed scale (issue 19; not yet measured on the GPU)")
+                                      "e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
     fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, the attention output "
-                                     "cast to e4m3 with a delayed scale (issue 19; not yet measured on the GPU)")
+                                     "cast to e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

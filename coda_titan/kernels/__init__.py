@@ -70,6 +70,8 @@ class Backend:
     rope_bwd_fp8: Callable
     norm_residual_bwd_fp8: Callable
     swiglu_bwd_fp8: Callable
+    swiglu_bwd_q_fp8: Callable  # B3 on an fp8 GEMM (fp8_down_dgrad)
+    quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     wgrad_fp8: Callable
 
 
@@ -101,6 +103,8 @@ TORCH = Backend(
     rope_bwd_fp8=norm_rope.rope_bwd_fp8,
     norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8,
     swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8,
+    swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8,
+    quantize_grad=gemm.quantize_grad,
     wgrad_fp8=gemm.wgrad_fp8,
 )
 
@@ -133,6 +137,8 @@ def op_backend(name: str = "ops") -> Backend:
         rope_bwd_fp8=norm_rope.rope_bwd_fp8_op,
         norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8_op,
         swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8_op,
+        swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8_op,
+        quantize_grad=gemm.quantize_grad_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
     )
 

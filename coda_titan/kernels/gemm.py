@@ -29,7 +29,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, interleave_rows, mm, program_op
 from .scaling import (
-    E4M3, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
+    E4M3, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
 )
 
 
@@ -92,6 +92,14 @@ def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tupl
     tf = t.to(acc_dtype(t))
     amax = tf.abs().amax()
     return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
+
+
+def quantize_grad(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tq, s): a gradient as e5m2 with its current tensorwise scale rounded down to a power of two
+    (torchao's dynamic recipe, as ``wgrad_fp8_operands``), and its dequantization scale s = 1/inv."""
+    g = t.to(compute_dtype(t.dtype))
+    inv = pow2_floor(inv_scale_from_amax(g.abs().amax(), E5M2_MAX))
+    return quantize_e5m2(g, inv), inv.reciprocal()
 
 
 def wgrad_fp8_operands(
@@ -194,6 +202,16 @@ def quantize_delayed_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> t
 @quantize_delayed_op.register_fake
 def _(t, inv_scale):
     return t.new_empty(t.shape, dtype=E4M3), t.new_empty((), dtype=acc_dtype(t))
+
+
+@program_op("quantize_grad")
+def quantize_grad_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_grad(t=t)
+
+
+@quantize_grad_op.register_fake
+def _(t):
+    return t.new_empty(t.shape, dtype=E5M2), t.new_empty((), dtype=compute_dtype(t.dtype))
 
 
 @program_op("wgrad_fp8")

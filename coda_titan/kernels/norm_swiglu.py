@@ -29,6 +29,9 @@ FP8 (precision = "fp8"):
                      is delayed (a tile is stored before the amax of the whole da exists): the
                      gradient site's amax history; ``inv_scale=None`` (calibration) uses the current
                      amax.
+    swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
+                     (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
+                     and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e5m2
+from .scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e5m2
 
 
 def _swiglu(z: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,11 @@ def swiglu_bwd_acc(
     B3 quantizes da from these values)."""
     check_2d("dout", dout, w_down.shape[0])
     check_2d("a", a, 2 * w_down.shape[1])
-    dy = mm(dout, w_down)
+    return _dswiglu(mm(dout, w_down), a, rstd)
+
+
+def _dswiglu(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """B3's epilogue on dy (M, F) in its dtype: (da, y, zdz)."""
     ct = dy.dtype
     r = rstd.to(ct)[:, None]
     af = a.to(ct)
@@ -99,6 +106,23 @@ def swiglu_bwd_fp8(
     """(da, y, zdz, daq, amax): ``swiglu_bwd`` plus da as e5m2 (scale ``inv_scale``, None = the
     current amax) and amax |da|."""
     da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+
+
+def swiglu_bwd_q_fp8(
+    *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd_fp8`` on an fp8 GEMM: dy = scale * (doutq @ w_down_tq^T), doutq the e5m2 D (M, d),
+    w_down_tq the e4m3 W_down^T (F, d), products exact and summed in the accumulator dtype."""
+    check_2d("doutq", doutq, w_down_tq.shape[1])
+    check_2d("a", a, 2 * w_down_tq.shape[0])
+    if doutq.dtype not in (E4M3, E5M2) or w_down_tq.dtype != E4M3:
+        raise TypeError(f"B3 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {doutq.dtype} and {w_down_tq.dtype}")
+    ct = compute_dtype(a.dtype)
+    da, y, zdz = _dswiglu(mm(doutq.to(ct), w_down_tq.to(ct).t()) * scale.to(ct), a, rstd)
     amax = da.abs().amax()
     inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
@@ -155,5 +179,21 @@ def swiglu_bwd_fp8_op(
 def _(dout, w_down, a, rstd, inv_scale):
     m = a.shape[0]
     ct = acc_dtype(dout, w_down)
+    return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
+            a.new_empty(a.shape, dtype=E5M2), a.new_empty((), dtype=ct))
+
+
+@program_op("swiglu_bwd_q_fp8")
+def swiglu_bwd_q_fp8_op(
+    doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
+    inv_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_q_fp8(doutq=doutq, w_down_tq=w_down_tq, scale=scale, a=a, rstd=rstd, inv_scale=inv_scale)
+
+
+@swiglu_bwd_q_fp8_op.register_fake
+def _(doutq, w_down_tq, scale, a, rstd, inv_scale):
+    m = a.shape[0]
+    ct = compute_dtype(a.dtype)
     return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
             a.new_empty(a.shape, dtype=E5M2), a.new_empty((), dtype=ct))

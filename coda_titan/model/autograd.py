@@ -96,13 +96,17 @@ class MlpFp8:
     Function (``fp8_mlp_dgrad`` or ``fp8_mlp_wgrad``), B3 also writes da as e5m2 with the delayed
     ``grad_inv_scale`` (None = calibrate on the current amax); B2 then runs on it when ``f2.w_t`` is
     given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given.
-    With ``down``, F1 runs its GEMM on e4m3 y and W2, and the Function's outputs end with amax |y|."""
+    With ``down``, F1 runs its GEMM on e4m3 y and W2, and the Function's outputs end with amax |y|.
+    With ``w2_t`` (the layer's e4m3 W2 transposed, scale ``s_w2``; ``fp8_down_dgrad``) and the e5m2
+    B3, B3's GEMM runs on fp8 too: D cast to e5m2 with its current power-of-two scale times W2q^T."""
 
     f2: Fp8Operands
     quantize_next: QuantizeH | None
     grad_inv_scale: torch.Tensor | None = None
     h_amax: torch.Tensor | None = None
     down: Fp8Input | None = None
+    w2_t: torch.Tensor | None = None
+    s_w2: torch.Tensor | None = None
 
 
 def _grads(inputs: tuple[str, ...], **given) -> tuple:
@@ -202,18 +206,22 @@ class NormSwiGLUResidual(torch.autograd.Function):
                    fp8.down if fp8 is not None else None)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
-        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax) if ctx.e5m2 else (None,) * 4
+        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2) if ctx.e5m2 else (None,) * 6
         ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
         ctx.cfg = cfg
         return outs
 
     @staticmethod
     def backward(ctx, dx_out, *_):
-        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax = ctx.saved_tensors
+        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2 = ctx.saved_tensors
         be = ctx.cfg.backend
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
-        if ctx.e5m2:
+        if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
+            dq, s_d = be.quantize_grad(t=dx_out)
+            da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
+                                                        rstd=rstd, inv_scale=grad_inv_scale)
+        elif ctx.e5m2:
             da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         else:
             da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)

@@ -60,6 +60,8 @@ class LayerFp8:
     mlp_wgrad: bool
     down: Fp8Input | None = None
     out: Fp8Input | None = None
+    w2_t: torch.Tensor | None = None  # e4m3 W2^T and its scale, for B3 on fp8 (fp8_down_dgrad)
+    s_w2: torch.Tensor | None = None
 
 
 class CodaTransformerBlock(TransformerBlock):
@@ -101,6 +103,7 @@ class CodaTransformerBlock(TransformerBlock):
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
+            w2_t=fp8.w2_t, s_w2=fp8.s_w2,
         )
         out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink)
         x, h, s = out[:3]
@@ -252,6 +255,7 @@ class CodaTransformer(Transformer):
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
+        down_dgrad = coda.fp8_down_dgrad and mlp_dgrad  # B3 on fp8 needs the e5m2 B3 (its gradient site)
 
         # F1s on an fp8 mainloop, by site: the weight each multiplies
         inputs = {site: weight for site, weight, on in (("down", lambda l: l.feed_forward.w2.weight, coda.fp8_down_proj),
@@ -264,7 +268,12 @@ class CodaTransformer(Transformer):
                     wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                     wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
                 )
-                return (*ws, {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()})
+                w2_t = None
+                if down_dgrad:  # W2 quantized (as for fp8_down_proj) and transposed: B3's K-major operand
+                    w2q, s_w2 = cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
+                    w2_t = ([q.t().contiguous() for q in w2q], s_w2)
+                return (*ws, {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()},
+                        w2_t)
 
         # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])
@@ -272,22 +281,23 @@ class CodaTransformer(Transformer):
 
         def layer_weights(i, layer):
             """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None, {site: (e4m3 weight, its
-            scale)} of the F1 input sites on) of layer i."""
+            scale)} of the F1 input sites on, (W2q^T, s_w2) or None) of layer i."""
             if sharded:  # the block's own gather (at i > 0 issued at block i - 1), then the next block's,
                 layer.unshard()  # asynchronously: it runs beside this block's compute, as FSDP's prefetch does
                 if i + 1 < len(layers):
                     layers[i + 1].unshard(async_op=True)
             ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, fp8_in = ws
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, fp8_in, w2_t = ws
             return (w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None,
-                    {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()})
+                    {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()},
+                    None if w2_t is None else (w2_t[0][j], w2_t[1][j]))
 
         with torch.no_grad():
             inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
         inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs}
         amaxes_in = {site: [] for site in inputs}
         for i, layer in enumerate(layers):
-            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in = layer_weights(i, layer)
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in, w2_t = layer_weights(i, layer)
             f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i]) for site, (w, sc) in w_in.items()}
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else gammas[i + 1]
@@ -299,6 +309,7 @@ class CodaTransformer(Transformer):
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
                 down=f1_in.get("down"), out=f1_in.get("out"),
+                w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1],
             )
             x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]

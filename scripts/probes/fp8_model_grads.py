@@ -71,7 +71,7 @@ def reordered_sums(tile_k: int = 256):
 
 
 def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2, down_proj: bool = False,
-                out_proj: bool = False) -> dict:
+                out_proj: bool = False, down_dgrad: bool = False) -> dict:
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
@@ -81,7 +81,7 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("reordered", "torch", "fp8"),
                                 ("bf16", "torch", "bf16")):
         coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad,
-                    fp8_down_proj=down_proj, fp8_out_proj=out_proj)
+                    fp8_down_proj=down_proj, fp8_out_proj=out_proj, fp8_down_dgrad=down_dgrad)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -135,6 +135,7 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     del models, grads
     torch.cuda.empty_cache()
     return {"mlp_dgrad": mlp_dgrad, "mlp_wgrad": mlp_wgrad, "down_proj": down_proj, "out_proj": out_proj,
+            "down_dgrad": down_dgrad,
             "losses": losses, "params": params,
             "amax": amaxes}
 

@@ -130,3 +130,23 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
     }
 
 
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    mode="packed_cd_b16x2",
+)
+def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
+    """``dswiglu_rstd_preact_fp8_epi`` after an fp8 GEMM (``fp8_down_dgrad``): dy = scale * acc, with
+    scale = s_D * s_W2 the dequantization of the e5m2 D and the e4m3 W2; the rest as there."""
+    g, u = unpack(c)
+    gs, us = g * rstd, u * rstd
+    dgs, dus, s = dswiglu(gs, us, acc * scale)
+    dg, du = dgs * rstd, dus * rstd
+    return {
+        "D": pack(dg, du),
+        "postact": s,
+        "dsum": dgs * g + dus * u,
+        "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
+        "amax": cute.arch.fmax(dg, du, abs=True),
+    }

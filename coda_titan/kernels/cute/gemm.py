@@ -7,6 +7,7 @@ fp8_layer_weights    every layer's weight pass in one compiled call: per weight 
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``)
 quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast inductor-fused
+quantize_grad        a gradient's amax and power-of-two e5m2 scale (eager), its e5m2 cast inductor-fused
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -19,7 +20,7 @@ import torch
 
 from .. import gemm as ref
 from .._common import acc_dtype
-from ..scaling import inv_scale_from_amax, quantize_e4m3
+from ..scaling import E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
 
 
@@ -63,6 +64,13 @@ def _quantize_delayed(t, inv_scale):
     amax = t.abs().amax().to(acc_dtype(t))
     inv = inv_scale_from_amax(amax) if inv_scale is None else inv_scale
     return fused("quantize_e4m3", lambda a, i: quantize_e4m3(a.to(acc_dtype(a)), i))(t, inv), amax
+
+
+@torch.library.register_kernel("coda::quantize_grad", "cuda")
+def _quantize_grad(t):
+    g_amax = t.abs().amax().to(compute_dtype(t.dtype))
+    inv = pow2_floor(inv_scale_from_amax(g_amax, E5M2_MAX))
+    return fused("quantize_e5m2", lambda a, i: quantize_e5m2(a.to(compute_dtype(a.dtype)), i))(t, inv), inv.reciprocal()
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

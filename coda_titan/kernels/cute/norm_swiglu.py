@@ -6,6 +6,8 @@ norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
 swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
+swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswiglu_rstd_preact_q_fp8_epi``
+                 scales the accumulator first), the same pinned config
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_e
 from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
-from ..scaling import E5M2
+from ..scaling import E4M3, E5M2
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .epilogues import dswiglu_rstd_preact_fp8_epi, fp8_rstd_swiglu_preact_epi
+from .epilogues import dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi, fp8_rstd_swiglu_preact_epi
 
 
 @torch.library.register_kernel("coda::norm_swiglu", "cuda")
@@ -90,4 +92,23 @@ def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
     with first_call("swiglu_bwd_fp8", dout, w_down):
         res = dswiglu_rstd_preact_fp8_epi(dout, w_down, a, out={"D": da, "postact": y, "daq": daq}, tuned=False,
                                           config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale))
+    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")
+def _swiglu_bwd_q_fp8(doutq, w_down_tq, scale, a, rstd, inv_scale):
+    why = unsupported(a) or unsupported_fp8(doutq, dtypes=(E4M3, E5M2)) or unsupported_fp8(w_down_tq)
+    if why is None and inv_scale is None:
+        why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+    if why:
+        return fallback(ref.swiglu_bwd_q_fp8_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale)
+    r = rstd.float()
+    m, f2 = a.shape
+    da = torch.empty_like(a)
+    y = a.new_empty((m, f2 // 2))
+    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
+    with first_call("swiglu_bwd_q_fp8", doutq, w_down_tq):
+        res = dswiglu_rstd_preact_q_fp8_epi(doutq, w_down_tq.t(), a, out={"D": da, "postact": y, "daq": daq},
+                                            tuned=False, config=_b3_fp8_config(a.device), rstd=r,
+                                            scale=scalar32(scale), inv_scale=scalar32(inv_scale))
     return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()

@@ -107,19 +107,13 @@ def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
-@gemm_epilogue(
-    outputs=("postact", "daq"),
-    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
-    mode="packed_cd_b16x2",
-)
-def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
-    """B3's epilogue (quack's ``dgated_rstd_preact_mod("swiglu")``) that also writes da as e5m2 for
-    B2's fp8 dgrad: daq = sat(da * inv_scale) for the (gate, up) pair of each column, packed into the
-    16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da| for the history."""
+def _dswiglu_e5m2(c, rstd, dy, inv_scale):
+    """B3's epilogue outputs from dy (quack's ``dgated_rstd_preact_mod("swiglu")``) plus da as e5m2:
+    daq = sat(da * inv_scale) for the (gate, up) pair of each column, packed into the 16-bit ``daq``
+    buffer in da's interleaved order, and the per-row amax |da| for the history."""
     g, u = unpack(c)
     gs, us = g * rstd, u * rstd
-    dgs, dus, s = dswiglu(gs, us, acc)
+    dgs, dus, s = dswiglu(gs, us, dy)
     dg, du = dgs * rstd, dus * rstd
     return {
         "D": pack(dg, du),
@@ -128,6 +122,17 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
         "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
         "amax": cute.arch.fmax(dg, du, abs=True),
     }
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    mode="packed_cd_b16x2",
+)
+def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
+    """B3's epilogue (bf16 GEMM) that also writes da as e5m2 for B2's fp8 dgrad (``_dswiglu_e5m2``)."""
+    return _dswiglu_e5m2(c, rstd, acc, inv_scale)
 
 
 @gemm_epilogue(
@@ -137,16 +142,6 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
-    """``dswiglu_rstd_preact_fp8_epi`` after an fp8 GEMM (``fp8_down_dgrad``): dy = scale * acc, with
-    scale = s_D * s_W2 the dequantization of the e5m2 D and the e4m3 W2; the rest as there."""
-    g, u = unpack(c)
-    gs, us = g * rstd, u * rstd
-    dgs, dus, s = dswiglu(gs, us, acc * scale)
-    dg, du = dgs * rstd, dus * rstd
-    return {
-        "D": pack(dg, du),
-        "postact": s,
-        "dsum": dgs * g + dus * u,
-        "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
-        "amax": cute.arch.fmax(dg, du, abs=True),
-    }
+    """The same after an fp8 GEMM (``fp8_down_dgrad``): dy = scale * acc, with scale = s_D * s_W2 the
+    dequantization of the e5m2 D and the e4m3 W2."""
+    return _dswiglu_e5m2(c, rstd, acc * scale, inv_scale)

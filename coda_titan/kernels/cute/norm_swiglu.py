@@ -77,6 +77,20 @@ def _b3_fp8_config(device):
                       is_dynamic_persistent=False, device_capacity=9)
 
 
+def _b3_e5m2(name, epi, dout, b_kn, a, rstd, **ops):
+    """B3 with an e5m2 da (``epi``: a ``_dswiglu_e5m2`` epilogue) on the pinned tile config:
+    (da, y, zdz, daq, amax |da|)."""
+    r = rstd.float()
+    m, f2 = a.shape
+    da = torch.empty_like(a)
+    y = a.new_empty((m, f2 // 2))
+    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
+    with first_call(name, dout, b_kn):
+        res = epi(dout, b_kn, a, out={"D": da, "postact": y, "daq": daq}, tuned=False, config=_b3_fp8_config(a.device),
+                  rstd=r, **ops)
+    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
+
+
 @torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
 def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
     why = unsupported(dout, w_down, a)
@@ -84,15 +98,7 @@ def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
         why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
     if why:
         return fallback(ref.swiglu_bwd_fp8_op, why, dout, w_down, a, rstd, inv_scale)
-    r = rstd.float()
-    m, f2 = a.shape
-    da = torch.empty_like(a)
-    y = a.new_empty((m, f2 // 2))
-    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
-    with first_call("swiglu_bwd_fp8", dout, w_down):
-        res = dswiglu_rstd_preact_fp8_epi(dout, w_down, a, out={"D": da, "postact": y, "daq": daq}, tuned=False,
-                                          config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale))
-    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
+    return _b3_e5m2("swiglu_bwd_fp8", dswiglu_rstd_preact_fp8_epi, dout, w_down, a, rstd, inv_scale=scalar32(inv_scale))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")
@@ -102,13 +108,5 @@ def _swiglu_bwd_q_fp8(doutq, w_down_tq, scale, a, rstd, inv_scale):
         why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
     if why:
         return fallback(ref.swiglu_bwd_q_fp8_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale)
-    r = rstd.float()
-    m, f2 = a.shape
-    da = torch.empty_like(a)
-    y = a.new_empty((m, f2 // 2))
-    daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
-    with first_call("swiglu_bwd_q_fp8", doutq, w_down_tq):
-        res = dswiglu_rstd_preact_q_fp8_epi(doutq, w_down_tq.t(), a, out={"D": da, "postact": y, "daq": daq},
-                                            tuned=False, config=_b3_fp8_config(a.device), rstd=r,
-                                            scale=scalar32(scale), inv_scale=scalar32(inv_scale))
-    return da, y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
+    return _b3_e5m2("swiglu_bwd_q_fp8", dswiglu_rstd_preact_q_fp8_epi, doutq, w_down_tq.t(), a, rstd,
+                    scale=scalar32(scale), inv_scale=scalar32(inv_scale))

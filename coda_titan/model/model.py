@@ -268,12 +268,12 @@ class CodaTransformer(Transformer):
                     wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                     wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
                 )
+                fp8_in = {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()}
                 w2_t = None
-                if down_dgrad:  # W2 quantized (as for fp8_down_proj) and transposed: B3's K-major operand
-                    w2q, s_w2 = cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
+                if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
+                    w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
                     w2_t = ([q.t().contiguous() for q in w2q], s_w2)
-                return (*ws, {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()},
-                        w2_t)
+                return (*ws, fp8_in, w2_t)
 
         # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])

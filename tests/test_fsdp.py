@@ -164,3 +164,26 @@ def test_sharded_fp8_resume_continues_bit_for_bit(tmp_path, cache_dir):
                    cwd=tmp_path, cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved by 2 data-parallel ranks and this run has 1: the fp8 scales calibrate afresh" in proc.stdout + proc.stderr
+
+
+def test_sharded_full_activation_checkpointing_with_compile_trains_like_without(tmp_path, cache_dir):
+    """The 8B configs' combination on 2 ranks: FSDP2 + full AC + compile, each block compiled inside its
+    checkpoint (docs/design.md "Activation checkpointing with compile"), trains the same losses as
+    without compile. aot_eager runs the same ops as eager, so the losses agree to the console's 5
+    decimals (one unit of the last printed digit allowed for the rounding of the print itself)."""
+    env = {"CODA_TITAN_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    losses = {}
+    for compiled in (False, True):
+        args = ["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder",
+                str(tmp_path / str(compiled)), "--parallelism.data_parallel_shard_degree", "2",
+                "--activation_checkpoint.mode", "full", "--training.steps", "3", "--metrics.no-enable_wandb",
+                "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
+        if compiled:
+            args += ["--compile.enable", "--compile.backend", "aot_eager"]
+        proc = _torchrun(args, cwd=tmp_path, env_extra=env)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        assert ("inside its full activation checkpoint" in out) == compiled
+        losses[compiled] = logged_losses(out)
+    assert sorted(losses[True]) == [1, 2, 3]
+    assert all(abs(losses[True][s] - losses[False][s]) <= 1e-5 for s in losses[False]), losses

@@ -113,9 +113,12 @@ def validate(config) -> None:
             f"choose one of: {', '.join(sorted(spec.model_args))}"
         )
     if config.model.name == NAME:
-        try:  # (the [coda] values were checked against the schema by parse_config)
+        from .titan.job_config import ConfigError, validate as validate_coda
+
+        try:  # (each [coda] value was checked against the schema by parse_config; here their combination)
+            validate_coda(config.coda)
             backend = resolve_backend(config.coda.backend)
-        except BackendUnavailable as e:
+        except (BackendUnavailable, ConfigError) as e:
             raise UserError(str(e)) from None
         print(f"coda-titan: [coda] backend = {config.coda.backend!r} -> running the {backend!r} programs", flush=True)
         if config.coda.precision == "fp8" and backend == "torch":

@@ -144,6 +144,23 @@ def test_bad_coda_value_as_override(capsys, line, override, words):
     _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), *override], words)
 
 
+def test_fp8_down_dgrad_without_the_e5m2_b3_is_refused_in_one_line(capsys):
+    """fp8_down_dgrad runs fp8_mlp_dgrad's e5m2 B3 on an fp8 GEMM: on a bf16 config, or with
+    fp8_mlp_dgrad off, it would do nothing, so the run is refused before it starts (the model refuses
+    it too, for TorchTitan's own entry point)."""
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.job_config import Coda, ConfigError
+
+    base = ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--coda.fp8_down_dgrad"]
+    _one_line_exit_2(capsys, base, ("fp8_down_dgrad", 'precision = "bf16"'))
+    _one_line_exit_2(capsys, [*base, "--coda.precision", "fp8", "--coda.no-fp8_mlp_dgrad"],
+                     ("fp8_down_dgrad", "fp8_mlp_dgrad = false"))
+    args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", fp8_down_dgrad=True))
+    with pytest.raises(ConfigError, match="fp8_down_dgrad"):
+        CodaTransformer(args)
+
+
 def test_the_model_refuses_what_the_schema_refuses():
     """A config launched through TorchTitan's own entry point never passes the CLI: the model checks too."""
     from coda_titan.model.args import coda_llama3_args

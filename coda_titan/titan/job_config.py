@@ -111,8 +111,13 @@ def validate_table(table: dict) -> None:
 
 
 def validate(coda: Coda) -> Coda:
-    """Raise ConfigError for the first value of ``coda`` the schema refuses; return ``coda`` unchanged."""
+    """Raise ConfigError for the first value of ``coda`` the schema refuses, or a combination that
+    would do nothing; return ``coda`` unchanged."""
     validate_table({name: getattr(coda, name) for name in FIELDS})
+    if coda.fp8_down_dgrad and not (coda.precision == "fp8" and coda.fp8_mlp_dgrad):
+        raise ConfigError('[coda] fp8_down_dgrad = true needs precision = "fp8" and fp8_mlp_dgrad = true '
+                          f'(it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM); got precision = "{coda.precision}", '
+                          f"fp8_mlp_dgrad = {str(coda.fp8_mlp_dgrad).lower()}")
     return coda
 
 

@@ -29,7 +29,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, interleave_rows, mm, program_op
 from .scaling import (
-    E4M3, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
+    E4M3, E4M3_MAX, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
 )
 
 
@@ -94,12 +94,17 @@ def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tupl
     return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
 
 
+def _pow2_cast(t: torch.Tensor, amax: torch.Tensor | None, quantize, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``quantize``(t), s): ``t`` (in its compute dtype) cast with the tensorwise scale of ``amax``
+    (None: t's own) rounded down to a power of two, and its dequantization scale s = 1/inv."""
+    inv = pow2_floor(inv_scale_from_amax(t.abs().amax() if amax is None else amax.to(t.dtype), fmax))
+    return quantize(t, inv), inv.reciprocal()
+
+
 def quantize_grad(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tq, s): a gradient as e5m2 with its current tensorwise scale rounded down to a power of two
     (torchao's dynamic recipe, as ``wgrad_fp8_operands``), and its dequantization scale s = 1/inv."""
-    g = t.to(compute_dtype(t.dtype))
-    inv = pow2_floor(inv_scale_from_amax(g.abs().amax(), E5M2_MAX))
-    return quantize_e5m2(g, inv), inv.reciprocal()
+    return _pow2_cast(t.to(compute_dtype(t.dtype)), None, quantize_e5m2, E5M2_MAX)
 
 
 def wgrad_fp8_operands(
@@ -112,11 +117,9 @@ def wgrad_fp8_operands(
     Why a power of two: with ``fmax / amax`` itself, the whole rounding grid moves with the amax, a
     single element, so two correct runs whose gradients differ at the fp8-noise level would round
     every element independently. With a power-of-two scale an element's rounding is its own."""
-    ct = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    g, x = grad.to(ct), inp.to(ct)
-    inv_g = pow2_floor(inv_scale_from_amax(g.abs().amax() if grad_amax is None else grad_amax.to(ct), E5M2_MAX))
-    inv_x = pow2_floor(inv_scale_from_amax(x.abs().amax() if inp_amax is None else inp_amax.to(ct)))
-    return quantize_e5m2(g, inv_g), inv_g.reciprocal(), quantize_e4m3(x, inv_x), inv_x.reciprocal()
+    ct = compute_dtype(grad.dtype)
+    return (*_pow2_cast(grad.to(ct), grad_amax, quantize_e5m2, E5M2_MAX),
+            *_pow2_cast(inp.to(ct), inp_amax, quantize_e4m3, E4M3_MAX))
 
 
 def wgrad_fp8(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
-from .._common import acc_dtype
 from ..scaling import E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
 
@@ -57,20 +56,23 @@ def _fp8_weights(ws):
     return fused("fp8_weights", lambda ts: ref.fp8_weights(ws=ts))(list(ws))
 
 
+def _fused_cast(quantize, t, inv):
+    """``quantize``(t in its compute dtype, inv), one inductor pass. The amax and the scale are taken
+    in eager ops before it, as the reference rounds them (a calibration step's scale must be the one
+    the caller derives from the returned amax): only the cast is fused."""
+    return fused(quantize.__name__, lambda a, i: quantize(a.to(compute_dtype(a.dtype)), i))(t, inv)
+
+
 @torch.library.register_kernel("coda::quantize_delayed", "cuda")
 def _quantize_delayed(t, inv_scale):
-    # the amax and the scale in eager ops, as the reference rounds them (a calibration step's scale
-    # must be the one the caller derives from the returned amax); only the cast pass is fused
-    amax = t.abs().amax().to(acc_dtype(t))
-    inv = inv_scale_from_amax(amax) if inv_scale is None else inv_scale
-    return fused("quantize_e4m3", lambda a, i: quantize_e4m3(a.to(acc_dtype(a)), i))(t, inv), amax
+    amax = t.abs().amax().to(compute_dtype(t.dtype))
+    return _fused_cast(quantize_e4m3, t, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
 
 
 @torch.library.register_kernel("coda::quantize_grad", "cuda")
 def _quantize_grad(t):
-    g_amax = t.abs().amax().to(compute_dtype(t.dtype))
-    inv = pow2_floor(inv_scale_from_amax(g_amax, E5M2_MAX))
-    return fused("quantize_e5m2", lambda a, i: quantize_e5m2(a.to(compute_dtype(a.dtype)), i))(t, inv), inv.reciprocal()
+    inv = pow2_floor(inv_scale_from_amax(t.abs().amax().to(compute_dtype(t.dtype)), E5M2_MAX))
+    return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

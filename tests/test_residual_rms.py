@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 from coda_titan.kernels import get_backend
 from coda_titan.kernels._common import tile_sumsq
-from coda_titan.kernels.scaling import E4M3_MAX, inv_scale_from_amax, quantize_e4m3
+from coda_titan.kernels.scaling import E4M3_MAX, e4m3_step, inv_scale_from_amax, quantize_e4m3
 from coda_titan.model.autograd import ResidualRMS
 
 from .helpers import BF, CFG, D, DIMS, M, TORCH, check_cute_matches_reference, cuda_inputs, op_cases, rand64
@@ -116,7 +116,7 @@ def test_cute_f1_writes_e4m3_h():
         # the GEMM's summation order differs from fp64's: a value next to a rounding boundary may
         # land one e4m3 step away, never more
         diff = (got - want).abs()
-        step = torch.where(want.abs() >= 2**-6, want.abs() * 2**-3, torch.full_like(want, 2**-9))
+        step = e4m3_step(want)
         assert (diff <= step * 1.0001).all()
         assert (diff > 0).float().mean() < 1e-2
 
@@ -216,6 +216,6 @@ def test_cute_fp8_mainloop_f1_matches_reference(d):
         assert err <= bound, f"residual_rms_q d={d} output {i}: rel err {err:.3e} > 2 x {err_ref:.3e} + 2^-24"
     assert torch.equal(out8[0], out[0]) and torch.equal(out8[1], out[1])
     got, want = out8[3].float(), quantize_e4m3(ref64[1].float(), inv).float()
-    step = torch.where(want.abs() >= 2**-6, want.abs() * 2**-3, torch.full_like(want, 2**-9))
+    step = e4m3_step(want)
     assert ((got - want).abs() <= step * 1.0001).all() and ((got - want) != 0).float().mean() < 1e-2
     assert abs(out8[4].item() - ref64[1].abs().amax().item()) <= 1e-5 * ref64[1].abs().amax().item()

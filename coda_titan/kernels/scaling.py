@@ -50,6 +50,13 @@ def quantize_e4m3(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return (t * inv_scale.to(t.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def e4m3_step(t: torch.Tensor) -> torch.Tensor:
+    """The e4m3 rounding step at each value of ``t`` (values on the scaled grid): 2^-3 of |t| among
+    the normals (|t| >= 2^-6), the subnormal spacing 2^-9 below. One step is a rounding; more is
+    something else."""
+    return torch.where(t.abs() >= 2**-6, t.abs() * 2**-3, torch.full_like(t, 2**-9))
+
+
 def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """sat(t * inv_scale) rounded to nearest even e5m2 (the gradient format)."""
     return (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)

@@ -76,7 +76,7 @@ def main() -> int:
     from coda_titan.kernels import norm_swiglu as ref
     from coda_titan.kernels.cute import _dispatch
     from coda_titan.kernels.cute.epilogues import fp8_rstd_swiglu_preact_epi
-    from coda_titan.kernels.scaling import E4M3, inv_scale_from_amax, quantize_e4m3
+    from coda_titan.kernels.scaling import E4M3, e4m3_step, inv_scale_from_amax, quantize_e4m3
     from scripts.bench.common import bench, header, log_row, out_json
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -125,7 +125,7 @@ def main() -> int:
                 row[f"codes_max_step_{key}"] = int((got - want).abs()[differ].max()) if bool(differ.any()) else 0
                 # dequantized error against the e4m3 step of the wanted value (2^-3 relative; 2^-9 absolute
                 # in the subnormal range): one step is rounding, more is a misplaced element
-                step = torch.where(want_q.float().abs() >= 2**-6, want_q.float().abs() * 2**-3, torch.full_like(err, 2**-9))
+                step = e4m3_step(want_q.float())
                 row[f"over_one_step_{key}"] = float((err > step * 1.0001).float().mean())
                 idx = (err > step * 1.0001).nonzero()[:6].tolist()
                 row[f"examples_{key}"] = [(i, j, y8[i, j].float().item(), want_q[i, j].float().item(), y16[i, j].float().item() * inv_y.item())

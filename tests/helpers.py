@@ -222,6 +222,23 @@ def log_bound(check: str, **measured) -> None:
             f.write(json.dumps({"check": check, **measured}) + "\n")
 
 
+def fp8_mma_error(aq: torch.Tensor, bq_t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bound, exact): an elementwise bound on how far an SM90 fp8 GEMM, scale * (aq @ bq_t^T), may be
+    from its exact value, and that exact value (fp64). The fp8 MMA keeps its running sum in the tensor
+    core with about 14 bits and is never promoted (DeepSeek-V3, sec. 3.3.2), so an element's error
+    scales with the sum of its |products| P, not with the element: one that cancels is off by many of
+    its own rounding steps. The same accumulator's error on the same operands, measured as
+    c = max |cuBLAS fast-accumulation - exact| / P (another order), bounds it: 2 c P + 2^-24 |exact|
+    (the fp32 result's own rounding)."""
+    one = torch.ones((), device=aq.device)
+    s = scale.double()
+    exact = (aq.double() @ bq_t.double().t()) * s
+    p = (aq.double().abs() @ bq_t.double().abs().t()) * s
+    fast = torch._scaled_mm(aq, bq_t.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
+    c = ((fast.double() * s - exact).abs() / p.clamp_min(torch.finfo(torch.float64).tiny)).amax()
+    return 2 * c * p + 2.0**-24 * exact.abs(), exact
+
+
 def cuda_inputs(m, k, n, gen):
     h = (torch.randn(m, k, generator=gen, device="cuda") * 2).to(BF)
     w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(BF)

@@ -80,8 +80,9 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
     models = {}
     for name, be, precision in (("torch", "torch", "fp8"), ("cute", "cute", "fp8"), ("reordered", "torch", "fp8"),
                                 ("bf16", "torch", "bf16")):
-        coda = Coda(backend=be, precision=precision, fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad,
-                    fp8_down_proj=down_proj, fp8_out_proj=out_proj, fp8_down_dgrad=down_dgrad)
+        fp8 = dict(fp8_mlp_dgrad=mlp_dgrad, fp8_mlp_wgrad=mlp_wgrad, fp8_down_proj=down_proj, fp8_out_proj=out_proj,
+                   fp8_down_dgrad=down_dgrad) if precision == "fp8" else {}  # (the bf16 model: no fp8 knob)
+        coda = Coda(backend=be, precision=precision, **fp8)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)
         with torch.device("cuda"):

@@ -21,6 +21,7 @@
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
+#     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
@@ -78,14 +79,14 @@ for phase in "$@"; do
       # (a multi-GPU kind: nvidia-h200-x2 or larger) stock + compile vs CODA compiled, FSDP2 over NPROC GPUs
       # (FSDP_PART=multi), then the same pair on one GPU of the same host (FSDP_PART=single; default both):
       # tokens/s per GPU, scaling efficiency and loss parity. FSDP_MODEL=1b (100 steps, default) or 8b
-      # (the 8B configs with compile on: 100 steps sharded, for the loss parity, about 5 min per pair
-      # on two H200s; 15 on one GPU, for its tokens/s)
+      # (the 8B configs with compile on: 100 steps sharded and 100 on one GPU, about 5.5 and 2 min per
+      # pair on H200s: 8B's early steps spike, so its loss parity needs the one-GPU pair's beside it)
       case ${FSDP_MODEL:-1b} in
         1b) pair="configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml"
             fs=(--steps "${STEPS:-90}" --warmup 10); one=("${fs[@]}"); sfx="" ;;
         8b) pair="configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml"
             fs=(--steps "${STEPS:-93}" --warmup 7 --set compile.enable=true)
-            one=(--steps "${SINGLE_STEPS:-8}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
+            one=(--steps "${SINGLE_STEPS:-93}" --warmup 7 --set compile.enable=true); sfx=_8b ;;
         *) echo "FSDP_MODEL is 1b or 8b"; exit 2 ;;
       esac
       [ "${FSDP_PART:-both}" = single ] || $cmp --nproc "${NPROC:-2}" $pair "${fs[@]}" --tag "fsdp${NPROC:-2}$sfx"
@@ -194,6 +195,13 @@ for phase in "$@"; do
     fp8profile)
       [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep
       $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15 $keep
+      ;;
+    profile8b)
+      # one profiled step of the 8B bf16 pair on one GPU, compile and full AC on (as in fsdp2's 8B runs):
+      # where CODA's 8B step loses to stock's (GEMM families; AC's recompute inside the step)
+      for c in configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml; do
+        $cmp --profile "$c" --set compile.enable=true --steps 10 $keep
+      done
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b

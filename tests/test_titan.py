@@ -389,7 +389,7 @@ def test_train_on_local_jsonl(tmp_path, cache_dir):
 
 
 def _saved_bytes_and_grads(ac_mode: str, compile_: bool, device: str = "cpu"):
-    """Bytes of the tensors the autograd graph keeps from one forward of a small CODA model
+    """Bytes of the activations (tensors other than parameters) the autograd graph keeps from one forward of a small CODA model
     parallelized by ``parallelize_coda`` (as the Trainer does), and its gradients after backward.
     CPU: debug size, torch programs, ``aot_eager``; GPU: 1B width, 2 layers, cute programs, inductor."""
     from types import SimpleNamespace
@@ -423,9 +423,11 @@ def _saved_bytes_and_grads(ac_mode: str, compile_: bool, device: str = "cpu"):
     g = torch.Generator(device=device).manual_seed(1)
     tokens, labels = (torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=g, device=device) for _ in range(2))
     storages = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # (a compiled graph lists them as saved)
 
     def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -144,10 +144,10 @@ def test_bad_coda_value_as_override(capsys, line, override, words):
     _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), *override], words)
 
 
-def test_fp8_down_dgrad_without_the_e5m2_b3_is_refused_in_one_line(capsys):
+def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
     """fp8_down_dgrad runs fp8_mlp_dgrad's e5m2 B3 on an fp8 GEMM: on a bf16 config, or with
     fp8_mlp_dgrad off, it would do nothing, so the run is refused before it starts (the model refuses
-    it too, for TorchTitan's own entry point)."""
+    it too, for TorchTitan's own entry point); fp8_layer_wgrads likewise on a bf16 config."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
     from coda_titan.titan.job_config import Coda, ConfigError
@@ -156,9 +156,12 @@ def test_fp8_down_dgrad_without_the_e5m2_b3_is_refused_in_one_line(capsys):
     _one_line_exit_2(capsys, base, ("fp8_down_dgrad", 'precision = "bf16"'))
     _one_line_exit_2(capsys, [*base, "--coda.precision", "fp8", "--coda.no-fp8_mlp_dgrad"],
                      ("fp8_down_dgrad", "fp8_mlp_dgrad = false"))
-    args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", fp8_down_dgrad=True))
-    with pytest.raises(ConfigError, match="fp8_down_dgrad"):
-        CodaTransformer(args)
+    _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--coda.fp8_layer_wgrads"],
+                     ("fp8_layer_wgrads", 'precision = "bf16"'))
+    for knob in ("fp8_down_dgrad", "fp8_layer_wgrads"):
+        args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", **{knob: True}))
+        with pytest.raises(ConfigError, match=knob):
+            CodaTransformer(args)
 
 
 def test_the_model_refuses_what_the_schema_refuses():

@@ -215,7 +215,8 @@ def test_cute_refused_without_gpu():
     "programs,attention,precision",
     [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
      ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
-     ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad")],
+     ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
+     ("custom_ops", "sdpa", "fp8_layer_wgrads")],
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad: with both
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
@@ -225,7 +226,8 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
-                fp8_down_proj=precision == "fp8_down", fp8_out_proj=precision == "fp8_down")
+                fp8_down_proj=precision == "fp8_down", fp8_out_proj=precision == "fp8_down",
+                fp8_layer_wgrads=precision == "fp8_layer_wgrads")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -278,7 +280,7 @@ def _models(**kw):
         args.coda, precision=kw.get("precision", "fp8"), fp8_dgrad=kw.get("fp8_dgrad", False),
         fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
         fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
-        fp8_down_dgrad=kw.get("fp8_down_dgrad", False),
+        fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -376,6 +378,30 @@ def test_fp8_down_dgrad_tracks_bf16_model_and_moves_only_what_flows_through_b3()
     for n in ("feed_forward.w1.weight", "feed_forward.w3.weight", "ffn_norm.weight"):
         assert not torch.equal(g8[last + n], gp[last + n]), n
     assert not torch.equal(g8["tok_embeddings.weight"], gp["tok_embeddings.weight"])
+
+
+def test_fp8_layer_wgrads_track_bf16_and_move_only_the_three_weight_gradients():
+    """``fp8_layer_wgrads``: dW_qkv, dW_o and dW2 on fp8 (torchao's recipe). The model tracks the bf16
+    model by the sibling tests' criteria; against the same fp8 model with those weight gradients in
+    bf16 it moves exactly them: a weight gradient feeds nothing else, so every other gradient is
+    bit for bit the same, and each of the five moves (in every layer)."""
+    bf16, fp8 = _models(fp8_layer_wgrads=True)
+    _, plain = _models()
+    tokens, labels = _batch(bf16.model_args.vocab_size)
+    loss = bf16(tokens, labels=labels)
+    loss.backward()
+    for m in (fp8, plain):  # calibrate, then one step on the delayed scales
+        with torch.no_grad():
+            m(tokens, labels=labels)
+    loss8 = fp8(tokens, labels=labels)
+    loss8.backward()
+    plain(tokens, labels=labels).backward()
+    g, g8, gp = _grads(bf16), _grads(fp8), _grads(plain)
+    _assert_tracks(loss, loss8, g, g8)
+    moved = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+             "feed_forward.w2.weight")
+    for n in g8:
+        assert torch.equal(g8[n], gp[n]) != n.endswith(moved), n
 
 
 def test_delayed_scales_come_from_the_history():

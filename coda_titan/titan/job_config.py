@@ -50,6 +50,9 @@ class Coda:
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
                                        "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
                                        "+0.9%, off until its GPU test passes, docs/fp8.md)")
+    fp8_layer_wgrads: bool = knob(False, "fp8: the weight gradients of W_qkv, W_o and W2 on fp8 as fp8_mlp_wgrad does "
+                                         "W13's (torchao's recipe: cast passes, current power-of-two scales; issue 19, "
+                                         "not yet measured on the GPU)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )
@@ -118,6 +121,9 @@ def validate(coda: Coda) -> Coda:
         raise ConfigError('[coda] fp8_down_dgrad = true needs precision = "fp8" and fp8_mlp_dgrad = true '
                           f'(it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM); got precision = "{coda.precision}", '
                           f"fp8_mlp_dgrad = {str(coda.fp8_mlp_dgrad).lower()}")
+    if coda.fp8_layer_wgrads and coda.precision != "fp8":
+        raise ConfigError('[coda] fp8_layer_wgrads = true needs precision = "fp8" (it runs weight gradients on fp8); '
+                          f'got precision = "{coda.precision}"')
     return coda
 
 

@@ -33,6 +33,7 @@
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8down    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_proj and fp8_out_proj on / off (A/B)
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
+#     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
@@ -173,6 +174,11 @@ for phase in "$@"; do
       # A/B: [coda] fp8_down_dgrad (B3's GEMM on e5m2 D x e4m3 W2^T) on and off, against float8 + compile
       a=$(variant down_dgrad "fp8_down_dgrad = true") && b=$(variant bf16_b3 "fp8_down_dgrad = false") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad
+      ;;
+    fp8layerwgrads)
+      # A/B: [coda] fp8_layer_wgrads (dW_qkv, dW_o, dW2 on fp8, torchao's recipe) on and off, against float8 + compile
+      a=$(variant layer_wgrads "fp8_layer_wgrads = true") && b=$(variant bf16_wgrads "fp8_layer_wgrads = false") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_layer_wgrads
       ;;
     fp8downprofile)
       # where the fp8_down_proj + fp8_out_proj arm's time goes: one profiled step of it (the plain arm is

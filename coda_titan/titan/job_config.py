@@ -50,9 +50,8 @@ class Coda:
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
                                        "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
                                        "+0.9%, off until its GPU test passes, docs/fp8.md)")
-    fp8_layer_wgrads: bool = knob(False, "fp8: the weight gradients of W_qkv, W_o and W2 on fp8 as fp8_mlp_wgrad does "
-                                         "W13's (torchao's recipe: cast passes, current power-of-two scales; issue 19, "
-                                         "not yet measured on the GPU)")
+    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (issue 19; "
+                                         "not yet measured, docs/fp8.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

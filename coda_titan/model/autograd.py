@@ -113,11 +113,12 @@ class MlpFp8:
     down_wgrad: bool = False
 
 
-def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """dW = grad^T inp: on fp8 (``fp8_layer_wgrads``; torchao's recipe, current power-of-two scales of
-    both operands' own amaxes) or bf16."""
+def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype,
+           grad_amax: torch.Tensor | None = None, inp_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """dW = grad^T inp: on fp8 (torchao's recipe: current power-of-two scales of the operands' amaxes,
+    taken here where not given) or bf16."""
     if fp8:
-        return be.wgrad_fp8(grad=grad, grad_amax=None, inp=inp, inp_amax=None, out_dtype=out_dtype)
+        return be.wgrad_fp8(grad=grad, grad_amax=grad_amax, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
     return be.wgrad(grad=grad, inp=inp, out_dtype=out_dtype)
 
 
@@ -247,10 +248,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
         dw2 = _wgrad(be, ctx.down_wgrad, dx_out, y, w2.dtype)
-        if h_amax is not None:  # fp8_mlp_wgrad: torchao's fp8 dW, current scales
-            dw13 = be.wgrad_fp8(grad=da, grad_amax=amax, inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
-        else:
-            dw13 = be.wgrad(grad=da, inp=h, out_dtype=w13.dtype)
+        dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
         dw1, dw3 = deinterleave_rows(dw13)
         sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
         return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,

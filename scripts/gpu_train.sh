@@ -3,7 +3,8 @@
 # call. Everything goes to $OUT (default outputs/gpu_train).
 #
 #   bash scripts/gpu_train.sh PHASE [PHASE ...]
-#     gputests every GPU test (pytest -m gpu), log in logs.tar and the summary in $OUT/pytest_gpu.txt;
+#     gputests every GPU test (pytest -m gpu; GPU_TESTS="expr" runs those pytest -k selects), log in logs.tar
+#              and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
 #     fsdp2    (2+ GPUs) stock + compile vs CODA compiled under FSDP2 on NPROC GPUs (default 2), and on one GPU
 #              (FSDP_PART=multi|single|both, FSDP_MODEL=1b|8b);
@@ -74,7 +75,7 @@ for phase in "$@"; do
     gputests)
       rm -f "$out/bounds.jsonl"
       CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
-        > "$logs/pytest_gpu.txt" 2>&1
+        ${GPU_TESTS:+-k "$GPU_TESTS"} > "$logs/pytest_gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
       ;;
     fsdp2)

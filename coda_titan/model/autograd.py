@@ -38,6 +38,7 @@ class ProgramConfig:
     tile_n: int
     eps: float
     ce_chunk_rows: int
+    fp8_wgrads: bool = False  # dW_qkv, dW_o and dW2 on fp8 (``fp8_layer_wgrads``, precision fp8)
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,13 @@ class QuantizeH:
 class Fp8Operands:
     """The e4m3 operands of a consumer GEMM: ``hq`` (H quantized with ``inv_a``) and the layer's
     e4m3 weight ``w`` with its scale ``s_w`` (the weight pass). ``w_t`` is that weight transposed,
-    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16. ``wgrad``: the weight
-    gradient on fp8 (``fp8_layer_wgrads``; F3's W_qkv)."""
+    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16."""
 
     hq: torch.Tensor
     inv_a: torch.Tensor
     w: torch.Tensor
     s_w: torch.Tensor
     w_t: torch.Tensor | None = None
-    wgrad: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,7 @@ class MlpFp8:
     given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given.
     With ``down``, F1 runs its GEMM on e4m3 y and W2, and the Function's outputs end with amax |y|.
     With ``w2_t`` (the layer's e4m3 W2 transposed, scale ``s_w2``; ``fp8_down_dgrad``) and the e5m2
-    B3, B3's GEMM runs on fp8 too: D cast to e5m2 with its current power-of-two scale times W2q^T.
-    With ``down_wgrad`` (``fp8_layer_wgrads``), dW2 = D^T y runs on fp8 (torchao's recipe)."""
+    B3, B3's GEMM runs on fp8 too: D cast to e5m2 with its current power-of-two scale times W2q^T."""
 
     f2: Fp8Operands
     quantize_next: QuantizeH | None
@@ -110,7 +108,6 @@ class MlpFp8:
     down: Fp8Input | None = None
     w2_t: torch.Tensor | None = None
     s_w2: torch.Tensor | None = None
-    down_wgrad: bool = False
 
 
 def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype,
@@ -129,21 +126,21 @@ def _grads(inputs: tuple[str, ...], **given) -> tuple:
     return tuple(given.get(name) for name in inputs)
 
 
-RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize", "fp8_in", "fp8_wgrad")  # ResidualRMS.forward's inputs, in order
+RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize", "fp8_in")  # ResidualRMS.forward's inputs, in order
 
 
 class ResidualRMS(torch.autograd.Function):
     """F1: X = y @ W^T + residual; H = X * gamma_next; S partials (with ``quantize``: also e4m3 H and
     amax |H|; with ``fp8_in``: the GEMM on e4m3 y, and amax |y| last). Backward: dgrad (bf16) +
-    wgrad (bf16, or on fp8 with ``fp8_wgrad``)."""
+    wgrad (bf16, or on fp8 with ``cfg.fp8_wgrads``)."""
 
     @staticmethod
     def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None,
-                fp8_in: Fp8Input | None = None, fp8_wgrad: bool = False):
+                fp8_in: Fp8Input | None = None):
         outs = _f1(cfg.backend, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.save_for_backward(y, weight)
-        ctx.cfg, ctx.fp8_wgrad = cfg, fp8_wgrad
+        ctx.cfg = cfg
         return outs
 
     @staticmethod
@@ -151,7 +148,7 @@ class ResidualRMS(torch.autograd.Function):
         y, weight = ctx.saved_tensors
         be = ctx.cfg.backend
         dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
-        dw = _wgrad(be, ctx.fp8_wgrad, dx, y, weight.dtype)
+        dw = _wgrad(be, ctx.cfg.fp8_wgrads, dx, y, weight.dtype)
         return _grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
 
 
@@ -175,7 +172,6 @@ class NormRoPE(torch.autograd.Function):
         w_t, s_w = (None, None) if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w)
         ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-        ctx.fp8_wgrad = fp8 is not None and fp8.wgrad
         return qkv, x.view_as(x)
 
     @staticmethod
@@ -191,7 +187,7 @@ class NormRoPE(torch.autograd.Function):
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
-        dwq, dwk, dwv = _wgrad(be, ctx.fp8_wgrad, da, h, w.dtype).split([wq.shape[0], wk.shape[0], wv.shape[0]])
+        dwq, dwk, dwv = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype).split([wq.shape[0], wk.shape[0], wv.shape[0]])
         return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv)
 
 
@@ -223,7 +219,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2) if ctx.e5m2 else (None,) * 6
         ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
-        ctx.cfg, ctx.down_wgrad = cfg, fp8 is not None and fp8.down_wgrad
+        ctx.cfg = cfg
         return outs
 
     @staticmethod
@@ -247,7 +243,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        dw2 = _wgrad(be, ctx.down_wgrad, dx_out, y, w2.dtype)
+        dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
         dw1, dw3 = deinterleave_rows(dw13)
         sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None

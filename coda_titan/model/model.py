@@ -46,8 +46,7 @@ class LayerFp8:
     ``last`` for the last layer; its e4m3 W13 (``w13``, scale ``s_13``, transposed ``w13_t`` or
     None); the MLP's delayed gradient scale and amax sink (None, None without an e5m2 gradient);
     whether dW13 runs on fp8; the down- and out-projections' e4m3 weights and delayed input scales
-    (``fp8_down_proj``, ``fp8_out_proj``); whether dW_o and dW2 run on fp8 (``fp8_layer_wgrads``; dW_qkv's
-    flag is ``attn.wgrad``)."""
+    (``fp8_down_proj``, ``fp8_out_proj``)."""
 
     attn: Fp8Operands
     inv_ffn: torch.Tensor | None
@@ -63,7 +62,6 @@ class LayerFp8:
     out: Fp8Input | None = None
     w2_t: torch.Tensor | None = None  # e4m3 W2^T and its scale, for B3 on fp8 (fp8_down_dgrad)
     s_w2: torch.Tensor | None = None
-    wgrads: bool = False
 
 
 class CodaTransformerBlock(TransformerBlock):
@@ -96,8 +94,7 @@ class CodaTransformerBlock(TransformerBlock):
             x, h, s = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg)
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
             return x, h, rstd
-        out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn), fp8.out,
-                                fp8.wgrads)
+        out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn), fp8.out)
         x, h, s, hq, amax_ffn = out[:5]
         amax_o = out[5] if fp8.out is not None else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
@@ -106,7 +103,7 @@ class CodaTransformerBlock(TransformerBlock):
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
-            w2_t=fp8.w2_t, s_w2=fp8.s_w2, down_wgrad=fp8.wgrads,
+            w2_t=fp8.w2_t, s_w2=fp8.s_w2,
         )
         out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink)
         x, h, s = out[:3]
@@ -211,7 +208,7 @@ class CodaTransformer(Transformer):
         a = self.model_args
         return ProgramConfig(
             backend=get_backend(self.backend_name), tile_n=a.coda.tile_n, eps=a.norm_eps,
-            ce_chunk_rows=a.coda.ce_chunk_rows,
+            ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
         )
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
@@ -259,7 +256,6 @@ class CodaTransformer(Transformer):
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
         down_dgrad = coda.fp8_down_dgrad and mlp_dgrad  # B3 on fp8 needs the e5m2 B3 (its gradient site)
-        wgrads = coda.fp8_layer_wgrads and grad
 
         # F1s on an fp8 mainloop, by site: the weight each multiplies
         inputs = {site: weight for site, weight, on in (("down", lambda l: l.feed_forward.w2.weight, coda.fp8_down_proj),
@@ -308,12 +304,12 @@ class CodaTransformer(Transformer):
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(
-                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t, wgrad=wgrads),
+                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t),
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
                 down=f1_in.get("down"), out=f1_in.get("out"),
-                w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], wgrads=wgrads,
+                w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1],
             )
             x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]

@@ -239,6 +239,19 @@ def fp8_mma_error(aq: torch.Tensor, bq_t: torch.Tensor, scale: torch.Tensor) -> 
     return 2 * c * p + 2.0**-24 * exact.abs(), exact
 
 
+def assert_codes_within(check: str, got: torch.Tensor, want: torch.Tensor, step: torch.Tensor, err: torch.Tensor) -> None:
+    """A kernel's fp8 codes against the exact values' codes, both dequantized onto the scaled grid:
+    two round-to-nearest casts of values at most ``err`` apart land at most that far plus one rounding
+    step (``step``, of the larger code) apart. Logs the worst margin; a failure names the worst code."""
+    excess = (got - want).abs() - (step + err)
+    log_bound(f"{check} (|codes - exact codes| - bound, worst)", err=excess.max().item(), bound=0.0,
+              codes_differing=(got != want).double().mean().item())
+    w = excess.flatten().argmax()
+    assert (excess <= 0).all(), (f"{check}: {(excess > 0).sum().item()} codes beyond the bound, worst by {excess.max():.3g} "
+                                 f"(kernel {got.flatten()[w]:.4g}, exact {want.flatten()[w]:.4g}, "
+                                 f"error bound {err.flatten()[w]:.3g})")
+
+
 def cuda_inputs(m, k, n, gen):
     h = (torch.randn(m, k, generator=gen, device="cuda") * 2).to(BF)
     w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(BF)

@@ -67,6 +67,14 @@ variant() {
   for l in "$@"; do grep -qx "$l" "$v" || { echo "could not derive $v" >&2; return 1; }; done
   echo "$v"
 }
+# ab TAG ON OFF KEY ...: the A/B of [coda] knobs: float8 + compile against the compiled CODA fp8 config
+# with every KEY = true (arm ON) and every KEY = false (arm OFF), 40 timed steps, written under TAG
+ab() {
+  local tag=$1 on=$2 off=$3 k a b yes=() no=(); shift 3
+  for k in "$@"; do yes+=("$k = true"); no+=("$k = false"); done
+  a=$(variant "$on" "${yes[@]}") && b=$(variant "$off" "${no[@]}") || exit 2
+  $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag "$tag"
+}
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
@@ -161,25 +169,16 @@ for phase in "$@"; do
         --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_dgrad
       ;;
     fp8wgrad)
-      # A/B: the compiled CODA fp8 config with fp8_mlp_wgrad set either way, whatever its default
-      a=$(variant fp8_wgrad "fp8_mlp_wgrad = true") && b=$(variant bf16_wgrad "fp8_mlp_wgrad = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_wgrad
+      ab fp8_mlp_wgrad fp8_wgrad bf16_wgrad fp8_mlp_wgrad  # (whatever the config's default)
       ;;
     fp8down)
-      # A/B: [coda] fp8_down_proj and fp8_out_proj both true and both false, against float8 + compile
-      a=$(variant down "fp8_down_proj = true" "fp8_out_proj = true") &&
-        b=$(variant plain "fp8_down_proj = false" "fp8_out_proj = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj
+      ab fp8_down_proj down plain fp8_down_proj fp8_out_proj  # both on against both off
       ;;
     fp8downdgrad)
-      # A/B: [coda] fp8_down_dgrad (B3's GEMM on e5m2 D x e4m3 W2^T) on and off, against float8 + compile
-      a=$(variant down_dgrad "fp8_down_dgrad = true") && b=$(variant bf16_b3 "fp8_down_dgrad = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad
+      ab fp8_down_dgrad down_dgrad bf16_b3 fp8_down_dgrad  # B3's GEMM on e5m2 D x e4m3 W2^T
       ;;
     fp8layerwgrads)
-      # A/B: [coda] fp8_layer_wgrads (dW_qkv, dW_o, dW2 on fp8, torchao's recipe) on and off, against float8 + compile
-      a=$(variant layer_wgrads "fp8_layer_wgrads = true") && b=$(variant bf16_wgrads "fp8_layer_wgrads = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_layer_wgrads
+      ab fp8_layer_wgrads layer_wgrads bf16_wgrads fp8_layer_wgrads  # dW_qkv, dW_o, dW2 on fp8 (torchao's recipe)
       ;;
     fp8downprofile)
       # where the fp8_down_proj + fp8_out_proj arm's time goes: one profiled step of it (the plain arm is

@@ -23,6 +23,7 @@
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
+#     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
@@ -207,6 +208,10 @@ for phase in "$@"; do
       # probe: the host time of one call of each program (bf16 and fp8, d = 2048) beside its GPU time
       python3 -m scripts.probes.host_overhead > "$logs/host_overhead.log" 2>&1
       echo "hostoverhead rc=$?"; tail -4 "$logs/host_overhead.log"
+      ;;
+    hostprofile)
+      python3 -m scripts.probes.host_profile > "$logs/host_profile.log" 2>&1
+      echo "hostprofile rc=$?"; tail -3 "$logs/host_profile.log" | cut -c1-600
       ;;
     profile8b)
       # one profiled step of the 8B bf16 pair on one GPU, compile and full AC on (as in fsdp2's 8B runs):

@@ -36,6 +36,7 @@
 #     fp8down    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_proj and fp8_out_proj on / off (A/B)
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
+#     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
@@ -61,20 +62,22 @@ trap finish EXIT
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
 # variant NAME "KEY = VALUE" ...: the compiled CODA fp8 config with those [coda] lines, as /tmp/<stem>_NAME.toml
 # (an A/B arm: variant stems have no target; the table sets them against the compiled baseline)
+# (PREC=bf16: of the compiled CODA bf16 config)
 variant() {
-  local v=/tmp/llama3_1b_fp8_coda_compile_$1.toml lines="" l; shift
+  local v=/tmp/llama3_1b_${PREC:-fp8}_coda_compile_$1.toml lines="" l; shift
   for l in "$@"; do lines="$lines\n$l"; done
-  sed "s/^\[coda\]$/[coda]$lines/" configs/llama3_1b_fp8_coda_compile.toml > "$v"
+  sed "s/^\[coda\]$/[coda]$lines/" configs/llama3_1b_${PREC:-fp8}_coda_compile.toml > "$v"
   for l in "$@"; do grep -qx "$l" "$v" || { echo "could not derive $v" >&2; return 1; }; done
   echo "$v"
 }
 # ab TAG ON OFF KEY ...: the A/B of [coda] knobs: float8 + compile against the compiled CODA fp8 config
 # with every KEY = true (arm ON) and every KEY = false (arm OFF), 40 timed steps, written under TAG
+# (PREC=bf16: stock + compile against the compiled CODA bf16 config)
 ab() {
   local tag=$1 on=$2 off=$3 k a b yes=() no=(); shift 3
   for k in "$@"; do yes+=("$k = true"); no+=("$k = false"); done
   a=$(variant "$on" "${yes[@]}") && b=$(variant "$off" "${no[@]}") || exit 2
-  $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag "$tag"
+  $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag "$tag"
 }
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
@@ -180,6 +183,11 @@ for phase in "$@"; do
       ;;
     fp8layerwgrads)
       ab fp8_layer_wgrads layer_wgrads bf16_wgrads fp8_layer_wgrads  # dW_qkv, dW_o, dW2 on fp8 (torchao's recipe)
+      ;;
+    tracepasses)
+      # [coda] trace_passes on / off (B1 and the plain GEMMs traced into the compiled graph or opaque ops), fp8 and bf16
+      ab trace_passes_fp8 traced opaque trace_passes
+      PREC=bf16 ab trace_passes_bf16 traced opaque trace_passes
       ;;
     fp8downprofile)
       # where the fp8_down_proj + fp8_out_proj arm's time goes: one profiled step of it (the plain arm is

@@ -202,3 +202,88 @@ def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
     ws = [torch.randn(2048, 8192, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
     (qs, s), (qs0, s0) = cute.fp8_weights(ws=ws), TORCH.fp8_weights(ws=ws)
     assert torch.equal(s, s0) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs, qs0))
+
+
+def _step(t: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """One rounding step of ``dtype`` at |t|: at most 2 eps |t| (2^-7 for bf16, 2^-23 for fp32), plus
+    the subnormal step."""
+    fi = torch.finfo(dtype)
+    return 2 * fi.eps * t.abs() + fi.smallest_normal * fi.eps
+
+
+@pytest.mark.gpu
+def test_cute_traced_programs_under_compile_equal_their_ops():
+    """The cute backend's TRACED programs as the compiled model runs them (traced, inductor-fused)
+    against their ops, on the same inputs. Bounds: the same math in a possibly different fusion, so
+    * a GEMM (wgrad, dgrad, the fp8 wgrad on the same fp8 codes): two fp32-accumulated sums of the same
+      K products, each within gamma_K = K u sum|a b| of the exact one (u = 2^-24), so at most
+      2 gamma_K sum|a b| apart before the output rounding, which adds at most one step of the larger;
+    * B1's da: per element at most 3 fp32 roundings of terms of magnitude mag = (|x0| + |x1|) r (the
+      rotated pair; |dy| r off the rotary columns), so 6 u mag apart, plus one bf16 step; zdz: two
+      fp32 sums of the same Q products, 2 Q u sum|y dy|; the e5m2 codes of the fp8 B1: values at most
+      da's fp32 bound apart (times the scale), so their codes one e5m2 step plus that apart."""
+    import coda_titan.kernels.cute as cute_pkg
+    from coda_titan.kernels import TRACEABLE, get_backend
+    from coda_titan.kernels.scaling import E5M2_MAX
+    from coda_titan.model.rope import rope_freqs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    from .helpers import assert_codes_within, log_bound
+
+    assert set(cute_pkg.TRACED) == set(TRACEABLE)
+    cute = get_backend("cute")
+    u = 2.0**-24
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    bf = torch.bfloat16
+    m, d, q = 4096, 2048, 3072
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(bf)
+
+    def compiled(name):
+        torch._dynamo.reset()
+        return torch.compile(lambda **kw: cute_pkg.TRACED[name](**kw), fullgraph=True, dynamic=False)
+
+    def gemm_check(name, got, want, a, b):  # got, want = a @ b in two orders
+        k = a.shape[1]
+        sab = a.double().abs() @ b.double().abs()
+        step = _step(torch.maximum(got.double().abs(), want.double().abs()), got.dtype)
+        excess = (got.double() - want.double()).abs() - (2 * k * u * sab + step)
+        log_bound(f"traced {name} vs op (|diff| - bound, worst)", err=excess.max().item(), bound=0.0)
+        assert (excess <= 0).all(), f"{name}: {(excess > 0).sum().item()} elements beyond the bound"
+
+    g, x, w = r(m, q, scale=1e-2), r(m, d), r(q, d, scale=d**-0.5)
+    for name, kw, a, b in (("wgrad", dict(grad=g, inp=x, out_dtype=torch.float32), g.t(), x),
+                           ("dgrad", dict(grad=g, weight=w, out_dtype=bf), g, w)):
+        gemm_check(name, compiled(name)(**kw), getattr(cute, name)(**kw), a, b)
+
+    from coda_titan.kernels.gemm import wgrad_fp8_operands
+    kw = dict(grad=g, grad_amax=None, inp=x, inp_amax=None, out_dtype=bf)
+    gq, s_g, xq, s_x = wgrad_fp8_operands(g, None, x, None)  # the codes both paths cast (elementwise, exact)
+    gemm_check("wgrad_fp8", compiled("wgrad_fp8")(**kw), cute.wgrad_fp8(**kw), gq.double().t() * s_g.double(),
+               xq.double() * s_x.double())
+
+    seqlen, hd, nrot = 1024, 64, 40
+    dy, y = r(m, q, scale=1e-3), r(m, q)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
+    kw = dict(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=nrot, head_dim=hd)
+    rot = nrot * hd
+    a = dy.double().abs()
+    pair = a[:, :rot].reshape(m, rot // 2, 2).sum(-1).repeat_interleave(2, dim=1)
+    mag = torch.cat([pair, a[:, rot:]], dim=1) * rstd.double()[:, None]
+    zdz_bound = 2 * q * u * (y.double().abs() * a).sum(-1)
+    for name in ("rope_bwd", "rope_bwd_fp8"):
+        got, want = compiled(name)(**kw), getattr(cute, name)(**kw)
+        da, da0 = got[0].double(), want[0].double()
+        excess = (da - da0).abs() - (6 * u * mag + _step(torch.maximum(da.abs(), da0.abs())))
+        log_bound(f"traced {name} da vs op (|diff| - bound, worst)", err=excess.max().item(), bound=0.0)
+        assert (excess <= 0).all(), f"{name} da: {(excess > 0).sum().item()} elements beyond the bound"
+        assert ((got[1].double() - want[1].double()).abs() <= zdz_bound).all(), f"{name} zdz"
+        if name == "rope_bwd_fp8":  # on each path's own scale s = amax / E5M2_MAX, amaxes at most da's bound apart
+            sc, sc0 = got[3].double(), want[3].double()
+            assert (sc - sc0).abs() <= (6 * u * mag).max() / E5M2_MAX + 4 * u * sc0, (sc, sc0)
+            # dequantized: q = RN(v / s) s and q0 = RN(v0 / s0) s0 lie within half a step of v and v0
+            qv, qv0 = got[2].double() * sc, want[2].double() * sc0
+            step = 0.25 * torch.maximum(qv.abs(), qv0.abs()) + 2.0**-16 * torch.maximum(sc, sc0)
+            assert_codes_within(f"traced {name} e5m2 da", qv, qv0, step, 6 * u * mag + 2 * u * qv0.abs())

@@ -17,7 +17,7 @@ from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from coda_titan import kernels
-from coda_titan.kernels import BackendUnavailable, get_backend, op_backend, resolve_backend
+from coda_titan.kernels import TRACEABLE, BackendUnavailable, get_backend, op_backend, resolve_backend
 from coda_titan.model.args import CodaModelArgs, coda_llama3_args
 from coda_titan.model.model import CodaTransformer
 from coda_titan.titan.fa4 import swap_attention
@@ -200,6 +200,37 @@ def test_resolve():
         resolve_backend("triton")
 
 
+def test_traced_programs_leave_the_compiled_graph_and_stay_ops_in_eager():
+    """op_backend(traced=...): an eager call takes the op; torch.compile traces the code instead, so
+    the compiled graph holds no node of that op (and does without ``traced``)."""
+    calls = []
+
+    def code(*, grad, inp, out_dtype):
+        calls.append(1)
+        return get_backend("torch").wgrad(grad=grad, inp=inp, out_dtype=out_dtype)
+
+    g, x = torch.randn(8, 4), torch.randn(8, 6)
+    for traced in (None, {"wgrad": code}):
+        be = op_backend(traced=traced)
+        calls.clear()
+        eager = be.wgrad(grad=g, inp=x, out_dtype=torch.float32)
+        assert calls == []
+        graphs = []
+
+        def capture(gm, inputs):
+            graphs.append(gm)
+            return gm
+
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b: be.wgrad(grad=a, inp=b, out_dtype=torch.float32), backend=capture, fullgraph=True)
+        torch.testing.assert_close(fn(g, x), eager)
+        targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+        assert any("coda.wgrad" in t for t in targets) == (traced is None), targets
+        assert calls == ([] if traced is None else [1])
+    with pytest.raises(ValueError, match="can be traced"):
+        op_backend(traced={"norm_rope": code})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cute_refused_without_gpu():
     with pytest.raises(BackendUnavailable, match="no CUDA GPU"):
@@ -216,7 +247,9 @@ def test_cute_refused_without_gpu():
     [("torch", "sdpa", "bf16"), ("custom_ops", "sdpa", "bf16"), ("torch", "fa4_op", "bf16"),
      ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
      ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
-     ("custom_ops", "sdpa", "fp8_layer_wgrads")],
+     ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
+     ("traced", "sdpa", "fp8_dgrad")],
+    # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad: with both
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
@@ -250,8 +283,9 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
         model.fp8_scaling.input_history(site).copy_(hist)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    if programs == "custom_ops":
-        cfg = dataclasses.replace(model.program_config(), backend=op_backend())
+    if programs != "torch":
+        traced = {k: getattr(model.program_config().backend, k) for k in TRACEABLE} if programs == "traced" else None
+        cfg = dataclasses.replace(model.program_config(), backend=op_backend(traced=traced))
         model.program_config = lambda: cfg
     for layer in model.layers.values():
         layer.compile(fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises

@@ -96,6 +96,17 @@ def test_fp8_ops_schemas_and_fakes():
             test_utils=("test_faketensor",))
 
 
+def test_rope_tables_op_is_rope_cos_sin():
+    """The tables a traced B1 reads through ``coda::rope_tables`` are ``rope_cos_sin``'s, in fp32."""
+    from coda_titan.kernels.norm_rope import rope_cos_sin
+
+    freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
+    cos, sin = torch.ops.coda.rope_tables(freqs, 8)
+    c, s = rope_cos_sin(freqs, 8, torch.float32)
+    assert cos.dtype == torch.float32 and torch.equal(cos, c) and torch.equal(sin, s)
+    opcheck(torch.ops.coda.rope_tables.default, (freqs, 8))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("name", ['norm_rope', 'rope_bwd'])

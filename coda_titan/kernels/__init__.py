@@ -28,7 +28,7 @@ from typing import Callable
 
 from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial
 
-__all__ = ["Backend", "BackendUnavailable", "TORCH", "cute_unavailable_reason", "get_backend", "op_backend",
+__all__ = ["Backend", "BackendUnavailable", "TORCH", "TRACEABLE", "cute_unavailable_reason", "get_backend", "op_backend",
            "resolve_backend"]
 
 BACKENDS = ("torch", "cute")
@@ -76,6 +76,10 @@ class Backend:
 
 
 PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
+# The programs with no epilogue of their own: plain torch code on every backend, which a compiled
+# caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
+# backend's ``TRACED``).
+TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8")
 
 TORCH = Backend(
     name="torch",
@@ -109,9 +113,11 @@ TORCH = Backend(
 )
 
 
-def op_backend(name: str = "ops") -> Backend:
-    """The programs through the ``torch.ops.coda`` custom ops (called with keywords)."""
-    return Backend(
+def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> Backend:
+    """The programs through the ``torch.ops.coda`` custom ops (called with keywords). ``traced`` maps
+    a program to plain torch code that ``torch.compile`` traces into the caller's graph in place of
+    the op (eager calls still take the op)."""
+    be = Backend(
         name=name,
         rms_partial=rms_partial.rms_partial_op,
         rstd_finalize=rms_partial.rstd_finalize_op,
@@ -141,6 +147,19 @@ def op_backend(name: str = "ops") -> Backend:
         quantize_grad=gemm.quantize_grad_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
     )
+    if set(traced or ()) - set(TRACEABLE):
+        raise ValueError(f"only {TRACEABLE} can be traced, not {sorted(set(traced) - set(TRACEABLE))}")
+    return dataclasses.replace(be, **{k: _traced_when_compiling(getattr(be, k), fn) for k, fn in (traced or {}).items()})
+
+
+def _traced_when_compiling(op: Callable, code: Callable) -> Callable:
+    import torch
+
+    def program(**kwargs):
+        return code(**kwargs) if torch.compiler.is_compiling() else op(**kwargs)
+
+    program.__name__ = program.__qualname__ = getattr(code, "__name__", "program")
+    return program
 
 
 def cute_unavailable_reason() -> str | None:
@@ -173,21 +192,22 @@ def resolve_backend(requested: str) -> str:
     return "cute" if reason is None else "torch"
 
 
-_cute: Backend | None = None
+_cute: dict[bool, Backend] = {}
 
 
-def get_backend(name: str) -> Backend:
-    """The programs of backend ``name`` ('torch' or 'cute'; use ``resolve_backend`` for 'auto')."""
-    global _cute
+def get_backend(name: str, traced: bool = True) -> Backend:
+    """The programs of backend ``name`` ('torch' or 'cute'; use ``resolve_backend`` for 'auto').
+    ``traced``: the cute backend's TRACEABLE programs are traced into a compiled caller's graph
+    (``[coda] trace_passes``); the torch backend is plain torch code either way."""
     if name == "torch":
         return TORCH
     if name != "cute":
         raise BackendUnavailable(f"unknown backend {name!r}; choose from {BACKENDS}")
-    if _cute is None:
+    if traced not in _cute:
         reason = cute_unavailable_reason()
         if reason is not None:
             raise BackendUnavailable(f"cute backend unavailable: {reason}")
-        from . import cute  # noqa: F401  (registers the CUDA kernels of the ops)
+        from . import cute  # (registers the CUDA kernels of the ops)
 
-        _cute = op_backend("cute")
-    return _cute
+        _cute[traced] = op_backend("cute", traced=cute.TRACED if traced else None)
+    return _cute[traced]

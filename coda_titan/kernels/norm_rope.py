@@ -151,6 +151,19 @@ def _(hq, rstd, weight_q, scale, freqs, seqlen, n_rope_heads, head_dim, out_dtyp
     return hq.new_empty((hq.shape[0], weight_q.shape[0]), dtype=out_dtype)
 
 
+@program_op("rope_tables")
+def rope_tables_op(freqs: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin`` in fp32 as an op: a compiled caller that traces B1 reads the tables through it,
+    so inductor never inlines their fp64 cos / sin into B1's kernel."""
+    return rope_cos_sin(freqs, seqlen, torch.float32)
+
+
+@rope_tables_op.register_fake
+def _(freqs, seqlen):
+    return (freqs.new_empty((seqlen, freqs.shape[0]), dtype=torch.float32),
+            freqs.new_empty((seqlen, freqs.shape[0]), dtype=torch.float32))
+
+
 @program_op("rope_bwd")
 def rope_bwd_op(
     dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,

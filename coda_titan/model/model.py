@@ -207,7 +207,7 @@ class CodaTransformer(Transformer):
     def program_config(self) -> ProgramConfig:
         a = self.model_args
         return ProgramConfig(
-            backend=get_backend(self.backend_name), tile_n=a.coda.tile_n, eps=a.norm_eps,
+            backend=get_backend(self.backend_name, traced=a.coda.trace_passes), tile_n=a.coda.tile_n, eps=a.norm_eps,
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
         )
 

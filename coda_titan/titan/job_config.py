@@ -52,6 +52,9 @@ class Coda:
                                        "+0.9%, off until its GPU test passes, docs/fp8.md)")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (issue 19; "
                                          "not yet measured, docs/fp8.md)")
+    trace_passes: bool = knob(True, "cute + compile: the programs with no epilogue of their own (B1's pass, the plain "
+                                    "and fp8 weight / input gradients) traced into the compiled graph instead of "
+                                    "called as opaque ops (less host time per call; docs/cute_backend.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

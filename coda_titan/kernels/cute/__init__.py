@@ -13,6 +13,13 @@ Caches (on disk, so a training start does not re-tune what was tuned before):
   set it, it defaults to ``$CODA_TITAN_CACHE/quack/<gpu name>`` (``~/.cache/coda_titan`` by
   default): one directory per GPU model, keyed inside by shape and dtype.
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
+
+``TRACED``: the programs without an epilogue of their own (B1's pass, the plain and the fp8 weight
+and input gradients) as plain torch code. Under ``torch.compile`` the model traces them into its
+graph, where inductor fuses them with their neighbours, instead of calling their op: an opaque op
+whose body calls a compiled pass of its own costs 0.2-0.5 ms of host time per call (guards, wrappers,
+launches; ``scripts/probes/host_profile.py``), and the GPU waits for it. ``[coda] trace_passes =
+false`` keeps them opaque (the A/B of ``gpu_train.sh tracepasses``).
 """
 
 from __future__ import annotations
@@ -41,3 +48,11 @@ if not os.environ.get("QUACK_CACHE_DIR"):
 
 from . import patches  # noqa: E402,F401  (before any fp8 GEMM is built)
 from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
+
+TRACED = {
+    "rope_bwd": norm_rope.rope_bwd_traced,
+    "rope_bwd_fp8": norm_rope.rope_bwd_fp8_traced,
+    "wgrad": gemm.wgrad_traced,
+    "dgrad": gemm.dgrad_traced,
+    "wgrad_fp8": gemm.wgrad_fp8_traced,
+}

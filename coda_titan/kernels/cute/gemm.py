@@ -23,20 +23,37 @@ from ..scaling import E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, 
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
 
 
+def _mm(a, b, out_dtype):
+    out = a @ b
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
 @torch.library.register_kernel("coda::wgrad", "cuda")
 def _wgrad(grad, inp, out_dtype):
     if grad.dtype not in KERNEL_DTYPES or inp.dtype != grad.dtype:
         return fallback(ref.wgrad_op, f"dtype {grad.dtype}/{inp.dtype}", grad, inp, out_dtype)
-    out = grad.t() @ inp
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _mm(grad.t(), inp, out_dtype)
 
 
 @torch.library.register_kernel("coda::dgrad", "cuda")
 def _dgrad(grad, weight, out_dtype):
     if grad.dtype not in KERNEL_DTYPES or weight.dtype != grad.dtype:
         return fallback(ref.dgrad_op, f"dtype {grad.dtype}/{weight.dtype}", grad, weight, out_dtype)
-    out = grad @ weight
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _mm(grad, weight, out_dtype)
+
+
+def wgrad_traced(*, grad, inp, out_dtype):
+    """``coda::wgrad`` as code a compiled caller traces (``TRACED``): inductor's extern cuBLAS GEMM."""
+    if grad.dtype not in KERNEL_DTYPES or inp.dtype != grad.dtype:
+        return ref.wgrad_op(grad, inp, out_dtype)
+    return _mm(grad.t(), inp, out_dtype)
+
+
+def dgrad_traced(*, grad, weight, out_dtype):
+    """``coda::dgrad`` as code a compiled caller traces (``TRACED``)."""
+    if grad.dtype not in KERNEL_DTYPES or weight.dtype != grad.dtype:
+        return ref.dgrad_op(grad, weight, out_dtype)
+    return _mm(grad, weight, out_dtype)
 
 
 @torch.library.register_kernel("coda::quantize_tensorwise", "cuda")
@@ -80,16 +97,32 @@ def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):
     return gq.t().contiguous(), s_g, xq.t().contiguous(), s_x
 
 
-@torch.library.register_kernel("coda::wgrad_fp8", "cuda")
-def _wgrad_fp8(grad, grad_amax, inp, inp_amax, out_dtype):
+def _wgrad_fp8_unsupported(grad, inp, out_dtype) -> str | None:
     why = unsupported(grad, inp)
     if why is None and (grad.shape[0] != inp.shape[0] or grad.shape[0] % 16 or grad.shape[1] % 16 or inp.shape[1] % 16):
         why = f"shapes {tuple(grad.shape)} / {tuple(inp.shape)} (need equal rows, all % 16)"
     if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         why = f"out dtype {out_dtype}"
+    return why
+
+
+def _scaled_wgrad(gt, s_g, xt, s_x, out_dtype):
+    return torch._scaled_mm(gt, xt.t(), scale_a=s_g, scale_b=s_x, out_dtype=out_dtype, use_fast_accum=False)
+
+
+@torch.library.register_kernel("coda::wgrad_fp8", "cuda")
+def _wgrad_fp8(grad, grad_amax, inp, inp_amax, out_dtype):
+    why = _wgrad_fp8_unsupported(grad, inp, out_dtype)
     if why:
         return fallback(ref.wgrad_fp8_op, why, grad, grad_amax, inp, inp_amax, out_dtype)
     fn = fused(f"wgrad_fp8_operands_{grad_amax is None:d}{inp_amax is None:d}", _wgrad_fp8_operands_t)
     with first_call("wgrad_fp8", grad, inp):
-        gt, s_g, xt, s_x = fn(grad, grad_amax, inp, inp_amax)
-        return torch._scaled_mm(gt, xt.t(), scale_a=s_g, scale_b=s_x, out_dtype=out_dtype, use_fast_accum=False)
+        return _scaled_wgrad(*fn(grad, grad_amax, inp, inp_amax), out_dtype)
+
+
+def wgrad_fp8_traced(*, grad, grad_amax, inp, inp_amax, out_dtype):
+    """``coda::wgrad_fp8`` as code a compiled caller traces (``TRACED``): the cast-and-transpose passes
+    fused by inductor with their producers, then the same cuBLAS fp8 GEMM."""
+    if _wgrad_fp8_unsupported(grad, inp, out_dtype):
+        return ref.wgrad_fp8_op(grad, grad_amax, inp, inp_amax, out_dtype)  # the op says why, once
+    return _scaled_wgrad(*_wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax), out_dtype)

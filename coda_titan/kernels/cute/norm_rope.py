@@ -84,18 +84,32 @@ def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
     return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
 
 
-def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
-    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math) as one inductor program."""
+def _rope_bwd_unsupported(dy, y, seqlen, head_dim) -> str | None:
     why = unsupported(dy, y)
-    m = dy.shape[0]
-    if why is None and (head_dim % 2 or m % seqlen):
-        why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
-    if why:
-        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
-    cos, sin = cached(  # (the shape too: a freed freqs' address can come back for another head_dim)
-        ("cossin", freqs.data_ptr(), freqs._version, tuple(freqs.shape), seqlen, dy.device),
+    if why is None and (head_dim % 2 or dy.shape[0] % seqlen):
+        why = f"head_dim {head_dim} / rows {dy.shape[0]} vs seqlen {seqlen}"
+    return why
+
+
+def _cos_sin(freqs, seqlen):
+    return cached(  # (the shape too: a freed freqs' address can come back for another head_dim)
+        ("cossin", freqs.data_ptr(), freqs._version, tuple(freqs.shape), seqlen, freqs.device),
         lambda: ref.rope_cos_sin(freqs, seqlen, torch.float32),
     )
+
+
+@torch.library.register_kernel("coda::rope_tables", "cuda")
+def _cos_sin_tables(freqs, seqlen):
+    cos, sin = _cos_sin(freqs, seqlen)
+    return cos.clone(), sin.clone()  # an op's outputs are its caller's to reuse
+
+
+def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math) as one inductor program."""
+    why = _rope_bwd_unsupported(dy, y, seqlen, head_dim)
+    if why:
+        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+    cos, sin = _cos_sin(freqs, seqlen)
     name = math.__name__.strip("_").removesuffix("_math")
     with first_call(name, dy):
         return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
@@ -110,3 +124,20 @@ def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
 def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
     # the amax reduction, then da in bf16 and e5m2 in one pointwise pass
     return _rope_bwd_pass(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+
+
+def _traced_rope_bwd(op, math):
+    """B1 as code a compiled caller traces (``TRACED``): the same ``math``, fused by inductor into the
+    caller's backward graph; the tables come through ``coda::rope_tables``."""
+
+    def program(*, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+        if _rope_bwd_unsupported(dy, y, seqlen, head_dim):
+            return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)  # the op says why, once
+        cos, sin = torch.ops.coda.rope_tables(freqs, seqlen)
+        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+
+    return program
+
+
+rope_bwd_traced = _traced_rope_bwd(ref.rope_bwd_op, _rope_bwd_math)
+rope_bwd_fp8_traced = _traced_rope_bwd(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math)

@@ -385,6 +385,26 @@ def test_train_on_local_jsonl(tmp_path, cache_dir):
     assert sorted(logged_losses(proc.stdout + proc.stderr)) == [1, 2, 3]
 
 
+# --- parallelize: what is refused -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["tp", "cp", "pp"])
+def test_tensor_context_and_pipeline_parallelism_are_refused_in_one_line(key):
+    """coda_llama3 takes FSDP2 / HSDP / DDP; TP, CP and PP stop with one line naming what is supported,
+    before anything touches the model."""
+    from types import SimpleNamespace
+
+    from coda_titan.titan.parallelize import parallelize_coda
+
+    dims = SimpleNamespace(tp_enabled=key == "tp", cp_enabled=key == "cp", pp_enabled=key == "pp", fsdp_enabled=False,
+                           dp_replicate_enabled=False)
+    name = {"tp": "tensor", "cp": "context", "pp": "pipeline"}[key]
+    with pytest.raises(ValueError) as err:
+        parallelize_coda(None, dims, SimpleNamespace())
+    msg = str(err.value)
+    assert "\n" not in msg and f"parallelism.{name}_parallel_degree" in msg and "data_parallel_shard_degree (FSDP2)" in msg
+
+
 # --- parallelize: activation checkpointing with compile ---------------------------------------------
 
 

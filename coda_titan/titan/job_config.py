@@ -45,16 +45,15 @@ class Coda:
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
     fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, its input y cast to "
                                       "e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
-    fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, the attention output "
-                                     "cast to e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
+    fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
+                                     "e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
                                        "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
-                                       "+0.9%; its GPU test passes; off until a 300-step parity run, docs/fp8.md)")
+                                       "+0.9%; off until a 300-step parity run, docs/fp8.md)")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (issue 19; "
-                                         "measured 1% slower with its cast passes, docs/fp8.md)")
-    trace_passes: bool = knob(True, "cute + compile: the programs with no epilogue of their own (B1's pass, the plain "
-                                    "and fp8 weight / input gradients) traced into the compiled graph instead of "
-                                    "called as opaque ops (same speed, 0.9-1.5 GiB less reserved at 1B; docs/cute_backend.md)")
+                                         "measured 1% slower, docs/fp8.md)")
+    trace_passes: bool = knob(True, "cute + compile: B1's pass and the weight / input gradient GEMMs traced into the "
+                                    "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

@@ -37,6 +37,7 @@
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
+#     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
@@ -188,6 +189,13 @@ for phase in "$@"; do
       # [coda] trace_passes on / off (B1 and the plain GEMMs traced into the compiled graph or opaque ops), fp8 and bf16
       ab trace_passes_fp8 traced opaque trace_passes
       PREC=bf16 ab trace_passes_bf16 traced opaque trace_passes
+      ;;
+    fp8downdgradparity)
+      # the 300-step loss curve that fp8_down_dgrad waits for: float8 + compile, CODA fp8 compiled with it, and
+      # the current default (its deviation from float8 is what the knob must stay within)
+      a=$(variant down_dgrad "fp8_down_dgrad = true") || exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8_down_dgrad
       ;;
     fp8downprofile)
       # where the fp8_down_proj + fp8_out_proj arm's time goes: one profiled step of it (the plain arm is

@@ -48,6 +48,16 @@ def host_us(fn, calls: int) -> tuple[float, bool]:
     return wall / calls * 1e6, wall * 1e3 >= start.elapsed_time(slept)
 
 
+def programs(precisions, d: int):
+    """(precision, setup, program) for every program of ``scripts.bench.bf16`` / ``.fp8`` at width d;
+    the cache is emptied after each program's rows."""
+    for precision in precisions:
+        setup = Setup(d, torch.Generator(device="cuda").manual_seed(d))
+        for program in (fp8.PROGRAMS if precision == "fp8" else bf16.PROGRAMS):
+            yield precision, setup, program
+            torch.cuda.empty_cache()
+
+
 def measure(program, setup: Setup, calls: int, precision: str) -> list[dict]:
     op, direction, fns = program(setup)
     rows = []
@@ -74,12 +84,9 @@ def main(argv=None) -> int:
     doc = {**header(), "kind": "probe_host_overhead", "sleep_cycles": SLEEP_CYCLES,
            "timing": "host_us: wall time per call enqueued behind torch.cuda._sleep; gpu_us: do_bench median",
            "rows": []}
-    for precision in args.precision:
-        setup = Setup(args.d, torch.Generator(device="cuda").manual_seed(args.d))
-        for program in (fp8.PROGRAMS if precision == "fp8" else bf16.PROGRAMS):
-            for row in measure(program, setup, args.calls, precision):
-                log_row(doc, "rows", row, path)
-            torch.cuda.empty_cache()
+    for precision, setup, program in programs(args.precision, args.d):
+        for row in measure(program, setup, args.calls, precision):
+            log_row(doc, "rows", row, path)
     print("wrote", path, flush=True)
     return 0
 

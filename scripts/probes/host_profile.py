@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from scripts.bench import bf16, fp8
-from scripts.bench.common import Setup, header, log_row, out_json
+from scripts.bench.common import header, log_row, out_json
+from scripts.probes.host_overhead import programs
 
 GROUPS = (("coda_titan", "coda_titan"), ("scripts", "probe"), ("quack", "quack"), ("cutlass", "cutlass"),
           ("tvm_ffi", "cutlass"), ("torch", "torch_py"), ("triton", "triton"))
@@ -90,16 +90,13 @@ def main(argv=None) -> int:
     doc = {**header(), "kind": "probe_host_profile", "calls": args.calls, "batch": args.batch,
            "timing": "cProfile own time per call, synchronize excluded; wall_us: wall per call less the waits",
            "rows": []}
-    for precision in args.precision:
-        setup = Setup(args.d, torch.Generator(device="cuda").manual_seed(args.d))
-        for program in (fp8.PROGRAMS if precision == "fp8" else bf16.PROGRAMS):
-            op, direction, fns = program(setup)
-            fn = fns.get("coda")
-            if fn is None or op == "lm_head_ce":  # F4 is one call per step; its 40 ms of GPU hide its host time
-                continue
-            row = {"op": op, "direction": direction, "precision": precision, "d": args.d, **profile(fn, args.calls, args.batch)}
-            log_row(doc, "rows", row, path)
-            torch.cuda.empty_cache()
+    for precision, setup, program in programs(args.precision, args.d):
+        op, direction, fns = program(setup)
+        fn = fns.get("coda")
+        if fn is None or op == "lm_head_ce":  # F4 is one call per step; its 40 ms of GPU hide its host time
+            continue
+        row = {"op": op, "direction": direction, "precision": precision, "d": args.d, **profile(fn, args.calls, args.batch)}
+        log_row(doc, "rows", row, path)
     print("wrote", path, flush=True)
     return 0
 

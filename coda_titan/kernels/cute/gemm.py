@@ -28,32 +28,34 @@ def _mm(a, b, out_dtype):
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+def _mm_takes(a, b) -> bool:
+    """cuBLAS takes a @ b here: both bf16 or both fp16."""
+    return a.dtype in KERNEL_DTYPES and b.dtype == a.dtype
+
+
 @torch.library.register_kernel("coda::wgrad", "cuda")
 def _wgrad(grad, inp, out_dtype):
-    if grad.dtype not in KERNEL_DTYPES or inp.dtype != grad.dtype:
+    if not _mm_takes(grad, inp):
         return fallback(ref.wgrad_op, f"dtype {grad.dtype}/{inp.dtype}", grad, inp, out_dtype)
     return _mm(grad.t(), inp, out_dtype)
 
 
 @torch.library.register_kernel("coda::dgrad", "cuda")
 def _dgrad(grad, weight, out_dtype):
-    if grad.dtype not in KERNEL_DTYPES or weight.dtype != grad.dtype:
+    if not _mm_takes(grad, weight):
         return fallback(ref.dgrad_op, f"dtype {grad.dtype}/{weight.dtype}", grad, weight, out_dtype)
     return _mm(grad, weight, out_dtype)
 
 
 def wgrad_traced(*, grad, inp, out_dtype):
-    """``coda::wgrad`` as code a compiled caller traces (``TRACED``): inductor's extern cuBLAS GEMM."""
-    if grad.dtype not in KERNEL_DTYPES or inp.dtype != grad.dtype:
-        return ref.wgrad_op(grad, inp, out_dtype)
-    return _mm(grad.t(), inp, out_dtype)
+    """``coda::wgrad`` as code a compiled caller traces (``TRACED``): inductor's extern cuBLAS GEMM;
+    the op (which says why, once) where cuBLAS does not take the dtypes."""
+    return _mm(grad.t(), inp, out_dtype) if _mm_takes(grad, inp) else ref.wgrad_op(grad, inp, out_dtype)
 
 
 def dgrad_traced(*, grad, weight, out_dtype):
     """``coda::dgrad`` as code a compiled caller traces (``TRACED``)."""
-    if grad.dtype not in KERNEL_DTYPES or weight.dtype != grad.dtype:
-        return ref.dgrad_op(grad, weight, out_dtype)
-    return _mm(grad, weight, out_dtype)
+    return _mm(grad, weight, out_dtype) if _mm_takes(grad, weight) else ref.dgrad_op(grad, weight, out_dtype)
 
 
 @torch.library.register_kernel("coda::quantize_tensorwise", "cuda")

@@ -171,6 +171,7 @@ def test_trace_summary_groups_kernels(tmp_path):
     assert gap["us"] == 250 and gap["after_kernel"] == "nvjet_sm90_tst_256x128" and gap["before_kernel"] == "triton_poi_fused_add"
     assert gap["host_ops"] == ["cudaStreamSynchronize", "aten::item", "aten::mm"]
     assert s["allocator_calls"] == {"cudaMalloc": [1, 0.03]}
+    assert s["idle_by_phase"] == {"unknown": {"intervals": 1, "ms": 0.25, "host_bound_intervals": 0, "host_bound_ms": 0.0}}
     events = events[:4] + events[6:7]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     s = compare.summarize_trace(str(tmp_path / "t.json"))
@@ -287,6 +288,36 @@ def test_nproc_launches_torchrun_with_fsdp_over_every_process():
     assert two[-2:] == ["--parallelism.data_parallel_shard_degree", "2"] and two[9:12] == ["coda_titan.cli", "train", "c.toml"]
     ddp = launch_command(Path("c.toml"), ["--parallelism.data_parallel_replicate_degree", "2"], nproc=2)
     assert "--parallelism.data_parallel_shard_degree" not in ddp  # the user's degrees win
+
+
+def test_trace_idle_is_charged_to_the_phase_and_host_op_that_launched_the_next_kernel(tmp_path):
+    k = lambda name, ts, dur, corr: {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}  # noqa: E731
+    launch = lambda ts, tid, corr: {"cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": ts, "dur": 3, "tid": tid,  # noqa: E731
+                                    "args": {"correlation": corr}}
+    op = lambda name, ts, dur, tid, cat="cpu_op": {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    events = [
+        op("ProfilerStep#5", 0, 10_000, 1, "user_annotation"),
+        k("a", 0, 100, 1), launch(0, 1, 1),
+        # forward: the next kernel is launched 50 us after the GPU went idle, from inside coda::f1
+        op("CompiledFunction", 10, 300, 1), op("coda::f1", 140, 20, 1), launch(150, 1, 2), k("b", 200, 100, 2),
+        # backward (another thread): launched early, so the 100 us wait is not the host's
+        op("autograd::engine::evaluate_function: X", 250, 50, 2), launch(260, 2, 3), k("c", 400, 100, 3),
+        # optimizer on the main thread: host-bound, 200 us
+        op("Optimizer.step#AdamW.step", 550, 200, 1, "user_annotation"), op("aten::_fused_adamw_", 600, 120, 1),
+        launch(650, 1, 4), k("d", 700, 50, 4),
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["gpu_idle_ms"] == 0.4 and s["gpu_idle_intervals"] == 3
+    assert s["idle_by_phase"] == {
+        "backward": {"intervals": 1, "ms": 0.1, "host_bound_intervals": 0, "host_bound_ms": 0.0},
+        "forward and step": {"intervals": 1, "ms": 0.1, "host_bound_intervals": 1, "host_bound_ms": 0.1},
+        "optimizer": {"intervals": 1, "ms": 0.2, "host_bound_intervals": 1, "host_bound_ms": 0.2},
+    }
+    assert {g["op"]: g["ms"] for g in s["idle_by_host_op"]} == {
+        "optimizer: Optimizer.step#AdamW.step > aten::_fused_adamw_": 0.2,
+        "backward: autograd::engine::evaluate_function: X": 0.1, "forward and step: CompiledFunction > coda::f1": 0.1}
+    assert s["idle_by_host_op"][0]["ms"] == 0.2
 
 
 def test_trace_summary_counts_collectives_that_no_compute_overlaps(tmp_path):

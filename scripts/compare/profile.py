@@ -78,11 +78,12 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
     """Where the GPU waited for the host: the time inside the step's kernel span covered by no
     kernel, its largest intervals with the kernels on both sides and the CPU ops running at the
     interval's middle (the host work the GPU waited for), and the blocking CUDA runtime calls."""
-    ivs = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels)
-    gaps, end, prev = [], None, None
-    for t0, t1, name in ivs:
+    ivs = sorted(((e["ts"], e["ts"] + e["dur"], e["name"], e) for e in kernels), key=lambda iv: iv[:2])
+    gaps, end, prev, nexts = [], None, None, []
+    for t0, t1, name, ev in ivs:
         if end is not None and t0 > end:
             gaps.append((t0 - end, end, t0, prev, name))
+            nexts.append(ev)
         if end is None or t1 > end:
             end, prev = t1, name
     cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
@@ -101,7 +102,77 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
         "blocking_runtime_calls": {"count": len(syncs), "ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
                                    "names": sorted({e["name"] for e in syncs})},
         "top_idle": tops,
+        **idle_attribution(events, [(g[0], g[1], ev) for g, ev in zip(gaps, nexts)]),
         "allocator_calls": _allocator_calls(runtime, lo, hi),
+    }
+
+
+def _enclosing(ops: dict, queries: list) -> list[list[dict]]:
+    """For each (thread, time) query, the host ops of that thread running at that time, outermost
+    first (profiler steps left out): one sweep per thread over its ops in start order, a stack of the
+    ops still open."""
+    out: list[list[dict]] = [[] for _ in queries]
+    for tid, evs in ops.items():
+        qs = sorted((q[1], i) for i, q in enumerate(queries) if q is not None and q[0] == tid)
+        if not qs:
+            continue
+        evs = sorted((o for o in evs if not str(o["name"]).startswith("ProfilerStep")), key=lambda o: (o["ts"], -o["dur"]))
+        stack: list[dict] = []
+        j = 0
+        for t, i in qs:
+            while j < len(evs) and evs[j]["ts"] <= t:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < evs[j]["ts"]:
+                    stack.pop()
+                stack.append(evs[j])
+                j += 1
+            out[i] = [o for o in stack if o["ts"] + o["dur"] >= t]
+    return out
+
+
+def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], top: int = 15) -> dict:
+    """Each idle interval charged to the launch of the kernel that ended it (by correlation id): the
+    phase of the step that launch belongs to (the autograd thread's launches are the backward's, the
+    main thread's inside ``Optimizer.step`` the optimizer's, the rest of the main thread's the forward's
+    and the step's own host work) and the host ops it sat in (outermost below the profiler step, and
+    innermost). A launch made after the GPU had gone idle is host-bound: the GPU waited for it."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops: dict = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+            ops.setdefault(e.get("tid"), []).append(e)
+    steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep")]
+    main = steps[0].get("tid") if steps else None
+    found = [launches.get(ev.get("args", {}).get("correlation")) for _, _, ev in gaps]
+    paths = _enclosing(ops, [(la.get("tid"), la["ts"]) if la else None for la in found])
+    phases: dict[str, list] = {}
+    by_op: dict[str, list] = {}
+    for (dur, g0, ev), la, path in zip(gaps, found, paths):
+        if la is None:
+            phase = "unknown"
+        else:
+            names = [str(o["name"]) for o in path]
+            if main is not None and la.get("tid") != main:
+                phase = "backward"
+            elif any(n.startswith("Optimizer.") for n in names):
+                phase = "optimizer"
+            else:
+                phase = "forward and step"
+        c = phases.setdefault(phase, [0, 0.0, 0, 0.0])
+        late = la is not None and la["ts"] >= g0
+        c[0] += 1
+        c[1] += dur
+        c[2] += late
+        c[3] += dur if late else 0.0
+        key = " > ".join(dict.fromkeys(str(o["name"])[:60] for o in (path[:1] + path[-1:]))) or "(no host op)"
+        b = by_op.setdefault(f"{phase}: {key}", [0, 0.0])
+        b[0] += 1
+        b[1] += dur
+    return {
+        "idle_by_phase": {k: {"intervals": v[0], "ms": round(v[1] / 1e3, 3), "host_bound_intervals": v[2],
+                              "host_bound_ms": round(v[3] / 1e3, 3)} for k, v in sorted(phases.items())},
+        "idle_by_host_op": [{"op": k, "intervals": v[0], "ms": round(v[1] / 1e3, 3)}
+                            for k, v in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]],
     }
 
 

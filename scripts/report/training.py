@@ -177,6 +177,15 @@ def profile_table(doc: dict, top: int = 12) -> str:
         for g in s["top_idle"][:5]:
             host = " / ".join(g["host_ops"][:2]).replace("|", "/") or "n/a"
             lines.append(f"| {g['us']:.0f} | `{g['after_kernel'][:50].replace('|', '/')}` | {host[:90]} |")
+    if s.get("idle_by_phase"):
+        lines += ["", "| GPU idle by the phase that launched the next kernel | intervals | ms | of it host-bound (launched after the GPU went idle), ms |",
+                  "|---|---:|---:|---:|"]
+        for k, v in s["idle_by_phase"].items():
+            lines.append(f"| {k} | {v['intervals']} | {v['ms']:.1f} | {v['host_bound_ms']:.1f} |")
+        lines += ["", "| GPU idle charged to the host op that launched the next kernel (outermost > innermost) | intervals | ms |",
+                  "|---|---:|---:|"]
+        for g in s["idle_by_host_op"][:8]:
+            lines.append(f"| {g['op'][:110].replace('|', '/')} | {g['intervals']} | {g['ms']:.1f} |")
     lines += ["", "| top kernel | category | calls | ms | share |", "|---|---|---:|---:|---:|"]
     for k in s["top_kernels"][:top]:
         name = k["name"].replace("|", "/")

@@ -37,6 +37,7 @@
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
+#     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
@@ -189,6 +190,11 @@ for phase in "$@"; do
       # [coda] trace_passes on / off (B1 and the plain GEMMs traced into the compiled graph or opaque ops), fp8 and bf16
       ab trace_passes_fp8 traced opaque trace_passes
       PREC=bf16 ab trace_passes_bf16 traced opaque trace_passes
+      ;;
+    prefetch)
+      # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at
+      # the forward's start (where the host, just synchronized by the batch copy, leaves the GPU idle)
+      ab prefetch_weights prefetch own_pass prefetch_weights
       ;;
     fp8downdgradparity)
       # the 300-step loss curve that fp8_down_dgrad waits for: float8 + compile, CODA fp8 compiled with it, and

@@ -122,3 +122,22 @@ def test_coda_step_is_attributed_by_program(fp8):
     got = gemm_families(tr.events, WEIGHTS)
     assert got["families_ms"] == tr.ms() and got["unattributed_gemm_ms"] == 0
     assert set(got["families_ms"]) == {f"{f}/{d}" for f in ("qkv", "out", "w13", "w2") for d in ("fwd", "dgrad", "wgrad")} | {"lm_head/all"}
+
+
+def test_coda_gemms_traced_into_the_compiled_backward_are_attributed_by_shape():
+    """``trace_passes``: the plain weight / input gradients are ``aten::mm`` / ``_scaled_mm`` inside the
+    compiled backward, not programs. With tokens = the rows of W13 (T = 2 FF, as at 1B: 16384) W13's
+    wgrad also fits a W13 dgrad by shape; CODA's only plain dgrad is W_o's."""
+    t, ff = 2 * FF, FF
+    weights = {**WEIGHTS, "w1": (ff, D), "w3": (ff, D), "w2": (D, ff), "w13": (t, D)}
+    tr = Trace()
+    tr.op("coda::norm_rope", [[t, D], [t, 1], [D + 2 * KV, D]],
+          [("kernel_cutlass_kernel_quackepiloguefrontendGemmMod_x", "qkv/fwd")], parent="CompiledFunction")
+    for op, dims, fam in (("aten::mm", [[D, t], [t, ff], [D, ff]], "w2/wgrad"),
+                          ("aten::_scaled_mm", [[t, t], [t, D], [], [], [], [], [], [], [t, D]], "w13/wgrad"),
+                          ("aten::mm", [[t, D], [D, D], [t, D]], "out/dgrad"),
+                          ("aten::mm", [[D, t], [t, D], [D, D]], "out/wgrad"),
+                          ("aten::_scaled_mm", [[D + 2 * KV, t], [t, D], [], [], [D + 2 * KV, D]], "qkv/wgrad")):
+        tr.op(op, dims, [("nvjet_sm90_tst_256x128", fam)], tid=2, parent="CompiledFunctionBackward")
+    got = gemm_families(tr.events, weights)
+    assert got["families_ms"] == tr.ms() and got["unattributed_gemm_ms"] == 0

@@ -542,6 +542,43 @@ def test_fp8_model_trains():
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.9 * losses[0]
 
 
+@pytest.mark.parametrize("kw", [{}, dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_down_proj=True, fp8_out_proj=True,
+                                         fp8_down_dgrad=True)])
+def test_prefetched_weight_pass_trains_bit_for_bit_as_the_forwards_own(kw):
+    """With TorchTitan's optimizers (``build_coda_optimizers``: the post-step hook issues the next
+    weight pass and scales) the model trains exactly as with ``prefetch_weights`` off, losses and
+    parameters bit for bit; every forward after the first takes the prefetched pass, and one after a
+    weight changed in place takes its own."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    runs = {}
+    for prefetch in (True, False):
+        _, model = _models(**kw)
+        model.model_args.coda = dataclasses.replace(model.model_args.coda, prefetch_weights=prefetch)
+        tokens, labels = _batch(model.model_args.vocab_size)
+        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=3e-3, implementation="for-loop"),
+                                    parallel_dims=None)
+        taken = []
+        take = model._take_prefetched
+        model._take_prefetched = lambda *a: taken.append(take(*a)) or taken[-1]
+        losses = []
+        for step in range(4):
+            if step == 3:  # a weight changed after the prefetch: the forward must not use it
+                with torch.no_grad():
+                    model.layers["0"].feed_forward.w1.weight.mul_(1.5)
+            opt.zero_grad()
+            loss = model(tokens, labels=labels)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[prefetch] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()}, taken)
+    (l1, p1, taken), (l0, p0, taken_off) = runs[True], runs[False]
+    assert l1 == l0 and all(torch.equal(p1[n], p0[n]) for n in p0)
+    assert [t is not None for t in taken] == [False, True, True, False] and not any(t is not None for t in taken_off)
+
+
 def test_bad_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         _models(precision="fp4")
@@ -675,3 +712,53 @@ def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
     assert not sc.input_calibrated[site] and (sc.input_history(site) == 0).all()
     sc.load_checkpoint_state(state)
     assert sc.input_calibrated[site] and torch.equal(sc.input_history(site), state[f"{site}_history"])
+
+
+@pytest.mark.gpu
+def test_prefetched_weight_pass_on_a_side_stream_is_the_forwards_own():
+    """cute, CUDA: the weight pass the optimizer step issues on the side stream (held back there by a
+    sleep, so a forward that did not wait for it would read unwritten memory) gives every e4m3
+    weight and scale bit for bit as the main stream's own pass, and the forward that takes it the
+    loss of a forward with its own pass (same weights, batch and fp8 histories)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    seqlen, bs = 1024, 2
+    args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=seqlen,
+                               coda=Coda(backend="cute", precision="fp8"))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CodaTransformer(args)
+        with torch.no_grad():
+            model.init_weights()
+    model = model.to(BF)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens, labels = (torch.randint(0, args.vocab_size, (bs, seqlen), generator=gen, device="cuda") for _ in range(2))
+    opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    own_pass = model._weight_pass
+
+    def slow_pass(*a):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():
+            torch.cuda._sleep(200_000_000)  # ~0.1 s on the side stream before the pass
+        return own_pass(*a)
+
+    model._weight_pass = slow_pass
+    loss = model(tokens, labels=labels)
+    loss.backward()
+    opt.step()  # the hook: the next forward's pass, queued on the side stream behind the sleep
+    assert model._prefetched is not None and model._prefetched[2] is not None
+    flags, pre = model._prefetched[0], model._prefetched[3]
+    state = {k: v.clone() for k, v in model.fp8_scaling.checkpoint_state().items()}
+    loss_pre = model(tokens, labels=labels).float().item()  # (with grad: the pass the training forward takes)
+    assert model._prefetched is None
+    model.fp8_scaling.load_checkpoint_state(state)
+    model.model_args.coda = dataclasses.replace(model.model_args.coda, prefetch_weights=False)
+    loss_own = model(tokens, labels=labels).float().item()
+    fresh = own_pass(list(model.layers.values()), model.program_config(), flags)
+    torch.cuda.synchronize()
+    flat = lambda ws: [t for w in ws for t in (w if isinstance(w, (list, tuple)) else [w]) if isinstance(t, torch.Tensor)]  # noqa: E731
+    assert len(flat(pre)) == len(flat(fresh)) > 0
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
+               for a, b in zip(flat(pre), flat(fresh)))
+    assert loss_pre == loss_own

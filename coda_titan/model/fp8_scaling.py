@@ -109,11 +109,32 @@ class Fp8Scaling(nn.Module):
                 self.input_calibrated[site] = False
         self.sink = None
 
+    def _memo(self, name: str, history: torch.Tensor, calibrated: bool, make):
+        """``make()``, kept while ``history`` is the same tensor at the same version (every update of a
+        history is in place, or replaces it) and its calibration flag is unchanged: the scales are pure
+        functions of it, so ``prepare`` can take them before the forward that reads them."""
+        key = (id(history), history._version, calibrated)
+        memo = self.__dict__.setdefault("_memos", {})
+        if memo.get(name, (None,))[0] != key:
+            memo[name] = (key, make())
+        return memo[name][1]
+
+    def prepare(self, sites: list[str]) -> None:
+        """Take every scale the next forward reads now (the optimizer step's post-hook: the host is
+        ahead of the GPU there, not at the next step's start): the last backward's gradient amaxes
+        moved into their history, then the activation, F1-input (``sites``) and gradient scales."""
+        self.flush_sink()
+        self.activation_inv_scales()
+        for site in sites:
+            self.input_inv_scales(site)
+        self._gradient_inv_scales()
+
     def activation_inv_scales(self) -> list[torch.Tensor | None]:
         """Per-site inverse scales 448 / max(history), or all None on the calibration step."""
         if not self.activations_calibrated:
             return [None] * self.activation_history.shape[0]
-        return list(inv_scale_from_amax(self.activation_history.amax(-1)).unbind(0))
+        h = self.activation_history
+        return self._memo("activation", h, True, lambda: list(inv_scale_from_amax(h.amax(-1)).unbind(0)))
 
     def input_history(self, site: str) -> torch.Tensor:
         return getattr(self, f"{site}_history")
@@ -122,7 +143,8 @@ class Fp8Scaling(nn.Module):
         """Per-layer inverse scales of an F1 input site (``INPUT_SITES``), or all None to calibrate."""
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
-        return list(inv_scale_from_amax(self.input_history(site).amax(-1)).unbind(0))
+        h = self.input_history(site)
+        return self._memo(site, h, True, lambda: list(inv_scale_from_amax(h.amax(-1)).unbind(0)))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
@@ -143,12 +165,17 @@ class Fp8Scaling(nn.Module):
         self.flush_sink()
         if not enabled:
             return [None] * n, [None] * n
-        inv: list[torch.Tensor | None] = [None] * n
-        if self.gradients_calibrated:
-            headroom = 2.0**self.grad_margin  # (a step's amax may outgrow the history)
-            inv = list(inv_scale_from_amax(self.gradient_history.amax(-1) * headroom, E5M2_MAX).unbind(0))
+        inv = self._gradient_inv_scales()
         self.sink = GradAmaxSink(n, device)
         return inv, self.sink.per_layer
+
+    def _gradient_inv_scales(self) -> list[torch.Tensor | None]:
+        h = self.gradient_history
+        if not self.gradients_calibrated:
+            return [None] * h.shape[0]
+        headroom = 2.0**self.grad_margin  # (a step's amax may outgrow the history)
+        return self._memo("gradient", h, True,
+                          lambda: list(inv_scale_from_amax(h.amax(-1) * headroom, E5M2_MAX).unbind(0)))
 
 
 def _push(history: torch.Tensor, new: torch.Tensor) -> None:

@@ -113,6 +113,19 @@ class CodaTransformerBlock(TransformerBlock):
         return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o
 
 
+def _param_versions(layers) -> tuple:
+    """Each layer parameter's identity and in-place version: what a prefetched weight pass read."""
+    return tuple((id(p), p._version) for layer in layers for p in layer.parameters())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _is_sharded(block: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -246,6 +259,77 @@ class CodaTransformer(Transformer):
             return self.output(h, rstd).to(h.dtype).view(bs, seqlen, -1)
         return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
 
+    def _weight_pass_flags(self, grad: bool) -> tuple:
+        """What the fp8 weight pass makes: (W13^T for B2's fp8 dgrad, W_qkv^T for F3's, W2^T for B3's,
+        the F1 input sites on an fp8 mainloop). The transposed weights serve the backward only."""
+        coda = self.model_args.coda
+        mlp_dgrad = coda.fp8_mlp_dgrad and grad
+        down_dgrad = coda.fp8_down_dgrad and mlp_dgrad  # B3 on fp8 needs the e5m2 B3 (its gradient site)
+        sites = tuple(site for site, on in (("down", coda.fp8_down_proj), ("out", coda.fp8_out_proj)) if on)
+        return mlp_dgrad, coda.fp8_dgrad and grad, down_dgrad, sites
+
+    @staticmethod
+    def _weight_pass(blocks, cfg: ProgramConfig, flags: tuple) -> tuple:
+        """Every e4m3 weight the forward (and, transposed, the backward) of ``blocks`` reads:
+        straight-through, the backward's own GEMMs use the bf16 weights."""
+        mlp_dgrad, qkv_dgrad, down_dgrad, sites = flags
+        weight = {"down": lambda l: l.feed_forward.w2.weight, "out": lambda l: l.attention.wo.weight}
+        with torch.no_grad():
+            ws = cfg.backend.fp8_layer_weights(
+                w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
+                wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
+                wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
+            )
+            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks]) for site in sites}
+            w2_t = None
+            if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
+                w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
+                w2_t = ([q.t().contiguous() for q in w2q], s_w2)
+            return (*ws, fp8_in, w2_t)
+
+    def prefetch_fp8_weights(self) -> bool:
+        """Issue the next training forward's fp8 weight pass now (an optimizer step post-hook, see
+        ``titan.train_spec``), and the delayed scales it will read. At the end of a step the host is
+        far ahead of the GPU; at the start of the next one it has just waited for it (TorchTitan's
+        batch copy synchronizes), so every launch there leaves the GPU idle. On CUDA the pass runs on a
+        side stream that waits for the optimizer, beside that next step's host work; the forward waits
+        for it before its first fp8 GEMM. It is used only if every layer parameter is the same tensor
+        at the same version (in-place updates bump it) and the forward needs the same weights; a
+        forward that cannot use it computes its own. Returns whether a pass was issued."""
+        self._prefetched = None
+        layers = list(self.layers.values())
+        coda = self.model_args.coda
+        if coda.precision != "fp8" or not coda.prefetch_weights or not layers or not self.training or _is_sharded(layers[0]):
+            return False
+        cfg, flags = self.program_config(), self._weight_pass_flags(True)
+        with torch.no_grad():  # the scales: pure functions of the histories until the next forward records
+            self.fp8_scaling.prepare(list(flags[3]))
+        device = layers[0].attention.wq.weight.device
+        side = None
+        if device.type == "cuda":
+            if getattr(self, "_side_stream", None) is None or self._side_stream.device != device:
+                self._side_stream = torch.cuda.Stream(device)
+            side = self._side_stream
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side) if side is not None else _null():
+            ws = self._weight_pass(layers, cfg, flags)
+            done = (device, side.record_event()) if side is not None else None
+        self._prefetched = (flags, _param_versions(layers), done, ws)
+        return True
+
+    def _take_prefetched(self, layers, flags: tuple):
+        """The prefetched weight pass if it holds for this forward (else None), once."""
+        pre = getattr(self, "_prefetched", None)
+        if pre is None or pre[0] != flags:
+            return None
+        self._prefetched = None
+        if pre[1] != _param_versions(layers):
+            return None
+        if pre[2] is not None:  # the side stream's pass, before this stream's first use of it
+            torch.cuda.current_stream(pre[2][0]).wait_event(pre[2][1])
+        return pre[3]  # (memory: the side stream's next pass waits for this stream's optimizer step,
+        # which follows every use of these tensors, so the allocator may hand their blocks back to it)
+
     def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
         """The layer chain with e4m3 F2/F3 operands (and the F1s of W2 / W_o with ``fp8_down_proj`` /
         ``fp8_out_proj``). Site 2i is layer i's attention input, 2i + 1 its MLP input (and the input
@@ -254,30 +338,17 @@ class CodaTransformer(Transformer):
         amaxes = [amax0]
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
-        mlp_dgrad, mlp_wgrad, qkv_dgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad, coda.fp8_dgrad and grad
-        down_dgrad = coda.fp8_down_dgrad and mlp_dgrad  # B3 on fp8 needs the e5m2 B3 (its gradient site)
+        mlp_dgrad, mlp_wgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad
+        flags = self._weight_pass_flags(grad)
+        inputs = flags[3]
 
-        # F1s on an fp8 mainloop, by site: the weight each multiplies
-        inputs = {site: weight for site, weight, on in (("down", lambda l: l.feed_forward.w2.weight, coda.fp8_down_proj),
-                                                         ("out", lambda l: l.attention.wo.weight, coda.fp8_out_proj)) if on}
+        def weight_pass(blocks):
+            return self._weight_pass(blocks, cfg, flags)
 
-        def weight_pass(blocks):  # straight-through: the backward uses the bf16 weights
-            with torch.no_grad():
-                ws = cfg.backend.fp8_layer_weights(
-                    w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
-                    wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
-                    wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
-                )
-                fp8_in = {site: cfg.backend.fp8_weights(ws=[weight(l) for l in blocks]) for site, weight in inputs.items()}
-                w2_t = None
-                if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
-                    w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
-                    w2_t = ([q.t().contiguous() for q in w2q], s_w2)
-                return (*ws, fp8_in, w2_t)
-
-        # one batched pass over every layer; under FSDP2 each block's own, once its weights are gathered
+        # one batched pass over every layer (issued by the last optimizer step if it still holds, see
+        # prefetch_fp8_weights); under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])
-        batched = None if sharded else weight_pass(layers)
+        batched = None if sharded else (self._take_prefetched(layers, flags) or weight_pass(layers))
 
         def layer_weights(i, layer):
             """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None, {site: (e4m3 weight, its

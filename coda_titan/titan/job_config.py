@@ -54,6 +54,8 @@ class Coda:
                                          "measured 1% slower, docs/fp8.md)")
     trace_passes: bool = knob(True, "cute + compile: B1's pass and the weight / input gradient GEMMs traced into the "
                                     "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
+    prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "
+                                        "stream (docs/fp8.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

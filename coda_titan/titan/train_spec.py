@@ -53,6 +53,16 @@ def build_coda_dataloader(**kwargs):
     return LabelsInInputs(build_text_dataloader(**kwargs))
 
 
+def build_coda_optimizers(model_parts, *args, **kwargs):
+    """TorchTitan's optimizers, with a post-step hook that issues each CODA model's next fp8 weight
+    pass (``CodaTransformer.prefetch_fp8_weights``; a no-op unless precision = "fp8")."""
+    optimizers = build_optimizers(model_parts, *args, **kwargs)
+    parts = [m for m in model_parts if isinstance(m, CodaTransformer)]
+    if parts:
+        optimizers.register_step_post_hook(lambda *_: [m.prefetch_fp8_weights() for m in parts])
+    return optimizers
+
+
 def build_coda_loss(job_config, **kwargs):
     # Compiling "loss" only concerns the validation path (logits); the training loss is a program.
     stock = build_cross_entropy_loss(job_config, **kwargs)
@@ -86,7 +96,7 @@ def get_train_spec() -> TrainSpec:
         model_args=coda_llama3_args,
         parallelize_fn=parallelize_coda,
         pipelining_fn=None,
-        build_optimizers_fn=build_optimizers,
+        build_optimizers_fn=build_coda_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_coda_dataloader,
         build_tokenizer_fn=build_tokenizer,

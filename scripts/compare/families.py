@@ -7,7 +7,8 @@ correlation id links a kernel to its launch, and the host thread's operator stac
 the operators around it):
 - CODA: the program's custom op (``coda::norm_rope`` is the QKV forward, ``coda::swiglu_bwd`` the W2
   dgrad, ...), every kernel it launches included (its epilogue is that GEMM's cost); programs shared
-  by two families (F1, B2, the plain wgrad / dgrad) are told apart by their operand shapes.
+  by two families (F1, B2, the plain wgrad / dgrad) are told apart by their operand shapes, and so are
+  the plain GEMMs traced into a compiled graph (``CODA_WEIGHTS``).
 - stock: ``aten::mm`` / ``addmm`` / ``_scaled_mm`` by operand shapes against the model's weights.
   Two ambiguities remain there, resolved by the step's order: forward and backward GEMMs of equal
   shapes (W1's forward is W2's dgrad) by whether the LM head's backward has started, and W_q against
@@ -29,6 +30,13 @@ CODA_PROGRAMS = {
     "lm_head_ce": ("lm_head", "all"), "residual_rms": None, "norm_residual_bwd": None, "wgrad": None,
     "dgrad": None,
 }
+
+
+# A CODA step's GEMMs outside its programs (the plain weight and input gradients; traced into the
+# compiled backward with ``trace_passes``, then ``aten::mm`` / ``_scaled_mm`` there): every forward is a
+# program, so they are wgrads (contracting over the tokens) of CODA's fused weights or W_o's dgrad (rows:
+# the tokens; every other dgrad is a program); the step's token count is F3's (``norm_rope``'s H: (T, d))
+CODA_WEIGHTS = ("qkv", "wo", "w13", "w2", "lm_head")
 
 
 def model_weights(flavor: str) -> dict[str, tuple[int, int]]:
@@ -135,6 +143,9 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
     backward = False  # stock: the LM head's backward opens the backward
     mlp_since_attn = True  # stock: an MLP GEMM since the last attention kernel (or none yet)
     attention = 0.0
+    programs = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("coda::norm_rope")]
+    coda_step = bool(programs)
+    tokens = _two_d(programs[0].get("args", {}).get("Input Dims"))[0][0] if coda_step else None  # F3's H: (T, d)
     for k in kernels:
         name = k["name"].lower()
         if "flash" in name or "fmha" in name:
@@ -149,7 +160,14 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
         else:
             op = next((e for e in reversed(stack) if e["name"] in GEMM_OPS), None)
             fd = None
-            if op is not None:
+            if op is not None and coda_step:  # a GEMM traced into a compiled backward (``trace_passes``)
+                dims = op.get("args", {}).get("Input Dims")
+                a = (_two_d(dims) or [[None, None]])[0]
+                cands = {c for c in gemm_matches(dims, weights) if c[0] in CODA_WEIGHTS
+                         and (c[1] == "wgrad" and a[1] == tokens or c == ("wo", "dgrad") and a[0] == tokens)}
+                fams_here = {(_FAMILY_OF[w], d) for w, d in cands}
+                fd = next(iter(fams_here)) if len(fams_here) == 1 else None
+            elif op is not None:
                 cands = gemm_matches(op.get("args", {}).get("Input Dims"), weights)
                 cands = {c for c in cands if c[0] not in ("qkv", "w13")}  # stock holds the separate weights
                 if any(w == "lm_head" and d != "fwd" for w, d in cands):

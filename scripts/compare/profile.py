@@ -136,7 +136,7 @@ def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], 
     and the step's own host work) and the host ops it sat in (outermost below the profiler step, and
     innermost). A launch made after the GPU had gone idle is host-bound: the GPU waited for it."""
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops: dict = {}
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:

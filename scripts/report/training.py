@@ -359,7 +359,10 @@ def section() -> str:
         parts += [profile_side_by_side(profiles), ""]
         for line in budget_lines(profiles):
             parts += [line, ""]
-    for coda, stock in family_pairs(profiles):
+    from scripts.compare.common import RESULTS
+
+    every = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("profile_*.json"))]  # (older days keep their floor)
+    for coda, stock in family_pairs(every):
         parts += [family_table(coda, stock, _floor_of(coda["device"], coda["date"])), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]

@@ -37,6 +37,7 @@
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
+#     fp8downs     float8 baseline (compiled) vs CODA fp8 compiled as configured, + fp8_down_proj, + both F1 input sites
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -190,6 +191,13 @@ for phase in "$@"; do
       # [coda] trace_passes on / off (B1 and the plain GEMMs traced into the compiled graph or opaque ops), fp8 and bf16
       ab trace_passes_fp8 traced opaque trace_passes
       PREC=bf16 ab trace_passes_bf16 traced opaque trace_passes
+      ;;
+    fp8downs)
+      # the F1 input sites on fp8 again, now that their weight passes are prefetched too: float8 + compile, CODA fp8
+      # compiled as configured, with fp8_down_proj, with fp8_down_proj and fp8_out_proj
+      a=$(variant down "fp8_down_proj = true") && b=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" \
+        --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj_sites
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

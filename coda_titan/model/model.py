@@ -23,6 +23,7 @@ epilogue needs to write H.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -116,14 +117,6 @@ class CodaTransformerBlock(TransformerBlock):
 def _param_versions(layers) -> tuple:
     """Each layer parameter's identity and in-place version: what a prefetched weight pass read."""
     return tuple((id(p), p._version) for layer in layers for p in layer.parameters())
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _is_sharded(block: torch.nn.Module) -> bool:
@@ -311,7 +304,7 @@ class CodaTransformer(Transformer):
                 self._side_stream = torch.cuda.Stream(device)
             side = self._side_stream
             side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else _null():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             ws = self._weight_pass(layers, cfg, flags)
             done = (device, side.record_event()) if side is not None else None
         self._prefetched = (flags, _param_versions(layers), done, ws)

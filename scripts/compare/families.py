@@ -104,10 +104,11 @@ def _coda_family(program: str, dims, weights: dict) -> tuple[str, str] | None:
     return None
 
 
-def _launch_stacks(events: list[dict]) -> dict[int, list[dict]]:
-    """correlation id -> the host operators open at that kernel's launch, outermost first."""
+def _launch_stacks(events: list[dict], cats: tuple[str, ...] = ("cpu_op",)) -> dict[int, list[dict]]:
+    """correlation id -> the host operators (events of ``cats``; profiler steps left out) open at that
+    kernel's launch, outermost first."""
     launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})]
-    ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    ops = [e for e in events if e.get("cat") in cats and "dur" in e and not str(e.get("name", "")).startswith("ProfilerStep")]
     by_tid: dict = {}
     for e in ops:
         by_tid.setdefault((e.get("pid"), e.get("tid")), []).append(e)

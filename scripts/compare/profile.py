@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from scripts.compare.common import _header, _out_path, _say
-from scripts.compare.families import trace_families
+from scripts.compare.families import _launch_stacks, trace_families
 from scripts.compare.run import run_config
 
 
@@ -107,28 +107,6 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
     }
 
 
-def _enclosing(ops: dict, queries: list) -> list[list[dict]]:
-    """For each (thread, time) query, the host ops of that thread running at that time, outermost
-    first (profiler steps left out): one sweep per thread over its ops in start order, a stack of the
-    ops still open."""
-    out: list[list[dict]] = [[] for _ in queries]
-    for tid, evs in ops.items():
-        qs = sorted((q[1], i) for i, q in enumerate(queries) if q is not None and q[0] == tid)
-        if not qs:
-            continue
-        evs = sorted((o for o in evs if not str(o["name"]).startswith("ProfilerStep")), key=lambda o: (o["ts"], -o["dur"]))
-        stack: list[dict] = []
-        j = 0
-        for t, i in qs:
-            while j < len(evs) and evs[j]["ts"] <= t:
-                while stack and stack[-1]["ts"] + stack[-1]["dur"] < evs[j]["ts"]:
-                    stack.pop()
-                stack.append(evs[j])
-                j += 1
-            out[i] = [o for o in stack if o["ts"] + o["dur"] >= t]
-    return out
-
-
 def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], top: int = 15) -> dict:
     """Each idle interval charged to the launch of the kernel that ended it (by correlation id): the
     phase of the step that launch belongs to (the autograd thread's launches are the backward's, the
@@ -137,14 +115,12 @@ def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], 
     innermost). A launch made after the GPU had gone idle is host-bound: the GPU waited for it."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops: dict = {}
-    for e in events:
-        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
-            ops.setdefault(e.get("tid"), []).append(e)
+    stacks = _launch_stacks(events, cats=("cpu_op", "user_annotation"))
     steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep")]
     main = steps[0].get("tid") if steps else None
-    found = [launches.get(ev.get("args", {}).get("correlation")) for _, _, ev in gaps]
-    paths = _enclosing(ops, [(la.get("tid"), la["ts"]) if la else None for la in found])
+    corrs = [ev.get("args", {}).get("correlation") for _, _, ev in gaps]
+    found = [launches.get(c) for c in corrs]
+    paths = [stacks.get(c, []) for c in corrs]
     phases: dict[str, list] = {}
     by_op: dict[str, list] = {}
     for (dur, g0, ev), la, path in zip(gaps, found, paths):

@@ -276,7 +276,7 @@ class CodaTransformer(Transformer):
             fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks]) for site in sites}
             w2_t = None
             if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
-                w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[l.feed_forward.w2.weight for l in blocks])
+                w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks])
                 w2_t = ([q.t().contiguous() for q in w2q], s_w2)
             return (*ws, fp8_in, w2_t)
 
@@ -331,9 +331,8 @@ class CodaTransformer(Transformer):
         amaxes = [amax0]
         coda = self.model_args.coda
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
-        mlp_dgrad, mlp_wgrad = coda.fp8_mlp_dgrad and grad, coda.fp8_mlp_wgrad and grad
         flags = self._weight_pass_flags(grad)
-        inputs = flags[3]
+        mlp_dgrad, mlp_wgrad, inputs = flags[0], coda.fp8_mlp_wgrad and grad, flags[3]
 
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)

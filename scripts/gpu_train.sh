@@ -38,6 +38,9 @@
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
 #     fp8downs     float8 baseline (compiled) vs CODA fp8 compiled as configured, + fp8_down_proj, + both F1 input sites
+#     graphs       compiled baseline vs CODA compiled as configured and with [coda] cuda_graphs (fp8: also with both
+#                  F1 input sites on fp8), PREC=fp8 (default) or bf16
+#     graphsprofile one profiled step of CODA compiled with cuda_graphs (PRECISION=fp8|bf16; GRAPHS_DOWN=1: + both F1 sites)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -198,6 +201,23 @@ for phase in "$@"; do
       a=$(variant down "fp8_down_proj = true") && b=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" \
         --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj_sites
+      ;;
+    graphs)
+      # [coda] cuda_graphs: the compiled CODA fp8 config (PREC=bf16: bf16) as configured, with its blocks replayed as
+      # CUDA graphs, and (fp8) with both F1 input sites on fp8 as well (host-bound without graphs), against the
+      # compiled baseline
+      p=${PREC:-fp8}
+      a=$(variant graphs "cuda_graphs = true") || exit 2
+      b=""; [ "$p" = fp8 ] && { b=$(variant graphs_down_out "cuda_graphs = true" "fp8_down_proj = true" "fp8_out_proj = true") || exit 2; }
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "$a" $b \
+        --steps "${STEPS:-40}" --warmup 10 --tag cuda_graphs_$p
+      ;;
+    graphsprofile)
+      # one profiled step of the compiled CODA config (PRECISION) with cuda_graphs on (GRAPHS_DOWN=1: and both F1 sites)
+      p=${PRECISION:-fp8}
+      if [ -n "${GRAPHS_DOWN:-}" ]; then a=$(PREC=$p variant graphs_down_out "cuda_graphs = true" "fp8_down_proj = true" "fp8_out_proj = true")
+      else a=$(PREC=$p variant graphs "cuda_graphs = true"); fi || exit 2
+      $cmp --profile "$a" --steps 15 $keep
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

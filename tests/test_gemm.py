@@ -260,6 +260,25 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     gemm_check("wgrad_fp8", compiled("wgrad_fp8")(**kw), cute.wgrad_fp8(**kw), gq.double().t() * s_g.double(),
                xq.double() * s_x.double())
 
+    # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
+    # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides
+    # 448 by the same amax in fp32, eager correctly rounded and inductor's within 2 ulp (CUDA's fp32
+    # division), so the scales are at most 2^-22 inv apart, the scaled values |t| inv (2^-22 + 2u) apart
+    # (the products' own roundings), and their codes that plus one e4m3 step of the larger
+    from coda_titan.kernels.scaling import e4m3_step, inv_scale_from_amax
+    t = r(m, q, scale=3.0)
+    amax0 = t.float().abs().amax()
+    for inv in (inv_scale_from_amax(amax0 * 1.5), None):
+        (yq, amax), (yq0, amax_op) = compiled("quantize_delayed")(t=t, inv_scale=inv), cute.quantize_delayed(t=t, inv_scale=inv)
+        assert amax.item() == amax_op.item() == amax0.item()
+        if inv is not None:
+            assert torch.equal(yq.view(torch.uint8), yq0.view(torch.uint8)), "traced quantize_delayed codes"
+            continue
+        got, want = yq.double(), yq0.double()
+        inv0 = inv_scale_from_amax(amax0).double()
+        assert_codes_within("traced quantize_delayed codes, calibrating", got, want,
+                            e4m3_step(torch.maximum(got.abs(), want.abs())), t.double().abs() * inv0 * (2.0**-22 + 2 * u))
+
     seqlen, hd, nrot = 1024, 64, 40
     dy, y = r(m, q, scale=1e-3), r(m, q)
     rstd = torch.rand(m, generator=gen, device="cuda") + 0.5

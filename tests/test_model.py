@@ -5,6 +5,7 @@ cute backend against the torch backend."""
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 
@@ -577,6 +578,51 @@ def test_prefetched_weight_pass_trains_bit_for_bit_as_the_forwards_own(kw):
     (l1, p1, taken), (l0, p0, taken_off) = runs[True], runs[False]
     assert l1 == l0 and all(torch.equal(p1[n], p0[n]) for n in p0)
     assert [t is not None for t in taken] == [False, True, True, False] and not any(t is not None for t in taken_off)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_every_scale_a_block_reads_is_16_byte_aligned(prefetch):
+    """Each fp8 block gets its per-layer scales (the weight pass's, the delayed activation, F1-input
+    and gradient scales, the gradient sinks) at 16-byte-aligned addresses in every layer: a compiled
+    block copies a misaligned tensor input on every call (inductor's ``copy_misaligned_inputs``, see
+    ``fp8_scaling.aligned_unbind``), and layers 1-3 of 4 would get their scales 4, 8 and 12 bytes
+    into one (n_layers,) tensor."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    _, model = _models(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_down_proj=True, fp8_out_proj=True,
+                       fp8_down_dgrad=True)
+    model.model_args.coda = dataclasses.replace(model.model_args.coda, prefetch_weights=prefetch)
+    assert len(model.layers) >= 4
+    tokens, labels = _batch(model.model_args.vocab_size)
+    opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=3e-3, implementation="for-loop"),
+                                parallel_dims=None)
+    for _ in range(2):  # calibrate: every delayed scale is a tensor from the second step on
+        model(tokens, labels=labels).backward()
+        opt.step()
+        opt.zero_grad()
+    seen = []
+
+    def scalars(obj):
+        if isinstance(obj, torch.Tensor):
+            return [obj] if obj.numel() == 1 else []
+        if dataclasses.is_dataclass(obj):
+            return [t for f in dataclasses.fields(obj) for t in scalars(getattr(obj, f.name))]
+        return []
+
+    def check(i, module, args, kwargs):
+        found = scalars(kwargs.get("fp8", args[7] if len(args) > 7 else None))
+        seen.append(len(found))
+        assert all(t.data_ptr() % 16 == 0 for t in found), (f"layer {i}", [t.data_ptr() % 16 for t in found])
+
+    hooks = [layer.register_forward_pre_hook(functools.partial(check, i), with_kwargs=True)
+             for i, layer in enumerate(model.layers.values())]
+    model(tokens, labels=labels).backward()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(model.layers) and min(seen) >= 8, seen  # s_13, s_qkv, inv_a, inv_ffn, grad scale and
+    # sink, W2's and W_o's weight and input scales, W2^T's scale (inv_next on all but the last)
 
 
 def test_bad_precision_is_refused():

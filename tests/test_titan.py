@@ -405,6 +405,82 @@ def test_tensor_context_and_pipeline_parallelism_are_refused_in_one_line(key):
     assert "\n" not in msg and f"parallelism.{name}_parallel_degree" in msg and "data_parallel_shard_degree (FSDP2)" in msg
 
 
+@pytest.mark.parametrize("case", ["no_compile", "aot_eager", "full_ac", "fsdp"])
+def test_cuda_graphs_outside_what_they_hold_is_refused_in_one_line(case):
+    """``[coda] cuda_graphs`` needs compiled blocks on inductor, no activation checkpointing and one
+    GPU; each missing piece is named in one line before the model is touched."""
+    from types import SimpleNamespace
+
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+
+    from coda_titan.titan.job_config import ConfigError
+    from coda_titan.titan.parallelize import parallelize_coda
+
+    job = SimpleNamespace(
+        coda=Coda(cuda_graphs=True),
+        compile=Compile(enable=case != "no_compile", components=["model"], backend="aot_eager" if case == "aot_eager" else "inductor"),
+        activation_checkpoint=ActivationCheckpoint(mode="full" if case == "full_ac" else "none"),
+    )
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=case == "fsdp",
+                           dp_replicate_enabled=False)
+    with pytest.raises(ConfigError) as err:
+        parallelize_coda(None, dims, job)
+    msg = str(err.value)
+    expect = {"no_compile": "compile.enable = true", "aot_eager": 'compile.backend = "inductor" (got "aot_eager")',
+              "full_ac": 'activation_checkpoint.mode = "none" (got "full")', "fsdp": "a single GPU"}[case]
+    assert "\n" not in msg and msg.startswith("[coda] cuda_graphs = true needs") and expect in msg, msg
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_compute_what_the_compiled_blocks_compute():
+    """cute fp8, two 1B-width layers: blocks compiled in reduce-overhead mode (``[coda] cuda_graphs``)
+    give, bit for bit, the loss of blocks compiled as TorchTitan does, at every step of a short run
+    in which the graphs are recorded and then replayed on weights the optimizer updated in place, a
+    prefetched fp8 weight pass and fresh delayed scales: each step's state (weights, optimizer state,
+    fp8 histories) is copied into the plain model first, so only the replay can differ. The forward
+    is deterministic (the same kernels on the same inputs), so any stale or overwritten input shows."""
+    from types import SimpleNamespace
+
+    from torchtitan.config import Optimizer as OptimizerConfig
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+
+    from coda_titan.titan.parallelize import parallelize_coda
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    torch._dynamo.reset()
+    seqlen = 1024
+    models = {}
+    for graphs in (True, False):
+        coda = Coda(backend="cute", precision="fp8", cuda_graphs=graphs)
+        args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=seqlen, coda=coda)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = CodaTransformer(args)
+            with torch.no_grad():
+                model.init_weights()
+        model = model.to(torch.bfloat16)
+        job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
+                              activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
+        dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
+                               dp_replicate_enabled=False)
+        parallelize_coda(model, dims, job)
+        models[graphs] = model
+    g = torch.Generator(device="cuda").manual_seed(1)
+    graphed, plain = models[True], models[False]
+    opt = build_coda_optimizers([graphed], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    for step in range(5):  # warm-up, recording, then replays
+        tokens, labels = (torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda") for _ in range(2))
+        plain.load_state_dict(graphed.state_dict())
+        plain.fp8_scaling.load_checkpoint_state({k: v.clone() for k, v in graphed.fp8_scaling.checkpoint_state().items()})
+        want = plain(tokens, labels=labels).float().item()  # (with grad: the training forward's graph)
+        loss = graphed(tokens, labels=labels)
+        got = loss.float().item()
+        assert got == want and torch.isfinite(loss), (step, got, want)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 # --- parallelize: activation checkpointing with compile ---------------------------------------------
 
 

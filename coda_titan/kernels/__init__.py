@@ -79,7 +79,7 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # The programs with no epilogue of their own: plain torch code on every backend, which a compiled
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
-TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8")
+TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "quantize_delayed")
 
 TORCH = Backend(
     name="torch",

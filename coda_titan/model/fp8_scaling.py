@@ -29,19 +29,37 @@ from torch import nn
 from ..kernels.scaling import E5M2_MAX, inv_scale_from_amax
 
 
+ALIGN_BYTES = 16  # inductor's input alignment (``torch._inductor.utils.ALIGNMENT``)
+
+
+def aligned_unbind(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t.unbind(0)`` with every row at a 16-byte-aligned address (one padded copy of ``t``).
+
+    Why: a compiled block assumes a tensor input aligned when the first call's was (layer 0's row),
+    and then copies that input on every call where it is not (inductor's ``copy_misaligned_inputs``).
+    Per-layer scales cut from one (n_layers,) fp32 tensor sit 4 bytes apart, so three layers in four
+    paid one copy per scale and call: 8 small copies in each fp8 block's forward, about 0.3 ms of host
+    time there (the CODA fp8 profile, docs/fp8.md)."""
+    n, row = t.shape[0], t[0].numel() if t.shape[0] else 0
+    per = ALIGN_BYTES // t.element_size()
+    width = -(-max(row, 1) // per) * per
+    padded = torch.nn.functional.pad(t.reshape(n, row), (0, width - row))
+    return [r[:row].view(t.shape[1:]) for r in padded.unbind(0)]
+
+
 class GradAmaxSink:
-    """A fresh (n_layers,) zero tensor per forward that each layer's MLP Function takes as an input;
-    the Function's backward returns that layer's amax |da| as its gradient. Works compiled too: it
-    is an ordinary autograd edge."""
+    """A fresh zero tensor per forward, one 16-byte-aligned scalar per layer (``aligned_unbind``),
+    that each layer's MLP Function takes as an input; the Function's backward returns that layer's
+    amax |da| as its gradient. Works compiled too: it is an ordinary autograd edge."""
 
     def __init__(self, n_layers: int, device):
-        self.tensor = torch.zeros(n_layers, device=device, dtype=torch.float32, requires_grad=True)
+        self.tensor = torch.zeros(n_layers, ALIGN_BYTES // 4, device=device, dtype=torch.float32, requires_grad=True)
         with torch.enable_grad():
-            self.per_layer = list(self.tensor.unbind(0))
+            self.per_layer = [row[0] for row in self.tensor.unbind(0)]
 
     def amaxes(self) -> torch.Tensor | None:
-        """The amaxes the last backward left, or None if no backward ran."""
-        return self.tensor.grad
+        """The (n_layers,) amaxes the last backward left, or None if no backward ran."""
+        return None if self.tensor.grad is None else self.tensor.grad[:, 0]
 
 
 INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
@@ -134,7 +152,7 @@ class Fp8Scaling(nn.Module):
         if not self.activations_calibrated:
             return [None] * self.activation_history.shape[0]
         h = self.activation_history
-        return self._memo("activation", h, True, lambda: list(inv_scale_from_amax(h.amax(-1)).unbind(0)))
+        return self._memo("activation", h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1))))
 
     def input_history(self, site: str) -> torch.Tensor:
         return getattr(self, f"{site}_history")
@@ -144,7 +162,7 @@ class Fp8Scaling(nn.Module):
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
         h = self.input_history(site)
-        return self._memo(site, h, True, lambda: list(inv_scale_from_amax(h.amax(-1)).unbind(0)))
+        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1))))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
@@ -175,7 +193,7 @@ class Fp8Scaling(nn.Module):
             return [None] * h.shape[0]
         headroom = 2.0**self.grad_margin  # (a step's amax may outgrow the history)
         return self._memo("gradient", h, True,
-                          lambda: list(inv_scale_from_amax(h.amax(-1) * headroom, E5M2_MAX).unbind(0)))
+                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * headroom, E5M2_MAX)))
 
 
 def _push(history: torch.Tensor, new: torch.Tensor) -> None:

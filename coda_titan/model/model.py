@@ -35,7 +35,7 @@ from ..kernels.scaling import inv_scale_from_amax
 from ..titan.job_config import validate
 from .args import CodaModelArgs
 from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
-from .fp8_scaling import Fp8Scaling
+from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .rope import rope_freqs
 
 
@@ -227,6 +227,8 @@ class CodaTransformer(Transformer):
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         if attention_masks is not None or positions is not None:
             raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
+        if self.model_args.coda.cuda_graphs and tokens.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' last outputs are dead
         cfg = self.program_config()
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
@@ -264,7 +266,7 @@ class CodaTransformer(Transformer):
     @staticmethod
     def _weight_pass(blocks, cfg: ProgramConfig, flags: tuple) -> tuple:
         """Every e4m3 weight the forward (and, transposed, the backward) of ``blocks`` reads:
-        straight-through, the backward's own GEMMs use the bf16 weights."""
+        straight-through, the backward's own GEMMs use the bf16 weights. Scales come one 0-dim tensor per layer."""
         mlp_dgrad, qkv_dgrad, down_dgrad, sites = flags
         weight = {"down": lambda l: l.feed_forward.w2.weight, "out": lambda l: l.attention.wo.weight}
         with torch.no_grad():
@@ -277,8 +279,10 @@ class CodaTransformer(Transformer):
             w2_t = None
             if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
                 w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks])
-                w2_t = ([q.t().contiguous() for q in w2q], s_w2)
-            return (*ws, fp8_in, w2_t)
+                w2_t = ([q.t().contiguous() for q in w2q], aligned_unbind(s_w2))
+            w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws  # each layer's scale 16-byte aligned (``aligned_unbind``)
+            fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc) in fp8_in.items()}
+            return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
     def prefetch_fp8_weights(self) -> bool:
         """Issue the next training forward's fp8 weight pass now (an optimizer step post-hook, see

@@ -56,6 +56,8 @@ class Coda:
                                     "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "
                                         "stream (docs/fp8.md)")
+    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (mode reduce-overhead); one GPU, no AC "
+                                    "(docs/design.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

@@ -33,6 +33,9 @@ def parallelize_coda(model, parallel_dims, job_config):
             raise ValueError(f"coda_llama3 does not support parallelism.{key} > 1; it supports {SUPPORTED}")
     model_compile = job_config.compile.enable and "model" in job_config.compile.components
     ac = job_config.activation_checkpoint
+    graphs = getattr(getattr(job_config, "coda", None), "cuda_graphs", False)
+    if graphs:
+        _check_cuda_graphs(model_compile, job_config, parallel_dims)
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept
     # the outputs of CODA's programs (custom ops): on 8B with compile, full AC recomputed nothing
@@ -51,7 +54,11 @@ def parallelize_coda(model, parallel_dims, job_config):
             op_sac_save_list=_op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
-    if model_compile and not compile_first:
+    if model_compile and graphs:  # TorchTitan's per-block compile, in the mode that replays CUDA graphs
+        for layer_id, block in model.layers.named_children():
+            model.layers.register_module(layer_id, torch.compile(block, fullgraph=True, mode="reduce-overhead"))
+        logger.info("Compiling each TransformerBlock with torch.compile, replayed as CUDA graphs ([coda] cuda_graphs)")
+    elif model_compile and not compile_first:
         apply_compile(model, job_config.compile)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
@@ -67,6 +74,22 @@ def parallelize_coda(model, parallel_dims, job_config):
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=model_compile)
         logger.info("Applied DDP to the model")
     return model
+
+
+def _check_cuda_graphs(model_compile: bool, job_config, parallel_dims) -> None:
+    """``[coda] cuda_graphs`` runs where its graphs hold: compiled blocks (inductor's CUDA-graph trees),
+    on one GPU, without activation checkpointing (a recomputed forward inside the backward would
+    replay the forward's graph out of order). Anything else is refused with one line."""
+    from .job_config import ConfigError
+
+    why = [(not model_compile, 'compile.enable = true with "model" in compile.components'),
+           (job_config.compile.backend != "inductor", f'compile.backend = "inductor" (got "{job_config.compile.backend}")'),
+           (job_config.activation_checkpoint.mode != "none",
+            f'activation_checkpoint.mode = "none" (got "{job_config.activation_checkpoint.mode}")'),
+           (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled, "a single GPU (no FSDP2 / DDP)")]
+    missing = [need for bad, need in why if bad]
+    if missing:
+        raise ConfigError(f"[coda] cuda_graphs = true needs {'; '.join(missing)}")
 
 
 def apply_fsdp(model, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

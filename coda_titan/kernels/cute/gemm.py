@@ -6,7 +6,8 @@ quantize_tensorwise  amax reduction + saturated cast, inductor-fused
 fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``)
-quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast inductor-fused
+quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
+                     inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
 quantize_grad        a gradient's amax and power-of-two e5m2 scale (eager), its e5m2 cast inductor-fused
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
@@ -86,6 +87,13 @@ def _fused_cast(quantize, t, inv):
 def _quantize_delayed(t, inv_scale):
     amax = t.abs().amax().to(compute_dtype(t.dtype))
     return _fused_cast(quantize_e4m3, t, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
+
+
+def quantize_delayed_traced(*, t, inv_scale):
+    """``coda::quantize_delayed`` as code a compiled caller traces (``TRACED``): the amax reduction and
+    the cast in the caller's graph, one read of ``t`` each and no ``|t|`` stored, instead of the op's
+    eager amax and nested compiled cast (two dynamo calls' host time per F1 input)."""
+    return ref.quantize_delayed(t=t, inv_scale=inv_scale)
 
 
 @torch.library.register_kernel("coda::quantize_grad", "cuda")

@@ -435,7 +435,7 @@ def test_cuda_graphs_outside_what_they_hold_is_refused_in_one_line(case):
 def test_cuda_graph_replays_compute_what_the_compiled_blocks_compute():
     """cute fp8, two 1B-width layers: blocks compiled in reduce-overhead mode (``[coda] cuda_graphs``)
     give, bit for bit, the loss of blocks compiled as TorchTitan does, at every step of a short run
-    in which the graphs are recorded and then replayed on weights the optimizer updated in place, a
+    (after the first, which runs the blocks uncompiled) in which the graphs are recorded and then replayed on weights the optimizer updated in place, a
     prefetched fp8 weight pass and fresh delayed scales: each step's state (weights, optimizer state,
     fp8 histories) is copied into the plain model first, so only the replay can differ. The forward
     is deterministic (the same kernels on the same inputs), so any stale or overwritten input shows."""
@@ -467,15 +467,17 @@ def test_cuda_graph_replays_compute_what_the_compiled_blocks_compute():
         models[graphs] = model
     g = torch.Generator(device="cuda").manual_seed(1)
     graphed, plain = models[True], models[False]
+    # (a failure names the stack that allocated any tensor the graphs' pool keeps beyond their outputs)
+    torch._inductor.config.triton.cudagraph_trees_history_recording = True
     opt = build_coda_optimizers([graphed], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
-    for step in range(5):  # warm-up, recording, then replays
+    for step in range(5):  # uncompiled (the programs' lasting state made outside the pool), warm-up, record, replays
         tokens, labels = (torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda") for _ in range(2))
         plain.load_state_dict(graphed.state_dict())
         plain.fp8_scaling.load_checkpoint_state({k: v.clone() for k, v in graphed.fp8_scaling.checkpoint_state().items()})
         want = plain(tokens, labels=labels).float().item()  # (with grad: the training forward's graph)
         loss = graphed(tokens, labels=labels)
         got = loss.float().item()
-        assert got == want and torch.isfinite(loss), (step, got, want)
+        assert torch.isfinite(loss) and (step == 0 or got == want), (step, got, want)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -222,18 +222,19 @@ class CodaTransformer(Transformer):
         if device not in self._freqs_cache:
             a = self.model_args
             self._freqs_cache[device] = rope_freqs(a.dim // a.n_heads, a.rope_theta, a.rope_scaling_args).to(device)
+            if a.coda.cuda_graphs:  # a graph input read at its own address, not copied into the graphs' pool
+                torch._dynamo.mark_static_address(self._freqs_cache[device])  # (where the programs key their tables)
         return self._freqs_cache[device]
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         if attention_masks is not None or positions is not None:
             raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
-        if self.model_args.coda.cuda_graphs and tokens.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' last outputs are dead
         cfg = self.program_config()
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
         freqs = self._freqs(x.device)
         layers = list(self.layers.values())
+        blocks = self._blocks(layers, tokens.is_cuda)
         fp8 = self.model_args.coda.precision == "fp8" and bool(layers)
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
             gammas = _attention_gammas(layers, getattr(self, "fsdp_param_dtype", None))
@@ -245,14 +246,29 @@ class CodaTransformer(Transformer):
                 h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         if fp8:
-            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas)
+            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks)
         else:
-            for i, layer in enumerate(layers):
+            for i, block in enumerate(blocks):
                 gamma_next = gammas[i + 1] if i + 1 < len(layers) else self.norm.weight
-                x, h, rstd = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg)
+                x, h, rstd = block(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         if labels is None:
             return self.output(h, rstd).to(h.dtype).view(bs, seqlen, -1)
         return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
+
+    def _blocks(self, layers, cuda: bool) -> list:
+        """What the forward calls for each layer. With ``[coda] cuda_graphs`` (blocks compiled in
+        reduce-overhead mode), the first forward runs the blocks uncompiled: inductor runs a block's
+        first calls with every allocation routed into the graphs' memory pool, so the state the
+        programs make once and keep (RoPE tables, autotuned kernels' sweeps) must be made before,
+        outside it; the pool's live tensors must all be graph outputs. Every later forward starts a
+        new step of the graphs (their last outputs are dead by then)."""
+        if not (self.model_args.coda.cuda_graphs and cuda):
+            return layers
+        if getattr(self, "_graphs_warm", False):
+            torch.compiler.cudagraph_mark_step_begin()
+            return layers
+        self._graphs_warm = True
+        return [getattr(layer, "_orig_mod", layer) for layer in layers]
 
     def _weight_pass_flags(self, grad: bool) -> tuple:
         """What the fp8 weight pass makes: (W13^T for B2's fp8 dgrad, W_qkv^T for F3's, W2^T for B3's,
@@ -327,7 +343,7 @@ class CodaTransformer(Transformer):
         return pre[3]  # (memory: the side stream's next pass waits for this stream's optimizer step,
         # which follows every use of these tensors, so the allocator may hand their blocks back to it)
 
-    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas):
+    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks):
         """The layer chain with e4m3 F2/F3 operands (and the F1s of W2 / W_o with ``fp8_down_proj`` /
         ``fp8_out_proj``). Site 2i is layer i's attention input, 2i + 1 its MLP input (and the input
         sites "down" / "out" i its SwiGLU / attention output); a training forward records each site's
@@ -378,7 +394,8 @@ class CodaTransformer(Transformer):
                 down=f1_in.get("down"), out=f1_in.get("out"),
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1],
             )
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = layer(x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8=fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg,
+                                                                           fp8=fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
             for site, amax in (("down", amax_y), ("out", amax_o)):
                 if site in inputs:

@@ -40,6 +40,7 @@
 #     fp8downs     float8 baseline (compiled) vs CODA fp8 compiled as configured, + fp8_down_proj, + both F1 input sites
 #     graphs       compiled baseline vs CODA compiled as configured and with [coda] cuda_graphs (fp8: also with both
 #                  F1 input sites on fp8), PREC=fp8 (default) or bf16
+#     downout      float8 baseline (compiled) vs CODA fp8 compiled with both F1 input sites on fp8 (no graphs)
 #     graphsprofile one profiled step of CODA compiled with cuda_graphs (PRECISION=fp8|bf16; GRAPHS_DOWN=1: + both F1 sites)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
@@ -211,6 +212,11 @@ for phase in "$@"; do
       b=""; [ "$p" = fp8 ] && { b=$(variant graphs_down_out "cuda_graphs = true" "fp8_down_proj = true" "fp8_out_proj = true") || exit 2; }
       $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "$a" $b \
         --steps "${STEPS:-40}" --warmup 10 --tag cuda_graphs_$p
+      ;;
+    downout)
+      # both F1 input sites on fp8 without CUDA graphs, against float8 + compile (the graphs phase's missing arm)
+      a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_out
       ;;
     graphsprofile)
       # one profiled step of the compiled CODA config (PRECISION) with cuda_graphs on (GRAPHS_DOWN=1: and both F1 sites)

@@ -41,6 +41,7 @@
 #     graphs       compiled baseline vs CODA compiled as configured and with [coda] cuda_graphs (fp8: also with both
 #                  F1 input sites on fp8), PREC=fp8 (default) or bf16
 #     downout      float8 baseline (compiled) vs CODA fp8 compiled with both F1 input sites on fp8 (no graphs)
+#     downoutparity 300-step loss curves: float8 + compile, CODA fp8 compiled with both F1 input sites on fp8, and without
 #     graphsprofile one profiled step of CODA compiled with cuda_graphs (PRECISION=fp8|bf16; GRAPHS_DOWN=1: + both F1 sites)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
@@ -217,6 +218,13 @@ for phase in "$@"; do
       # both F1 input sites on fp8 without CUDA graphs, against float8 + compile (the graphs phase's missing arm)
       a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_out
+      ;;
+    downoutparity)
+      # the 300-step loss curves that making both F1 input sites default waits for: float8 + compile, CODA fp8
+      # compiled with fp8_down_proj and fp8_out_proj, and as configured
+      a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8_down_out
       ;;
     graphsprofile)
       # one profiled step of the compiled CODA config (PRECISION) with cuda_graphs on (GRAPHS_DOWN=1: and both F1 sites)

@@ -44,9 +44,9 @@ class Coda:
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
     fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, its input y cast to "
-                                      "e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
+                                      "e4m3 with a delayed scale (issue 19; measured level, docs/fp8.md)")
     fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
-                                     "e4m3 with a delayed scale (issue 19; measured slower, docs/fp8.md)")
+                                     "e4m3 with a delayed scale (issue 19; measured level, docs/fp8.md)")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
                                        "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
                                        "+0.9%; off until a 300-step parity run, docs/fp8.md)")
@@ -56,8 +56,8 @@ class Coda:
                                     "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "
                                         "stream (docs/fp8.md)")
-    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (mode reduce-overhead); one GPU, no AC "
-                                    "(docs/design.md)")
+    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (mode reduce-overhead); one GPU, no AC; "
+                                    "measured level (docs/fp8.md)")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

@@ -12,6 +12,9 @@ d = 2048, F = 8192) the probe runs, with quack's default config and then autotun
 * ``f2_bf16_y``: the F2 program as shipped (``norm_swiglu_fp8``: e4m3 operands, bf16 y);
 * ``f2_bf16_y_cast``: the same, then y cast to e4m3 by an inductor pass (the fallback design);
 * ``f2_e4m3_y``: F2 with y = sat(SwiGLU * inv_y) stored as e4m3 by its epilogue;
+* ``f2_bf16_y_amax_cast``: bf16 y, then its amax and e4m3 cast (the model's ``fp8_down_proj`` path);
+* ``f2_e4m3_y_amax``: e4m3 y as ``f2_e4m3_y`` plus each row's amax |y| reduced in the epilogue
+  (a ``ColVecReduce`` in acc_pair mode), checked against amax |bf16 y|;
 
 checks the e4m3 codes of ``f2_e4m3_y`` against the reference's (the same math in fp32, quantized by
 ``quantize_e4m3``) and against the kernel's own bf16 y quantized the same way: the fp8 accumulator's
@@ -29,7 +32,7 @@ import torch
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
-from quack.epilogue.ops import ColVecLoad, Scalar, TileStore, setup_epi_tensor
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar, TileStore, setup_epi_tensor
 
 
 class GatedNarrowStore(TileStore):
@@ -72,6 +75,23 @@ def fp8_swiglu_e4m3_epi(acc, rstd, scale, inv_y):
     return {"D": pack(g, u), "postact": swiglu(gs, us) * inv_y}
 
 
+@gemm_epilogue(
+    outputs=(GatedNarrowStore("postact", gated=True),),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_y": Scalar("inv_y")},
+    reduces={"amax": ColVecReduce("amax", combine="max_abs")},
+    mode="acc_pair",
+)
+def fp8_swiglu_e4m3_amax_epi(acc, rstd, scale, inv_y):
+    """``fp8_swiglu_e4m3_epi`` that also reduces each row's amax |y| (of y before its scaling), what
+    the delayed scale's history needs: a sink in acc_pair mode takes a pair, one value per lane, so
+    y goes in twice."""
+    v = acc * scale
+    g, u = unpack(v)
+    gs, us = unpack(v * rstd)
+    y = swiglu(gs, us)
+    return {"D": pack(g, u), "postact": y * inv_y, "amax": pack(y, y)}
+
+
 def main() -> int:
     from coda_titan.kernels import norm_swiglu as ref
     from coda_titan.kernels.cute import _dispatch
@@ -94,6 +114,7 @@ def main() -> int:
     y8 = torch.empty(m, f, device="cuda", dtype=E4M3)
     ops = dict(rstd=rstd, scale=_dispatch.scalar32(scale))
     cast = torch.compile(lambda t, s: (t.float() * s).clamp(-448, 448).to(E4M3), dynamic=False)
+    amax_cast = torch.compile(lambda t, s: ((t.float() * s).clamp(-448, 448).to(E4M3), t.abs().amax()), dynamic=False)
     doc = {**header(), "kind": "probe_fp8_gated_store", "M": m, "d": d, "F": f,
            "timing": "triton.testing.do_bench median after one untimed call", "runs": []}
     out = out_json("probe_fp8_gated_store")
@@ -108,6 +129,26 @@ def main() -> int:
                                 inv_y=_dispatch.scalar32(inv_y), **ops)
         row["ms"]["f2_bf16_y"] = bench(f2_bf16)
         row["ms"]["f2_bf16_y_cast"] = bench(lambda: (f2_bf16(), cast(y16, inv_y)))
+        row["ms"]["f2_bf16_y_amax_cast"] = bench(lambda: (f2_bf16(), amax_cast(y16, inv_y)))  # the model's path today
+        try:
+            def f2_e4m3_amax():
+                return fp8_swiglu_e4m3_amax_epi(hq, w13q.t(), None, out={"D": a, "postact": y8}, tuned=tuned,
+                                                inv_y=_dispatch.scalar32(inv_y), **ops)
+            row["ms"]["f2_e4m3_y_amax"] = bench(f2_e4m3_amax)
+            res = f2_e4m3_amax()
+            codes_amax = y8.clone()
+            f2_bf16()
+            torch.cuda.synchronize()
+            # the reduced amax is of y in fp32, before the bf16 rounding of y16: within half a bf16 step
+            # (2^-9 relative) of amax |y16|; the codes as f2_e4m3_y's (one e4m3 step of y16's own codes)
+            amax_k, amax16 = res["amax"].amax().item(), y16.float().abs().amax().item()
+            row["amax_kernel"], row["amax_bf16_y"] = amax_k, amax16
+            row["amax_ok"] = abs(amax_k - amax16) <= 2.0**-9 * amax16
+            want_q = quantize_e4m3(y16.float(), inv_y)
+            err = (codes_amax.float() - want_q.float()).abs()
+            row["amax_variant_over_one_step"] = float((err > e4m3_step(want_q.float()) * 1.0001).float().mean())
+        except Exception as e:  # noqa: BLE001 - the experiment's outcome, recorded
+            row["f2_e4m3_y_amax_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         try:
             row["ms"]["f2_e4m3_y"] = bench(f2_e4m3)
             f2_e4m3()

@@ -760,6 +760,30 @@ def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
     assert sc.input_calibrated[site] and torch.equal(sc.input_history(site), state[f"{site}_history"])
 
 
+def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
+    """With ``fp8_down_proj``, F2 writes the down-projection's e4m3 y and its amax itself
+    (``norm_swiglu_q_fp8``) whenever the site has a delayed scale; only the calibration step writes
+    a bf16 y and casts it in a pass of its own (``quantize_delayed``)."""
+    _, model = _models(fp8_down_proj=True)
+    cfg = model.program_config()
+    calls = []
+
+    def spy(name):
+        fn = getattr(cfg.backend, name)
+        return lambda **kw: calls.append(name) or fn(**kw)
+
+    names = ("norm_swiglu_fp8", "norm_swiglu_q_fp8", "quantize_delayed")
+    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
+    model.program_config = lambda: cfg
+    tokens, labels = _batch(model.model_args.vocab_size)
+    n, steps = len(model.layers), []
+    for _ in range(2):
+        calls.clear()
+        model(tokens, labels=labels).backward()
+        steps.append(sorted(calls))
+    assert steps == [sorted(["norm_swiglu_fp8", "quantize_delayed"] * n), ["norm_swiglu_q_fp8"] * n], steps
+
+
 @pytest.mark.gpu
 def test_prefetched_weight_pass_on_a_side_stream_is_the_forwards_own():
     """cute, CUDA: the weight pass the optimizer step issues on the side stream (held back there by a

@@ -11,7 +11,7 @@ from torch.library import opcheck
 from coda_titan.kernels import get_backend
 from coda_titan.kernels._common import interleave_rows
 from coda_titan.kernels.norm_rope import rotate
-from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3
+from coda_titan.kernels.scaling import e4m3_step, inv_scale_from_amax, quantize_e4m3
 from coda_titan.model.autograd import NormSwiGLUResidual
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -43,6 +43,29 @@ def test_norm_swiglu_fp8_matches_fp64_emulation():
     assert rel(a2, v) < 1e-13 and rel(y2, y64) < 1e-13
     with pytest.raises(TypeError, match="e4m3"):
         TORCH.norm_swiglu_fp8(hq=hq.float(), rstd=rstd, w13q=wq, scale=scale, out_dtype=torch.float32)
+
+
+def test_norm_swiglu_q_fp8_quantizes_the_fp8_f2s_y_from_its_compute_dtype():
+    """F2 writing e4m3 y (``fp8_down_proj``): its a is ``norm_swiglu_fp8``'s, its codes are y in the
+    compute dtype quantized once with the delayed scale (not y rounded to the output dtype first), and
+    its amax is that y's; in fp64 all three are the fp64 emulation's exactly."""
+    gen = torch.Generator().manual_seed(3)
+    hq, wq, scale, rstd = fp8_operands(70, 256, 2 * 96, gen)
+    y32, a32 = TORCH.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=wq, scale=scale, out_dtype=torch.float32)
+    inv = inv_scale_from_amax(y32.abs().amax() * 0.7)  # a delayed scale that saturates the largest values
+    yq, a, amax = TORCH.norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=wq, scale=scale, inv_y=inv, out_dtype=torch.bfloat16)
+    y16, a16 = TORCH.norm_swiglu_fp8(hq=hq, rstd=rstd, w13q=wq, scale=scale, out_dtype=torch.bfloat16)
+    assert torch.equal(a, a16) and amax.dtype == torch.float32 and amax.item() == y32.abs().amax().item()
+    assert torch.equal(yq.view(torch.uint8), quantize_e4m3(y32, inv).view(torch.uint8))
+    assert not torch.equal(yq.view(torch.uint8), quantize_e4m3(y16.float(), inv).view(torch.uint8))  # (bf16 first differs)
+    assert yq.float().abs().max().item() == 448.0  # saturated, not overflowed
+    acc = hq.double() @ wq.double().t()
+    z = acc * scale.double() * rstd.double()[:, None]
+    y64 = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    yq64, a64, amax64 = TORCH.norm_swiglu_q_fp8(hq=hq, rstd=rstd.double(), w13q=wq, scale=scale.double(),
+                                                inv_y=inv.double(), out_dtype=torch.float64)
+    assert torch.equal(yq64.view(torch.uint8), quantize_e4m3(y64, inv.double()).view(torch.uint8))
+    assert rel(a64, acc * scale.double()) < 1e-13 and abs(amax64.item() - y64.abs().amax().item()) <= 1e-13 * amax64.item()
 
 
 def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
@@ -133,6 +156,8 @@ def test_fp8_ops_schemas_and_fakes():
     hq, wq, scale, rstd = fp8_operands(32, 64, 2 * 48, gen)
     # (test_schema compares outputs with arithmetic that CPU float8 tensors do not have)
     opcheck(torch.ops.coda.norm_swiglu_fp8.default, (hq, rstd, wq, scale, torch.float32), test_utils=("test_faketensor",))
+    opcheck(torch.ops.coda.norm_swiglu_q_fp8.default, (hq, rstd, wq, scale, torch.tensor(2.0), torch.bfloat16),
+            test_utils=("test_faketensor",))
     for inv in (None, torch.tensor(2.0**10)):
         opcheck(torch.ops.coda.swiglu_bwd_fp8.default,
                 (torch.randn(8, 16), torch.randn(16, 24) * 0.2, torch.randn(8, 48), torch.rand(8) + 0.5, inv),
@@ -144,6 +169,56 @@ def test_fp8_ops_schemas_and_fakes():
 @pytest.mark.parametrize("name", ['norm_swiglu', 'swiglu_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+def test_cute_f2_writing_e4m3_y_matches_y_of_its_own_preactivation():
+    """``norm_swiglu_q_fp8`` on the GPU: the 8-bit paired-column store (``GatedNarrowStore``) and the
+    amax sink in acc_pair mode. The codes are checked against y recomputed from the kernel's own a,
+    so the bound is the epilogue's and the store's alone. The kernel's fp32 v and the stored bf16 a
+    differ by one bf16 rounding (2^-8 relative), so g = r a_gate, u = r a_up are each within
+    e = 2^-8 + 2^-22 (with the fp32 roundings) of the kernel's, and y = silu(g) u within, to first
+    order, |u| |silu'(g)| |g| e + |silu(g)| |u| e, silu'(g) = s (1 + g (1 - s)), s = sigmoid(g), plus
+    the fp32 roundings of y itself (2^-21 |y|). Codes of values that far apart (times inv_y) differ by
+    that plus one e4m3 step of the larger (``assert_codes_within``); the amax |y| by at most the
+    largest of those bounds from max |y(a)|. a itself: against the reference within the F2 test's
+    bound (0.1 x torchao's error, ``test_cute_fp8_programs_match_reference_within_torchao_error``)."""
+    import coda_titan.kernels.cute  # noqa: F401
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    m, d, ff = 4096, 2048, 8192
+    h, _, rstd = cuda_inputs(m, d, 8, gen)
+    inv = inv_scale_from_amax(h.float().abs().amax())
+    hq = quantize_e4m3(h.float(), inv)
+    w1, w3 = ((torch.randn(ff, d, generator=gen, device="cuda") * d**-0.5).to(BF) for _ in range(2))
+    w13q, s_w = cute.quantize_tensorwise(w=interleave_rows(w1, w3))
+    scale = s_w / inv
+    y_ref, a_ref, amax_ref = TORCH.norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale,
+                                                     inv_y=torch.tensor(1.0, device="cuda"), out_dtype=BF)
+    inv_y = inv_scale_from_amax(amax_ref)  # the delayed scale a history of this y would give
+    yq, a, amax = cute.norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, inv_y=inv_y, out_dtype=BF)
+    assert yq.dtype == torch.float8_e4m3fn and yq.shape == (m, ff) and a.shape == (m, 2 * ff)
+    normed = (h.float() * rstd[:, None]).to(BF)
+    ao_err = torchao_linear_error(normed, w1, normed.double() @ w1.double().t())
+    log_bound("norm_swiglu_q_fp8 a vs reference", err=rel(a, a_ref), bound=0.1 * ao_err, torchao_err=ao_err)
+    assert rel(a, a_ref) < 0.1 * ao_err
+    r = rstd.double()[:, None]
+    g, u = a.double()[:, 0::2] * r, a.double()[:, 1::2] * r
+    sg = torch.sigmoid(g)
+    silu = g * sg
+    y = silu * u
+    e = 2.0**-8 + 2.0**-22
+    err = (u.abs() * (sg * (1 + g * (1 - sg))).abs() * g.abs() + silu.abs() * u.abs()) * e + 2.0**-21 * y.abs()
+    ivy = inv_y.double()
+    want = quantize_e4m3(y.float(), inv_y).double()
+    got = yq.double()
+    assert_codes_within("norm_swiglu_q_fp8 e4m3 y vs y of its own a", got, want,
+                        e4m3_step(torch.maximum(got.abs(), want.abs())), err * ivy)
+    amax_y = y.abs().amax()
+    log_bound("norm_swiglu_q_fp8 amax vs max |y(a)|", err=abs(amax.double().item() - amax_y.item()), bound=err.max().item())
+    assert abs(amax.double().item() - amax_y.item()) <= err.max().item()
 
 
 @pytest.mark.gpu

@@ -66,6 +66,7 @@ class Backend:
     residual_rms_q: Callable  # F1 with an fp8 mainloop (issue 19, not yet in the model)
     residual_rms_q_fp8: Callable
     norm_swiglu_fp8: Callable
+    norm_swiglu_q_fp8: Callable  # F2 writing e4m3 y and amax |y| (fp8_down_proj after calibration)
     norm_rope_fp8: Callable
     rope_bwd_fp8: Callable
     norm_residual_bwd_fp8: Callable
@@ -103,6 +104,7 @@ TORCH = Backend(
     residual_rms_q=residual_rms.residual_rms_q,
     residual_rms_q_fp8=residual_rms.residual_rms_q_fp8,
     norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8,
+    norm_swiglu_q_fp8=norm_swiglu.norm_swiglu_q_fp8,
     norm_rope_fp8=norm_rope.norm_rope_fp8,
     rope_bwd_fp8=norm_rope.rope_bwd_fp8,
     norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8,
@@ -139,6 +141,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         residual_rms_q=residual_rms.residual_rms_q_op,
         residual_rms_q_fp8=residual_rms.residual_rms_q_fp8_op,
         norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8_op,
+        norm_swiglu_q_fp8=norm_swiglu.norm_swiglu_q_fp8_op,
         norm_rope_fp8=norm_rope.norm_rope_fp8_op,
         rope_bwd_fp8=norm_rope.rope_bwd_fp8_op,
         norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8_op,

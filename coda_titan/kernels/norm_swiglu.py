@@ -24,6 +24,9 @@ Saved: a and r (y is cheaper to recompute than to keep).
 FP8 (precision = "fp8"):
     norm_swiglu_fp8  acc = Hq @ W13q^T on e4m3 operands; v = (s_a * s_w) * acc is the true-scale
                      pre-activation, saved as a; y = SwiGLU(r * v)
+    norm_swiglu_q_fp8  ``norm_swiglu_fp8`` that writes y as e4m3 for the down-projection's fp8 GEMM
+                     (``fp8_down_proj``): yq = sat(y * inv_y) from the fp32 y with the site's delayed
+                     scale, and amax |y| (fp32 y) for the site's history; no bf16 y is written
     swiglu_bwd_fp8   B3 (bf16 GEMM) whose epilogue also writes da as e5m2, daq = sat(da * inv) from
                      the fp32 da, in da's interleaved column order, and reports amax |da|. The scale
                      is delayed (a tile is stored before the amax of the whole da exists): the
@@ -41,7 +44,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e5m2
+from .scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e4m3, quantize_e5m2
 
 
 def _swiglu(z: torch.Tensor) -> torch.Tensor:
@@ -65,6 +68,19 @@ def norm_swiglu_fp8(
     v = fp8_mm(hq, w13q, ct) * scale.to(ct)
     y = _swiglu(v * rstd.to(ct)[:, None])
     return y.to(out_dtype), v.to(out_dtype)
+
+
+def norm_swiglu_q_fp8(
+    *, hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, inv_y: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(yq, a, amax |y|): ``norm_swiglu_fp8``'s y quantized to e4m3 with ``inv_y`` from its compute
+    dtype (never rounded to ``out_dtype`` first), a in ``out_dtype``, and the amax of that y."""
+    check_2d("hq", hq, w13q.shape[1])
+    ct = compute_dtype(out_dtype)
+    v = fp8_mm(hq, w13q, ct) * scale.to(ct)
+    y = _swiglu(v * rstd.to(ct)[:, None])
+    return quantize_e4m3(y, inv_y), v.to(out_dtype), y.abs().amax()
 
 
 def swiglu_bwd_acc(
@@ -153,6 +169,21 @@ def norm_swiglu_fp8_op(
 def _(hq, rstd, w13q, scale, out_dtype):
     m, f2 = hq.shape[0], w13q.shape[0]
     return hq.new_empty((m, f2 // 2), dtype=out_dtype), hq.new_empty((m, f2), dtype=out_dtype)
+
+
+@program_op("norm_swiglu_q_fp8")
+def norm_swiglu_q_fp8_op(
+    hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, inv_y: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, inv_y=inv_y, out_dtype=out_dtype)
+
+
+@norm_swiglu_q_fp8_op.register_fake
+def _(hq, rstd, w13q, scale, inv_y, out_dtype):
+    m, f2 = hq.shape[0], w13q.shape[0]
+    return (hq.new_empty((m, f2 // 2), dtype=E4M3), hq.new_empty((m, f2), dtype=out_dtype),
+            hq.new_empty((), dtype=compute_dtype(out_dtype)))
 
 
 @program_op("swiglu_bwd")

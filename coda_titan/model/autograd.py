@@ -75,14 +75,15 @@ class Fp8Input:
 
 
 def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
-        fp8_in: Fp8Input | None) -> tuple:
+        fp8_in: Fp8Input | None, y_amax: torch.Tensor | None = None) -> tuple:
     """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize``, then amax |y| with ``fp8_in``
-    (y cast to e4m3 and the GEMM on the fp8 mainloop)."""
+    (y cast to e4m3 and the GEMM on the fp8 mainloop; with ``y_amax``, y is that e4m3 y already,
+    quantized by its producer with ``fp8_in.inv``, and ``y_amax`` its amax)."""
     inv_next = None if quantize is None else quantize.inv_scale
     if fp8_in is None:
         f1 = dict(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=tile_n)
         return be.residual_rms(**f1) if quantize is None else be.residual_rms_fp8(**f1, inv_scale=inv_next)
-    yq, amax_y = be.quantize_delayed(t=y, inv_scale=fp8_in.inv)
+    yq, amax_y = be.quantize_delayed(t=y, inv_scale=fp8_in.inv) if y_amax is None else (y, y_amax)
     inv_y = inv_scale_from_amax(amax_y) if fp8_in.inv is None else fp8_in.inv
     f1 = dict(yq=yq, wq=fp8_in.w, scale=dequant_scale(inv_y, fp8_in.s_w), residual=residual, gamma=gamma_next,
               tile_n=tile_n)
@@ -207,14 +208,18 @@ class NormSwiGLUResidual(torch.autograd.Function):
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
                 grad_sink: torch.Tensor | None = None):
         be = cfg.backend
+        y_amax = None
         if fp8 is None:
             y, a = be.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3))
         else:
             f2 = fp8.f2
-            y, a = be.norm_swiglu_fp8(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w),
-                                      out_dtype=h.dtype)
+            f2_args = dict(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w), out_dtype=h.dtype)
+            if fp8.down is not None and fp8.down.inv is not None:  # F2 writes the down-projection's e4m3 y itself
+                y, a, y_amax = be.norm_swiglu_q_fp8(**f2_args, inv_y=fp8.down.inv)
+            else:  # (calibrating the down site: y in bf16, cast with its current amax by F1's input pass)
+                y, a = be.norm_swiglu_fp8(**f2_args)
         outs = _f1(be, y, w2, x, gamma_next, cfg.tile_n, fp8.quantize_next if fp8 is not None else None,
-                   fp8.down if fp8 is not None else None)
+                   fp8.down if fp8 is not None else None, y_amax)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2) if ctx.e5m2 else (None,) * 6

@@ -74,10 +74,8 @@ class CodaTransformerBlock(TransformerBlock):
         (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs (hq_next and
         amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
-        attn = self.attention
-        m = x.shape[0]
+        attn, m, hd = self.attention, x.shape[0], self.attention.head_dim
         bs = m // seqlen
-        hd = attn.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
                                 attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, None if fp8 is None else fp8.attn)
@@ -222,8 +220,8 @@ class CodaTransformer(Transformer):
         if device not in self._freqs_cache:
             a = self.model_args
             self._freqs_cache[device] = rope_freqs(a.dim // a.n_heads, a.rope_theta, a.rope_scaling_args).to(device)
-            if a.coda.cuda_graphs:  # a graph input read at its own address, not copied into the graphs' pool
-                torch._dynamo.mark_static_address(self._freqs_cache[device])  # (where the programs key their tables)
+            if a.coda.cuda_graphs:  # a graph input read at its address (the programs key their tables on it)
+                torch._dynamo.mark_static_address(self._freqs_cache[device])
         return self._freqs_cache[device]
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
@@ -256,12 +254,9 @@ class CodaTransformer(Transformer):
         return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
 
     def _blocks(self, layers, cuda: bool) -> list:
-        """What the forward calls for each layer. With ``[coda] cuda_graphs`` (blocks compiled in
-        reduce-overhead mode), the first forward runs the blocks uncompiled: inductor runs a block's
-        first calls with every allocation routed into the graphs' memory pool, so the state the
-        programs make once and keep (RoPE tables, autotuned kernels' sweeps) must be made before,
-        outside it; the pool's live tensors must all be graph outputs. Every later forward starts a
-        new step of the graphs (their last outputs are dead by then)."""
+        """What the forward calls per layer. With ``[coda] cuda_graphs`` the first forward runs the blocks
+        uncompiled, so what the programs make once and keep (RoPE tables, autotuning) is made outside
+        the graphs' memory pool (whose live tensors must all be graph outputs); later ones start a step."""
         if not (self.model_args.coda.cuda_graphs and cuda):
             return layers
         if getattr(self, "_graphs_warm", False):
@@ -301,14 +296,12 @@ class CodaTransformer(Transformer):
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
     def prefetch_fp8_weights(self) -> bool:
-        """Issue the next training forward's fp8 weight pass now (an optimizer step post-hook, see
-        ``titan.train_spec``), and the delayed scales it will read. At the end of a step the host is
-        far ahead of the GPU; at the start of the next one it has just waited for it (TorchTitan's
-        batch copy synchronizes), so every launch there leaves the GPU idle. On CUDA the pass runs on a
-        side stream that waits for the optimizer, beside that next step's host work; the forward waits
-        for it before its first fp8 GEMM. It is used only if every layer parameter is the same tensor
-        at the same version (in-place updates bump it) and the forward needs the same weights; a
-        forward that cannot use it computes its own. Returns whether a pass was issued."""
+        """Issue the next training forward's fp8 weight pass and delayed scales now (an optimizer step
+        post-hook, ``titan.train_spec``): at a step's end the host is ahead of the GPU, at the next
+        one's start it has just waited for it (TorchTitan's batch copy synchronizes). On CUDA the pass
+        runs on a side stream that waits for the optimizer; the forward waits for it, and uses it only if
+        every layer parameter is the same tensor at the same version and the same weights are needed
+        (else it computes its own). Returns whether a pass was issued (docs/fp8.md)."""
         self._prefetched = None
         layers = list(self.layers.values())
         coda = self.model_args.coda
@@ -394,8 +387,7 @@ class CodaTransformer(Transformer):
                 down=f1_in.get("down"), out=f1_in.get("out"),
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1],
             )
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg,
-                                                                           fp8=fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
             for site, amax in (("down", amax_y), ("out", amax_o)):
                 if site in inputs:

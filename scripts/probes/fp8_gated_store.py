@@ -5,8 +5,8 @@ epilogue on SM90, and what does it save over a separate cast pass? Issue 19's fi
 
 quack 0.6.5 stores a gated (paired-column) output of 8 bits on SM100/SM120 only. On SM90 everything
 else it needs exists (docs/fp8.md, "The 8-bit paired-column (gated) store on SM90"); one trace-time
-assertion in ``TileStore.to_params`` refuses it. ``GatedNarrowStore`` below is quack's ``TileStore``
-with that method letting 8 bits through on SM90 (the rest is quack's). At the 1B shapes (M = 16384,
+assertion in ``TileStore.to_params`` refuses it. ``GatedNarrowStore`` (``coda_titan.kernels.cute.epilogues``,
+first written here) is quack's ``TileStore`` with that method letting 8 bits through on SM90. At the 1B shapes (M = 16384,
 d = 2048, F = 8192) the probe runs, with quack's default config and then autotuned:
 
 * ``f2_bf16_y``: the F2 program as shipped (``norm_swiglu_fp8``: e4m3 operands, bf16 y);
@@ -14,7 +14,8 @@ d = 2048, F = 8192) the probe runs, with quack's default config and then autotun
 * ``f2_e4m3_y``: F2 with y = sat(SwiGLU * inv_y) stored as e4m3 by its epilogue;
 * ``f2_bf16_y_amax_cast``: bf16 y, then its amax and e4m3 cast (the model's ``fp8_down_proj`` path);
 * ``f2_e4m3_y_amax``: e4m3 y as ``f2_e4m3_y`` plus each row's amax |y| reduced in the epilogue
-  (a ``ColVecReduce`` in acc_pair mode), checked against amax |bf16 y|;
+  (a ``ColVecReduce`` in acc_pair mode; the model's ``norm_swiglu_q_fp8``), checked against amax |bf16 y|
+  (the reduced amax is of the fp32 y: within one bf16 rounding, 2^-8 relative);
 
 checks the e4m3 codes of ``f2_e4m3_y`` against the reference's (the same math in fp32, quantized by
 ``quantize_e4m3``) and against the kernel's own bf16 y quantized the same way: the fp8 accumulator's
@@ -26,39 +27,13 @@ differing, with a largest code distance of 156, which a sign flip of a value nea
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.utils
 import torch
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
-from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar, TileStore, setup_epi_tensor
+from quack.epilogue.ops import ColVecLoad, Scalar
 
-
-class GatedNarrowStore(TileStore):
-    """quack's gated (paired-column, half of GEMM-N) ``TileStore``, letting an 8-bit output through on
-    SM90: the store converts with the narrow register permute and the universal copy atom quack
-    already has for that case; only ``to_params``' width assertion is different."""
-
-    def to_params(self, gemm, args):
-        tensor = getattr(args, self.name)
-        if not (self.gated and gemm.arch == 90 and tensor.element_type.width == 8):
-            return super().to_params(gemm, args)
-        layout = cutlass.utils.LayoutEnum.from_tensor(tensor)
-        assert gemm.d_layout is None or gemm.d_layout.is_n_major_c()
-        assert layout.is_n_major_c()
-        assert gemm.cta_tile_shape_mnk[1] % 32 == 0, "gated epilogue on SM90 requires tile_N divisible by 32"
-        setattr(gemm, self._layout_gemm_attr(), layout)
-        setattr(gemm, self._dtype_gemm_attr(), tensor.element_type)
-        epi_tile = self.epi_tile_fn(gemm, gemm.epi_tile) if self.epi_tile_fn else None
-        tma_atom, tma_tensor, smem_layout, epi_tile_out = setup_epi_tensor(gemm, tensor, epi_tile=epi_tile)
-        return {
-            self._tma_atom_key(): tma_atom,
-            self.name: tma_tensor,
-            self._smem_layout_key(): smem_layout,
-            self._epi_tile_key(): epi_tile_out,
-            self._dtype_field(): tensor.element_type,
-        }
+from coda_titan.kernels.cute.epilogues import GatedNarrowStore, fp8_rstd_swiglu_q_epi
 
 
 @gemm_epilogue(
@@ -75,21 +50,27 @@ def fp8_swiglu_e4m3_epi(acc, rstd, scale, inv_y):
     return {"D": pack(g, u), "postact": swiglu(gs, us) * inv_y}
 
 
-@gemm_epilogue(
-    outputs=(GatedNarrowStore("postact", gated=True),),
-    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_y": Scalar("inv_y")},
-    reduces={"amax": ColVecReduce("amax", combine="max_abs")},
-    mode="acc_pair",
-)
-def fp8_swiglu_e4m3_amax_epi(acc, rstd, scale, inv_y):
-    """``fp8_swiglu_e4m3_epi`` that also reduces each row's amax |y| (of y before its scaling), what
-    the delayed scale's history needs: a sink in acc_pair mode takes a pair, one value per lane, so
-    y goes in twice."""
-    v = acc * scale
-    g, u = unpack(v)
-    gs, us = unpack(v * rstd)
-    y = swiglu(gs, us)
-    return {"D": pack(g, u), "postact": y * inv_y, "amax": pack(y, y)}
+def amax_variant(row: dict, f2_e4m3_amax, f2_bf16, y8, y16, inv_y) -> None:
+    """Time F2 with e4m3 y and its amax sink (the model's ``norm_swiglu_q_fp8``) and check both: the
+    reduced amax is of y in fp32, before the bf16 rounding of y16, so within one bf16 rounding (u =
+    2^-8 relative) of amax |y16|; the codes as f2_e4m3_y's (one e4m3 step of y16's own codes)."""
+    from coda_titan.kernels.scaling import e4m3_step, quantize_e4m3
+    from scripts.bench.common import bench
+
+    try:
+        row["ms"]["f2_e4m3_y_amax"] = bench(f2_e4m3_amax)
+        res = f2_e4m3_amax()
+        codes_amax = y8.clone()
+        f2_bf16()
+        torch.cuda.synchronize()
+        amax_k, amax16 = res["amax"].amax().item(), y16.float().abs().amax().item()
+        row["amax_kernel"], row["amax_bf16_y"] = amax_k, amax16
+        row["amax_ok"] = abs(amax_k - amax16) <= 2.0**-8 * amax16
+        want_q = quantize_e4m3(y16.float(), inv_y)
+        err = (codes_amax.float() - want_q.float()).abs()
+        row["amax_variant_over_one_step"] = float((err > e4m3_step(want_q.float()) * 1.0001).float().mean())
+    except Exception as e:  # noqa: BLE001 - the experiment's outcome, recorded
+        row["f2_e4m3_y_amax_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
 
 
 def main() -> int:
@@ -130,25 +111,8 @@ def main() -> int:
         row["ms"]["f2_bf16_y"] = bench(f2_bf16)
         row["ms"]["f2_bf16_y_cast"] = bench(lambda: (f2_bf16(), cast(y16, inv_y)))
         row["ms"]["f2_bf16_y_amax_cast"] = bench(lambda: (f2_bf16(), amax_cast(y16, inv_y)))  # the model's path today
-        try:
-            def f2_e4m3_amax():
-                return fp8_swiglu_e4m3_amax_epi(hq, w13q.t(), None, out={"D": a, "postact": y8}, tuned=tuned,
-                                                inv_y=_dispatch.scalar32(inv_y), **ops)
-            row["ms"]["f2_e4m3_y_amax"] = bench(f2_e4m3_amax)
-            res = f2_e4m3_amax()
-            codes_amax = y8.clone()
-            f2_bf16()
-            torch.cuda.synchronize()
-            # the reduced amax is of y in fp32, before the bf16 rounding of y16: within half a bf16 step
-            # (2^-9 relative) of amax |y16|; the codes as f2_e4m3_y's (one e4m3 step of y16's own codes)
-            amax_k, amax16 = res["amax"].amax().item(), y16.float().abs().amax().item()
-            row["amax_kernel"], row["amax_bf16_y"] = amax_k, amax16
-            row["amax_ok"] = abs(amax_k - amax16) <= 2.0**-9 * amax16
-            want_q = quantize_e4m3(y16.float(), inv_y)
-            err = (codes_amax.float() - want_q.float()).abs()
-            row["amax_variant_over_one_step"] = float((err > e4m3_step(want_q.float()) * 1.0001).float().mean())
-        except Exception as e:  # noqa: BLE001 - the experiment's outcome, recorded
-            row["f2_e4m3_y_amax_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        amax_variant(row, lambda: fp8_rstd_swiglu_q_epi(hq, w13q.t(), None, out={"D": a, "postact": y8}, tuned=tuned,
+                                                         inv_y=_dispatch.scalar32(inv_y), **ops), f2_bf16, y8, y16, inv_y)
         try:
             row["ms"]["f2_e4m3_y"] = bench(f2_e4m3)
             f2_e4m3()

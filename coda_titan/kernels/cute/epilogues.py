@@ -7,13 +7,15 @@ frontend turns it into a fused SM90 GEMM epilogue. The program files in this pac
 from __future__ import annotations
 
 import cutlass.cute as cute
+import cutlass.utils
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from quack.activation import dswiglu, swiglu
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
-from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
+from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar, TileStore,
+                                setup_epi_tensor)
 
 
 _target_idx = ColVecLoad("target")
@@ -86,6 +88,50 @@ def fp8_rstd_swiglu_preact_epi(acc, rstd, scale):
     g, u = unpack(v)
     gs, us = unpack(v * rstd)
     return {"D": pack(g, u), "postact": swiglu(gs, us)}
+
+
+class GatedNarrowStore(TileStore):
+    """quack's gated (paired-column, half of GEMM-N) ``TileStore``, letting an 8-bit output through on
+    SM90. quack 0.6.5 refuses it there in ``to_params`` alone: the store converts with the narrow
+    register permute and the universal copy atom quack already has for that case (docs/fp8.md, "The
+    8-bit paired-column (gated) store on SM90"; verified by ``scripts/probes/fp8_gated_store.py``)."""
+
+    def to_params(self, gemm, args):
+        tensor = getattr(args, self.name)
+        if not (self.gated and gemm.arch == 90 and tensor.element_type.width == 8):
+            return super().to_params(gemm, args)
+        layout = cutlass.utils.LayoutEnum.from_tensor(tensor)
+        assert gemm.d_layout is None or gemm.d_layout.is_n_major_c()
+        assert layout.is_n_major_c()
+        assert gemm.cta_tile_shape_mnk[1] % 32 == 0, "gated epilogue on SM90 requires tile_N divisible by 32"
+        setattr(gemm, self._layout_gemm_attr(), layout)
+        setattr(gemm, self._dtype_gemm_attr(), tensor.element_type)
+        epi_tile = self.epi_tile_fn(gemm, gemm.epi_tile) if self.epi_tile_fn else None
+        tma_atom, tma_tensor, smem_layout, epi_tile_out = setup_epi_tensor(gemm, tensor, epi_tile=epi_tile)
+        return {
+            self._tma_atom_key(): tma_atom,
+            self.name: tma_tensor,
+            self._smem_layout_key(): smem_layout,
+            self._epi_tile_key(): epi_tile_out,
+            self._dtype_field(): tensor.element_type,
+        }
+
+
+@gemm_epilogue(
+    outputs=(GatedNarrowStore("postact", gated=True),),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_y": Scalar("inv_y")},
+    reduces={"amax": ColVecReduce("amax", combine="max_abs")},
+    mode="acc_pair",
+)
+def fp8_rstd_swiglu_q_epi(acc, rstd, scale, inv_y):
+    """``fp8_rstd_swiglu_preact_epi`` writing y as e4m3 for the down-projection: postact = sat(y *
+    inv_y) from the fp32 y (the f32 -> e4m3 store converts with saturation), and each row's amax |y|
+    (a sink in acc_pair mode takes one value per lane of the pair: y goes in twice)."""
+    v = acc * scale
+    g, u = unpack(v)
+    gs, us = unpack(v * rstd)
+    y = swiglu(gs, us)
+    return {"D": pack(g, u), "postact": y * inv_y, "amax": pack(y, y)}
 
 
 @dsl_user_op

@@ -3,6 +3,8 @@
 norm_swiglu      quack's ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r a_g) * (r a_u),
                  gate/up as adjacent columns of the interleaved W13
 norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
+norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (our 8-bit paired-column
+                 store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
 swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
@@ -19,9 +21,10 @@ from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_e
 from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
-from ..scaling import E4M3, E5M2
+from ..scaling import E4M3, E5M2, compute_dtype
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .epilogues import dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi, fp8_rstd_swiglu_preact_epi
+from .epilogues import (dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi, fp8_rstd_swiglu_preact_epi,
+                        fp8_rstd_swiglu_q_epi)
 
 
 @torch.library.register_kernel("coda::norm_swiglu", "cuda")
@@ -51,6 +54,22 @@ def _norm_swiglu_fp8(hq, rstd, w13q, scale, out_dtype):
         gemm(fp8_rstd_swiglu_preact_epi, hq, w13q.t(), None, {"D": a, "postact": y},
              rstd=rstd.float(), scale=scalar32(scale))
     return y, a
+
+
+@torch.library.register_kernel("coda::norm_swiglu_q_fp8", "cuda")
+def _norm_swiglu_q_fp8(hq, rstd, w13q, scale, inv_y, out_dtype):
+    why = unsupported_fp8(hq, w13q)
+    if why is None and (w13q.shape[0] % 32 or out_dtype not in KERNEL_DTYPES):
+        why = f"hidden {w13q.shape[0] // 2} / out dtype {out_dtype} (need % 16, bf16/fp16)"
+    if why:
+        return fallback(ref.norm_swiglu_q_fp8_op, why, hq, rstd, w13q, scale, inv_y, out_dtype)
+    m, f2 = hq.shape[0], w13q.shape[0]
+    a = torch.empty((m, f2), device=hq.device, dtype=out_dtype)
+    yq = torch.empty((m, f2 // 2), device=hq.device, dtype=E4M3)
+    with first_call("norm_swiglu_q_fp8", hq, w13q):
+        res = gemm(fp8_rstd_swiglu_q_epi, hq, w13q.t(), None, {"D": a, "postact": yq},
+                   rstd=rstd.float(), scale=scalar32(scale), inv_y=scalar32(inv_y))
+    return yq, a, res["amax"].amax().to(compute_dtype(out_dtype))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd", "cuda")

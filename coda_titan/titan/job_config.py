@@ -43,8 +43,8 @@ class Coda:
     fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
-    fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, its input y cast to "
-                                      "e4m3 with a delayed scale (issue 19; measured level, docs/fp8.md)")
+    fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, F2 writing e4m3 y "
+                                      "(delayed scale; issue 19: measured faster, parity run pending, docs/fp8.md)")
     fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
                                      "e4m3 with a delayed scale (issue 19; measured level, docs/fp8.md)")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "

@@ -42,7 +42,6 @@
 #                  F1 input sites on fp8), PREC=fp8 (default) or bf16
 #     downout      float8 baseline (compiled) vs CODA fp8 compiled with both F1 input sites on fp8 (no graphs)
 #     downoutparity 300-step loss curves: float8 + compile, CODA fp8 compiled with both F1 input sites on fp8, and without
-#     graphsprofile one profiled step of CODA compiled with cuda_graphs (PRECISION=fp8|bf16; GRAPHS_DOWN=1: + both F1 sites)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -225,13 +224,6 @@ for phase in "$@"; do
       a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${PARITY_STEPS:-300}" --tag fp8_down_out
-      ;;
-    graphsprofile)
-      # one profiled step of the compiled CODA config (PRECISION) with cuda_graphs on (GRAPHS_DOWN=1: and both F1 sites)
-      p=${PRECISION:-fp8}
-      if [ -n "${GRAPHS_DOWN:-}" ]; then a=$(PREC=$p variant graphs_down_out "cuda_graphs = true" "fp8_down_proj = true" "fp8_out_proj = true")
-      else a=$(PREC=$p variant graphs "cuda_graphs = true"); fi || exit 2
-      $cmp --profile "$a" --steps 15 $keep
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

@@ -15,8 +15,9 @@ Caches (on disk, so a training start does not re-tune what was tuned before):
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
 
 ``TRACED``: the programs without an epilogue of their own (B1's pass, the plain and the fp8 weight
-and input gradients, the delayed e4m3 cast of an F1 input) as plain torch code. Under ``torch.compile`` the model traces them into its
-graph, where inductor fuses them with their neighbours, instead of calling their op: an opaque op
+and input gradients, the delayed e4m3 cast of an F1 input) as plain torch code. Under
+``torch.compile`` the model traces them into its graph, where inductor fuses them with their
+neighbours, instead of calling their op: an opaque op
 whose body calls a compiled pass of its own costs 0.2-0.5 ms of host time per call (guards, wrappers,
 launches; ``scripts/probes/host_profile.py``), and the GPU waits for it. ``[coda] trace_passes =
 false`` keeps them opaque (the A/B of ``gpu_train.sh tracepasses``).

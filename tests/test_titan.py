@@ -465,11 +465,15 @@ def test_cuda_graph_replays_compute_what_the_compiled_blocks_compute():
                                dp_replicate_enabled=False)
         parallelize_coda(model, dims, job)
         models[graphs] = model
-    g = torch.Generator(device="cuda").manual_seed(1)
     graphed, plain = models[True], models[False]
-    # (a failure names the stack that allocated any tensor the graphs' pool keeps beyond their outputs)
-    torch._inductor.config.triton.cudagraph_trees_history_recording = True
     opt = build_coda_optimizers([graphed], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    # (a failure names the stack that allocated any tensor the graphs' pool keeps beyond their outputs)
+    with torch._inductor.config.patch({"triton.cudagraph_trees_history_recording": True}):
+        _replay_steps(graphed, plain, opt, seqlen)
+
+
+def _replay_steps(graphed, plain, opt, seqlen: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
     for step in range(5):  # uncompiled (the programs' lasting state made outside the pool), warm-up, record, replays
         tokens, labels = (torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda") for _ in range(2))
         plain.load_state_dict(graphed.state_dict())

@@ -120,6 +120,32 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
     assert q["max_rel_dev_10step_mean"] == pytest.approx(0.1 / 50)  # one 10-step window holds the bump
 
 
+def test_a_candidate_is_judged_against_the_baselines_own_repeats(tmp_path):
+    """The fp8 issue's parity criterion: a candidate's max and mean abs. deviation no larger than the
+    baseline's largest repeat pair's (same cohort), no NaN, and the last-50 mean within 1%; the
+    results page shows the verdict under each loss-curve table."""
+    base = [5.0] * 80
+    bump = lambda i, v, c=base: [v if j == i else x for j, x in enumerate(c)]  # noqa: E731
+    scaled = lambda f, start, c=base: [x * f if j >= start else x for j, x in enumerate(c)]  # noqa: E731
+    rep = {"device": "d", "runs": [_curve_run("b", bump(40, 5.5, scaled(1.015, 20)))]}  # repeat: max 10%, mean ~1.6%
+    cands = {"inside": bump(50, 5.15), "too_far": bump(50, 6.0), "last_mean": scaled(1.012, 30),
+             "nan": bump(70, float("nan"))}
+    doc = {"device": "d", "date": "2026-11-24", "steps": 80,
+           "runs": [_curve_run("b", base)] + [_curve_run(n, c, coda=True) for n, c in cands.items()]}
+    for i, d in enumerate((rep, doc)):
+        (tmp_path / f"loss_curve_{i}.json").write_text(json.dumps(d))
+    doc["parity"] = [{"candidate": n, **compare.parity(base, c, tol=0.015)} for n, c in cands.items()]
+    spreads = compare.repeat_spread(compare.loss_runs(sorted(tmp_path.glob("loss_curve_*.json"))))
+    got = {v["candidate"]: (v["inside"], v["met"]) for v in compare.against_repeats(doc, spreads)}
+    assert got["inside"] == (True, True) and got["too_far"] == (False, False), got
+    assert got["last_mean"] == (True, False) and not got["nan"][1], got  # inside the spread, but 1.2% off at the end
+    table = training.parity_table(doc, spreads)
+    assert "| inside | 2 | yes |" in table and "| too_far | 2 | no |" in table
+    other = dict(doc, runs=[_curve_run("b", base, seed=1)] + doc["runs"][1:])  # a cohort without repeats
+    assert {v["inside"] for v in compare.against_repeats(other, spreads)} == {None}
+    assert "own repeats" not in training.parity_table(other, spreads)
+
+
 def test_budget_lines_give_the_gemm_time_left_for_the_target():
     def prof(stem, span, gemm, other):
         return {"config": f"configs/{stem}.toml", "run": {"precision": "fp8"}, "summary": {"gpu_span_ms": span, "categories_ms": {

@@ -83,7 +83,7 @@ def repeat_spread(runs: list[dict]) -> list[dict]:
         pairs = [parity(a["loss"], b["loss"], tol=tol) for i, a in enumerate(rs) for b in rs[i + 1:]]
         worst = max(pairs, key=lambda q: q["max_rel_dev"])
         out.append({
-            "config": config, "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
+            "cohort": rs[0]["cohort"], "config": config, "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
             "max_rel_dev": worst["max_rel_dev"], "max_rel_dev_step": worst["max_rel_dev_step"],
             "min_pair_max_rel_dev": min(q["max_rel_dev"] for q in pairs),
             "steps_over_tolerance": (min(q["steps_over_tolerance"] for q in pairs),
@@ -93,6 +93,31 @@ def repeat_spread(runs: list[dict]) -> list[dict]:
             "pairs_within_tolerance": sum(q["met"] for q in pairs),
             "max_rel_dev_10step_mean": max(q["max_rel_dev_10step_mean"] for q in pairs),
         })
+    return out
+
+
+LAST_STEPS, LAST_MEAN_TOL = 50, 0.01  # the fp8 issue's end-of-run criterion: mean of the last 50 steps within 1%
+
+
+def against_repeats(doc: dict, spreads: list[dict]) -> list[dict]:
+    """Each candidate of a loss-curve result judged by the criterion that lives with the run-to-run
+    noise: its largest and its mean absolute deviation from the baseline (after the first steps) no
+    larger than the largest of the baseline config's own repeat pairs in the same cohort
+    (``repeat_spread``), no non-finite loss, and the mean of the last 50 steps within 1% of the
+    baseline's. ``inside`` is None where the baseline has no repeats in that cohort."""
+    base = doc["runs"][0]
+    key = (_cohort(doc, base), Path(base["config"]).stem)
+    spread = next((q for q in spreads if (q["cohort"], q["config"]) == key), None)
+    out = []
+    for q, run in zip(doc["parity"], doc["runs"][1:]):
+        last = min(LAST_STEPS, len(run["loss"]), len(base["loss"]))
+        mb, mc = (statistics.fmean(r["loss"][-last:]) for r in (base, run))
+        last_ok = abs(mc - mb) <= LAST_MEAN_TOL * abs(mb)
+        finite = not q["non_finite"]["candidate"]
+        inside = None if spread is None else (q["max_rel_dev"] <= spread["max_rel_dev"]
+                                              and q["mean_abs_rel_dev"] <= spread["mean_abs_rel_dev"][1])
+        out.append({"candidate": q["candidate"], "repeats": spread["runs"] if spread else 0, "inside": inside,
+                    "last_mean_rel_dev": (mc - mb) / abs(mb), "met": bool(inside) and finite and last_ok})
     return out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
-from scripts.compare.parity import loss_runs, parity, spread_tables
+from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
 
 
 def _f(v, nd=1, suffix=""):
@@ -194,7 +194,7 @@ def profile_table(doc: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def parity_table(doc: dict) -> str:
+def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:
     tol = f"{100 * max((q.get('tolerance', PARITY_TOL) for q in doc['parity']), default=PARITY_TOL):g}%"
     lines = [
         f"Loss parity on {doc['device']} ({doc['date'][:10]}): {doc['steps']} steps, same data and seed; "
@@ -211,6 +211,16 @@ def parity_table(doc: dict) -> str:
             f"{q['compared_steps']} | {pct(q['mean_abs_rel_dev'])} | {pct(q['max_rel_dev_10step_mean'])} | "
             f"{'yes' if q['non_finite']['candidate'] else 'no'} | {'yes' if q['met'] else 'no'} |"
         )
+    verdicts = against_repeats(doc, spreads or [])
+    if any(v["repeats"] for v in verdicts):
+        lines += ["", "Against the baseline's own repeats (the run-to-run spread below: every pair of its repeated runs in "
+                  "this cohort): max and mean abs. deviation no larger than its largest pair's, no non-finite loss, and "
+                  f"the mean of the last {LAST_STEPS} steps within {100 * LAST_MEAN_TOL:g}%.", "",
+                  "| candidate | baseline repeats | deviations inside their spread | last-50 mean vs baseline | met |",
+                  "|---|---:|:---:|---:|:---:|"]
+        for v in verdicts:
+            lines.append(f"| {v['candidate']} | {v['repeats']} | {'yes' if v['inside'] else 'no'} | "
+                         f"{100 * v['last_mean_rel_dev']:+.2f}% | {'yes' if v['met'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -348,10 +358,12 @@ def section() -> str:
         parts += [compare_table(doc), "", f"![step-time comparison](../benchmarks/results/{p.with_suffix('.png').name})", ""]
     for multi, single in scaling_pairs():
         parts += [scaling_table(multi, single), ""]
+    runs = loss_runs()
+    spreads = repeat_spread(runs)
     for p in _latest("loss_curve"):
         doc = json.loads(p.read_text())
-        parts += [parity_table(doc), "", f"![loss curves](../benchmarks/results/{p.with_suffix('.png').name})", ""]
-    spread = spread_tables(loss_runs())
+        parts += [parity_table(doc, spreads), "", f"![loss curves](../benchmarks/results/{p.with_suffix('.png').name})", ""]
+    spread = spread_tables(runs)
     if spread:
         parts += [spread, ""]
     profiles = [json.loads(p.read_text()) for p in _latest("profile")]

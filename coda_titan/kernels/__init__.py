@@ -63,7 +63,7 @@ class Backend:
     quantize_delayed: Callable  # an activation to e4m3 with its delayed scale (y for the down-projection)
     rms_partial_fp8: Callable
     residual_rms_fp8: Callable
-    residual_rms_q: Callable  # F1 with an fp8 mainloop (issue 19, not yet in the model)
+    residual_rms_q: Callable  # F1 with an fp8 mainloop (fp8_down_proj / fp8_out_proj, no e4m3 H after it)
     residual_rms_q_fp8: Callable
     norm_swiglu_fp8: Callable
     norm_swiglu_q_fp8: Callable  # F2 writing e4m3 y and amax |y| (fp8_down_proj after calibration)

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, RESULTS, _latest, _say
+from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
 from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
 
@@ -286,6 +286,7 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
 
 def _floor_of(device: str, date: str) -> dict | None:
     """The complete floor file (``scripts.bench.floor``) of this device and day, if one was measured."""
+    from scripts.compare.common import RESULTS
     from scripts.compare.run import floor_files
 
     return next((doc for _, doc in floor_files(device, date, (RESULTS,)) if doc.get("complete")), None)
@@ -370,6 +371,8 @@ def section() -> str:
         parts += [profile_side_by_side(profiles), ""]
         for line in budget_lines(profiles):
             parts += [line, ""]
+    from scripts.compare.common import RESULTS
+
     every = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("profile_*.json"))]  # (older days keep their floor)
     for coda, stock in family_pairs(every):
         parts += [family_table(coda, stock, _floor_of(coda["device"], coda["date"])), ""]

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.compare.wandb_history import read_history
 
@@ -266,16 +267,25 @@ def test_torchtitans_own_launcher_runs_the_shipped_configs(tmp_path, cache_dir, 
     assert sorted(logged_losses(out)) == [1, 2]
 
 
+def _saved_calibration(step_dir, sites):
+    """The ``<site>_calibrated`` flags of a checkpoint's fp8 histories (1: the site ran calibrated)."""
+    import torch.distributed.checkpoint as dcp
+
+    flags = {site: torch.zeros(1, dtype=torch.int8) for site in sites}
+    dcp.load({"coda_fp8": {f"{site}_calibrated": t for site, t in flags.items()}}, checkpoint_id=str(step_dir))
+    return [int(flags[site]) for site in sites]
+
+
 def test_fp8_trains_through_the_real_trainer_and_resumes(tmp_path, cache_dir):
     """precision = "fp8" on the CPU (the exact emulation of the fp8 programs) through TorchTitan's
     Trainer: it trains, checkpoints its amax histories beside the model (``coda_fp8``), and a resume
     continues bit for bit. A stock checkpoint has no histories: an fp8 run resumes from it with a
     fresh calibration, and stock llama3 loads an fp8 CODA checkpoint (it ignores the histories)."""
-    # (with the F1 input sites on: the bit-for-bit resume needs their histories restored too)
-    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8", "--coda.fp8_down_proj",
-           "--coda.fp8_out_proj"]
+    # (the F1 input sites are on by default: the bit-for-bit resume needs their histories restored too)
+    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8"]
     a = _train("G", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)
     assert "exact fp8 emulation" in a["out"] and sorted(a["losses"]) == list(range(1, 11))
+    assert _saved_calibration(a["dir"] / "checkpoint" / "step-5", ("down", "out")) == [1, 1]
     (tmp_path / "H" / "checkpoint").mkdir(parents=True)
     shutil.copytree(a["dir"] / "checkpoint" / "step-5", tmp_path / "H" / "checkpoint" / "step-5")
     h = _train("H", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)

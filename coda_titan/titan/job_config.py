@@ -43,10 +43,10 @@ class Coda:
     fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
-    fp8_down_proj: bool = knob(False, "fp8: the down-projection (W2) forward on an fp8 mainloop, F2 writing e4m3 y "
-                                      "(delayed scale; issue 19: measured faster, parity run pending, docs/fp8.md)")
-    fp8_out_proj: bool = knob(False, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
-                                     "e4m3 with a delayed scale (issue 19; measured level, docs/fp8.md)")
+    fp8_down_proj: bool = knob(True, "fp8: the down-projection (W2) forward on an fp8 mainloop, F2 writing e4m3 y "
+                                     "with a delayed scale (measured faster, loss inside float8's repeats; docs/fp8.md)")
+    fp8_out_proj: bool = knob(True, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
+                                    "e4m3 with a delayed scale (with fp8_down_proj: measured faster; docs/fp8.md)")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
                                        "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
                                        "+0.9%; off until a 300-step parity run, docs/fp8.md)")

@@ -42,6 +42,8 @@
 #                  F1 input sites on fp8), PREC=fp8 (default) or bf16
 #     downout      float8 baseline (compiled) vs CODA fp8 compiled with both F1 input sites on fp8 (no graphs)
 #     downoutparity 300-step loss curves: float8 + compile, CODA fp8 compiled with both F1 input sites on fp8, and without
+#     e5m2wgrad    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad_e5m2 on / off (A/B)
+#     e5m2wgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_wgrad_e5m2, and without
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -224,6 +226,15 @@ for phase in "$@"; do
       a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${PARITY_STEPS:-300}" --tag fp8_down_out
+      ;;
+    e5m2wgrad)
+      # dW13 on B3's e5m2 da (B3 writes no bf16 da) against dW13 on the bf16 da cast again
+      ab fp8_mlp_wgrad_e5m2 e5m2_da bf16_da fp8_mlp_wgrad_e5m2
+      ;;
+    e5m2wgradparity)
+      a=$(variant e5m2_da "fp8_mlp_wgrad_e5m2 = true") || exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8_mlp_wgrad_e5m2
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

@@ -85,6 +85,33 @@ def test_wgrad_fp8_is_torchaos_weight_gradient_with_current_scales():
         TORCH.wgrad_fp8(grad=g[1:], grad_amax=None, inp=x, inp_amax=None, out_dtype=torch.float64)
 
 
+def test_wgrad_fp8_e5m2_is_the_fp8_weight_gradient_of_a_given_e5m2_gradient():
+    """``wgrad_fp8_e5m2`` (dW13 on B3's e5m2 da): the gradient's codes are taken as they are, times
+    their dequantization scale; the input is cast as ``wgrad_fp8`` casts it. In fp64 it equals the
+    exact product of the decoded operands."""
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(19)
+    m, n, k = 96, 32, 48
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * 1e-3
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
+    inv = torch.tensor(3.0e5, dtype=torch.float64)  # a delayed scale: not a power of two, not g's amax
+    gq = quantize_e5m2(g, inv)
+    dw = TORCH.wgrad_fp8_e5m2(gradq=gq, grad_scale=1 / inv, inp=x, inp_amax=x.abs().amax(), out_dtype=torch.float64)
+    s_x = 2.0 ** math.ceil(math.log2(x.abs().max().item() / E4M3_MAX))
+    xq = (x / s_x).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).double() * s_x
+    want = torch.einsum("mn,mk->nk", gq.double() / inv, xq)
+    assert dw.shape == (n, k) and rel(dw, want) < 1e-12
+    exact = TORCH.wgrad(grad=g, inp=x, out_dtype=torch.float64)  # the exact wgrad up to the fp8 roundings
+    assert 1e-4 < rel(dw, exact) < 0.2
+    assert gq.dtype == E5M2 and gq.double().abs().max() < E5M2_MAX
+    assert torch.equal(dw, TORCH.wgrad_fp8_e5m2(gradq=gq, grad_scale=1 / inv, inp=x, inp_amax=None, out_dtype=torch.float64))
+    with pytest.raises(TypeError, match="e5m2 gradient"):
+        TORCH.wgrad_fp8_e5m2(gradq=g, grad_scale=1 / inv, inp=x, inp_amax=None, out_dtype=torch.float64)
+    opcheck(torch.ops.coda.wgrad_fp8_e5m2.default, (gq.float().to(E5M2), (1 / inv).float(), x.float(), None, torch.float32),
+            test_utils=("test_faketensor",))
+
+
 def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
     """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
     cast every other element identically: the power-of-two scale keeps each element's rounding its
@@ -259,6 +286,13 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     gq, s_g, xq, s_x = wgrad_fp8_operands(g, None, x, None)  # the codes both paths cast (elementwise, exact)
     gemm_check("wgrad_fp8", compiled("wgrad_fp8")(**kw), cute.wgrad_fp8(**kw), gq.double().t() * s_g.double(),
                xq.double() * s_x.double())
+    # wgrad_fp8_e5m2: the gradient's codes given (a delayed, non-power-of-two scale), the input cast as above
+    from coda_titan.kernels.scaling import quantize_e5m2
+    inv = 0.7 * E5M2_MAX / g.float().abs().amax()
+    gq8 = quantize_e5m2(g.float(), inv)
+    kw = dict(gradq=gq8, grad_scale=1 / inv, inp=x, inp_amax=None, out_dtype=bf)
+    gemm_check("wgrad_fp8_e5m2", compiled("wgrad_fp8_e5m2")(**kw), cute.wgrad_fp8_e5m2(**kw),
+               gq8.double().t() / inv.double(), xq.double() * s_x.double())
 
     # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
     # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides

@@ -24,7 +24,7 @@ from coda_titan.model.model import CodaTransformer
 from coda_titan.titan.fa4 import swap_attention
 from coda_titan.titan.job_config import Coda
 
-from .helpers import BF, gpu_inputs, log_bound
+from .helpers import BF, gpu_inputs, log_bound, rel
 
 
 # --- the torch backend equals TorchTitan's llama3 (float64) ---------------------------------------
@@ -249,19 +249,19 @@ def test_cute_refused_without_gpu():
      ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
      ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
-     ("traced", "sdpa", "fp8_dgrad")],
+     ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
-    # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad: with both
+    # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad")
+    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
                 fp8_down_proj=precision == "fp8_down", fp8_out_proj=precision == "fp8_down",
-                fp8_layer_wgrads=precision == "fp8_layer_wgrads")
+                fp8_layer_wgrads=precision == "fp8_layer_wgrads", fp8_mlp_wgrad_e5m2=precision == "fp8_mlp_e5m2")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -316,6 +316,7 @@ def _models(**kw):
         fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
         fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
+        fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -782,6 +783,43 @@ def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
         model(tokens, labels=labels).backward()
         steps.append(sorted(calls))
     assert steps == [sorted(["norm_swiglu_fp8", "quantize_delayed"] * n), ["norm_swiglu_q_fp8"] * n], steps
+
+
+def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else():
+    """``fp8_mlp_wgrad_e5m2``: B3 writes no bf16 da (``swiglu_bwd_e5m2``) and dW13 reads B3's e5m2 da
+    (``wgrad_fp8_e5m2``), in the calibration step too (its da scale is the current amax's there, as
+    B2's); B2 read that da before, so every other gradient is bit for bit the model's without the
+    option, and dW13 tracks it."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True)
+    bf16, off = _models(**kw)
+    _, on = _models(**kw, fp8_mlp_wgrad_e5m2=True)
+    cfg = on.program_config()
+    calls = []
+
+    def spy(name):
+        fn = getattr(cfg.backend, name)
+        return lambda **k: calls.append(name) or fn(**k)
+
+    names = ("swiglu_bwd_fp8", "swiglu_bwd_e5m2", "wgrad_fp8", "wgrad_fp8_e5m2")
+    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
+    on.program_config = lambda: cfg
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, steps = len(on.layers), []
+    for _ in range(2):  # the calibration step (current amax), then the delayed scales
+        calls.clear()
+        for m in (bf16, off, on):
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+        steps.append(sorted(calls))
+    assert steps == [sorted(["swiglu_bwd_e5m2", "wgrad_fp8_e5m2"] * n)] * 2, steps
+    g_off, g_on = _grads(off), _grads(on)
+    w13 = {k for k in g_on if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight"))}
+    assert len(w13) == 2 * n
+    for k in g_on.keys() - w13:
+        assert torch.equal(g_on[k], g_off[k]), k
+    for k in w13:
+        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 
 
 @pytest.mark.gpu

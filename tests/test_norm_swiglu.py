@@ -97,6 +97,10 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
         assert daq.float().abs().max() == E5M2_MAX and daq.float().isfinite().all()  # stale: saturates
     # gate and up columns stay interleaved: the e5m2 pairs follow da's (and W13's) row order
     assert ((daq.float()[:, 0::2] != 0) | (da64[:, 0::2] == 0)).all()
+    # swiglu_bwd_e5m2 (fp8_mlp_wgrad_e5m2): the same outputs less the bf16 da
+    for inv in (None, inv_scale_from_amax(amax64 / 4, E5M2_MAX)):
+        full, lean = TORCH.swiglu_bwd_fp8(**kw, inv_scale=inv), TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv)
+        assert len(lean) == 4 and all(torch.equal(x.float(), y.float()) for x, y in zip(lean, full[1:]))
 
 
 def _b3_q_operands(gen, m, d, f, device="cpu"):
@@ -159,9 +163,9 @@ def test_fp8_ops_schemas_and_fakes():
     opcheck(torch.ops.coda.norm_swiglu_q_fp8.default, (hq, rstd, wq, scale, torch.tensor(2.0), torch.bfloat16),
             test_utils=("test_faketensor",))
     for inv in (None, torch.tensor(2.0**10)):
-        opcheck(torch.ops.coda.swiglu_bwd_fp8.default,
-                (torch.randn(8, 16), torch.randn(16, 24) * 0.2, torch.randn(8, 48), torch.rand(8) + 0.5, inv),
-                test_utils=("test_faketensor",))
+        for op in (torch.ops.coda.swiglu_bwd_fp8, torch.ops.coda.swiglu_bwd_e5m2):
+            opcheck(op.default, (torch.randn(8, 16), torch.randn(16, 24) * 0.2, torch.randn(8, 48), torch.rand(8) + 0.5, inv),
+                    test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
@@ -350,6 +354,51 @@ def test_cute_fp8_mlp_dgrad_matches_reference():
         log_bound(f"wgrad_fp8 {out_dtype}", err=err, bound=bound, fp8_effect=rel(exact, TORCH.wgrad(grad=da, inp=x, out_dtype=torch.float32)))
         print(f"dW13 fp8 ({out_dtype}): vs fp64 on the same codes {err:.3g} (bound {bound:.3g})")
         assert err <= bound
+
+@pytest.mark.gpu
+def test_cute_b3_writing_only_e5m2_da_is_the_b3_fp8_kernel_less_da():
+    """``swiglu_bwd_e5m2`` reads a as float32 words (a (gate, up) pair each) and stores no D; it runs
+    the GEMM config and the per-element fp32 math of the tested ``swiglu_bwd_fp8`` (packed mode), so
+    y, the e5m2 codes and amax must be its bits exactly. zdz is a per-row fp32 sum of 2F terms
+    dzs_n * a_n whose order may differ between the two epilogue modes: two such sums are at most
+    2 gamma_{2F} sum_n |dzs_n a_n| apart (gamma_n = n u, u = 2^-24), and sum |dzs_n a_n| =
+    sum |da_n a_n| / r, times r in zdz, so the bound is 2 * 2F u sum |da_n a_n| (from the bf16 da,
+    which is within 2^-8 of the fp32 one: doubled again). Then dW13 on those codes
+    (``wgrad_fp8_e5m2``) against fp64 on the same codes, the bound of ``wgrad_fp8`` above."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.gemm import wgrad_fp8_input
+    from coda_titan.kernels.scaling import E5M2_MAX
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    m, d, ff = 4096, 2048, 8192
+    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
+    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
+    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    da, y, zdz, daq, amax = cute.swiglu_bwd_fp8(**b3, inv_scale=torch.tensor(1.0, device="cuda"))
+    inv_g = inv_scale_from_amax(amax / 2, E5M2_MAX)  # a stale amax: the top saturates
+    da, y, zdz, daq, amax = cute.swiglu_bwd_fp8(**b3, inv_scale=inv_g)
+    y2, zdz2, daq2, amax2 = cute.swiglu_bwd_e5m2(**b3, inv_scale=inv_g)
+    assert daq2.dtype == daq.dtype and daq2.shape == a.shape and daq2.is_contiguous()
+    assert torch.equal(y2, y) and torch.equal(daq2.view(torch.uint8), daq.view(torch.uint8)) and amax2 == amax
+    assert daq2.float().abs().max() == E5M2_MAX
+    bound = 2 * 2 * (2 * ff) * 2.0**-24 * (da.float() * a.float()).abs().sum(-1)
+    worst = ((zdz2 - zdz).abs() / bound).max().item()
+    log_bound("swiglu_bwd_e5m2 zdz vs swiglu_bwd_fp8 (worst |diff| / bound)", err=worst, bound=1.0)
+    assert worst <= 1.0
+    x = torch.randn(m, d, generator=gen, device="cuda").to(BF)
+    xq, s_x = wgrad_fp8_input(x, None)
+    exact = (daq2.double().t() / inv_g.double()) @ (xq.double() * s_x.double())
+    for out_dtype in (torch.float32, BF):
+        dw = cute.wgrad_fp8_e5m2(gradq=daq2, grad_scale=1 / inv_g, inp=x, inp_amax=None, out_dtype=out_dtype)
+        assert dw.dtype == out_dtype and dw.shape == (2 * ff, d) and dw.isfinite().all()
+        err, bound = rel(dw, exact), 2.0**-13 * math.sqrt(m / 32) + (2.0**-8 if out_dtype == BF else 0.0)
+        log_bound(f"wgrad_fp8_e5m2 {out_dtype}", err=err, bound=bound)
+        assert err <= bound
+
 
 @pytest.mark.gpu
 def test_cute_b3_on_an_fp8_gemm_matches_reference():

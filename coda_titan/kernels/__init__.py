@@ -72,15 +72,18 @@ class Backend:
     norm_residual_bwd_fp8: Callable
     swiglu_bwd_fp8: Callable
     swiglu_bwd_q_fp8: Callable  # B3 on an fp8 GEMM (fp8_down_dgrad)
+    swiglu_bwd_e5m2: Callable  # B3 writing da as e5m2 only (fp8_mlp_dgrad with fp8_mlp_wgrad)
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     wgrad_fp8: Callable
+    wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
 
 
 PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
 # The programs with no epilogue of their own: plain torch code on every backend, which a compiled
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
-TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "quantize_delayed")
+TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
+                               "quantize_delayed")
 
 TORCH = Backend(
     name="torch",
@@ -110,8 +113,10 @@ TORCH = Backend(
     norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8,
     swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8,
     swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8,
+    swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2,
     quantize_grad=gemm.quantize_grad,
     wgrad_fp8=gemm.wgrad_fp8,
+    wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
 )
 
 
@@ -147,8 +152,10 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8_op,
         swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8_op,
         swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8_op,
+        swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2_op,
         quantize_grad=gemm.quantize_grad_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
+        wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
     )
     if set(traced or ()) - set(TRACEABLE):
         raise ValueError(f"only {TRACEABLE} can be traced, not {sorted(set(traced) - set(TRACEABLE))}")

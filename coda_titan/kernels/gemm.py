@@ -19,6 +19,9 @@ FP8 (precision = "fp8"):
                          of two (``wgrad_fp8_operands``), exact products summed in fp32, times
                          s_g * s_x. The amaxes come from the epilogues that produced the operands
                          (B3 reports amax |da|, F1 amax |H|); None: computed here.
+    wgrad_fp8_e5m2       the same with the gradient already e5m2 (B3's da, written by its epilogue
+                         with the gradient site's delayed scale; ``grad_scale`` = 1 / inv dequantizes
+                         it): no cast of the gradient, only its token-major copy.
 """
 
 from __future__ import annotations
@@ -133,6 +136,25 @@ def wgrad_fp8(
     return ((gq.to(ct).t() @ xq.to(ct)) * (s_g * s_x).to(ct)).to(out_dtype)
 
 
+def wgrad_fp8_input(inp: torch.Tensor, inp_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, s_x): a weight gradient's input as e4m3 with the current power-of-two scale of its amax
+    (``wgrad_fp8_operands``' second half)."""
+    return _pow2_cast(inp.to(compute_dtype(inp.dtype)), inp_amax, quantize_e4m3, E4M3_MAX)
+
+
+def wgrad_fp8_e5m2(
+    *, gradq: torch.Tensor, grad_scale: torch.Tensor, inp: torch.Tensor, inp_amax: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dW = (grad_scale * gradq)^T @ inp: ``wgrad_fp8`` on an e5m2 gradient given with its scale."""
+    _check_rows(gradq, inp)
+    if gradq.dtype != E5M2:
+        raise TypeError(f"wgrad_fp8_e5m2 takes an e5m2 gradient, got {gradq.dtype}")
+    ct = compute_dtype(out_dtype)
+    xq, s_x = wgrad_fp8_input(inp, inp_amax)
+    return ((gradq.to(ct).t() @ xq.to(ct)) * (grad_scale.to(ct) * s_x.to(ct))).to(out_dtype)
+
+
 # --- custom ops ------------------------------------------------------------------------------------
 
 
@@ -228,3 +250,16 @@ def wgrad_fp8_op(
 @wgrad_fp8_op.register_fake
 def _(grad, grad_amax, inp, inp_amax, out_dtype):
     return grad.new_empty((grad.shape[1], inp.shape[1]), dtype=out_dtype)
+
+
+@program_op("wgrad_fp8_e5m2")
+def wgrad_fp8_e5m2_op(
+    gradq: torch.Tensor, grad_scale: torch.Tensor, inp: torch.Tensor, inp_amax: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return wgrad_fp8_e5m2(gradq=gradq, grad_scale=grad_scale, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
+
+
+@wgrad_fp8_e5m2_op.register_fake
+def _(gradq, grad_scale, inp, inp_amax, out_dtype):
+    return inp.new_empty((gradq.shape[1], inp.shape[1]), dtype=out_dtype)

@@ -32,6 +32,9 @@ FP8 (precision = "fp8"):
                      is delayed (a tile is stored before the amax of the whole da exists): the
                      gradient site's amax history; ``inv_scale=None`` (calibration) uses the current
                      amax.
+    swiglu_bwd_e5m2  ``swiglu_bwd_fp8`` without the bf16 da: when both of da's consumers read the e5m2
+                     copy (B2's fp8 dgrad and dW13 by ``gemm.wgrad_fp8_e5m2``), nothing reads da
+                     itself, and not writing it saves a 2-byte store per element of (M, 2F)
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
@@ -127,6 +130,14 @@ def swiglu_bwd_fp8(
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
 
 
+def swiglu_bwd_e5m2(
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, zdz, daq, amax): ``swiglu_bwd_fp8`` less its bf16 da."""
+    _, y, zdz, daq, amax = swiglu_bwd_fp8(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+    return y, zdz, daq, amax
+
+
 def swiglu_bwd_q_fp8(
     *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
     inv_scale: torch.Tensor | None,
@@ -212,6 +223,18 @@ def _(dout, w_down, a, rstd, inv_scale):
     ct = acc_dtype(dout, w_down)
     return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
             a.new_empty(a.shape, dtype=E5M2), a.new_empty((), dtype=ct))
+
+
+@program_op("swiglu_bwd_e5m2")
+def swiglu_bwd_e5m2_op(
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+
+
+@swiglu_bwd_e5m2_op.register_fake
+def _(dout, w_down, a, rstd, inv_scale):
+    return swiglu_bwd_fp8_op(dout, w_down, a, rstd, inv_scale)[1:]
 
 
 @program_op("swiglu_bwd_q_fp8")

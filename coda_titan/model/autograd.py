@@ -39,6 +39,7 @@ class ProgramConfig:
     eps: float
     ce_chunk_rows: int
     fp8_wgrads: bool = False  # dW_qkv, dW_o and dW2 on fp8 (``fp8_layer_wgrads``, precision fp8)
+    fp8_da_wgrad: bool = False  # dW13 on B3's e5m2 da, no bf16 da (``fp8_mlp_wgrad_e5m2``)
 
 
 @dataclass(frozen=True)
@@ -233,23 +234,30 @@ class NormSwiGLUResidual(torch.autograd.Function):
         be = ctx.cfg.backend
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
+        lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
             da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
                                                         rstd=rstd, inv_scale=grad_inv_scale)
+        elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da
+            da = None
+            y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         elif ctx.e5m2:
             da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         else:
             da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
             amax = None
+        inv_g = inv_scale_from_amax(amax, E5M2_MAX) if ctx.e5m2 and grad_inv_scale is None else grad_inv_scale
         if w13q_t is not None:  # fp8_mlp_dgrad: B2 on e5m2 da x e4m3 W13^T
-            inv_g = inv_scale_from_amax(amax, E5M2_MAX) if grad_inv_scale is None else grad_inv_scale
             dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w13q_t, scale=dequant_scale(inv_g, s_w), zdz=zdz,
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
         dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
-        dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
+        if lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
+            dw13 = be.wgrad_fp8_e5m2(gradq=daq, grad_scale=inv_g.reciprocal(), inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
+        else:
+            dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
         dw1, dw3 = deinterleave_rows(dw13)
         sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
         return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,

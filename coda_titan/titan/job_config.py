@@ -35,7 +35,7 @@ class Coda:
         4096, "token rows per chunk of the LM head + cross-entropy: logits held at once = rows x vocab", low=1
     )
     precision: str = knob(
-        "bf16", "GEMM operands: `fp8` = e4m3 QKV and gate/up GEMMs with tensorwise scales (docs/fp8.md); "
+        "bf16", "GEMM operands: `fp8` = e4m3 / e5m2 with tensorwise scales (which GEMMs: docs/fp8.md); "
         "parameters and checkpoints stay bf16/fp32 either way",
         choices=("bf16", "fp8"),
     )
@@ -43,15 +43,14 @@ class Coda:
     fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
-    fp8_down_proj: bool = knob(True, "fp8: the down-projection (W2) forward on an fp8 mainloop, F2 writing e4m3 y "
-                                     "with a delayed scale (measured faster, loss inside float8's repeats; docs/fp8.md)")
-    fp8_out_proj: bool = knob(True, "fp8: the out-projection (W_o) forward on an fp8 mainloop, its input cast to "
-                                    "e4m3 with a delayed scale (with fp8_down_proj: measured faster; docs/fp8.md)")
-    fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: the down-projection's dgrad (B3) on an fp8 GEMM, its "
-                                       "gradient cast to e5m2 with a current power-of-two scale (issue 19; measured "
-                                       "+0.9%; off until a 300-step parity run, docs/fp8.md)")
-    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (issue 19; "
-                                         "measured 1% slower, docs/fp8.md)")
+    fp8_mlp_wgrad_e5m2: bool = knob(False, "fp8 with fp8_mlp_dgrad and fp8_mlp_wgrad: dW13 reads B3's e5m2 da; "
+                                           "no bf16 da is written")
+    fp8_down_proj: bool = knob(True, "fp8: the W2 forward on fp8, F2 writing e4m3 y (delayed scale)")
+    fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
+    fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: B3's GEMM on fp8, its gradient cast to e5m2 (current "
+                                       "power-of-two scale); off: its parity run missed")
+    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (measured "
+                                         "1% slower)")
     trace_passes: bool = knob(True, "cute + compile: B1's pass and the weight / input gradient GEMMs traced into the "
                                     "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "

@@ -139,6 +139,28 @@ def swiglu_bwd_fp8(s: Setup):
         eager=lambda: quantize_e5m2(da.float(), inv_scale_from_amax(da.float().abs().amax(), E5M2_MAX)))
 
 
+def swiglu_bwd_e5m2(s: Setup):
+    """B3 writing only e5m2 da (``fp8_mlp_wgrad_e5m2``): coda_bf16 is the fp8 B3 it replaces
+    (``swiglu_bwd_fp8``, bf16 da too)."""
+    b3, _, _, inv_g = s.b3
+    return "swiglu_bwd_e5m2", "bwd", dict(
+        coda=lambda: s.be.swiglu_bwd_e5m2(**b3, inv_scale=inv_g), coda_bf16=lambda: s.be.swiglu_bwd_fp8(**b3, inv_scale=inv_g),
+        bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)])
+
+
+def wgrad_fp8_e5m2_w13(s: Setup):
+    """dW13 on B3's e5m2 da (``fp8_mlp_wgrad_e5m2``): its token-major copy and H's cast-and-transpose,
+    then cuBLAS fp8. coda_bf16 is the fp8 wgrad it replaces (``wgrad_fp8`` on the bf16 da)."""
+    b3, da, _, inv_g = s.b3
+    daq = s.be.swiglu_bwd_e5m2(**b3, inv_scale=inv_g)[2]
+    amax_da, amax_h = da.float().abs().amax(), s.h.float().abs().amax()
+    daq_t, h8_t, one = daq.t().contiguous(), s.h8[0].t().contiguous(), _one()
+    return "wgrad_fp8_e5m2_w13", "bwd", dict(
+        coda=lambda: s.be.wgrad_fp8_e5m2(gradq=daq, grad_scale=1 / inv_g, inp=s.h, inp_amax=amax_h, out_dtype=BF),
+        coda_bf16=lambda: s.be.wgrad_fp8(grad=da, grad_amax=amax_da, inp=s.h, inp_amax=amax_h, out_dtype=BF),
+        bare_gemm=[lambda: torch._scaled_mm(daq_t, h8_t.t(), scale_a=one, scale_b=one, out_dtype=BF)])
+
+
 def norm_residual_bwd_fp8_w13(s: Setup):
     """The MLP's dgrad B2 on e5m2 da x e4m3 W13^T (``fp8_mlp_dgrad``)."""
     b3, da, zdz, inv_g = s.b3
@@ -178,4 +200,4 @@ def quantize_tensorwise(s: Setup):
 
 
 PROGRAMS = (residual_rms_fp8, residual_rms_q_w2, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
-            norm_residual_bwd_fp8_w13, wgrad_fp8_w13, quantize_tensorwise)
+            norm_residual_bwd_fp8_w13, wgrad_fp8_w13, swiglu_bwd_e5m2, wgrad_fp8_e5m2_w13, quantize_tensorwise)

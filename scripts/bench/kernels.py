@@ -33,8 +33,9 @@ def measure(op: str, direction: str, fns: dict, d: int, precision: str) -> dict:
     row["first_call_s"] = round(time.perf_counter() - t0, 1)
     gemms = [bench(g) for g in fns["bare_gemm"]]
     row["ms"]["bare_gemm"] = sum(gemms) if gemms else None
-    row["ms"]["eager"] = try_bench(fns["eager"])
-    row["ms"]["torch_compile"] = try_bench(torch.compile(fns["eager"], dynamic=False))
+    eager = fns.get("eager")  # (none for a program that replaces another CODA program: coda_bf16 is that one)
+    row["ms"]["eager"] = try_bench(eager) if eager else None
+    row["ms"]["torch_compile"] = try_bench(torch.compile(eager, dynamic=False)) if eager else None
     if "liger" not in fns:
         row["liger_note"], row["ms"]["liger"] = "Liger has no fused op for this program", None
     elif fns["liger"] is None:

@@ -56,5 +56,6 @@ TRACED = {
     "wgrad": gemm.wgrad_traced,
     "dgrad": gemm.dgrad_traced,
     "wgrad_fp8": gemm.wgrad_fp8_traced,
+    "wgrad_fp8_e5m2": gemm.wgrad_fp8_e5m2_traced,
     "quantize_delayed": gemm.quantize_delayed_traced,
 }

@@ -153,11 +153,10 @@ def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
-def _dswiglu_e5m2(c, rstd, dy, inv_scale):
-    """B3's epilogue outputs from dy (quack's ``dgated_rstd_preact_mod("swiglu")``) plus da as e5m2:
-    daq = sat(da * inv_scale) for the (gate, up) pair of each column, packed into the 16-bit ``daq``
-    buffer in da's interleaved order, and the per-row amax |da| for the history."""
-    g, u = unpack(c)
+def _dswiglu_e5m2(g, u, rstd, dy, inv_scale):
+    """B3's epilogue outputs from dy and the (gate, up) pre-activation pair (quack's
+    ``dgated_rstd_preact_mod("swiglu")``) plus da as e5m2: daq = sat(da * inv_scale) for the pair,
+    packed into the 16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da|."""
     gs, us = g * rstd, u * rstd
     dgs, dus, s = dswiglu(gs, us, dy)
     dg, du = dgs * rstd, dus * rstd
@@ -170,6 +169,21 @@ def _dswiglu_e5m2(c, rstd, dy, inv_scale):
     }
 
 
+def _bits_op(asm: str):
+    @dsl_user_op
+    def op(w: Float32, *, loc=None, ip=None) -> Float32:
+        return Float32(llvm.inline_asm(T.f32(), [Float32(w).ir_value(loc=loc, ip=ip)], asm, "=f,f",
+                                       has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
+    return op
+
+
+# The two bf16 halves of a 32-bit word, each as its exact f32 (its bits in the high half): the low
+# half is the even column of a bf16 pair read through a float32 view (W13's gate), the high the odd (up).
+_bf16_lo = _bits_op("shl.b32 $0, $1, 16;")
+_bf16_hi = _bits_op("and.b32 $0, $1, 0xFFFF0000;")
+
+
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
@@ -178,7 +192,7 @@ def _dswiglu_e5m2(c, rstd, dy, inv_scale):
 )
 def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
     """B3's epilogue (bf16 GEMM) that also writes da as e5m2 for B2's fp8 dgrad (``_dswiglu_e5m2``)."""
-    return _dswiglu_e5m2(c, rstd, acc, inv_scale)
+    return _dswiglu_e5m2(*unpack(c), rstd, acc, inv_scale)
 
 
 @gemm_epilogue(
@@ -190,4 +204,18 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
 def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
     """The same after an fp8 GEMM (``fp8_down_dgrad``): dy = scale * acc, with scale = s_D * s_W2 the
     dequantization of the e5m2 D and the e4m3 W2."""
-    return _dswiglu_e5m2(c, rstd, acc * scale, inv_scale)
+    return _dswiglu_e5m2(*unpack(c), rstd, acc * scale, inv_scale)
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
+    """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
+    element per (gate, up) pair, whose pre-activations come as one 32-bit word of C (a's float32
+    view), and no D (the call passes ``store_d=False``)."""
+    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, acc, inv_scale)
+    del out["D"]
+    return out

@@ -13,6 +13,7 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
                      operands only, and a weight gradient contracts over the tokens
+wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
-from ..scaling import E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
-from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported
+from ..scaling import E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
+from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
 
 
 def _mm(a, b, out_dtype):
@@ -107,13 +108,16 @@ def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):
     return gq.t().contiguous(), s_g, xq.t().contiguous(), s_x
 
 
+def _wgrad_shapes_unsupported(grad, inp, out_dtype) -> str | None:
+    if grad.shape[0] != inp.shape[0] or grad.shape[0] % 16 or grad.shape[1] % 16 or inp.shape[1] % 16:
+        return f"shapes {tuple(grad.shape)} / {tuple(inp.shape)} (need equal rows, all % 16)"
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"out dtype {out_dtype}"
+    return None
+
+
 def _wgrad_fp8_unsupported(grad, inp, out_dtype) -> str | None:
-    why = unsupported(grad, inp)
-    if why is None and (grad.shape[0] != inp.shape[0] or grad.shape[0] % 16 or grad.shape[1] % 16 or inp.shape[1] % 16):
-        why = f"shapes {tuple(grad.shape)} / {tuple(inp.shape)} (need equal rows, all % 16)"
-    if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        why = f"out dtype {out_dtype}"
-    return why
+    return unsupported(grad, inp) or _wgrad_shapes_unsupported(grad, inp, out_dtype)
 
 
 def _scaled_wgrad(gt, s_g, xt, s_x, out_dtype):
@@ -136,3 +140,32 @@ def wgrad_fp8_traced(*, grad, grad_amax, inp, inp_amax, out_dtype):
     if _wgrad_fp8_unsupported(grad, inp, out_dtype):
         return ref.wgrad_fp8_op(grad, grad_amax, inp, inp_amax, out_dtype)  # the op says why, once
     return _scaled_wgrad(*_wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax), out_dtype)
+
+
+def _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax):
+    xq, s_x = ref.wgrad_fp8_input(inp, inp_amax)
+    return gradq.t().contiguous(), xq.t().contiguous(), s_x
+
+
+def _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype) -> str | None:
+    return unsupported_fp8(gradq, dtypes=(E5M2,)) or unsupported(inp) or _wgrad_shapes_unsupported(gradq, inp, out_dtype)
+
+
+@torch.library.register_kernel("coda::wgrad_fp8_e5m2", "cuda")
+def _wgrad_fp8_e5m2(gradq, grad_scale, inp, inp_amax, out_dtype):
+    why = _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype)
+    if why:
+        return fallback(ref.wgrad_fp8_e5m2_op, why, gradq, grad_scale, inp, inp_amax, out_dtype)
+    fn = fused(f"wgrad_fp8_e5m2_operands_{inp_amax is None:d}", _wgrad_fp8_e5m2_operands_t)
+    with first_call("wgrad_fp8_e5m2", gradq, inp):
+        gt, xt, s_x = fn(gradq, inp, inp_amax)
+        return _scaled_wgrad(gt, grad_scale.float().reshape(()), xt, s_x, out_dtype)
+
+
+def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
+    """``coda::wgrad_fp8_e5m2`` as code a compiled caller traces (``TRACED``): the token-major copy of
+    the e5m2 gradient and the cast-and-transpose of the input fused by inductor, then cuBLAS's fp8 GEMM."""
+    if _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype):
+        return ref.wgrad_fp8_e5m2_op(gradq, grad_scale, inp, inp_amax, out_dtype)  # the op says why, once
+    gt, xt, s_x = _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax)
+    return _scaled_wgrad(gt, grad_scale.float().reshape(()), xt, s_x, out_dtype)

@@ -83,9 +83,13 @@ def test_stock_step_is_attributed_by_shape_and_order():
     assert gemm_matches([[T, D], [D, D]], WEIGHTS) >= {("wq", "fwd"), ("wo", "fwd"), ("wq", "dgrad")}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True, "sites"])
 def test_coda_step_is_attributed_by_program(fp8):
+    """(fp8 "sites": the programs of the current fp8 defaults, whose names carry more than ``_fp8``:
+    F1 on fp8 (``residual_rms_q[_fp8]``), F2 writing e4m3 y, B3 writing e5m2 da only, dW13 on it)"""
     s = "_fp8" if fp8 else ""
+    f1, f2, b3 = ("residual_rms_q_fp8", "norm_swiglu_q_fp8", "swiglu_bwd_e5m2") if fp8 == "sites" else (
+        f"residual_rms{s}", f"norm_swiglu{s}", f"swiglu_bwd{s}")
     tr = Trace()
     quack = "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_x"
     triton = "triton_poi_fused_rope_bwd_0"
@@ -97,17 +101,20 @@ def test_coda_step_is_attributed_by_program(fp8):
     for _ in range(2):
         prog(f"norm_rope{s}", [[T, D], [T, 1], [D + 2 * KV, D]], "qkv/fwd")
         tr.attention("fwd")
-        prog(f"residual_rms{s}", [[T, D], [D, D], [T, D], [D], []], "out/fwd")
-        prog(f"norm_swiglu{s}", [[T, D], [T, 1], [2 * FF, D]], "w13/fwd")
-        prog(f"residual_rms{s}", [[T, FF], [D, FF], [T, D], [D], []], "w2/fwd")
+        prog(f1, [[T, D], [D, D], [T, D], [D], []], "out/fwd")
+        prog(f2, [[T, D], [T, 1], [2 * FF, D]], "w13/fwd")
+        prog(f1.removesuffix("_fp8") if fp8 == "sites" else f1, [[T, FF], [D, FF], [T, D], [D], []], "w2/fwd")
     tr.op("coda::lm_head_ce", [[T, D], [T, 1], [T, D], [D], [V, D], [T]],
           [(quack, "lm_head/all"), ("triton_red_fused_ce_grad", "lm_head/all"), ("sm90_xmma_gemm", "lm_head/all")],
           parent="LMHeadCE")
     for _ in range(2):
-        prog(f"swiglu_bwd{s}", [[T, D], [D, FF], [T, 2 * FF], [T, 1]], "w2/dgrad", tid=2)
+        prog(b3, [[T, D], [D, FF], [T, 2 * FF], [T, 1]], "w2/dgrad", tid=2)
         prog(f"norm_residual_bwd{s}", [[T, 2 * FF], [2 * FF, D], [T, D], [D], [T, 1], [T, 1], [T, D]], "w13/dgrad", tid=2)
         tr.op("coda::wgrad", [[T, D], [T, FF], []], [("sm90_xmma_gemm", "w2/wgrad")], tid=2)
-        if fp8:
+        if fp8 == "sites":
+            tr.op("coda::wgrad_fp8_e5m2", [[T, 2 * FF], [], [T, D], [], []], [("transpose", "w13/wgrad"),
+                                                                                ("sm90_xmma_gemm_e5m2", "w13/wgrad")], tid=2)
+        elif fp8:
             tr.op("coda::wgrad_fp8", [[T, 2 * FF], [], [T, D], [], []], [("cast_transpose", "w13/wgrad"),
                                                                            ("sm90_xmma_gemm_e5m2", "w13/wgrad")], tid=2)
         else:

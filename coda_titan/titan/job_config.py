@@ -43,7 +43,7 @@ class Coda:
     fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
-    fp8_mlp_wgrad_e5m2: bool = knob(False, "fp8 with fp8_mlp_dgrad and fp8_mlp_wgrad: dW13 reads B3's e5m2 da; "
+    fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8 with fp8_mlp_dgrad and fp8_mlp_wgrad: dW13 reads B3's e5m2 da; "
                                            "no bf16 da is written")
     fp8_down_proj: bool = knob(True, "fp8: the W2 forward on fp8, F2 writing e4m3 y (delayed scale)")
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")

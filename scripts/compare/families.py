@@ -78,10 +78,19 @@ def gemm_matches(dims, weights: dict) -> set[tuple[str, str]]:
     return out
 
 
+def _program_base(program: str) -> str:
+    """A program's family name without its precision variants (``residual_rms_q_fp8``: F1 on an fp8
+    mainloop writing e4m3 H is F1; ``swiglu_bwd_e5m2``, ``wgrad_fp8_e5m2``, ...)."""
+    base = None
+    while base != program:
+        base, program = program, program.removesuffix("_fp8").removesuffix("_e5m2").removesuffix("_q")
+    return program
+
+
 def _coda_family(program: str, dims, weights: dict) -> tuple[str, str] | None:
     """The GEMM of a CODA program call, from its name and, where two families share the program,
     its first operands' shapes."""
-    base = program.removesuffix("_fp8")
+    base = _program_base(program)
     if base not in CODA_PROGRAMS:
         return None
     if CODA_PROGRAMS[base] is not None:
@@ -155,7 +164,7 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
             continue
         stack = stacks.get(k.get("args", {}).get("correlation"), [])
         coda = next((e for e in stack if e["name"].startswith("coda::")  # the outermost program
-                     and e["name"][6:].removesuffix("_fp8") in CODA_PROGRAMS), None)
+                     and _program_base(e["name"][6:]) in CODA_PROGRAMS), None)
         if coda is not None:
             fd = _coda_family(coda["name"][6:], coda.get("args", {}).get("Input Dims"), weights)
         else:

@@ -44,6 +44,8 @@
 #     downoutparity 300-step loss curves: float8 + compile, CODA fp8 compiled with both F1 input sites on fp8, and without
 #     e5m2wgrad    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad_e5m2 on / off (A/B)
 #     e5m2wgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_wgrad_e5m2, and without
+#     downwgrad    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_wgrad on / off (A/B)
+#     downwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_wgrad, and without
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -235,6 +237,15 @@ for phase in "$@"; do
       a=$(variant e5m2_da "fp8_mlp_wgrad_e5m2 = true") || exit 2
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${PARITY_STEPS:-300}" --tag fp8_mlp_wgrad_e5m2
+      ;;
+    downwgrad)
+      # dW2 on fp8 from B3's e4m3 y against the bf16 dW2
+      ab fp8_down_wgrad y_e4m3 y_bf16 fp8_down_wgrad
+      ;;
+    downwgradparity)
+      a=$(variant y_e4m3 "fp8_down_wgrad = true") || exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8_down_wgrad
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

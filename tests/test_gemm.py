@@ -112,6 +112,30 @@ def test_wgrad_fp8_e5m2_is_the_fp8_weight_gradient_of_a_given_e5m2_gradient():
             test_utils=("test_faketensor",))
 
 
+def test_wgrad_fp8_e4m3_is_the_fp8_weight_gradient_of_a_given_e4m3_input():
+    """``wgrad_fp8_e4m3`` (dW2 on B3's e4m3 y): the input's codes taken as they are times their
+    scale, the gradient cast as ``wgrad_fp8`` casts it; in fp64 the exact product of the decoded
+    operands."""
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e4m3
+
+    gen = torch.Generator().manual_seed(23)
+    m, n, k = 96, 32, 48
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * 1e-3
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
+    inv = torch.tensor(37.0, dtype=torch.float64)  # a delayed scale: not a power of two
+    xq = quantize_e4m3(x, inv)
+    dw = TORCH.wgrad_fp8_e4m3(grad=g, grad_amax=g.abs().amax(), inpq=xq, inp_scale=1 / inv, out_dtype=torch.float64)
+    s_g = 2.0 ** math.ceil(math.log2(g.abs().max().item() / E5M2_MAX))
+    gq = (g / s_g).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2).double() * s_g
+    assert dw.shape == (n, k) and rel(dw, torch.einsum("mn,mk->nk", gq, xq.double() / inv)) < 1e-12
+    assert 1e-4 < rel(dw, TORCH.wgrad(grad=g, inp=x, out_dtype=torch.float64)) < 0.2
+    assert torch.equal(dw, TORCH.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq, inp_scale=1 / inv, out_dtype=torch.float64))
+    with pytest.raises(TypeError, match="e4m3 input"):
+        TORCH.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=x, inp_scale=1 / inv, out_dtype=torch.float64)
+    opcheck(torch.ops.coda.wgrad_fp8_e4m3.default, (g.float(), None, xq.float().to(E4M3), (1 / inv).float(), torch.float32),
+            test_utils=("test_faketensor",))
+
+
 def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
     """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
     cast every other element identically: the power-of-two scale keeps each element's rounding its
@@ -293,6 +317,12 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     kw = dict(gradq=gq8, grad_scale=1 / inv, inp=x, inp_amax=None, out_dtype=bf)
     gemm_check("wgrad_fp8_e5m2", compiled("wgrad_fp8_e5m2")(**kw), cute.wgrad_fp8_e5m2(**kw),
                gq8.double().t() / inv.double(), xq.double() * s_x.double())
+    from coda_titan.kernels.scaling import quantize_e4m3
+    inv_x = 300 / x.float().abs().amax()
+    xq8 = quantize_e4m3(x.float(), inv_x)
+    kw = dict(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf)
+    gemm_check("wgrad_fp8_e4m3", compiled("wgrad_fp8_e4m3")(**kw), cute.wgrad_fp8_e4m3(**kw),
+               gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
 
     # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
     # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides

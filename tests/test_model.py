@@ -249,19 +249,22 @@ def test_cute_refused_without_gpu():
      ("torch", "sdpa", "fp8"), ("custom_ops", "fa4_op", "fp8"), ("custom_ops", "sdpa", "fp8_dgrad"),
      ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
-     ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2")],
+     ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
+     ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
-    # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both
+    # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
+    # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2")
+    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
-                fp8_down_proj=precision == "fp8_down", fp8_out_proj=precision == "fp8_down",
-                fp8_layer_wgrads=precision == "fp8_layer_wgrads", fp8_mlp_wgrad_e5m2=precision == "fp8_mlp_e5m2")
+                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad"), fp8_out_proj=precision == "fp8_down",
+                fp8_layer_wgrads=precision == "fp8_layer_wgrads",
+                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad"), fp8_down_wgrad=precision == "fp8_down_wgrad")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -316,7 +319,7 @@ def _models(**kw):
         fp8_mlp_dgrad=kw.get("fp8_mlp_dgrad", False), fp8_mlp_wgrad=kw.get("fp8_mlp_wgrad", False),
         fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
-        fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False),
+        fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -820,6 +823,43 @@ def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else
     for k in g_on.keys() - w13:
         assert torch.equal(g_on[k], g_off[k]), k
     for k in w13:
+        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+
+
+def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():
+    """``fp8_down_wgrad``: once the down-projection's input site has its delayed scale, B3 writes y as
+    e4m3 with it and dW2 is the fp8 weight gradient on those codes (``wgrad_fp8_e4m3``); the
+    calibration step keeps the bf16 y. Every other gradient is bit for bit the model's without it."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_down_proj=True)
+    bf16, off = _models(**kw)
+    _, on = _models(**kw, fp8_down_wgrad=True)
+    cfg = on.program_config()
+    calls = []
+
+    def spy(name):
+        fn = getattr(cfg.backend, name)
+        return lambda **k: calls.append((name, k.get("inv_y", k.get("inpq")) is not None)) or fn(**k)
+
+    names = ("swiglu_bwd_e5m2", "wgrad", "wgrad_fp8_e4m3")
+    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
+    on.program_config = lambda: cfg
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, steps = len(on.layers), []
+    for _ in range(2):
+        calls.clear()
+        for m in (bf16, off, on):
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+        steps.append(sorted(c for c in calls if c[0] != "wgrad" or c[1]))
+    assert steps[0] == [("swiglu_bwd_e5m2", False)] * n and ("wgrad_fp8_e4m3", True) not in steps[0], steps
+    assert steps[1] == sorted([("swiglu_bwd_e5m2", True), ("wgrad_fp8_e4m3", True)] * n), steps
+    g_off, g_on = _grads(off), _grads(on)
+    w2 = {k for k in g_on if k.endswith("feed_forward.w2.weight")}
+    assert len(w2) == n
+    for k in g_on.keys() - w2:
+        assert torch.equal(g_on[k], g_off[k]), k
+    for k in w2:
         assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
     _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 

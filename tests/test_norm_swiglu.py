@@ -69,7 +69,7 @@ def test_norm_swiglu_q_fp8_quantizes_the_fp8_f2s_y_from_its_compute_dtype():
 
 
 def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
-    from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.scaling import E4M3, E5M2, E5M2_MAX, quantize_e5m2
 
     gen = torch.Generator().manual_seed(14)
     m, d, f = 24, 32, 40
@@ -97,10 +97,17 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
         assert daq.float().abs().max() == E5M2_MAX and daq.float().isfinite().all()  # stale: saturates
     # gate and up columns stay interleaved: the e5m2 pairs follow da's (and W13's) row order
     assert ((daq.float()[:, 0::2] != 0) | (da64[:, 0::2] == 0)).all()
-    # swiglu_bwd_e5m2 (fp8_mlp_wgrad_e5m2): the same outputs less the bf16 da
+    # swiglu_bwd_e5m2 (fp8_mlp_wgrad_e5m2): the same outputs less the bf16 da; with inv_y
+    # (fp8_down_wgrad) y as e4m3 codes of the compute-dtype y (fp64 here: exact against the emulation)
+    y64 = torch.nn.functional.silu(zg) * zu
+    inv_y = torch.tensor(448 / 3.0, dtype=torch.float64) / y64.abs().amax()
     for inv in (None, inv_scale_from_amax(amax64 / 4, E5M2_MAX)):
         full, lean = TORCH.swiglu_bwd_fp8(**kw, inv_scale=inv), TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv)
         assert len(lean) == 4 and all(torch.equal(x.float(), y.float()) for x, y in zip(lean, full[1:]))
+        yq, *rest = TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv, inv_y=inv_y)
+        assert all(torch.equal(x.float(), y.float()) for x, y in zip(rest, lean[1:]))
+        assert yq.dtype == E4M3 and torch.equal(yq.float(), quantize_e4m3(y64, inv_y).float())
+        assert rel(yq.double() / inv_y, y64) < 0.05
 
 
 def _b3_q_operands(gen, m, d, f, device="cpu"):
@@ -163,9 +170,10 @@ def test_fp8_ops_schemas_and_fakes():
     opcheck(torch.ops.coda.norm_swiglu_q_fp8.default, (hq, rstd, wq, scale, torch.tensor(2.0), torch.bfloat16),
             test_utils=("test_faketensor",))
     for inv in (None, torch.tensor(2.0**10)):
+        b3 = (torch.randn(8, 16), torch.randn(16, 24) * 0.2, torch.randn(8, 48), torch.rand(8) + 0.5, inv)
         for op in (torch.ops.coda.swiglu_bwd_fp8, torch.ops.coda.swiglu_bwd_e5m2):
-            opcheck(op.default, (torch.randn(8, 16), torch.randn(16, 24) * 0.2, torch.randn(8, 48), torch.rand(8) + 0.5, inv),
-                    test_utils=("test_faketensor",))
+            opcheck(op.default, b3, test_utils=("test_faketensor",))
+        opcheck(torch.ops.coda.swiglu_bwd_e5m2.default, (*b3, torch.tensor(30.0)), test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
@@ -363,11 +371,14 @@ def test_cute_b3_writing_only_e5m2_da_is_the_b3_fp8_kernel_less_da():
     dzs_n * a_n whose order may differ between the two epilogue modes: two such sums are at most
     2 gamma_{2F} sum_n |dzs_n a_n| apart (gamma_n = n u, u = 2^-24), and sum |dzs_n a_n| =
     sum |da_n a_n| / r, times r in zdz, so the bound is 2 * 2F u sum |da_n a_n| (from the bf16 da,
-    which is within 2^-8 of the fp32 one: doubled again). Then dW13 on those codes
-    (``wgrad_fp8_e5m2``) against fp64 on the same codes, the bound of ``wgrad_fp8`` above."""
+    which is within 2^-8 of the fp32 one: doubled again). With inv_y, y as e4m3 (bound below), then
+    dW2 on it (``wgrad_fp8_e4m3``) and dW13 on the e5m2 codes (``wgrad_fp8_e5m2``) against fp64 on
+    the same codes, the bound of ``wgrad_fp8`` above."""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.gemm import wgrad_fp8_input
+    from coda_titan.kernels.gemm import wgrad_fp8_grad, wgrad_fp8_input
     from coda_titan.kernels.scaling import E5M2_MAX
+
+    from .helpers import assert_codes_within
 
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
     cute = get_backend("cute")
@@ -389,7 +400,26 @@ def test_cute_b3_writing_only_e5m2_da_is_the_b3_fp8_kernel_less_da():
     worst = ((zdz2 - zdz).abs() / bound).max().item()
     log_bound("swiglu_bwd_e5m2 zdz vs swiglu_bwd_fp8 (worst |diff| / bound)", err=worst, bound=1.0)
     assert worst <= 1.0
+    # fp8_down_wgrad: y as e4m3 (inv_y), every other output the same bits. The kernel rounds its fp32 y
+    # once; the bf16 y above is that y within half a bf16 step (2^-9 |y|), so the codes of the bf16 y are
+    # at most one e4m3 step plus 2^-9 |y| inv_y (doubled for the bf16 y's own size) from the kernel's
+    inv_y = 400 / y.float().abs().amax()
+    yq, zdz3, daq3, amax3 = cute.swiglu_bwd_e5m2(**b3, inv_scale=inv_g, inv_y=inv_y)
+    assert yq.dtype == torch.float8_e4m3fn and yq.shape == y.shape
+    assert torch.equal(daq3.view(torch.uint8), daq2.view(torch.uint8)) and torch.equal(zdz3, zdz2) and amax3 == amax2
+    want = quantize_e4m3(y.float(), inv_y).double()
+    got = yq.double()
+    assert_codes_within("swiglu_bwd_e5m2 e4m3 y", got, want, e4m3_step(torch.maximum(got.abs(), want.abs())),
+                        2.0**-8 * y.double().abs() * inv_y.double())
     x = torch.randn(m, d, generator=gen, device="cuda").to(BF)
+    dres = torch.randn(m, d, generator=gen, device="cuda").to(BF) * 1e-2
+    for out_dtype in (torch.float32, BF):  # dW2 on those codes: the wgrad bound below
+        dw2 = cute.wgrad_fp8_e4m3(grad=dres, grad_amax=None, inpq=yq, inp_scale=1 / inv_y, out_dtype=out_dtype)
+        gq, s_g = wgrad_fp8_grad(dres, None)
+        exact2 = (gq.double().t() * s_g.double()) @ (yq.double() / inv_y.double())
+        err, bound = rel(dw2, exact2), 2.0**-13 * math.sqrt(m / 32) + (2.0**-8 if out_dtype == BF else 0.0)
+        log_bound(f"wgrad_fp8_e4m3 {out_dtype}", err=err, bound=bound)
+        assert dw2.shape == (d, ff) and err <= bound
     xq, s_x = wgrad_fp8_input(x, None)
     exact = (daq2.double().t() / inv_g.double()) @ (xq.double() * s_x.double())
     for out_dtype in (torch.float32, BF):

@@ -76,6 +76,7 @@ class Backend:
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     wgrad_fp8: Callable
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
+    wgrad_fp8_e4m3: Callable  # dW2 on B3's e4m3 y (fp8_down_wgrad)
 
 
 PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
@@ -83,7 +84,7 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
 TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
-                               "quantize_delayed")
+                               "wgrad_fp8_e4m3", "quantize_delayed")
 
 TORCH = Backend(
     name="torch",
@@ -117,6 +118,7 @@ TORCH = Backend(
     quantize_grad=gemm.quantize_grad,
     wgrad_fp8=gemm.wgrad_fp8,
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
+    wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3,
 )
 
 
@@ -156,6 +158,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         quantize_grad=gemm.quantize_grad_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
+        wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3_op,
     )
     if set(traced or ()) - set(TRACEABLE):
         raise ValueError(f"only {TRACEABLE} can be traced, not {sorted(set(traced) - set(TRACEABLE))}")

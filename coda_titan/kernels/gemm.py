@@ -22,6 +22,8 @@ FP8 (precision = "fp8"):
     wgrad_fp8_e5m2       the same with the gradient already e5m2 (B3's da, written by its epilogue
                          with the gradient site's delayed scale; ``grad_scale`` = 1 / inv dequantizes
                          it): no cast of the gradient, only its token-major copy.
+    wgrad_fp8_e4m3       the same with the input already e4m3 (B3's y, with the down-projection input
+                         site's delayed scale; ``inp_scale`` = 1 / inv) and the gradient cast.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def wgrad_fp8(
     return ((gq.to(ct).t() @ xq.to(ct)) * (s_g * s_x).to(ct)).to(out_dtype)
 
 
+def wgrad_fp8_grad(grad: torch.Tensor, grad_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gq, s_g): a weight gradient's gradient operand as e5m2 with the current power-of-two scale of
+    its amax (``wgrad_fp8_operands``' first half)."""
+    return _pow2_cast(grad.to(compute_dtype(grad.dtype)), grad_amax, quantize_e5m2, E5M2_MAX)
+
+
 def wgrad_fp8_input(inp: torch.Tensor, inp_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq, s_x): a weight gradient's input as e4m3 with the current power-of-two scale of its amax
     (``wgrad_fp8_operands``' second half)."""
@@ -153,6 +161,19 @@ def wgrad_fp8_e5m2(
     ct = compute_dtype(out_dtype)
     xq, s_x = wgrad_fp8_input(inp, inp_amax)
     return ((gradq.to(ct).t() @ xq.to(ct)) * (grad_scale.to(ct) * s_x.to(ct))).to(out_dtype)
+
+
+def wgrad_fp8_e4m3(
+    *, grad: torch.Tensor, grad_amax: torch.Tensor | None, inpq: torch.Tensor, inp_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dW = grad^T @ (inp_scale * inpq): ``wgrad_fp8`` on an e4m3 input given with its scale."""
+    _check_rows(grad, inpq)
+    if inpq.dtype != E4M3:
+        raise TypeError(f"wgrad_fp8_e4m3 takes an e4m3 input, got {inpq.dtype}")
+    ct = compute_dtype(out_dtype)
+    gq, s_g = wgrad_fp8_grad(grad, grad_amax)
+    return ((gq.to(ct).t() @ inpq.to(ct)) * (s_g.to(ct) * inp_scale.to(ct))).to(out_dtype)
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -263,3 +284,16 @@ def wgrad_fp8_e5m2_op(
 @wgrad_fp8_e5m2_op.register_fake
 def _(gradq, grad_scale, inp, inp_amax, out_dtype):
     return inp.new_empty((gradq.shape[1], inp.shape[1]), dtype=out_dtype)
+
+
+@program_op("wgrad_fp8_e4m3")
+def wgrad_fp8_e4m3_op(
+    grad: torch.Tensor, grad_amax: Optional[torch.Tensor], inpq: torch.Tensor, inp_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return wgrad_fp8_e4m3(grad=grad, grad_amax=grad_amax, inpq=inpq, inp_scale=inp_scale, out_dtype=out_dtype)
+
+
+@wgrad_fp8_e4m3_op.register_fake
+def _(grad, grad_amax, inpq, inp_scale, out_dtype):
+    return grad.new_empty((grad.shape[1], inpq.shape[1]), dtype=out_dtype)

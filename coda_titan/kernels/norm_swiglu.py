@@ -34,7 +34,8 @@ FP8 (precision = "fp8"):
                      amax.
     swiglu_bwd_e5m2  ``swiglu_bwd_fp8`` without the bf16 da: when both of da's consumers read the e5m2
                      copy (B2's fp8 dgrad and dW13 by ``gemm.wgrad_fp8_e5m2``), nothing reads da
-                     itself, and not writing it saves a 2-byte store per element of (M, 2F)
+                     itself, and not writing it saves a 2-byte store per element of (M, 2F); with
+                     ``inv_y`` its y is e4m3 too, for dW2 on fp8 (``gemm.wgrad_fp8_e4m3``)
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
@@ -131,11 +132,16 @@ def swiglu_bwd_fp8(
 
 
 def swiglu_bwd_e5m2(
-    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None,
+    inv_y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, zdz, daq, amax): ``swiglu_bwd_fp8`` less its bf16 da."""
-    _, y, zdz, daq, amax = swiglu_bwd_fp8(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
-    return y, zdz, daq, amax
+    """(y, zdz, daq, amax): ``swiglu_bwd_fp8`` less its bf16 da. With ``inv_y`` (``fp8_down_wgrad``)
+    y comes as e4m3, sat(y * inv_y) from the compute-dtype y: dW2's fp8 operand, with the scale of
+    the down-projection's input site (the forward quantized the same y with it)."""
+    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
 
 
 def swiglu_bwd_q_fp8(
@@ -227,14 +233,16 @@ def _(dout, w_down, a, rstd, inv_scale):
 
 @program_op("swiglu_bwd_e5m2")
 def swiglu_bwd_e5m2_op(
-    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor],
+    inv_y: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+    return swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y)
 
 
 @swiglu_bwd_e5m2_op.register_fake
-def _(dout, w_down, a, rstd, inv_scale):
-    return swiglu_bwd_fp8_op(dout, w_down, a, rstd, inv_scale)[1:]
+def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
+    y, *rest = swiglu_bwd_fp8_op(dout, w_down, a, rstd, inv_scale)[1:]
+    return (y if inv_y is None else y.new_empty(y.shape, dtype=E4M3)), *rest
 
 
 @program_op("swiglu_bwd_q_fp8")

@@ -40,6 +40,7 @@ class ProgramConfig:
     ce_chunk_rows: int
     fp8_wgrads: bool = False  # dW_qkv, dW_o and dW2 on fp8 (``fp8_layer_wgrads``, precision fp8)
     fp8_da_wgrad: bool = False  # dW13 on B3's e5m2 da, no bf16 da (``fp8_mlp_wgrad_e5m2``)
+    fp8_y_wgrad: bool = False  # with it and the down site calibrated: dW2 on B3's e4m3 y (``fp8_down_wgrad``)
 
 
 @dataclass(frozen=True)
@@ -223,14 +224,15 @@ class NormSwiGLUResidual(torch.autograd.Function):
                    fp8.down if fp8 is not None else None, y_amax)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
-        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2) if ctx.e5m2 else (None,) * 6
+        inv_y = fp8.down.inv if ctx.e5m2 and cfg.fp8_y_wgrad and fp8.down is not None else None
+        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2, inv_y) if ctx.e5m2 else (None,) * 7
         ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
         ctx.cfg = cfg
         return outs
 
     @staticmethod
     def backward(ctx, dx_out, *_):
-        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2 = ctx.saved_tensors
+        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y = ctx.saved_tensors
         be = ctx.cfg.backend
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
@@ -239,9 +241,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dq, s_d = be.quantize_grad(t=dx_out)
             da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
                                                         rstd=rstd, inv_scale=grad_inv_scale)
-        elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da
+        elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da (and y as e4m3 with inv_y)
             da = None
-            y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
+            y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale,
+                                                   inv_y=inv_y)
         elif ctx.e5m2:
             da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         else:
@@ -253,7 +256,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
+        if lean and inv_y is not None:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote
+            dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y, inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
+        else:
+            dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         if lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
             dw13 = be.wgrad_fp8_e5m2(gradq=daq, grad_scale=inv_g.reciprocal(), inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
         else:

@@ -57,5 +57,6 @@ TRACED = {
     "dgrad": gemm.dgrad_traced,
     "wgrad_fp8": gemm.wgrad_fp8_traced,
     "wgrad_fp8_e5m2": gemm.wgrad_fp8_e5m2_traced,
+    "wgrad_fp8_e4m3": gemm.wgrad_fp8_e4m3_traced,
     "quantize_delayed": gemm.quantize_delayed_traced,
 }

@@ -207,6 +207,13 @@ def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
     return _dswiglu_e5m2(*unpack(c), rstd, acc * scale, inv_scale)
 
 
+def _dswiglu_e5m2_words(c, rstd, dy, inv_scale):
+    """``_dswiglu_e5m2`` with the (gate, up) pair as one 32-bit word of C (a's float32 view), less D."""
+    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, dy, inv_scale)
+    del out["D"]
+    return out
+
+
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
@@ -216,6 +223,17 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
     element per (gate, up) pair, whose pre-activations come as one 32-bit word of C (a's float32
     view), and no D (the call passes ``store_d=False``)."""
-    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, acc, inv_scale)
-    del out["D"]
+    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale)
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_epi`` storing y as e4m3 (``fp8_down_wgrad``): postact = sat(y * inv_y)
+    from the fp32 y (an 8-bit output buffer; the f32 -> e4m3 store converts with saturation)."""
+    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale)
+    out["postact"] = out["postact"] * inv_y
     return out

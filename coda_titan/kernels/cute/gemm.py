@@ -14,6 +14,7 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
                      operands only, and a weight gradient contracts over the tokens
 wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
+wgrad_fp8_e4m3       the same on B3's e4m3 y: its token-major copy, the gradient's cast-and-transpose
 """
 
 from __future__ import annotations
@@ -169,3 +170,31 @@ def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
         return ref.wgrad_fp8_e5m2_op(gradq, grad_scale, inp, inp_amax, out_dtype)  # the op says why, once
     gt, xt, s_x = _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax)
     return _scaled_wgrad(gt, grad_scale.float().reshape(()), xt, s_x, out_dtype)
+
+
+def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq):
+    gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)
+    return gq.t().contiguous(), s_g, inpq.t().contiguous()
+
+
+def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:
+    return unsupported(grad) or unsupported_fp8(inpq) or _wgrad_shapes_unsupported(grad, inpq, out_dtype)
+
+
+@torch.library.register_kernel("coda::wgrad_fp8_e4m3", "cuda")
+def _wgrad_fp8_e4m3(grad, grad_amax, inpq, inp_scale, out_dtype):
+    why = _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype)
+    if why:
+        return fallback(ref.wgrad_fp8_e4m3_op, why, grad, grad_amax, inpq, inp_scale, out_dtype)
+    fn = fused(f"wgrad_fp8_e4m3_operands_{grad_amax is None:d}", _wgrad_fp8_e4m3_operands_t)
+    with first_call("wgrad_fp8_e4m3", grad, inpq):
+        gt, s_g, xt = fn(grad, grad_amax, inpq)
+        return _scaled_wgrad(gt, s_g, xt, inp_scale.float().reshape(()), out_dtype)
+
+
+def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
+    """``coda::wgrad_fp8_e4m3`` as code a compiled caller traces (``TRACED``)."""
+    if _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype):
+        return ref.wgrad_fp8_e4m3_op(grad, grad_amax, inpq, inp_scale, out_dtype)  # the op says why, once
+    gt, s_g, xt = _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq)
+    return _scaled_wgrad(gt, s_g, xt, inp_scale.float().reshape(()), out_dtype)

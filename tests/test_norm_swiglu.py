@@ -104,6 +104,10 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
     for inv in (None, inv_scale_from_amax(amax64 / 4, E5M2_MAX)):
         full, lean = TORCH.swiglu_bwd_fp8(**kw, inv_scale=inv), TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv)
         assert len(lean) == 4 and all(torch.equal(x.float(), y.float()) for x, y in zip(lean, full[1:]))
+        y_t, zdz_t, daq_n, daq_t, amax_t = TORCH.swiglu_bwd_e5m2_t(**kw, inv_scale=inv)
+        assert all(torch.equal(x.float(), y.float()) for x, y in zip((y_t, zdz_t, daq_n, amax_t), lean))
+        assert daq_t.shape == (2 * f, m) and daq_t.is_contiguous() and daq_t.dtype == lean[2].dtype
+        assert torch.equal(daq_t.float(), torch.cat([lean[2][:, 0::2].t(), lean[2][:, 1::2].t()]).float())
         yq, *rest = TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv, inv_y=inv_y)
         assert all(torch.equal(x.float(), y.float()) for x, y in zip(rest, lean[1:]))
         assert yq.dtype == E4M3 and torch.equal(yq.float(), quantize_e4m3(y64, inv_y).float())
@@ -174,6 +178,7 @@ def test_fp8_ops_schemas_and_fakes():
         for op in (torch.ops.coda.swiglu_bwd_fp8, torch.ops.coda.swiglu_bwd_e5m2):
             opcheck(op.default, b3, test_utils=("test_faketensor",))
         opcheck(torch.ops.coda.swiglu_bwd_e5m2.default, (*b3, torch.tensor(30.0)), test_utils=("test_faketensor",))
+        opcheck(torch.ops.coda.swiglu_bwd_e5m2_t.default, b3, test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
@@ -428,6 +433,48 @@ def test_cute_b3_writing_only_e5m2_da_is_the_b3_fp8_kernel_less_da():
         err, bound = rel(dw, exact), 2.0**-13 * math.sqrt(m / 32) + (2.0**-8 if out_dtype == BF else 0.0)
         log_bound(f"wgrad_fp8_e5m2 {out_dtype}", err=err, bound=bound)
         assert err <= bound
+
+
+@pytest.mark.gpu
+def test_cute_b3_writing_e5m2_da_transposed_too():
+    """``swiglu_bwd_e5m2_t``: B3 also stores da's gate and up halves through M-major 8-bit outputs.
+    The values stored are the fp32 values whose codes ``daq`` holds, converted by the same
+    saturating round-to-nearest, so daq_t must be exactly the (de-interleaved) transpose of daq, and
+    every other output the bits of ``swiglu_bwd_e5m2``. dW1 and dW3 from daq_t's halves (no copy
+    pass) are fp8 GEMMs on the same codes as ``wgrad_fp8_e5m2`` on daq, with cuBLAS free to pick
+    another kernel for the other shape: each within the fp8 GEMM's bound of the exact product (the
+    wgrad test above), so within twice that of each other."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels._common import deinterleave_rows
+    from coda_titan.kernels.scaling import E5M2_MAX
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    m, d, ff = 4096, 2048, 8192
+    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
+    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
+    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    amax0 = cute.swiglu_bwd_e5m2(**b3, inv_scale=torch.tensor(1.0, device="cuda"))[3]
+    inv_g = inv_scale_from_amax(amax0 / 2, E5M2_MAX)  # a stale amax: the top saturates
+    y, zdz, daq, amax = cute.swiglu_bwd_e5m2(**b3, inv_scale=inv_g)
+    y2, zdz2, daq2, daq_t, amax2 = cute.swiglu_bwd_e5m2_t(**b3, inv_scale=inv_g)
+    assert torch.equal(y2, y) and torch.equal(zdz2, zdz) and amax2 == amax
+    assert torch.equal(daq2.view(torch.uint8), daq.view(torch.uint8))
+    want = torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous()
+    apart = (daq_t.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+    log_bound("swiglu_bwd_e5m2_t da^T codes apart from daq's transpose", err=apart, bound=0.0)
+    assert apart == 0.0
+    x = torch.randn(m, d, generator=gen, device="cuda").to(BF)
+    wkw = dict(grad_scale=1 / inv_g, inp=x, inp_amax=None, out_dtype=BF)
+    dw1, dw3 = deinterleave_rows(cute.wgrad_fp8_e5m2(gradq=daq, **wkw))
+    halves = [cute.wgrad_fp8_e5m2(gradq=t.t(), **wkw) for t in daq_t.split(ff)]
+    bound = 2 * (2.0**-13 * math.sqrt(m / 32) + 2.0**-8)
+    for got, want in zip(halves, (dw1, dw3)):
+        log_bound("wgrad_fp8_e5m2 on da^T halves vs on da", err=rel(got, want), bound=bound)
+        assert got.shape == want.shape and rel(got, want) <= bound
 
 
 @pytest.mark.gpu

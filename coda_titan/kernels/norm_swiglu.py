@@ -36,6 +36,10 @@ FP8 (precision = "fp8"):
                      copy (B2's fp8 dgrad and dW13 by ``gemm.wgrad_fp8_e5m2``), nothing reads da
                      itself, and not writing it saves a 2-byte store per element of (M, 2F); with
                      ``inv_y`` its y is e4m3 too, for dW2 on fp8 (``gemm.wgrad_fp8_e4m3``)
+    swiglu_bwd_e5m2_t ``swiglu_bwd_e5m2`` that also writes the e5m2 da transposed, token-major and
+                     de-interleaved, daq_t (2F, M) = [gate columns; up columns]^T: dW13's fp8 operand
+                     as cuBLAS reads it (K-major along the tokens), so dW13 = daq_t @ H needs no
+                     copy pass and comes out as [dW1; dW3]
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
@@ -144,6 +148,14 @@ def swiglu_bwd_e5m2(
     return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
 
 
+def swiglu_bwd_e5m2_t(
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, zdz, daq, daq_t, amax): ``swiglu_bwd_e5m2`` plus daq's gate and up columns transposed."""
+    y, zdz, daq, amax = swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+    return y, zdz, daq, torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous(), amax
+
+
 def swiglu_bwd_q_fp8(
     *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
     inv_scale: torch.Tensor | None,
@@ -243,6 +255,19 @@ def swiglu_bwd_e5m2_op(
 def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
     y, *rest = swiglu_bwd_fp8_op(dout, w_down, a, rstd, inv_scale)[1:]
     return (y if inv_y is None else y.new_empty(y.shape, dtype=E4M3)), *rest
+
+
+@program_op("swiglu_bwd_e5m2_t")
+def swiglu_bwd_e5m2_t_op(
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_e5m2_t(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+
+
+@swiglu_bwd_e5m2_t_op.register_fake
+def _(dout, w_down, a, rstd, inv_scale):
+    y, zdz, daq, amax = swiglu_bwd_e5m2_op(dout, w_down, a, rstd, inv_scale)
+    return y, zdz, daq, daq.new_empty((daq.shape[1], daq.shape[0])), amax
 
 
 @program_op("swiglu_bwd_q_fp8")

@@ -161,6 +161,32 @@ def wgrad_fp8_e5m2_w13(s: Setup):
         bare_gemm=[lambda: torch._scaled_mm(daq_t, h8_t.t(), scale_a=one, scale_b=one, out_dtype=BF)])
 
 
+def swiglu_bwd_e5m2_t(s: Setup):
+    """B3 also storing da transposed (M-major 8-bit outputs; not yet in the model): coda_bf16 is the
+    B3 it would replace (``swiglu_bwd_e5m2``)."""
+    b3, _, _, inv_g = s.b3
+    return "swiglu_bwd_e5m2_t", "bwd", dict(
+        coda=lambda: s.be.swiglu_bwd_e5m2_t(**b3, inv_scale=inv_g), coda_bf16=lambda: s.be.swiglu_bwd_e5m2(**b3, inv_scale=inv_g),
+        bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)])
+
+
+def b3_and_dw13_t(s: Setup):
+    """B3 + dW13 with da^T from B3's epilogue (two fp8 GEMMs on its halves, no copy pass), against
+    B3 + dW13 as the model runs them (``swiglu_bwd_e5m2`` + ``wgrad_fp8_e5m2``, one copy pass)."""
+    b3, _, _, inv_g = s.b3
+    amax_h, scale = s.h.float().abs().amax(), 1 / inv_g
+    w = dict(grad_scale=scale, inp=s.h, inp_amax=amax_h, out_dtype=BF)
+
+    def with_t():
+        daq_t = s.be.swiglu_bwd_e5m2_t(**b3, inv_scale=inv_g)[3]
+        return [s.be.wgrad_fp8_e5m2(gradq=t.t(), **w) for t in daq_t.chunk(2)]
+
+    def as_now():
+        return s.be.wgrad_fp8_e5m2(gradq=s.be.swiglu_bwd_e5m2(**b3, inv_scale=inv_g)[2], **w)
+
+    return "b3_and_dw13_t", "bwd", dict(coda=with_t, coda_bf16=as_now, bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)])
+
+
 def norm_residual_bwd_fp8_w13(s: Setup):
     """The MLP's dgrad B2 on e5m2 da x e4m3 W13^T (``fp8_mlp_dgrad``)."""
     b3, da, zdz, inv_g = s.b3
@@ -200,4 +226,5 @@ def quantize_tensorwise(s: Setup):
 
 
 PROGRAMS = (residual_rms_fp8, residual_rms_q_w2, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
-            norm_residual_bwd_fp8_w13, wgrad_fp8_w13, swiglu_bwd_e5m2, wgrad_fp8_e5m2_w13, quantize_tensorwise)
+            norm_residual_bwd_fp8_w13, wgrad_fp8_w13, swiglu_bwd_e5m2, wgrad_fp8_e5m2_w13, swiglu_bwd_e5m2_t,
+            b3_and_dw13_t, quantize_tensorwise)

@@ -153,20 +153,23 @@ def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
-def _dswiglu_e5m2(g, u, rstd, dy, inv_scale):
+def _dswiglu_e5m2(g, u, rstd, dy, inv_scale, transposed=False):
     """B3's epilogue outputs from dy and the (gate, up) pre-activation pair (quack's
     ``dgated_rstd_preact_mod("swiglu")``) plus da as e5m2: daq = sat(da * inv_scale) for the pair,
     packed into the 16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da|."""
     gs, us = g * rstd, u * rstd
     dgs, dus, s = dswiglu(gs, us, dy)
     dg, du = dgs * rstd, dus * rstd
-    return {
+    out = {
         "D": pack(dg, du),
         "postact": s,
         "dsum": dgs * g + dus * u,
         "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
         "amax": cute.arch.fmax(dg, du, abs=True),
     }
+    if transposed:  # the same scaled values, stored by 8-bit outputs of their own (``dagt``, ``daut``)
+        out["dagt"], out["daut"] = dg * inv_scale, du * inv_scale
+    return out
 
 
 def _bits_op(asm: str):
@@ -207,9 +210,9 @@ def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
     return _dswiglu_e5m2(*unpack(c), rstd, acc * scale, inv_scale)
 
 
-def _dswiglu_e5m2_words(c, rstd, dy, inv_scale):
+def _dswiglu_e5m2_words(c, rstd, dy, inv_scale, transposed=False):
     """``_dswiglu_e5m2`` with the (gate, up) pair as one 32-bit word of C (a's float32 view), less D."""
-    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, dy, inv_scale)
+    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, dy, inv_scale, transposed)
     del out["D"]
     return out
 
@@ -237,3 +240,16 @@ def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
     out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale)
     out["postact"] = out["postact"] * inv_y
     return out
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq", "dagt", "daut"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
+    """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
+    M-major (transposed) 8-bit outputs ``dagt`` / ``daut`` (``swiglu_bwd_e5m2_t``): quack's ``TileStore``
+    with an M-major 8-bit tensor, the universal register-to-shared copy and a TMA store of the
+    transposed tile."""
+    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)

@@ -149,7 +149,10 @@ def _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax):
 
 
 def _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype) -> str | None:
-    return unsupported_fp8(gradq, dtypes=(E5M2,)) or unsupported(inp) or _wgrad_shapes_unsupported(gradq, inp, out_dtype)
+    """(gradq may also be the transposed view of a token-major gradient, as ``swiglu_bwd_e5m2_t`` writes
+    it: its token-major copy is then that tensor itself)"""
+    why = unsupported_fp8(gradq if gradq.is_contiguous() else gradq.t(), dtypes=(E5M2,))
+    return why or unsupported(inp) or _wgrad_shapes_unsupported(gradq, inp, out_dtype)
 
 
 @torch.library.register_kernel("coda::wgrad_fp8_e5m2", "cuda")

@@ -46,6 +46,7 @@
 #     e5m2wgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_wgrad_e5m2, and without
 #     downwgrad    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_wgrad on / off (A/B)
 #     downwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_wgrad, and without
+#     dat          float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_da_t on / off (A/B)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -246,6 +247,10 @@ for phase in "$@"; do
       a=$(variant y_e4m3 "fp8_down_wgrad = true") || exit 2
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${PARITY_STEPS:-300}" --tag fp8_down_wgrad
+      ;;
+    dat)
+      # dW13 on the da^T B3 writes itself (M-major e5m2 stores) against dW13 on its copy pass
+      ab fp8_mlp_da_t da_t da_copy fp8_mlp_da_t
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

@@ -250,7 +250,7 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
-     ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad")],
+     ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj
@@ -259,12 +259,13 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad")
+    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
                 fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad"), fp8_out_proj=precision == "fp8_down",
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
-                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad"), fp8_down_wgrad=precision == "fp8_down_wgrad")
+                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t"),
+                fp8_down_wgrad=precision == "fp8_down_wgrad", fp8_mlp_da_t=precision == "fp8_mlp_da_t")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -320,6 +321,7 @@ def _models(**kw):
         fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
         fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
+        fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -825,6 +827,34 @@ def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else
     for k in w13:
         assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
     _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+
+
+def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else():
+    """``fp8_mlp_da_t``: B3 also writes da^T (``swiglu_bwd_e5m2_t``) and dW13 is one fp8 GEMM on it,
+    whose rows come as [dW1; dW3]: the same codes, scales and products as without it, so every
+    gradient matches the model without the option (dW1, dW3 up to the summation order of a GEMM of
+    another layout, 1e-6 relative; the rest bit for bit)."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True)
+    _, off = _models(**kw)
+    _, on = _models(**kw, fp8_mlp_da_t=True)
+    cfg = on.program_config()
+    calls = []
+    fn = cfg.backend.swiglu_bwd_e5m2_t
+    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(
+        cfg.backend, swiglu_bwd_e5m2_t=lambda **k: calls.append(1) or fn(**k)))
+    on.program_config = lambda: cfg
+    tokens, labels = _batch(on.model_args.vocab_size)
+    for _ in range(2):
+        for m in (off, on):
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+    assert len(calls) == 2 * len(on.layers)
+    g_off, g_on = _grads(off), _grads(on)
+    for k in g_on:
+        if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight")):
+            assert rel(g_on[k], g_off[k]) < 1e-6, k
+        else:
+            assert torch.equal(g_on[k], g_off[k]), k
 
 
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():

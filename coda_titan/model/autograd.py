@@ -41,6 +41,7 @@ class ProgramConfig:
     fp8_wgrads: bool = False  # dW_qkv, dW_o and dW2 on fp8 (``fp8_layer_wgrads``, precision fp8)
     fp8_da_wgrad: bool = False  # dW13 on B3's e5m2 da, no bf16 da (``fp8_mlp_wgrad_e5m2``)
     fp8_y_wgrad: bool = False  # with it and the down site calibrated: dW2 on B3's e4m3 y (``fp8_down_wgrad``)
+    fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
 
 
 @dataclass(frozen=True)
@@ -237,10 +238,15 @@ class NormSwiGLUResidual(torch.autograd.Function):
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
+        daq_t = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
             da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
                                                         rstd=rstd, inv_scale=grad_inv_scale)
+        elif lean and ctx.cfg.fp8_da_t and inv_y is None:  # and da^T, dW13's operand as cuBLAS reads it
+            da = None
+            y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t(dout=dx_out, w_down=w2, a=a, rstd=rstd,
+                                                            inv_scale=grad_inv_scale)
         elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da (and y as e4m3 with inv_y)
             da = None
             y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale,
@@ -261,10 +267,11 @@ class NormSwiGLUResidual(torch.autograd.Function):
         else:
             dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         if lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
-            dw13 = be.wgrad_fp8_e5m2(gradq=daq, grad_scale=inv_g.reciprocal(), inp=h, inp_amax=h_amax, out_dtype=w13.dtype)
+            dw13 = be.wgrad_fp8_e5m2(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inp=h,
+                                     inp_amax=h_amax, out_dtype=w13.dtype)
         else:
             dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
-        dw1, dw3 = deinterleave_rows(dw13)
+        dw1, dw3 = deinterleave_rows(dw13) if daq_t is None else dw13.chunk(2)  # (da^T: [gate; up] rows)
         sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
         return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,
                       grad_sink=sink)

@@ -73,7 +73,7 @@ class Backend:
     swiglu_bwd_fp8: Callable
     swiglu_bwd_q_fp8: Callable  # B3 on an fp8 GEMM (fp8_down_dgrad)
     swiglu_bwd_e5m2: Callable  # B3 writing da as e5m2 only (fp8_mlp_dgrad with fp8_mlp_wgrad)
-    swiglu_bwd_e5m2_t: Callable  # the same also writing da^T (not yet in the model)
+    swiglu_bwd_e5m2_t: Callable  # the same also writing da^T (fp8_mlp_da_t)
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     wgrad_fp8: Callable
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da

@@ -162,7 +162,7 @@ def wgrad_fp8_e5m2_w13(s: Setup):
 
 
 def swiglu_bwd_e5m2_t(s: Setup):
-    """B3 also storing da transposed (M-major 8-bit outputs; not yet in the model): coda_bf16 is the
+    """B3 also storing da transposed (M-major 8-bit outputs; `fp8_mlp_da_t`): coda_bf16 is the
     B3 it would replace (``swiglu_bwd_e5m2``)."""
     b3, _, _, inv_g = s.b3
     return "swiglu_bwd_e5m2_t", "bwd", dict(

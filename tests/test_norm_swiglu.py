@@ -293,6 +293,19 @@ def test_cute_fp8_programs_match_reference_within_torchao_error():
     assert rel(out, out_ref) < 0.1 * ao_err and rel(out, exact) < 2 * ao_err
 
 
+def _cuda_b3(seed):
+    """The cute backend (quack's default tile configs) and B3's operands at the 1B MLP's shapes
+    (4096 tokens): (cute, generator, (m, d, F), dict(dout, w_down, a, rstd))."""
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    m, d, ff = 4096, 2048, 8192
+    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
+    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
+    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
+    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
+    return get_backend("cute"), gen, (m, d, ff), dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+
+
 @pytest.mark.gpu
 def test_cute_fp8_mlp_dgrad_matches_reference():
     """B3 writing e5m2 da (delayed scale) -> B2 on e5m2 da x e4m3 W13^T, cute against the torch
@@ -301,15 +314,8 @@ def test_cute_fp8_mlp_dgrad_matches_reference():
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels.scaling import E5M2, E5M2_MAX
 
-    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    m, d, ff = 4096, 2048, 8192
-    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
-    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
-    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
-    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
-    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    cute, gen, (m, d, ff), b3 = _cuda_b3(4)
+    a, rstd = b3["a"], b3["rstd"]
     da0, y0, zdz0 = cute.swiglu_bwd(**b3)
     inv_g = inv_scale_from_amax(da0.float().abs().amax() / 2, E5M2_MAX)  # a stale amax: the top saturates
     da, y, zdz, daq, amax = cute.swiglu_bwd_fp8(**b3, inv_scale=inv_g)
@@ -385,15 +391,8 @@ def test_cute_b3_writing_only_e5m2_da_is_the_b3_fp8_kernel_less_da():
 
     from .helpers import assert_codes_within
 
-    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(14)
-    m, d, ff = 4096, 2048, 8192
-    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
-    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
-    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
-    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
-    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    cute, gen, (m, d, ff), b3 = _cuda_b3(14)
+    a = b3["a"]
     da, y, zdz, daq, amax = cute.swiglu_bwd_fp8(**b3, inv_scale=torch.tensor(1.0, device="cuda"))
     inv_g = inv_scale_from_amax(amax / 2, E5M2_MAX)  # a stale amax: the top saturates
     da, y, zdz, daq, amax = cute.swiglu_bwd_fp8(**b3, inv_scale=inv_g)
@@ -448,15 +447,7 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     from coda_titan.kernels._common import deinterleave_rows
     from coda_titan.kernels.scaling import E5M2_MAX
 
-    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(15)
-    m, d, ff = 4096, 2048, 8192
-    dout = (torch.randn(m, d, generator=gen, device="cuda") * 1e-2).to(BF)
-    w2 = (torch.randn(d, ff, generator=gen, device="cuda") * ff**-0.5).to(BF)
-    a = (torch.randn(m, 2 * ff, generator=gen, device="cuda") * 2).to(BF)
-    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
-    b3 = dict(dout=dout, w_down=w2, a=a, rstd=rstd)
+    cute, gen, (m, d, ff), b3 = _cuda_b3(15)
     amax0 = cute.swiglu_bwd_e5m2(**b3, inv_scale=torch.tensor(1.0, device="cuda"))[3]
     inv_g = inv_scale_from_amax(amax0 / 2, E5M2_MAX)  # a stale amax: the top saturates
     y, zdz, daq, amax = cute.swiglu_bwd_e5m2(**b3, inv_scale=inv_g)

@@ -769,21 +769,27 @@ def test_fp8_f1_input_sites_run_their_forward_on_e4m3_and_own_history(site):
     assert sc.input_calibrated[site] and torch.equal(sc.input_history(site), state[f"{site}_history"])
 
 
-def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
-    """With ``fp8_down_proj``, F2 writes the down-projection's e4m3 y and its amax itself
-    (``norm_swiglu_q_fp8``) whenever the site has a delayed scale; only the calibration step writes
-    a bf16 y and casts it in a pass of its own (``quantize_delayed``)."""
-    _, model = _models(fp8_down_proj=True)
+def _spy(model, names, record=lambda name, kw: name) -> list:
+    """Route ``model``'s calls of these programs through a recorder: the list of ``record(name,
+    kwargs)`` of every call, in order."""
     cfg = model.program_config()
     calls = []
 
     def spy(name):
         fn = getattr(cfg.backend, name)
-        return lambda **kw: calls.append(name) or fn(**kw)
+        return lambda **kw: calls.append(record(name, kw)) or fn(**kw)
 
-    names = ("norm_swiglu_fp8", "norm_swiglu_q_fp8", "quantize_delayed")
     cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
     model.program_config = lambda: cfg
+    return calls
+
+
+def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
+    """With ``fp8_down_proj``, F2 writes the down-projection's e4m3 y and its amax itself
+    (``norm_swiglu_q_fp8``) whenever the site has a delayed scale; only the calibration step writes
+    a bf16 y and casts it in a pass of its own (``quantize_delayed``)."""
+    _, model = _models(fp8_down_proj=True)
+    calls = _spy(model, ("norm_swiglu_fp8", "norm_swiglu_q_fp8", "quantize_delayed"))
     tokens, labels = _batch(model.model_args.vocab_size)
     n, steps = len(model.layers), []
     for _ in range(2):
@@ -801,16 +807,7 @@ def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else
     kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True)
     bf16, off = _models(**kw)
     _, on = _models(**kw, fp8_mlp_wgrad_e5m2=True)
-    cfg = on.program_config()
-    calls = []
-
-    def spy(name):
-        fn = getattr(cfg.backend, name)
-        return lambda **k: calls.append(name) or fn(**k)
-
-    names = ("swiglu_bwd_fp8", "swiglu_bwd_e5m2", "wgrad_fp8", "wgrad_fp8_e5m2")
-    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
-    on.program_config = lambda: cfg
+    calls = _spy(on, ("swiglu_bwd_fp8", "swiglu_bwd_e5m2", "wgrad_fp8", "wgrad_fp8_e5m2"))
     tokens, labels = _batch(on.model_args.vocab_size)
     n, steps = len(on.layers), []
     for _ in range(2):  # the calibration step (current amax), then the delayed scales
@@ -838,12 +835,7 @@ def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else
     kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True)
     _, off = _models(**kw)
     _, on = _models(**kw, fp8_mlp_da_t=True)
-    cfg = on.program_config()
-    calls = []
-    fn = cfg.backend.swiglu_bwd_e5m2_t
-    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(
-        cfg.backend, swiglu_bwd_e5m2_t=lambda **k: calls.append(1) or fn(**k)))
-    on.program_config = lambda: cfg
+    calls = _spy(on, ("swiglu_bwd_e5m2_t",))
     tokens, labels = _batch(on.model_args.vocab_size)
     for _ in range(2):
         for m in (off, on):
@@ -865,16 +857,9 @@ def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_sca
     kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_down_proj=True)
     bf16, off = _models(**kw)
     _, on = _models(**kw, fp8_down_wgrad=True)
-    cfg = on.program_config()
-    calls = []
-
-    def spy(name):
-        fn = getattr(cfg.backend, name)
-        return lambda **k: calls.append((name, k.get("inv_y", k.get("inpq")) is not None)) or fn(**k)
-
-    names = ("swiglu_bwd_e5m2", "wgrad", "wgrad_fp8_e4m3")
-    cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
-    on.program_config = lambda: cfg
+    # (each call with whether it got an e4m3 y: B3's inv_y, the wgrad's inpq)
+    calls = _spy(on, ("swiglu_bwd_e5m2", "wgrad", "wgrad_fp8_e4m3"),
+                 lambda name, k: (name, k.get("inv_y", k.get("inpq")) is not None))
     tokens, labels = _batch(on.model_args.vocab_size)
     n, steps = len(on.layers), []
     for _ in range(2):

@@ -91,6 +91,14 @@ ab() {
   a=$(variant "$on" "${yes[@]}") && b=$(variant "$off" "${no[@]}") || exit 2
   $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag "$tag"
 }
+# curves TAG NAME "KEY = VALUE" ...: the 300-step loss curves (PARITY_STEPS) that making those [coda] lines the
+# default waits for: float8 + compile, the compiled CODA fp8 config with them (variant NAME), and as configured
+curves() {
+  local tag=$1 a; shift
+  a=$(variant "$@") || exit 2
+  $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+    --steps "${PARITY_STEPS:-300}" --tag "$tag"
+}
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
@@ -224,29 +232,21 @@ for phase in "$@"; do
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_out
       ;;
     downoutparity)
-      # the 300-step loss curves that making both F1 input sites default waits for: float8 + compile, CODA fp8
-      # compiled with fp8_down_proj and fp8_out_proj, and as configured
-      a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8_down_out
+      curves fp8_down_out down_out "fp8_down_proj = true" "fp8_out_proj = true"  # both F1 input sites
       ;;
     e5m2wgrad)
       # dW13 on B3's e5m2 da (B3 writes no bf16 da) against dW13 on the bf16 da cast again
       ab fp8_mlp_wgrad_e5m2 e5m2_da bf16_da fp8_mlp_wgrad_e5m2
       ;;
     e5m2wgradparity)
-      a=$(variant e5m2_da "fp8_mlp_wgrad_e5m2 = true") || exit 2
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8_mlp_wgrad_e5m2
+      curves fp8_mlp_wgrad_e5m2 e5m2_da "fp8_mlp_wgrad_e5m2 = true"
       ;;
     downwgrad)
       # dW2 on fp8 from B3's e4m3 y against the bf16 dW2
       ab fp8_down_wgrad y_e4m3 y_bf16 fp8_down_wgrad
       ;;
     downwgradparity)
-      a=$(variant y_e4m3 "fp8_down_wgrad = true") || exit 2
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8_down_wgrad
+      curves fp8_down_wgrad y_e4m3 "fp8_down_wgrad = true"
       ;;
     dat)
       # dW13 on the da^T B3 writes itself (M-major e5m2 stores) against dW13 on its copy pass
@@ -258,11 +258,7 @@ for phase in "$@"; do
       ab prefetch_weights prefetch own_pass prefetch_weights
       ;;
     fp8downdgradparity)
-      # the 300-step loss curve that fp8_down_dgrad waits for: float8 + compile, CODA fp8 compiled with it, and
-      # the current default (its deviation from float8 is what the knob must stay within)
-      a=$(variant down_dgrad "fp8_down_dgrad = true") || exit 2
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8_down_dgrad
+      curves fp8_down_dgrad down_dgrad "fp8_down_dgrad = true"
       ;;
     fp8downprofile)
       # where the fp8_down_proj + fp8_out_proj arm's time goes: one profiled step of it (the plain arm is

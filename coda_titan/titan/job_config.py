@@ -125,14 +125,29 @@ def validate(coda: Coda) -> Coda:
     """Raise ConfigError for the first value of ``coda`` the schema refuses, or a combination that
     would do nothing; return ``coda`` unchanged."""
     validate_table({name: getattr(coda, name) for name in FIELDS})
-    if coda.fp8_down_dgrad and not (coda.precision == "fp8" and coda.fp8_mlp_dgrad):
-        raise ConfigError('[coda] fp8_down_dgrad = true needs precision = "fp8" and fp8_mlp_dgrad = true '
-                          f'(it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM); got precision = "{coda.precision}", '
-                          f"fp8_mlp_dgrad = {str(coda.fp8_mlp_dgrad).lower()}")
-    if coda.fp8_layer_wgrads and coda.precision != "fp8":
-        raise ConfigError('[coda] fp8_layer_wgrads = true needs precision = "fp8" (it runs weight gradients on fp8); '
-                          f'got precision = "{coda.precision}"')
+    for knob, (needs, why) in NEEDS.items():
+        unmet = {k: v for k, v in needs.items() if getattr(coda, k) != v} if getattr(coda, knob) else {}
+        if unmet:
+            raise ConfigError(f"[coda] {knob} = true needs {_settings(needs)} ({why}); got {_settings(unmet, coda)}")
     return coda
+
+
+# The off-by-default knobs and the settings they act through: without them each would do nothing (or
+# take a path it cannot combine with), so a run that sets it is refused before it starts.
+_E5M2_B3 = {"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
+            "fp8_down_dgrad": False}
+NEEDS = {
+    "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
+    "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
+    "fp8_down_wgrad": ({**_E5M2_B3, "fp8_down_proj": True}, "B3 writes y with the down site's scale"),
+    "fp8_mlp_da_t": ({**_E5M2_B3, "fp8_down_wgrad": False}, "it is a variant of the e5m2-only B3 with a bf16 y"),
+}
+
+
+def _settings(values: dict, coda: Coda | None = None) -> str:
+    """``key = value, ...`` in TOML spelling, of ``values`` (or of ``coda``'s values of those keys)."""
+    shown = {k: getattr(coda, k) if coda is not None else v for k, v in values.items()}
+    return ", ".join(f"{k} = " + (str(v).lower() if isinstance(v, bool) else f'"{v}"') for k, v in shown.items())
 
 
 def markdown_table() -> str:

@@ -149,7 +149,7 @@ def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
     fp8_mlp_dgrad off, it would do nothing, so the run is refused before it starts (the model refuses
     it too, for TorchTitan's own entry point); fp8_layer_wgrads likewise on a bf16 config, and
     fp8_down_wgrad / fp8_mlp_da_t without the e5m2-only B3 and the settings they act through, or
-    combined with a B3 path they do not take (each other, fp8_down_dgrad)."""
+    combined with a B3 path they do not take (fp8_down_dgrad)."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
     from coda_titan.titan.job_config import Coda, ConfigError
@@ -163,8 +163,8 @@ def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
     fp8 = [*base[:2], "--coda.precision", "fp8"]
     _one_line_exit_2(capsys, [*fp8, "--coda.fp8_down_wgrad", "--coda.no-fp8_down_proj"],
                      ("fp8_down_wgrad = true needs", "got fp8_down_proj = false"))
-    _one_line_exit_2(capsys, [*fp8, "--coda.fp8_mlp_da_t", "--coda.fp8_down_wgrad"],
-                     ("fp8_mlp_da_t = true needs", "got fp8_down_wgrad = true"))
+    _one_line_exit_2(capsys, [*fp8, "--coda.fp8_mlp_da_t", "--coda.no-fp8_mlp_wgrad_e5m2"],
+                     ("fp8_mlp_da_t = true needs", "got fp8_mlp_wgrad_e5m2 = false"))
     _one_line_exit_2(capsys, [*fp8, "--coda.fp8_down_wgrad", "--coda.fp8_down_dgrad"],
                      ("fp8_down_wgrad = true needs", "got fp8_down_dgrad = true"))
     for knob in ("fp8_down_dgrad", "fp8_layer_wgrads", "fp8_down_wgrad", "fp8_mlp_da_t"):

@@ -250,7 +250,8 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_mlp_dgrad"), ("custom_ops", "sdpa", "fp8_down"), ("custom_ops", "sdpa", "fp8_down_dgrad"),
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
-     ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t")],
+     ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
+     ("traced", "sdpa", "fp8_da_t_down_wgrad")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj
@@ -259,13 +260,16 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
-    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t")
+    mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t",
+                        "fp8_da_t_down_wgrad")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
-                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad"), fp8_out_proj=precision == "fp8_down",
+                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad"),
+                fp8_out_proj=precision == "fp8_down",
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
-                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t"),
-                fp8_down_wgrad=precision == "fp8_down_wgrad", fp8_mlp_da_t=precision == "fp8_mlp_da_t")
+                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t", "fp8_da_t_down_wgrad"),
+                fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad"),
+                fp8_mlp_da_t=precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad"))
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -698,7 +702,7 @@ def test_whole_1b_model_cute_matches_torch_backend():
                           (True, True, False, False, True), (True, True, False, False, False),
                           (True, False, True, False, True), (True, False, False, True, True),
                           (True, True, False, False, "da_t")])
-# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t)
+# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, down_dgrad, layer_wgrads, e5m2):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
     in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
@@ -716,7 +720,8 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, dow
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj, out_proj=down_proj, down_dgrad=down_dgrad,
-                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 == "da_t")  # (down_proj: both F1 input sites)
+                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 == "da_t",
+                      down_wgrad=e5m2 == "da_t")  # (down_proj: both F1 input sites)
     losses, s = res["losses"], summary(res)
     bound = 2 * s["worst_order_ratio"]
     print(f"model (mlp_dgrad {mlp_dgrad}, down_proj {down_proj}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
@@ -827,12 +832,15 @@ def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else
     _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 
 
-def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else():
+@pytest.mark.parametrize("down_wgrad", [False, True])
+def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else(down_wgrad):
     """``fp8_mlp_da_t``: B3 also writes da^T (``swiglu_bwd_e5m2_t``) and dW13 is one fp8 GEMM on it,
-    whose rows come as [dW1; dW3]: the same codes, scales and products as without it, so every
-    gradient matches the model without the option (dW1, dW3 up to the summation order of a GEMM of
-    another layout, 1e-6 relative; the rest bit for bit)."""
-    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True)
+    whose rows come as [dW1; dW3]; with ``fp8_down_wgrad`` its e4m3 y comes transposed as well, and
+    dW2 reads it. The same codes, scales and products as without it, so every gradient matches the
+    model without the option (dW1, dW3 and dW2 up to the summation order of a GEMM of another
+    layout, 1e-6 relative; the rest bit for bit)."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_down_proj=True,
+              fp8_down_wgrad=down_wgrad)
     _, off = _models(**kw)
     _, on = _models(**kw, fp8_mlp_da_t=True)
     calls = _spy(on, ("swiglu_bwd_e5m2_t",))
@@ -844,7 +852,7 @@ def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else
     assert len(calls) == 2 * len(on.layers)
     g_off, g_on = _grads(off), _grads(on)
     for k in g_on:
-        if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight")):
+        if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")):
             assert rel(g_on[k], g_off[k]) < 1e-6, k
         else:
             assert torch.equal(g_on[k], g_off[k]), k

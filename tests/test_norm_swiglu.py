@@ -108,6 +108,8 @@ def test_b3_fp8_writes_e5m2_da_with_a_delayed_scale():
         assert all(torch.equal(x.float(), y.float()) for x, y in zip((y_t, zdz_t, daq_n, amax_t), lean))
         assert daq_t.shape == (2 * f, m) and daq_t.is_contiguous() and daq_t.dtype == lean[2].dtype
         assert torch.equal(daq_t.float(), torch.cat([lean[2][:, 0::2].t(), lean[2][:, 1::2].t()]).float())
+        yq_t = TORCH.swiglu_bwd_e5m2_t(**kw, inv_scale=inv, inv_y=inv_y)[0]  # with inv_y: y^T, e4m3
+        assert yq_t.is_contiguous() and torch.equal(yq_t.float(), quantize_e4m3(y64, inv_y).t().float())
         yq, *rest = TORCH.swiglu_bwd_e5m2(**kw, inv_scale=inv, inv_y=inv_y)
         assert all(torch.equal(x.float(), y.float()) for x, y in zip(rest, lean[1:]))
         assert yq.dtype == E4M3 and torch.equal(yq.float(), quantize_e4m3(y64, inv_y).float())
@@ -178,7 +180,8 @@ def test_fp8_ops_schemas_and_fakes():
         for op in (torch.ops.coda.swiglu_bwd_fp8, torch.ops.coda.swiglu_bwd_e5m2):
             opcheck(op.default, b3, test_utils=("test_faketensor",))
         opcheck(torch.ops.coda.swiglu_bwd_e5m2.default, (*b3, torch.tensor(30.0)), test_utils=("test_faketensor",))
-        opcheck(torch.ops.coda.swiglu_bwd_e5m2_t.default, b3, test_utils=("test_faketensor",))
+        for extra in ((), (torch.tensor(30.0),)):
+            opcheck(torch.ops.coda.swiglu_bwd_e5m2_t.default, (*b3, *extra), test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
@@ -442,7 +445,8 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     every other output the bits of ``swiglu_bwd_e5m2``. dW1 and dW3 from daq_t's halves (no copy
     pass) are fp8 GEMMs on the same codes as ``wgrad_fp8_e5m2`` on daq, with cuBLAS free to pick
     another kernel for the other shape: each within the fp8 GEMM's bound of the exact product (the
-    wgrad test above), so within twice that of each other."""
+    wgrad test above), so within twice that of each other. With inv_y, y^T (M-major e4m3 store) is
+    the bits of the n-major e4m3 y of ``swiglu_bwd_e5m2``, transposed."""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels._common import deinterleave_rows
     from coda_titan.kernels.scaling import E5M2_MAX
@@ -458,6 +462,13 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     apart = (daq_t.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
     log_bound("swiglu_bwd_e5m2_t da^T codes apart from daq's transpose", err=apart, bound=0.0)
     assert apart == 0.0
+    # with inv_y (fp8_down_wgrad): y^T as e4m3 through an M-major view, the bits of the n-major e4m3 y
+    inv_y = 400 / y.float().abs().amax()
+    yq = cute.swiglu_bwd_e5m2(**b3, inv_scale=inv_g, inv_y=inv_y)[0]
+    yq_t, zdz3, daq3, daq_t3, amax3 = cute.swiglu_bwd_e5m2_t(**b3, inv_scale=inv_g, inv_y=inv_y)
+    assert yq_t.shape == (ff, m) and yq_t.is_contiguous()
+    assert torch.equal(yq_t.view(torch.uint8), yq.t().contiguous().view(torch.uint8))
+    assert torch.equal(daq_t3.view(torch.uint8), daq_t.view(torch.uint8)) and torch.equal(zdz3, zdz) and amax3 == amax
     x = torch.randn(m, d, generator=gen, device="cuda").to(BF)
     wkw = dict(grad_scale=1 / inv_g, inp=x, inp_amax=None, out_dtype=BF)
     dw1, dw3 = deinterleave_rows(cute.wgrad_fp8_e5m2(gradq=daq, **wkw))

@@ -39,7 +39,8 @@ FP8 (precision = "fp8"):
     swiglu_bwd_e5m2_t ``swiglu_bwd_e5m2`` that also writes the e5m2 da transposed, token-major and
                      de-interleaved, daq_t (2F, M) = [gate columns; up columns]^T: dW13's fp8 operand
                      as cuBLAS reads it (K-major along the tokens), so dW13 = daq_t @ H needs no
-                     copy pass and comes out as [dW1; dW3]
+                     copy pass and comes out as [dW1; dW3]; with ``inv_y`` its e4m3 y comes
+                     transposed too, (F, M), dW2's input with no copy pass
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
@@ -149,10 +150,13 @@ def swiglu_bwd_e5m2(
 
 
 def swiglu_bwd_e5m2_t(
-    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None,
+    inv_y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, zdz, daq, daq_t, amax): ``swiglu_bwd_e5m2`` plus daq's gate and up columns transposed."""
-    y, zdz, daq, amax = swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+    """(y, zdz, daq, daq_t, amax): ``swiglu_bwd_e5m2`` plus daq's gate and up columns transposed; with
+    ``inv_y``, y as e4m3 *transposed*, (F, M) token-major: dW2's input as cuBLAS reads it."""
+    y, zdz, daq, amax = swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y)
+    y = y if inv_y is None else y.t().contiguous()
     return y, zdz, daq, torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous(), amax
 
 
@@ -259,14 +263,16 @@ def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
 
 @program_op("swiglu_bwd_e5m2_t")
 def swiglu_bwd_e5m2_t_op(
-    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor]
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor],
+    inv_y: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_bwd_e5m2_t(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale)
+    return swiglu_bwd_e5m2_t(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y)
 
 
 @swiglu_bwd_e5m2_t_op.register_fake
-def _(dout, w_down, a, rstd, inv_scale):
-    y, zdz, daq, amax = swiglu_bwd_e5m2_op(dout, w_down, a, rstd, inv_scale)
+def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
+    y, zdz, daq, amax = swiglu_bwd_e5m2_op(dout, w_down, a, rstd, inv_scale, inv_y)
+    y = y if inv_y is None else y.new_empty((y.shape[1], y.shape[0]))
     return y, zdz, daq, daq.new_empty((daq.shape[1], daq.shape[0])), amax
 
 

@@ -243,10 +243,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dq, s_d = be.quantize_grad(t=dx_out)
             da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
                                                         rstd=rstd, inv_scale=grad_inv_scale)
-        elif lean and ctx.cfg.fp8_da_t and inv_y is None:  # and da^T, dW13's operand as cuBLAS reads it
+        elif lean and ctx.cfg.fp8_da_t:  # and da^T (and e4m3 y^T with inv_y): the wgrads' operands as cuBLAS reads them
             da = None
             y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t(dout=dx_out, w_down=w2, a=a, rstd=rstd,
-                                                            inv_scale=grad_inv_scale)
+                                                            inv_scale=grad_inv_scale, inv_y=inv_y)
         elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da (and y as e4m3 with inv_y)
             da = None
             y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale,
@@ -262,8 +262,9 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        if lean and inv_y is not None:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote
-            dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y, inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
+        if lean and inv_y is not None:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
+            dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),
+                                    inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         else:
             dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         if lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again

@@ -253,3 +253,16 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     with an M-major 8-bit tensor, the universal register-to-shared copy and a TMA store of the
     transposed tile."""
     return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq", "dagt", "daut"),
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_epi`` with y as e4m3 (sat(y * inv_y)); the call gives ``postact`` an
+    M-major buffer, so y is stored transposed as well."""
+    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+    out["postact"] = out["postact"] * inv_y
+    return out

@@ -181,7 +181,9 @@ def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq):
 
 
 def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:
-    return unsupported(grad) or unsupported_fp8(inpq) or _wgrad_shapes_unsupported(grad, inpq, out_dtype)
+    """(inpq may be a transposed view, as ``swiglu_bwd_e5m2_t`` writes y: see ``wgrad_fp8_e5m2``)"""
+    why = unsupported_fp8(inpq if inpq.is_contiguous() else inpq.t())
+    return why or unsupported(grad) or _wgrad_shapes_unsupported(grad, inpq, out_dtype)
 
 
 @torch.library.register_kernel("coda::wgrad_fp8_e4m3", "cuda")

@@ -12,7 +12,8 @@ swiglu_bwd_e5m2  ``epilogues.dswiglu_rstd_preact_e5m2_epi``: the same less the b
                  through its float32 view, a (gate, up) pair per word), the same pinned config; with
                  inv_y, ``epilogues.dswiglu_rstd_preact_e5m2_yq_epi`` (y stored as e4m3)
 swiglu_bwd_e5m2_t ``epilogues.dswiglu_rstd_preact_e5m2_t_epi``: also da's gate and up halves as M-major e5m2
-                 outputs, views of the rows of one (2F, M) buffer
+                 outputs, views of the rows of one (2F, M) buffer; with inv_y, ``..._t_yq_epi`` and y^T as
+                 e4m3 through an M-major view of an (F, M) buffer
 swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswiglu_rstd_preact_q_fp8_epi``
                  scales the accumulator first), the same pinned config
 """
@@ -28,9 +29,9 @@ from quack.gemm_config import GemmConfig
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_yq_epi,
-                        dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi, fp8_rstd_swiglu_preact_epi,
-                        fp8_rstd_swiglu_q_epi)
+from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_yq_epi,
+                        dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
+                        fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
 
 
 @torch.library.register_kernel("coda::norm_swiglu", "cuda")
@@ -148,23 +149,28 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_e5m2_t", "cuda")
-def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale):
+def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale, inv_y=None):
     why = unsupported(dout, w_down, a)
     if why is None and inv_scale is None:
         why = "a current-amax scale (the calibration step)"
     if why is None and (a.dtype != torch.bfloat16 or a.shape[0] % 16):
         why = f"a in {a.dtype} with {a.shape[0]} rows (need bf16, rows % 16 for the transposed store)"
     if why:
-        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale)
+        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale, inv_y)
     r = rstd.float()
     m, f2 = a.shape
-    y = a.new_empty((m, f2 // 2))
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     daq_t = torch.empty((f2, m), device=a.device, dtype=E5M2)  # [gate; up] rows, each (F, M): M-major views
-    out = {"postact": y, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
+    if inv_y is None:
+        y = a.new_empty((m, f2 // 2))
+        epi, ops, y_out = dswiglu_rstd_preact_e5m2_t_epi, {}, y
+    else:  # y^T, e4m3: the output (M, F) as an M-major view
+        y = torch.empty((f2 // 2, m), device=a.device, dtype=E4M3)
+        epi, ops, y_out = dswiglu_rstd_preact_e5m2_t_yq_epi, {"inv_y": scalar32(inv_y)}, y.t()
+    out = {"postact": y_out, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
     with first_call("swiglu_bwd_e5m2_t", dout, w_down):
-        res = dswiglu_rstd_preact_e5m2_t_epi(dout, w_down, a.view(torch.float32), out=out, store_d=False, tuned=False,
-                                             config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale))
+        res = epi(dout, w_down, a.view(torch.float32), out=out, store_d=False, tuned=False,
+                  config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
     return y, res["dsum"] * r, daq.view(E5M2), daq_t, res["amax"].amax()
 
 

@@ -47,6 +47,7 @@
 #     downwgrad    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_wgrad on / off (A/B)
 #     downwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_wgrad, and without
 #     dat          float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_da_t on / off (A/B)
+#     datdown      the same with fp8_down_wgrad on in both arms (B3's y^T too, against y's copy pass)
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -251,6 +252,11 @@ for phase in "$@"; do
     dat)
       # dW13 on the da^T B3 writes itself (M-major e5m2 stores) against dW13 on its copy pass
       ab fp8_mlp_da_t da_t da_copy fp8_mlp_da_t
+      ;;
+    datdown)
+      a=$(variant da_y_t "fp8_down_wgrad = true" "fp8_mlp_da_t = true") &&
+        b=$(variant da_y_copy "fp8_down_wgrad = true" "fp8_mlp_da_t = false") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
       ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at

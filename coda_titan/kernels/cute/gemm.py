@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
-from ..scaling import E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
+from ..scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
 
 
@@ -143,15 +143,20 @@ def wgrad_fp8_traced(*, grad, grad_amax, inp, inp_amax, out_dtype):
     return _scaled_wgrad(*_wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax), out_dtype)
 
 
-def _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax):
+def _unsupported_fp8_operand(t, dtypes=(E4M3,)) -> str | None:
+    """``unsupported_fp8`` for a weight gradient's fp8 operand, which may also be the transposed view of a
+    token-major copy (as ``swiglu_bwd_e5m2_t`` writes da and y): that copy is then the tensor itself."""
+    return unsupported_fp8(t if t.is_contiguous() else t.t(), dtypes=dtypes)
+
+
+def _wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax):
+    """(``_scaled_wgrad``'s operands): gradq's token-major copy with its given scale, inp cast and transposed."""
     xq, s_x = ref.wgrad_fp8_input(inp, inp_amax)
-    return gradq.t().contiguous(), xq.t().contiguous(), s_x
+    return gradq.t().contiguous(), grad_scale.float().reshape(()), xq.t().contiguous(), s_x
 
 
 def _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype) -> str | None:
-    """(gradq may also be the transposed view of a token-major gradient, as ``swiglu_bwd_e5m2_t`` writes
-    it: its token-major copy is then that tensor itself)"""
-    why = unsupported_fp8(gradq if gradq.is_contiguous() else gradq.t(), dtypes=(E5M2,))
+    why = _unsupported_fp8_operand(gradq, dtypes=(E5M2,))
     return why or unsupported(inp) or _wgrad_shapes_unsupported(gradq, inp, out_dtype)
 
 
@@ -162,8 +167,7 @@ def _wgrad_fp8_e5m2(gradq, grad_scale, inp, inp_amax, out_dtype):
         return fallback(ref.wgrad_fp8_e5m2_op, why, gradq, grad_scale, inp, inp_amax, out_dtype)
     fn = fused(f"wgrad_fp8_e5m2_operands_{inp_amax is None:d}", _wgrad_fp8_e5m2_operands_t)
     with first_call("wgrad_fp8_e5m2", gradq, inp):
-        gt, xt, s_x = fn(gradq, inp, inp_amax)
-        return _scaled_wgrad(gt, grad_scale.float().reshape(()), xt, s_x, out_dtype)
+        return _scaled_wgrad(*fn(gradq, grad_scale, inp, inp_amax), out_dtype)
 
 
 def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
@@ -171,19 +175,17 @@ def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
     the e5m2 gradient and the cast-and-transpose of the input fused by inductor, then cuBLAS's fp8 GEMM."""
     if _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype):
         return ref.wgrad_fp8_e5m2_op(gradq, grad_scale, inp, inp_amax, out_dtype)  # the op says why, once
-    gt, xt, s_x = _wgrad_fp8_e5m2_operands_t(gradq, inp, inp_amax)
-    return _scaled_wgrad(gt, grad_scale.float().reshape(()), xt, s_x, out_dtype)
+    return _scaled_wgrad(*_wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax), out_dtype)
 
 
-def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq):
+def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale):
+    """(``_scaled_wgrad``'s operands): grad cast and transposed, inpq's token-major copy with its given scale."""
     gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)
-    return gq.t().contiguous(), s_g, inpq.t().contiguous()
+    return gq.t().contiguous(), s_g, inpq.t().contiguous(), inp_scale.float().reshape(())
 
 
 def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:
-    """(inpq may be a transposed view, as ``swiglu_bwd_e5m2_t`` writes y: see ``wgrad_fp8_e5m2``)"""
-    why = unsupported_fp8(inpq if inpq.is_contiguous() else inpq.t())
-    return why or unsupported(grad) or _wgrad_shapes_unsupported(grad, inpq, out_dtype)
+    return _unsupported_fp8_operand(inpq) or unsupported(grad) or _wgrad_shapes_unsupported(grad, inpq, out_dtype)
 
 
 @torch.library.register_kernel("coda::wgrad_fp8_e4m3", "cuda")
@@ -193,13 +195,11 @@ def _wgrad_fp8_e4m3(grad, grad_amax, inpq, inp_scale, out_dtype):
         return fallback(ref.wgrad_fp8_e4m3_op, why, grad, grad_amax, inpq, inp_scale, out_dtype)
     fn = fused(f"wgrad_fp8_e4m3_operands_{grad_amax is None:d}", _wgrad_fp8_e4m3_operands_t)
     with first_call("wgrad_fp8_e4m3", grad, inpq):
-        gt, s_g, xt = fn(grad, grad_amax, inpq)
-        return _scaled_wgrad(gt, s_g, xt, inp_scale.float().reshape(()), out_dtype)
+        return _scaled_wgrad(*fn(grad, grad_amax, inpq, inp_scale), out_dtype)
 
 
 def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
     """``coda::wgrad_fp8_e4m3`` as code a compiled caller traces (``TRACED``)."""
     if _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype):
         return ref.wgrad_fp8_e4m3_op(grad, grad_amax, inpq, inp_scale, out_dtype)  # the op says why, once
-    gt, s_g, xt = _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq)
-    return _scaled_wgrad(gt, s_g, xt, inp_scale.float().reshape(()), out_dtype)
+    return _scaled_wgrad(*_wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale), out_dtype)

@@ -48,6 +48,7 @@
 #     downwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_wgrad, and without
 #     dat          float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_da_t on / off (A/B)
 #     datdown      the same with fp8_down_wgrad on in both arms (B3's y^T too, against y's copy pass)
+#     datdownparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_da_t and fp8_down_wgrad, and without
 #     prefetch     float8 baseline (compiled) vs CODA fp8 compiled with [coda] prefetch_weights on / off (A/B)
 #     fp8downdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad, and without
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
@@ -248,6 +249,9 @@ for phase in "$@"; do
       ;;
     downwgradparity)
       curves fp8_down_wgrad y_e4m3 "fp8_down_wgrad = true"
+      ;;
+    datdownparity)
+      curves fp8_mlp_da_t_down_wgrad da_y_t "fp8_mlp_da_t = true" "fp8_down_wgrad = true"
       ;;
     dat)
       # dW13 on the da^T B3 writes itself (M-major e5m2 stores) against dW13 on its copy pass

@@ -858,6 +858,27 @@ def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else
             assert torch.equal(g_on[k], g_off[k]), k
 
 
+@pytest.mark.parametrize("other", [dict(fp8_mlp_wgrad_e5m2=False), dict(fp8_down_dgrad=True)],
+                         ids=["bf16_da", "down_dgrad"])
+def test_fp8_mlp_da_t_is_ignored_where_the_e5m2_only_b3_does_not_run(other):
+    """``fp8_mlp_da_t`` is on by default: where B3 writes a bf16 da (``fp8_mlp_wgrad_e5m2`` off) or
+    runs on fp8 (``fp8_down_dgrad``), it changes nothing: no transposed store, every gradient bit for
+    bit the model's without it."""
+    kw = {**dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True), **other}
+    _, off = _models(**kw)
+    _, on = _models(**kw, fp8_mlp_da_t=True)
+    calls = _spy(on, ("swiglu_bwd_e5m2_t",))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    for _ in range(2):
+        for m in (off, on):
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+    assert calls == []
+    g_off, g_on = _grads(off), _grads(on)
+    for k in g_on:
+        assert torch.equal(g_on[k], g_off[k]), k
+
+
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():
     """``fp8_down_wgrad``: once the down-projection's input site has its delayed scale, B3 writes y as
     e4m3 with it and dW2 is the fp8 weight gradient on those codes (``wgrad_fp8_e4m3``); the

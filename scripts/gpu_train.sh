@@ -35,6 +35,8 @@
 #     fp8model   the whole-model GPU test of the fp8 programs only
 #     fp8down    float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_proj and fp8_out_proj on / off (A/B)
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
+#     qdat         float8 baseline (compiled) vs CODA fp8 compiled with fp8_down_dgrad (the transposed B3 on fp8), with
+#                  fp8_down_wgrad too, and as configured
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
 #     fp8downs     float8 baseline (compiled) vs CODA fp8 compiled as configured, + fp8_down_proj, + both F1 input sites
@@ -202,6 +204,13 @@ for phase in "$@"; do
       ;;
     fp8downdgrad)
       ab fp8_down_dgrad down_dgrad bf16_b3 fp8_down_dgrad  # B3's GEMM on e5m2 D x e4m3 W2^T
+      ;;
+    qdat)
+      # B3 on fp8 as the transposed e5m2-only B3 (fp8_down_dgrad with fp8_mlp_da_t), with and without dW2 on
+      # its e4m3 y^T (fp8_down_wgrad), against the defaults
+      a=$(variant q_dat "fp8_down_dgrad = true") && b=$(variant q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_da_t
       ;;
     fp8layerwgrads)
       ab fp8_layer_wgrads layer_wgrads bf16_wgrads fp8_layer_wgrads  # dW_qkv, dW_o, dW2 on fp8 (torchao's recipe)

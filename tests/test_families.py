@@ -83,13 +83,15 @@ def test_stock_step_is_attributed_by_shape_and_order():
     assert gemm_matches([[T, D], [D, D]], WEIGHTS) >= {("wq", "fwd"), ("wo", "fwd"), ("wq", "dgrad")}
 
 
-@pytest.mark.parametrize("fp8", [False, True, "sites"])
+@pytest.mark.parametrize("fp8", [False, True, "sites", "down_dgrad"])
 def test_coda_step_is_attributed_by_program(fp8):
     """(fp8 "sites": the programs of the current fp8 defaults, whose names carry more than ``_fp8``:
-    F1 on fp8 (``residual_rms_q[_fp8]``), F2 writing e4m3 y, B3 writing e5m2 da only, dW13 on it)"""
+    F1 on fp8 (``residual_rms_q[_fp8]``), F2 writing e4m3 y, B3 writing e5m2 da and da^T only, dW13
+    on it; "down_dgrad": that B3 on an fp8 GEMM)"""
     s = "_fp8" if fp8 else ""
-    f1, f2, b3 = ("residual_rms_q_fp8", "norm_swiglu_q_fp8", "swiglu_bwd_e5m2") if fp8 == "sites" else (
-        f"residual_rms{s}", f"norm_swiglu{s}", f"swiglu_bwd{s}")
+    b3 = {"sites": "swiglu_bwd_e5m2_t", "down_dgrad": "swiglu_bwd_e5m2_t_q"}.get(fp8, f"swiglu_bwd{s}")
+    fp8 = "sites" if fp8 == "down_dgrad" else fp8
+    f1, f2 = ("residual_rms_q_fp8", "norm_swiglu_q_fp8") if fp8 == "sites" else (f"residual_rms{s}", f"norm_swiglu{s}")
     tr = Trace()
     quack = "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_x"
     triton = "triton_poi_fused_rope_bwd_0"

@@ -251,25 +251,26 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
-     ("traced", "sdpa", "fp8_da_t_down_wgrad")],
+     ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
-    # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj
+    # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t",
-                        "fp8_da_t_down_wgrad")
+                        "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t")
+    da_t = precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
-                fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision == "fp8_down_dgrad",
-                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad"),
+                fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision.startswith("fp8_down_dgrad"),
+                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
                 fp8_out_proj=precision == "fp8_down",
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
-                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t", "fp8_da_t_down_wgrad"),
-                fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad"),
-                fp8_mlp_da_t=precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad"))
+                fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
+                fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
+                fp8_mlp_da_t=da_t)
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -701,7 +702,7 @@ def test_whole_1b_model_cute_matches_torch_backend():
                          [(False, False, False, False, True), (True, False, False, False, True),
                           (True, True, False, False, True), (True, True, False, False, False),
                           (True, False, True, False, True), (True, False, False, True, True),
-                          (True, True, False, False, "da_t")])
+                          (True, True, False, False, "da_t"), (True, True, True, False, "da_t")])
 # (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, down_dgrad, layer_wgrads, e5m2):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
@@ -858,16 +859,15 @@ def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else
             assert torch.equal(g_on[k], g_off[k]), k
 
 
-@pytest.mark.parametrize("other", [dict(fp8_mlp_wgrad_e5m2=False), dict(fp8_down_dgrad=True)],
-                         ids=["bf16_da", "down_dgrad"])
-def test_fp8_mlp_da_t_is_ignored_where_the_e5m2_only_b3_does_not_run(other):
-    """``fp8_mlp_da_t`` is on by default: where B3 writes a bf16 da (``fp8_mlp_wgrad_e5m2`` off) or
-    runs on fp8 (``fp8_down_dgrad``), it changes nothing: no transposed store, every gradient bit for
-    bit the model's without it."""
-    kw = {**dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True), **other}
+@pytest.mark.parametrize("down_dgrad", [False, True])
+def test_fp8_mlp_da_t_is_ignored_where_the_e5m2_only_b3_does_not_run(down_dgrad):
+    """``fp8_mlp_da_t`` is on by default: where B3 writes a bf16 da (``fp8_mlp_wgrad_e5m2`` off; on a
+    bf16 or an fp8 GEMM) it changes nothing: no transposed store, every gradient bit for bit the
+    model's without it."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=False, fp8_down_dgrad=down_dgrad)
     _, off = _models(**kw)
     _, on = _models(**kw, fp8_mlp_da_t=True)
-    calls = _spy(on, ("swiglu_bwd_e5m2_t",))
+    calls = _spy(on, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q"))
     tokens, labels = _batch(on.model_args.vocab_size)
     for _ in range(2):
         for m in (off, on):
@@ -877,6 +877,37 @@ def test_fp8_mlp_da_t_is_ignored_where_the_e5m2_only_b3_does_not_run(other):
     g_off, g_on = _grads(off), _grads(on)
     for k in g_on:
         assert torch.equal(g_on[k], g_off[k]), k
+
+
+@pytest.mark.parametrize("down_wgrad", [False, True])
+def test_fp8_down_dgrad_with_da_t_runs_the_transposed_b3_on_its_fp8_gemm(down_wgrad):
+    """``fp8_down_dgrad`` with the e5m2-only B3 and ``fp8_mlp_da_t``: B3 on e5m2 D x e4m3 W2^T writes
+    da, da^T (and, with ``fp8_down_wgrad``, y^T as e4m3) in one program (``swiglu_bwd_e5m2_t_q``). The
+    same dy, codes and scales as B3 on that GEMM writing a bf16 da (``swiglu_bwd_q_fp8``, da_t off),
+    so against that model only dW1 and dW3 move (a GEMM of another layout: 1e-6 relative), and dW2
+    with ``fp8_down_wgrad`` (fp8 on the e4m3 y^T: it tracks the bf16 dW2); the rest bit for bit."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_down_proj=True, fp8_down_dgrad=True)
+    _, off = _models(**kw)
+    _, on = _models(**kw, fp8_mlp_da_t=True, fp8_down_wgrad=down_wgrad)
+    calls = _spy(on, ("swiglu_bwd_q_fp8", "swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q"),
+                 lambda name, k: (name, k.get("inv_y") is not None))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, steps = len(on.layers), []
+    for _ in range(2):  # the calibration step (no inv_y: the down site has no scale yet), then delayed scales
+        calls.clear()
+        for m in (off, on):
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+        steps.append(sorted(calls))
+    assert steps == [[("swiglu_bwd_e5m2_t_q", False)] * n, [("swiglu_bwd_e5m2_t_q", down_wgrad)] * n], steps
+    g_off, g_on = _grads(off), _grads(on)
+    for k in g_on:
+        if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight")):
+            assert rel(g_on[k], g_off[k]) < 1e-6, k
+        elif down_wgrad and k.endswith("feed_forward.w2.weight"):
+            assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+        else:
+            assert torch.equal(g_on[k], g_off[k]), k
 
 
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():

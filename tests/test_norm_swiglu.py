@@ -149,6 +149,22 @@ def test_b3_on_an_fp8_gemm_is_b3_fp8_on_the_dequantized_operands():
             assert rel(x, y) < 1e-13, i
         assert torch.equal(got[3].float(), want[3].float())  # the same da to fp64 roundoff: the same e5m2 codes
         assert rel(got[4], want[4]) < 1e-13
+        # swiglu_bwd_e5m2_t_q (fp8_down_dgrad with fp8_mlp_da_t): that B3's outputs less the bf16 da, with
+        # da^T de-interleaved and, with inv_y, y^T as e4m3: the same values as swiglu_bwd_e5m2_t on them
+        for inv_y in (None, torch.tensor(30.0, dtype=torch.float64)):
+            t = TORCH.swiglu_bwd_e5m2_t_q(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).double(), a=a64, rstd=r64,
+                                          inv_scale=inv_g, inv_y=inv_y)
+            want_t = TORCH.swiglu_bwd_e5m2_t(dout=dq.double() * s_d.double(), w_down=(w2q_t.double() * s_w.double()).t(),
+                                             a=a64, rstd=r64, inv_scale=inv_g, inv_y=inv_y)
+            assert t[3].shape == (2 * f, m) and t[0].shape == ((m, f) if inv_y is None else (f, m))
+            for i in (2, 3):  # daq, daq^T: the same codes
+                assert torch.equal(t[i].float(), want_t[i].float()), i
+            if inv_y is None:  # y in fp64 (to roundoff), else its e4m3 codes
+                assert rel(t[0], want_t[0]) < 1e-13
+            else:
+                assert torch.equal(t[0].float(), want_t[0].float())
+            assert rel(t[1], want_t[1]) < 1e-13 and rel(t[4], want_t[4]) < 1e-13
+            assert torch.equal(t[2].float(), got[3].float())  # the codes of swiglu_bwd_q_fp8
     with pytest.raises(TypeError, match="e4m3 weight"):
         TORCH.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t.float(), scale=s_d, a=a, rstd=rstd, inv_scale=None)
 
@@ -159,6 +175,9 @@ def test_b3_on_an_fp8_gemm_ops_schemas_and_fakes():
     opcheck(torch.ops.coda.quantize_grad.default, (dout,), test_utils=("test_faketensor",))
     for inv in (None, torch.tensor(2.0**10)):
         opcheck(torch.ops.coda.swiglu_bwd_q_fp8.default, (dq, w2q_t, s_d * s_w, a, rstd, inv), test_utils=("test_faketensor",))
+        for extra in ((), (torch.tensor(30.0),)):
+            opcheck(torch.ops.coda.swiglu_bwd_e5m2_t_q.default, (dq, w2q_t, s_d * s_w, a, rstd, inv, *extra),
+                    test_utils=("test_faketensor",))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -477,6 +496,46 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     for got, want in zip(halves, (dw1, dw3)):
         log_bound("wgrad_fp8_e5m2 on da^T halves vs on da", err=rel(got, want), bound=bound)
         assert got.shape == want.shape and rel(got, want) <= bound
+
+
+@pytest.mark.gpu
+def test_cute_b3_transposed_on_an_fp8_gemm_is_the_fp8_b3_less_da():
+    """``swiglu_bwd_e5m2_t_q`` (``fp8_down_dgrad`` with ``fp8_mlp_da_t``) runs the fp8 GEMM of the tested
+    ``swiglu_bwd_q_fp8`` (same operands, same pinned config) and the same per-element fp32 epilogue
+    math in element mode, so y, the e5m2 codes and amax must be that kernel's bits, daq_t exactly
+    daq's de-interleaved transpose, and zdz within 2 * 2F u sum |da a| of its zdz (two fp32 sums of
+    2F terms in other orders; derived in the e5m2 test above). With inv_y, the codes of y^T (an M-major
+    e4m3 store of the fp32 y) within one e4m3 step plus 2^-8 |y| inv_y of the bf16 y's codes (as there)."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.scaling import E5M2_MAX
+
+    from .helpers import assert_codes_within
+
+    cute, gen, (m, d, ff), b3 = _cuda_b3(16)
+    dq, s_d = cute.quantize_grad(t=b3["dout"])
+    (w2q_t,), (s_w,) = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
+    q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), a=b3["a"], rstd=b3["rstd"])
+    amax0 = cute.swiglu_bwd_q_fp8(**q, inv_scale=torch.tensor(1.0, device="cuda"))[4]
+    inv_g = inv_scale_from_amax(amax0 / 2, E5M2_MAX)  # a stale amax: the top saturates
+    da, y, zdz, daq, amax = cute.swiglu_bwd_q_fp8(**q, inv_scale=inv_g)
+    y2, zdz2, daq2, daq_t, amax2 = cute.swiglu_bwd_e5m2_t_q(**q, inv_scale=inv_g)
+    assert torch.equal(y2, y) and amax2 == amax and torch.equal(daq2.view(torch.uint8), daq.view(torch.uint8))
+    assert daq2.float().abs().max() == E5M2_MAX
+    want = torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous()
+    apart = (daq_t.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+    log_bound("swiglu_bwd_e5m2_t_q da^T codes apart from swiglu_bwd_q_fp8's daq transposed", err=apart, bound=0.0)
+    assert apart == 0.0
+    bound = 2 * 2 * (2 * ff) * 2.0**-24 * (da.float() * b3["a"].float()).abs().sum(-1)
+    worst = ((zdz2 - zdz).abs() / bound).max().item()
+    log_bound("swiglu_bwd_e5m2_t_q zdz vs swiglu_bwd_q_fp8 (worst |diff| / bound)", err=worst, bound=1.0)
+    assert worst <= 1.0
+    inv_y = 400 / y.float().abs().amax()
+    yq_t, zdz3, daq3, daq_t3, amax3 = cute.swiglu_bwd_e5m2_t_q(**q, inv_scale=inv_g, inv_y=inv_y)
+    assert yq_t.dtype == torch.float8_e4m3fn and yq_t.shape == (ff, m) and yq_t.is_contiguous()
+    assert torch.equal(daq_t3.view(torch.uint8), daq_t.view(torch.uint8)) and torch.equal(zdz3, zdz2) and amax3 == amax
+    got, want_y = yq_t.double(), quantize_e4m3(y.float(), inv_y).double().t()
+    assert_codes_within("swiglu_bwd_e5m2_t_q e4m3 y^T", got, want_y, e4m3_step(torch.maximum(got.abs(), want_y.abs())),
+                        2.0**-8 * y.double().abs().t() * inv_y.double())
 
 
 @pytest.mark.gpu

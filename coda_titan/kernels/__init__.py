@@ -74,6 +74,7 @@ class Backend:
     swiglu_bwd_q_fp8: Callable  # B3 on an fp8 GEMM (fp8_down_dgrad)
     swiglu_bwd_e5m2: Callable  # B3 writing da as e5m2 only (fp8_mlp_dgrad with fp8_mlp_wgrad)
     swiglu_bwd_e5m2_t: Callable  # the same also writing da^T (fp8_mlp_da_t)
+    swiglu_bwd_e5m2_t_q: Callable  # that B3 on an fp8 GEMM (fp8_down_dgrad with fp8_mlp_da_t)
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     wgrad_fp8: Callable
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
@@ -117,6 +118,7 @@ TORCH = Backend(
     swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8,
     swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2,
     swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t,
+    swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q,
     quantize_grad=gemm.quantize_grad,
     wgrad_fp8=gemm.wgrad_fp8,
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
@@ -158,6 +160,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8_op,
         swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2_op,
         swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t_op,
+        swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q_op,
         quantize_grad=gemm.quantize_grad_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,

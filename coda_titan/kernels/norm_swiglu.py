@@ -44,6 +44,7 @@ FP8 (precision = "fp8"):
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
+    swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``fp8_down_dgrad`` with the e5m2-only B3)
 """
 
 from __future__ import annotations
@@ -136,6 +137,19 @@ def swiglu_bwd_fp8(
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
 
 
+def _e5m2_only(da, y, zdz, a, inv_scale, inv_y):
+    """B3's outputs without the bf16 da: (y (e4m3 with ``inv_y``), zdz, daq, amax |da|)."""
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
+
+
+def _transposed(y, zdz, daq, amax, inv_y):
+    """``_e5m2_only``'s outputs plus daq^T de-interleaved, [gate; up] (2F, M); an e4m3 y as y^T."""
+    y = y if inv_y is None else y.t().contiguous()
+    return y, zdz, daq, torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous(), amax
+
+
 def swiglu_bwd_e5m2(
     *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None,
     inv_y: torch.Tensor | None = None,
@@ -143,10 +157,7 @@ def swiglu_bwd_e5m2(
     """(y, zdz, daq, amax): ``swiglu_bwd_fp8`` less its bf16 da. With ``inv_y`` (``fp8_down_wgrad``)
     y comes as e4m3, sat(y * inv_y) from the compute-dtype y: dW2's fp8 operand, with the scale of
     the down-projection's input site (the forward quantized the same y with it)."""
-    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
+    return _e5m2_only(*swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd), a, inv_scale, inv_y)
 
 
 def swiglu_bwd_e5m2_t(
@@ -155,26 +166,38 @@ def swiglu_bwd_e5m2_t(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, zdz, daq, daq_t, amax): ``swiglu_bwd_e5m2`` plus daq's gate and up columns transposed; with
     ``inv_y``, y as e4m3 *transposed*, (F, M) token-major: dW2's input as cuBLAS reads it."""
-    y, zdz, daq, amax = swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y)
-    y = y if inv_y is None else y.t().contiguous()
-    return y, zdz, daq, torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous(), amax
+    return _transposed(*swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y),
+                       inv_y)
+
+
+def _dy_q(doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """B3's GEMM on fp8: dy = scale * (doutq @ w_down_tq^T) in a's compute dtype, doutq the e5m2 D
+    (M, d), w_down_tq the e4m3 W_down^T (F, d), products exact and summed in that dtype."""
+    check_2d("doutq", doutq, w_down_tq.shape[1])
+    check_2d("a", a, 2 * w_down_tq.shape[0])
+    if doutq.dtype not in (E4M3, E5M2) or w_down_tq.dtype != E4M3:
+        raise TypeError(f"B3 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {doutq.dtype} and {w_down_tq.dtype}")
+    ct = compute_dtype(a.dtype)
+    return mm(doutq.to(ct), w_down_tq.to(ct).t()) * scale.to(ct)
 
 
 def swiglu_bwd_q_fp8(
     *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
     inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``swiglu_bwd_fp8`` on an fp8 GEMM: dy = scale * (doutq @ w_down_tq^T), doutq the e5m2 D (M, d),
-    w_down_tq the e4m3 W_down^T (F, d), products exact and summed in the accumulator dtype."""
-    check_2d("doutq", doutq, w_down_tq.shape[1])
-    check_2d("a", a, 2 * w_down_tq.shape[0])
-    if doutq.dtype not in (E4M3, E5M2) or w_down_tq.dtype != E4M3:
-        raise TypeError(f"B3 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {doutq.dtype} and {w_down_tq.dtype}")
-    ct = compute_dtype(a.dtype)
-    da, y, zdz = _dswiglu(mm(doutq.to(ct), w_down_tq.to(ct).t()) * scale.to(ct), a, rstd)
+    """``swiglu_bwd_fp8`` on an fp8 GEMM (``_dy_q``)."""
+    da, y, zdz = _dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd)
     amax = da.abs().amax()
     inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
     return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+
+
+def swiglu_bwd_e5m2_t_q(
+    *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
+    inv_scale: torch.Tensor | None, inv_y: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd_e5m2_t`` on an fp8 GEMM (``_dy_q``; ``fp8_down_dgrad`` with the e5m2-only B3)."""
+    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a, inv_scale, inv_y), inv_y)
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -290,3 +313,20 @@ def _(doutq, w_down_tq, scale, a, rstd, inv_scale):
     ct = compute_dtype(a.dtype)
     return (torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=ct),
             a.new_empty(a.shape, dtype=E5M2), a.new_empty((), dtype=ct))
+
+
+@program_op("swiglu_bwd_e5m2_t_q")
+def swiglu_bwd_e5m2_t_q_op(
+    doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
+    inv_scale: Optional[torch.Tensor], inv_y: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_e5m2_t_q(doutq=doutq, w_down_tq=w_down_tq, scale=scale, a=a, rstd=rstd, inv_scale=inv_scale,
+                               inv_y=inv_y)
+
+
+@swiglu_bwd_e5m2_t_q_op.register_fake
+def _(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None):
+    m, f = a.shape[0], a.shape[1] // 2
+    y = a.new_empty((m, f)) if inv_y is None else a.new_empty((f, m), dtype=E4M3)
+    return (y, a.new_empty((m,), dtype=compute_dtype(a.dtype)), a.new_empty(a.shape, dtype=E5M2),
+            a.new_empty((2 * f, m), dtype=E5M2), a.new_empty((), dtype=compute_dtype(a.dtype)))

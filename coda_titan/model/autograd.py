@@ -241,8 +241,12 @@ class NormSwiGLUResidual(torch.autograd.Function):
         daq_t = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
-            da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a,
-                                                        rstd=rstd, inv_scale=grad_inv_scale)
+            q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd, inv_scale=grad_inv_scale)
+            if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
+                da = None
+                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, inv_y=inv_y)
+            else:
+                da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(**q)
         elif lean and ctx.cfg.fp8_da_t:  # and da^T (and e4m3 y^T with inv_y): the wgrads' operands as cuBLAS reads them
             da = None
             y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t(dout=dx_out, w_down=w2, a=a, rstd=rstd,

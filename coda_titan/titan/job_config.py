@@ -125,21 +125,23 @@ def validate(coda: Coda) -> Coda:
     """Raise ConfigError for the first value of ``coda`` the schema refuses, or a combination that
     would do nothing; return ``coda`` unchanged."""
     validate_table({name: getattr(coda, name) for name in FIELDS})
-    for knob, (needs, why) in NEEDS.items():
-        unmet = {k: v for k, v in needs.items() if getattr(coda, k) != v} if getattr(coda, knob) else {}
+    for knobs, (needs, why) in NEEDS.items():
+        knobs = (knobs,) if isinstance(knobs, str) else knobs
+        unmet = {k: v for k, v in needs.items() if getattr(coda, k) != v} if all(getattr(coda, k) for k in knobs) else {}
         if unmet:
-            raise ConfigError(f"[coda] {knob} = true needs {_settings(needs)} ({why}); got {_settings(unmet, coda)}")
+            on = ", ".join(f"{k} = true" for k in knobs)
+            raise ConfigError(f"[coda] {on} needs {_settings(needs)} ({why}); got {_settings(unmet, coda)}")
     return coda
 
 
-# The off-by-default knobs and the settings they act through: without them each would do nothing (or
-# take a path it cannot combine with), so a run that sets it is refused before it starts.
-_E5M2_B3 = {"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
-            "fp8_down_dgrad": False}
+# The off-by-default knobs (or combinations) and the settings they act through: without them each would
+# do nothing (or take a path it cannot combine with), so a run that sets it is refused before it starts.
+_E5M2_B3 = {"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True}
 NEEDS = {
     "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
     "fp8_down_wgrad": ({**_E5M2_B3, "fp8_down_proj": True}, "B3 writes y with the down site's scale"),
+    ("fp8_down_wgrad", "fp8_down_dgrad"): ({"fp8_mlp_da_t": True}, "only the transposed B3 on fp8 writes an e4m3 y"),
 }
 
 

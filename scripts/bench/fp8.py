@@ -170,6 +170,23 @@ def swiglu_bwd_e5m2_t(s: Setup):
         bare_gemm=[lambda: torch.mm(b3["dout"], s.w2)])
 
 
+def swiglu_bwd_e5m2_t_q(s: Setup):
+    """That B3 on an fp8 GEMM (``fp8_down_dgrad`` with ``fp8_mlp_da_t``), D's e5m2 cast included as the
+    model runs it (``quantize_grad``: amax, then the cast): coda_bf16 is the B3 it would replace
+    (``swiglu_bwd_e5m2_t``, bf16 GEMM); bare_gemm the fp8 GEMM alone."""
+    b3, _, _, inv_g = s.b3
+    (w2q_t,), (s_w,) = s.be.fp8_weights(ws=[s.w2.t().contiguous()])
+    dq = s.be.quantize_grad(t=b3["dout"])[0]
+    ops = dict(a=b3["a"], rstd=b3["rstd"], inv_scale=inv_g)
+
+    def coda():
+        q, s_d = s.be.quantize_grad(t=b3["dout"])
+        return s.be.swiglu_bwd_e5m2_t_q(doutq=q, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), **ops)
+
+    return "swiglu_bwd_e5m2_t_q", "bwd", dict(
+        coda=coda, coda_bf16=lambda: s.be.swiglu_bwd_e5m2_t(**b3, inv_scale=inv_g), bare_gemm=[scaled_mm(dq, w2q_t)])
+
+
 def b3_and_dw13_t(s: Setup):
     """B3 + dW13 with da^T from B3's epilogue (one fp8 GEMM on the whole (2F, M) da^T: [dW1; dW3], no
     copy pass), against B3 + dW13 as the model runs them (``swiglu_bwd_e5m2`` + ``wgrad_fp8_e5m2``,
@@ -227,4 +244,4 @@ def quantize_tensorwise(s: Setup):
 
 PROGRAMS = (residual_rms_fp8, residual_rms_q_w2, norm_swiglu_fp8, norm_rope_fp8, rope_bwd_fp8, norm_residual_bwd_fp8, swiglu_bwd_fp8,
             norm_residual_bwd_fp8_w13, wgrad_fp8_w13, swiglu_bwd_e5m2, wgrad_fp8_e5m2_w13, swiglu_bwd_e5m2_t,
-            b3_and_dw13_t, quantize_tensorwise)
+            swiglu_bwd_e5m2_t_q, b3_and_dw13_t, quantize_tensorwise)

@@ -79,11 +79,13 @@ def gemm_matches(dims, weights: dict) -> set[tuple[str, str]]:
 
 
 def _program_base(program: str) -> str:
-    """A program's family name without its precision variants (``residual_rms_q_fp8``: F1 on an fp8
-    mainloop writing e4m3 H is F1; ``swiglu_bwd_e5m2``, ``wgrad_fp8_e5m2``, ...)."""
+    """A program's family name without its precision and layout variants (``residual_rms_q_fp8``: F1 on
+    an fp8 mainloop writing e4m3 H is F1; ``swiglu_bwd_e5m2_t_q``, ``wgrad_fp8_e5m2``, ...)."""
     base = None
     while base != program:
-        base, program = program, program.removesuffix("_fp8").removesuffix("_e5m2").removesuffix("_q")
+        base = program
+        for suffix in ("_fp8", "_e5m2", "_q", "_t"):
+            program = program.removesuffix(suffix)
     return program
 
 

@@ -266,3 +266,27 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
     out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq", "dagt", "daut"),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
+    """``dswiglu_rstd_preact_e5m2_t_epi`` after an fp8 GEMM (``swiglu_bwd_e5m2_t_q``): dy = scale * acc,
+    scale = s_D * s_W2, as ``dswiglu_rstd_preact_q_fp8_epi``."""
+    return _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+
+
+@gemm_epilogue(
+    outputs=("postact", "daq", "dagt", "daut"),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
+         "inv_y": Scalar("inv_y")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""
+    out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+    out["postact"] = out["postact"] * inv_y
+    return out

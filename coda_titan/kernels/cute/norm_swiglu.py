@@ -16,6 +16,8 @@ swiglu_bwd_e5m2_t ``epilogues.dswiglu_rstd_preact_e5m2_t_epi``: also da's gate a
                  e4m3 through an M-major view of an (F, M) buffer
 swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswiglu_rstd_preact_q_fp8_epi``
                  scales the accumulator first), the same pinned config
+swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``epilogues.dswiglu_rstd_preact_e5m2_t_q_epi``,
+                 ``..._t_yq_q_epi``)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from quack.gemm_config import GemmConfig
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_yq_epi,
+from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
+                        dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
 
@@ -148,30 +151,51 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
     return y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
 
 
-@torch.library.register_kernel("coda::swiglu_bwd_e5m2_t", "cuda")
-def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale, inv_y=None):
-    why = unsupported(dout, w_down, a)
-    if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"
-    if why is None and (a.dtype != torch.bfloat16 or a.shape[0] % 16):
-        why = f"a in {a.dtype} with {a.shape[0]} rows (need bf16, rows % 16 for the transposed store)"
-    if why:
-        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale, inv_y)
+def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, **ops):
+    """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
+    tile config: (y or y^T, zdz, daq, daq_t, amax |da|)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     daq_t = torch.empty((f2, m), device=a.device, dtype=E5M2)  # [gate; up] rows, each (F, M): M-major views
     if inv_y is None:
         y = a.new_empty((m, f2 // 2))
-        epi, ops, y_out = dswiglu_rstd_preact_e5m2_t_epi, {}, y
+        epi, y_out = epis[0], y
     else:  # y^T, e4m3: the output (M, F) as an M-major view
         y = torch.empty((f2 // 2, m), device=a.device, dtype=E4M3)
-        epi, ops, y_out = dswiglu_rstd_preact_e5m2_t_yq_epi, {"inv_y": scalar32(inv_y)}, y.t()
+        epi, y_out, ops = epis[1], y.t(), {**ops, "inv_y": scalar32(inv_y)}
     out = {"postact": y_out, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
-    with first_call("swiglu_bwd_e5m2_t", dout, w_down):
-        res = epi(dout, w_down, a.view(torch.float32), out=out, store_d=False, tuned=False,
+    with first_call(name, a_op, b_kn):
+        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False,
                   config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
     return y, res["dsum"] * r, daq.view(E5M2), daq_t, res["amax"].amax()
+
+
+def _b3_t_unsupported(a, inv_scale):
+    if inv_scale is None:
+        return "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+    if a.dtype != torch.bfloat16 or a.shape[0] % 16:
+        return f"a in {a.dtype} with {a.shape[0]} rows (need bf16, rows % 16 for the transposed store)"
+    return None
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_e5m2_t", "cuda")
+def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale, inv_y=None):
+    why = unsupported(dout, w_down, a) or _b3_t_unsupported(a, inv_scale)
+    if why:
+        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale, inv_y)
+    return _b3_e5m2_t("swiglu_bwd_e5m2_t", (dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_yq_epi),
+                      dout, w_down, a, rstd, inv_scale, inv_y)
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_e5m2_t_q", "cuda")
+def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None):
+    why = (unsupported(a) or unsupported_fp8(doutq, dtypes=(E4M3, E5M2)) or unsupported_fp8(w_down_tq)
+           or _b3_t_unsupported(a, inv_scale))
+    if why:
+        return fallback(ref.swiglu_bwd_e5m2_t_q_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y)
+    return _b3_e5m2_t("swiglu_bwd_e5m2_t_q", (dswiglu_rstd_preact_e5m2_t_q_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi),
+                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")

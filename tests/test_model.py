@@ -859,21 +859,31 @@ def test_fp8_mlp_da_t_takes_dw13_from_b3s_transposed_da_and_changes_nothing_else
             assert torch.equal(g_on[k], g_off[k]), k
 
 
-@pytest.mark.parametrize("down_dgrad", [False, True])
-def test_fp8_mlp_da_t_is_ignored_where_the_e5m2_only_b3_does_not_run(down_dgrad):
-    """``fp8_mlp_da_t`` is on by default: where B3 writes a bf16 da (``fp8_mlp_wgrad_e5m2`` off; on a
-    bf16 or an fp8 GEMM) it changes nothing: no transposed store, every gradient bit for bit the
-    model's without it."""
-    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=False, fp8_down_dgrad=down_dgrad)
-    _, off = _models(**kw)
-    _, on = _models(**kw, fp8_mlp_da_t=True)
-    calls = _spy(on, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q"))
+_MLP = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_down_proj=True)
+
+
+@pytest.mark.parametrize("knob,other", [
+    ("fp8_mlp_da_t", dict(fp8_mlp_wgrad_e5m2=False)), ("fp8_mlp_da_t", dict(fp8_mlp_wgrad_e5m2=False, fp8_down_dgrad=True)),
+    ("fp8_down_wgrad", dict(fp8_down_proj=False, fp8_mlp_da_t=True)), ("fp8_down_wgrad", dict(fp8_mlp_wgrad_e5m2=False)),
+    ("fp8_down_wgrad", dict(fp8_down_dgrad=True))])
+def test_on_by_default_fp8_variants_are_ignored_where_what_they_vary_does_not_run(knob, other):
+    """``fp8_mlp_da_t`` and ``fp8_down_wgrad`` are on by default: where B3 writes a bf16 da (on a bf16 or
+    an fp8 GEMM), or, for dW2 on the e4m3 y, where B3 writes no e4m3 y (no down-projection site, a
+    bf16-da B3, B3 on fp8 without da^T), they change nothing: no transposed store, no fp8 dW2, every
+    gradient bit for bit the model's without them."""
+    kw = {**_MLP, **other}
+    _, off = _models(**kw, **{knob: False})
+    _, on = _models(**kw, **{knob: True})
+    calls = _spy(on, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3"))
+    calls_off = _spy(off, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3"))
     tokens, labels = _batch(on.model_args.vocab_size)
     for _ in range(2):
         for m in (off, on):
             m.zero_grad()
             m(tokens, labels=labels).backward()
-    assert calls == []
+    assert calls == calls_off and "wgrad_fp8_e4m3" not in calls, calls
+    if knob == "fp8_mlp_da_t":
+        assert not any(c.startswith("swiglu_bwd_e5m2_t") for c in calls), calls
     g_off, g_on = _grads(off), _grads(on)
     for k in g_on:
         assert torch.equal(g_on[k], g_off[k]), k

@@ -29,7 +29,7 @@ import torch
 
 from ..kernels import Backend
 from ..kernels._common import deinterleave_rows, interleave_rows
-from ..kernels.scaling import E5M2_MAX, dequant_scale, inv_scale_from_amax
+from ..kernels.scaling import E4M3, E5M2_MAX, dequant_scale, inv_scale_from_amax
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        if lean and inv_y is not None:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
+        if y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
             dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),
                                     inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         else:

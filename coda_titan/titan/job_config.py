@@ -49,8 +49,8 @@ class Coda:
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
     fp8_mlp_da_t: bool = knob(True, "fp8 with fp8_mlp_wgrad_e5m2: B3 also writes da^T (and y^T with "
                                     "fp8_down_wgrad), so dW13 (dW2) reads no copy")
-    fp8_down_wgrad: bool = knob(False, "fp8 with fp8_mlp_wgrad_e5m2 and fp8_down_proj: dW2 on fp8, B3 writing y as "
-                                       "e4m3 (off: its parity run missed, docs/fp8.md)")
+    fp8_down_wgrad: bool = knob(True, "fp8 with fp8_mlp_wgrad_e5m2 and fp8_down_proj: B3 writes y (y^T with "
+                                      "fp8_mlp_da_t) as e4m3 and dW2 runs on it")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: B3's GEMM on fp8, its gradient cast to e5m2 (current "
                                        "power-of-two scale); off: its parity run missed")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (measured "
@@ -125,23 +125,19 @@ def validate(coda: Coda) -> Coda:
     """Raise ConfigError for the first value of ``coda`` the schema refuses, or a combination that
     would do nothing; return ``coda`` unchanged."""
     validate_table({name: getattr(coda, name) for name in FIELDS})
-    for knobs, (needs, why) in NEEDS.items():
-        knobs = (knobs,) if isinstance(knobs, str) else knobs
-        unmet = {k: v for k, v in needs.items() if getattr(coda, k) != v} if all(getattr(coda, k) for k in knobs) else {}
+    for knob, (needs, why) in NEEDS.items():
+        unmet = {k: v for k, v in needs.items() if getattr(coda, k) != v} if getattr(coda, knob) else {}
         if unmet:
-            on = ", ".join(f"{k} = true" for k in knobs)
-            raise ConfigError(f"[coda] {on} needs {_settings(needs)} ({why}); got {_settings(unmet, coda)}")
+            raise ConfigError(f"[coda] {knob} = true needs {_settings(needs)} ({why}); got {_settings(unmet, coda)}")
     return coda
 
 
-# The off-by-default knobs (or combinations) and the settings they act through: without them each would
-# do nothing (or take a path it cannot combine with), so a run that sets it is refused before it starts.
-_E5M2_B3 = {"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True}
+# The off-by-default knobs and the settings they act through: without them each would do nothing, so
+# a run that sets it is refused before it starts. (The on-by-default variants, fp8_mlp_wgrad_e5m2,
+# fp8_mlp_da_t and fp8_down_wgrad, are ignored where what they vary does not run.)
 NEEDS = {
     "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
-    "fp8_down_wgrad": ({**_E5M2_B3, "fp8_down_proj": True}, "B3 writes y with the down site's scale"),
-    ("fp8_down_wgrad", "fp8_down_dgrad"): ({"fp8_mlp_da_t": True}, "only the transposed B3 on fp8 writes an e4m3 y"),
 }
 
 

@@ -131,10 +131,12 @@ def swiglu_bwd_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(da, y, zdz, daq, amax): ``swiglu_bwd`` plus da as e5m2 (scale ``inv_scale``, None = the
     current amax) and amax |da|."""
-    da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+    return _with_bf16_da(*swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd), a, inv_scale)
+
+
+def _with_bf16_da(da, y, zdz, a, inv_scale):
+    """(da, y, zdz, daq, amax |da|): ``_e5m2_only``'s outputs with da in a's dtype in front."""
+    return da.to(a.dtype), *_e5m2_only(da, y, zdz, a, inv_scale, None)
 
 
 def _e5m2_only(da, y, zdz, a, inv_scale, inv_y):
@@ -186,10 +188,7 @@ def swiglu_bwd_q_fp8(
     inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``swiglu_bwd_fp8`` on an fp8 GEMM (``_dy_q``)."""
-    da, y, zdz = _dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd)
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return da.to(a.dtype), y.to(a.dtype), zdz, quantize_e5m2(da, inv), amax
+    return _with_bf16_da(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a, inv_scale)
 
 
 def swiglu_bwd_e5m2_t_q(

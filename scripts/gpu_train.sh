@@ -37,6 +37,8 @@
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     qdat         float8 baseline (compiled) vs CODA fp8 compiled with fp8_down_dgrad (the transposed B3 on fp8), with
 #                  fp8_down_wgrad too, and as configured
+#     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
+#                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
@@ -212,6 +214,10 @@ for phase in "$@"; do
       a=$(variant q_dat "fp8_down_dgrad = true") && b=$(variant q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_da_t
+      ;;
+    b3configs)
+      # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)
+      python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 plain_fp8 b3_t b3_t_q ${CONFIGS:+--configs $CONFIGS}
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

@@ -1,6 +1,6 @@
 """Probe (GPU): quack SM90 tile configs of the fp8 MLP dgrad programs, against bf16 and cuBLAS.
 
-    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_configs
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.fp8_configs [--skip b2 cublas] [--b3 b3_t b3_t_q] [--configs 0 3]
 
 At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinned ``GemmConfig``:
 
@@ -8,8 +8,11 @@ At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinne
   that ``[coda] fp8_mlp_dgrad`` runs; ``plain_fp8``: the same fp8 GEMM with an identity epilogue
   (is the mainloop or the epilogue slow?); ``b2_bf16``: the bf16 program on the same config;
 * ``b3_fp8`` / ``b3_bf16``: B3 (dout @ W2 with the dSwiGLU epilogue) with and without the e5m2
-  output. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every B3
-  config runs in a child process with a timeout; a hang is recorded as such.
+  output; ``b3_t``: the defaults' B3 since the fifteenth session (da, da^T and y^T in 8 bits, bf16
+  GEMM, ``swiglu_bwd_e5m2_t``), ``b3_t_q`` the same on the fp8 GEMM (``swiglu_bwd_e5m2_t_q``), and
+  ``plain_fp8`` that fp8 GEMM with an identity epilogue (how much of B3 is its epilogue?); ``--b3``
+  picks them. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every
+  B3 config runs in a child process with a timeout; a hang is recorded as such.
 
 and once: cuBLAS bf16 (``torch.mm``) and fp8 (``torch._scaled_mm``, fast accumulation) of both GEMMs.
 Inputs are random; each time is the median of CUDA-event timings of 20 calls after 3 warm-up calls
@@ -35,7 +38,7 @@ CONFIGS = [
     (128, 128, True, 1, 2), (128, 128, True, 2, 1), (128, 192, True, 2, 1), (192, 128, True, 1, 2),
     (128, 256, False, 2, 1), (256, 128, False, 1, 2), (256, 160, False, 1, 2),
 ]
-B3_TIMEOUT_S = 150
+B3_TIMEOUT_S = 240
 
 
 def _cfg(t):
@@ -89,33 +92,57 @@ def _meta():
     }
 
 
-def _b3_child(idx: int) -> dict:
+B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q")
+
+
+def _b3_child(idx: int, kernels) -> dict:
     from coda_titan.kernels.cute import epilogues as P  # (importing cute also installs fast fp8 accumulation)
+    from coda_titan.kernels.cute import norm_swiglu as NS
+    from coda_titan.kernels.cute._dispatch import scalar32
+    from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.library import dswiglu_rstd_preact_mod
+
+    @gemm_epilogue()
+    def plain_epi(acc):
+        return {"D": acc}
 
     t = _inputs(torch.Generator(device="cuda").manual_seed(0))
     cfg = _cfg(CONFIGS[idx])
     r = t["rstd"]
     inv = torch.full((1,), 2.0**14, device="cuda")
+    doutq = (t["dout"].float() * 2**14).clamp(-57344, 57344).to(torch.float8_e5m2)
+    w2q_kn = (t["w2"].float() * 2**8).clamp(-448, 448).to(torch.float8_e4m3fn).t().contiguous().t()  # K-major B
+    inv_y, one = torch.tensor(30.0, device="cuda"), scalar32(torch.ones((), device="cuda"))
+    y_t = {"t": (P.dswiglu_rstd_preact_e5m2_t_epi, P.dswiglu_rstd_preact_e5m2_t_yq_epi),
+           "t_q": (P.dswiglu_rstd_preact_e5m2_t_q_epi, P.dswiglu_rstd_preact_e5m2_t_yq_q_epi)}
     da = torch.empty_like(t["a"])
     y = t["a"].new_empty((M, F))
     daq = torch.empty((M, F), device="cuda", dtype=torch.float16)
-    row = {}
-    row["b3_bf16"] = _time(lambda: dswiglu_rstd_preact_mod(
-        t["dout"], t["w2"], t["a"], out={"D": da, "postact": y}, config=cfg, tuned=False, rstd=r))
-    row["b3_fp8"] = _time(lambda: P.dswiglu_rstd_preact_fp8_epi(
-        t["dout"], t["w2"], t["a"], out={"D": da, "postact": y, "daq": daq}, config=cfg, tuned=False,
-        rstd=r, inv_scale=inv))
-    return row
+    runs = {
+        # the packed-mode B3s (bf16 da written): quack's bf16 B3, and with the e5m2 da too
+        "b3_bf16": lambda: dswiglu_rstd_preact_mod(t["dout"], t["w2"], t["a"], out={"D": da, "postact": y}, config=cfg,
+                                                   tuned=False, rstd=r),
+        "b3_fp8": lambda: P.dswiglu_rstd_preact_fp8_epi(t["dout"], t["w2"], t["a"], out={"D": da, "postact": y, "daq": daq},
+                                                        config=cfg, tuned=False, rstd=r, inv_scale=inv),
+        # B3's fp8 GEMM with nothing in its epilogue (the mainloop's share), and the defaults' B3 (da, da^T and
+        # y^T in 8 bits; bf16 GEMM) and the same on the fp8 GEMM (fp8_down_dgrad)
+        "plain_fp8": lambda: plain_epi(doutq, w2q_kn, None, out={"D": y}, config=cfg, tuned=False),
+        "b3_t": lambda: NS._b3_e5m2_t("probe_b3_t", y_t["t"], t["dout"], t["w2"], t["a"], r, inv, inv_y, config=cfg),
+        "b3_t_q": lambda: NS._b3_e5m2_t("probe_b3_t_q", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg,
+                                        scale=one),
+    }
+    return {k: _time(runs[k]) for k in kernels}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--child-b3", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: b2 b3 cublas")
+    ap.add_argument("--b3", nargs="*", default=list(B3_KERNELS), choices=B3_KERNELS, help="B3 kernels to time per config")
+    ap.add_argument("--configs", nargs="*", type=int, default=None, help="indices into CONFIGS (default: all)")
     args = ap.parse_args()
     if args.child_b3 is not None:
-        print("ROW " + json.dumps(_b3_child(args.child_b3)), flush=True)
+        print("ROW " + json.dumps(_b3_child(args.child_b3, args.b3)), flush=True)
         return
 
     import coda_titan.kernels.cute  # noqa: F401  (fast fp8 accumulation)
@@ -178,17 +205,17 @@ def main():
     if "b3" not in args.skip:
         del t
         torch.cuda.empty_cache()
-        _b3_children(emit)
+        _b3_children(emit, args.b3, args.configs)
     print("wrote", path, flush=True)
 
 
-def _b3_children(emit) -> None:
+def _b3_children(emit, kernels, configs=None) -> None:
     """B3 per config, each in a child process with a timeout (one candidate hangs)."""
-    for i in range(len(CONFIGS)):
+    for i in range(len(CONFIGS)) if configs is None else configs:
         row = {"part": "b3", "config": i}
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, "-m", "scripts.probes.fp8_configs", "--child-b3", str(i)],
+            p = subprocess.run([sys.executable, "-m", "scripts.probes.fp8_configs", "--child-b3", str(i), "--b3", *kernels],
                                capture_output=True, text=True, timeout=B3_TIMEOUT_S)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
             if lines:

@@ -151,9 +151,9 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
     return y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
 
 
-def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, **ops):
+def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
-    tile config: (y or y^T, zdz, daq, daq_t, amax |da|)."""
+    tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
@@ -167,7 +167,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, **ops):
     out = {"postact": y_out, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
     with first_call(name, a_op, b_kn):
         res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False,
-                  config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
+                  config=config or _b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
     return y, res["dsum"] * r, daq.view(E5M2), daq_t, res["amax"].amax()
 
 

@@ -37,6 +37,9 @@
 #     fp8downdgrad float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_down_dgrad on / off (A/B)
 #     qdat         float8 baseline (compiled) vs CODA fp8 compiled with fp8_down_dgrad (the transposed B3 on fp8), with
 #                  fp8_down_wgrad too, and as configured
+#     cechunks     probe: the LM head + CE program per ce_chunk_rows against the full head's bare GEMMs
+#     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096, with the
+#                  compiled baseline (PREC=fp8 (default) or bf16)
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
@@ -214,6 +217,22 @@ for phase in "$@"; do
       a=$(variant q_dat "fp8_down_dgrad = true") && b=$(variant q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" configs/llama3_1b_fp8_coda_compile.toml \
         --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_da_t
+      ;;
+    cechunks)
+      # probe: the LM head + CE program (F4) per token-chunk size against the full head's bare cuBLAS GEMMs
+      python3 -m scripts.probes.ce_chunks --chunks 2048 4096 8192 16384 2>&1 | tail -6
+      ;;
+    ceab)
+      # the step with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096 (PREC=fp8 or bf16)
+      arms=""
+      for n in 8192 16384; do
+        v=/tmp/llama3_1b_${PREC:-fp8}_coda_compile_ce$n.toml
+        sed "s/^ce_chunk_rows = .*/ce_chunk_rows = $n/" "configs/llama3_1b_${PREC:-fp8}_coda_compile.toml" > "$v"
+        grep -qx "ce_chunk_rows = $n" "$v" || { echo "could not derive $v" >&2; exit 2; }
+        arms="$arms $v"
+      done
+      $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml $arms configs/llama3_1b_${PREC:-fp8}_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag ce_chunk_rows_${PREC:-fp8}
       ;;
     b3configs)
       # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)

@@ -136,6 +136,26 @@ def test_wgrad_fp8_e4m3_is_the_fp8_weight_gradient_of_a_given_e4m3_input():
             test_utils=("test_faketensor",))
 
 
+def test_wgrad_fp8_q_is_the_weight_gradient_of_two_given_fp8_operands():
+    """``wgrad_fp8_q`` (dW13 on B3's e5m2 da and F1's e4m3 H^T, ``fp8_mlp_h_t``): both operands' codes
+    taken as they are times their scales, no cast; in fp64 the exact product of the decoded operands."""
+    from coda_titan.kernels.scaling import E5M2, quantize_e4m3, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(24)
+    m, n, k = 96, 32, 48
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * 1e-3
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
+    inv_g, inv_x = torch.tensor(3.0e7, dtype=torch.float64), torch.tensor(37.0, dtype=torch.float64)  # delayed scales
+    gq, xq = quantize_e5m2(g, inv_g), quantize_e4m3(x, inv_x)
+    dw = TORCH.wgrad_fp8_q(gradq=gq, grad_scale=1 / inv_g, inpq=xq, inp_scale=1 / inv_x, out_dtype=torch.float64)
+    assert dw.shape == (n, k) and rel(dw, torch.einsum("mn,mk->nk", gq.double() / inv_g, xq.double() / inv_x)) < 1e-12
+    assert 1e-4 < rel(dw, TORCH.wgrad(grad=g, inp=x, out_dtype=torch.float64)) < 0.2
+    with pytest.raises(TypeError, match="e5m2 gradient and an e4m3 input"):
+        TORCH.wgrad_fp8_q(gradq=xq, grad_scale=1 / inv_g, inpq=xq, inp_scale=1 / inv_x, out_dtype=torch.float64)
+    opcheck(torch.ops.coda.wgrad_fp8_q.default, (gq.float().to(E5M2), (1 / inv_g).float(), xq.float().to(xq.dtype),
+                                                 (1 / inv_x).float(), torch.float32), test_utils=("test_faketensor",))
+
+
 def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
     """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
     cast every other element identically: the power-of-two scale keeps each element's rounding its
@@ -323,6 +343,12 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     kw = dict(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf)
     gemm_check("wgrad_fp8_e4m3", compiled("wgrad_fp8_e4m3")(**kw), cute.wgrad_fp8_e4m3(**kw),
                gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
+    # wgrad_fp8_q: both operands' codes given, each as the transposed view of a token-major buffer (B3's da^T,
+    # F1's H^T), as the model passes them
+    gq_t, xq_t = gq8.t().contiguous(), xq8.t().contiguous()
+    kw = dict(gradq=gq_t.t(), grad_scale=1 / inv, inpq=xq_t.t(), inp_scale=1 / inv_x, out_dtype=bf)
+    gemm_check("wgrad_fp8_q", compiled("wgrad_fp8_q")(**kw), cute.wgrad_fp8_q(**kw),
+               gq8.double().t() / inv.double(), xq8.double() / inv_x.double())
 
     # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
     # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides

@@ -251,22 +251,23 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
-     ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t")],
+     ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
-    # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t
+    # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
+    # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
     torch.manual_seed(0)
     kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=16)
     mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t",
-                        "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t")
-    da_t = precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t")
+                        "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t", "fp8_mlp_h_t")
+    da_t = precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t", "fp8_mlp_h_t")
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision.startswith("fp8_down_dgrad"),
                 fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
-                fp8_out_proj=precision == "fp8_down",
+                fp8_out_proj=precision in ("fp8_down", "fp8_mlp_h_t"), fp8_mlp_h_t=precision == "fp8_mlp_h_t",
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
@@ -326,7 +327,7 @@ def _models(**kw):
         fp8_down_proj=kw.get("fp8_down_proj", False), fp8_out_proj=kw.get("fp8_out_proj", False),
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
         fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
-        fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False),
+        fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -918,6 +919,45 @@ def test_fp8_down_dgrad_with_da_t_runs_the_transposed_b3_on_its_fp8_gemm(down_wg
             assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
         else:
             assert torch.equal(g_on[k], g_off[k]), k
+
+
+def test_fp8_mlp_h_t_takes_dw13_from_f1s_transposed_h_and_keeps_no_bf16_h():
+    """``fp8_mlp_h_t``: the out-projection's F1 also writes Hq^T (``residual_rms_q_fp8_t``), the codes F2
+    multiplies, and dW13 is the fp8 GEMM of B3's da^T and that Hq^T (``wgrad_fp8_q``): no cast of H,
+    and the MLP's Function keeps Hq^T (1 byte an element) instead of H. Against the model without it
+    only dW1 and dW3 move (the forward's delayed-scale codes instead of a current-scale cast); the
+    model tracks the bf16 model; the saved activations shrink by exactly H less Hq^T per layer."""
+    kw = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8_mlp_da_t=True, fp8_out_proj=True)
+    bf16, off = _models(**kw)
+    _, on = _models(**kw, fp8_mlp_h_t=True)
+    calls = _spy(on, ("residual_rms_q_fp8_t", "wgrad_fp8_q", "wgrad_fp8_e5m2"))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, steps, saved = len(on.layers), [], {}
+
+    def pack(t):
+        saved[key] += t.numel() * t.element_size()
+        return t
+
+    for _ in range(2):  # the calibration step (current scales), then the delayed scales
+        calls.clear()
+        for key, m in (("bf16", bf16), ("off", off), ("on", on)):
+            m.zero_grad()
+            saved[key] = 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = m(tokens, labels=labels)
+            loss.backward()
+        steps.append(sorted(calls))
+    assert steps == [sorted(["residual_rms_q_fp8_t", "wgrad_fp8_q"] * n)] * 2, steps
+    m_tokens, dim = tokens.numel(), on.model_args.dim
+    h_bytes = m_tokens * dim * torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    assert saved["off"] - saved["on"] == n * (h_bytes - m_tokens * dim), saved
+    g_off, g_on = _grads(off), _grads(on)
+    w13 = {k for k in g_on if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight"))}
+    for k in g_on.keys() - w13:
+        assert torch.equal(g_on[k], g_off[k]), k
+    for k in w13:
+        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 
 
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():

@@ -169,13 +169,20 @@ def test_fp8_mainloop_f1_ops_schemas_and_fakes():
     res, g = torch.randn(32, 64, generator=gen), torch.rand(64, generator=gen)
     opcheck(torch.ops.coda.residual_rms_q.default, (yq, wq, s_y * s_w, res, g, 16), test_utils=("test_faketensor",))
     for inv in (None, torch.tensor(3.0)):
-        opcheck(torch.ops.coda.residual_rms_q_fp8.default, (yq, wq, s_y * s_w, res, g, 16, inv),
-                test_utils=("test_faketensor",))
+        for op in (torch.ops.coda.residual_rms_q_fp8, torch.ops.coda.residual_rms_q_fp8_t):
+            opcheck(op.default, (yq, wq, s_y * s_w, res, g, 16, inv), test_utils=("test_faketensor",))
+        # residual_rms_q_fp8_t (fp8_mlp_h_t): residual_rms_q_fp8's outputs and Hq^T, (d, M) token-major
+        *same, hq_t, amax_t = TORCH.residual_rms_q_fp8_t(yq=yq, wq=wq, scale=s_y * s_w, residual=res, gamma=g, tile_n=16,
+                                                        inv_scale=inv)
+        want = TORCH.residual_rms_q_fp8(yq=yq, wq=wq, scale=s_y * s_w, residual=res, gamma=g, tile_n=16, inv_scale=inv)
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip((*same, amax_t), want))
+        assert hq_t.shape == (64, 32) and hq_t.is_contiguous() and torch.equal(hq_t.float(), want[3].t().float())
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["hq", "hq_t"])
 @pytest.mark.parametrize("d", DIMS)
-def test_cute_fp8_mainloop_f1_matches_reference(d):
+def test_cute_fp8_mainloop_f1_matches_reference(d, transposed):
     """The fp8-mainloop F1 kernels against the reference in fp64 on the same e4m3 operands, with the
     bound of ``helpers.check_cute_matches_reference`` (2 x the in-precision reference's error + 2^-24),
     and Hq against the fp64 H quantized with the same scale: within one e4m3 step plus the kernel H's
@@ -188,7 +195,9 @@ def test_cute_fp8_mainloop_f1_matches_reference(d):
     operands (the same accumulator, another order), plus the residual in fp32, and S, H and X
     follow from it as in the epilogue. (The first run held the fp32-summed reference to the fp32
     output S: 2.9e-6 against a bound of 1.4e-7 at d = 2048; the bf16 outputs hid it under their own
-    rounding.)"""
+    rounding.) ``transposed``: the F1 that also stores Hq^T through an M-major 8-bit output
+    (``residual_rms_q_fp8_t``) is held to the same bounds, and its Hq^T must be its Hq transposed, bit
+    for bit (the same fp32 values through the same saturating conversion)."""
     from .helpers import assert_codes_within, fp8_mma_error, log_bound, poison, rel
 
     cute = get_backend("cute")
@@ -207,7 +216,15 @@ def test_cute_fp8_mainloop_f1_matches_reference(d):
     poison()
     out = list(cute.residual_rms_q(**kw))
     inv = inv_scale_from_amax(ref64[1].abs().amax().float())
-    out8 = cute.residual_rms_q_fp8(**kw, inv_scale=inv)
+    if transposed:
+        *out8, hq_t, amax8 = cute.residual_rms_q_fp8_t(**kw, inv_scale=inv)
+        out8.append(amax8)
+        assert hq_t.shape == (d, m) and hq_t.is_contiguous()
+        apart = (hq_t.view(torch.uint8) != out8[3].t().contiguous().view(torch.uint8)).float().mean().item()
+        log_bound(f"residual_rms_q_fp8_t Hq^T codes apart from its Hq transposed d={d}", err=apart, bound=0.0)
+        assert apart == 0.0
+    else:
+        out8 = cute.residual_rms_q_fp8(**kw, inv_scale=inv)
     torch.cuda.synchronize()
     for i, (o, r64, b) in enumerate(zip(out, ref64, bf)):
         assert o.shape == r64.shape and o.dtype == b.dtype and not o.isnan().any()

@@ -65,6 +65,7 @@ class Backend:
     residual_rms_fp8: Callable
     residual_rms_q: Callable  # F1 with an fp8 mainloop (fp8_down_proj / fp8_out_proj, no e4m3 H after it)
     residual_rms_q_fp8: Callable
+    residual_rms_q_fp8_t: Callable  # the same also writing Hq^T (fp8_mlp_h_t)
     norm_swiglu_fp8: Callable
     norm_swiglu_q_fp8: Callable  # F2 writing e4m3 y and amax |y| (fp8_down_proj after calibration)
     norm_rope_fp8: Callable
@@ -79,6 +80,7 @@ class Backend:
     wgrad_fp8: Callable
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
     wgrad_fp8_e4m3: Callable  # dW2 on B3's e4m3 y (fp8_down_wgrad)
+    wgrad_fp8_q: Callable  # dW13 on B3's e5m2 da and F1's e4m3 H^T (fp8_mlp_h_t)
 
 
 PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
@@ -86,7 +88,7 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
 TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
-                               "wgrad_fp8_e4m3", "quantize_delayed")
+                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "quantize_delayed")
 
 TORCH = Backend(
     name="torch",
@@ -109,6 +111,7 @@ TORCH = Backend(
     residual_rms_fp8=residual_rms.residual_rms_fp8,
     residual_rms_q=residual_rms.residual_rms_q,
     residual_rms_q_fp8=residual_rms.residual_rms_q_fp8,
+    residual_rms_q_fp8_t=residual_rms.residual_rms_q_fp8_t,
     norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8,
     norm_swiglu_q_fp8=norm_swiglu.norm_swiglu_q_fp8,
     norm_rope_fp8=norm_rope.norm_rope_fp8,
@@ -123,6 +126,7 @@ TORCH = Backend(
     wgrad_fp8=gemm.wgrad_fp8,
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
     wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3,
+    wgrad_fp8_q=gemm.wgrad_fp8_q,
 )
 
 
@@ -151,6 +155,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,
         residual_rms_q=residual_rms.residual_rms_q_op,
         residual_rms_q_fp8=residual_rms.residual_rms_q_fp8_op,
+        residual_rms_q_fp8_t=residual_rms.residual_rms_q_fp8_t_op,
         norm_swiglu_fp8=norm_swiglu.norm_swiglu_fp8_op,
         norm_swiglu_q_fp8=norm_swiglu.norm_swiglu_q_fp8_op,
         norm_rope_fp8=norm_rope.norm_rope_fp8_op,
@@ -165,6 +170,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         wgrad_fp8=gemm.wgrad_fp8_op,
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
         wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3_op,
+        wgrad_fp8_q=gemm.wgrad_fp8_q_op,
     )
     if set(traced or ()) - set(TRACEABLE):
         raise ValueError(f"only {TRACEABLE} can be traced, not {sorted(set(traced) - set(TRACEABLE))}")

@@ -176,6 +176,19 @@ def wgrad_fp8_e4m3(
     return ((gq.to(ct).t() @ inpq.to(ct)) * (s_g.to(ct) * inp_scale.to(ct))).to(out_dtype)
 
 
+def wgrad_fp8_q(
+    *, gradq: torch.Tensor, grad_scale: torch.Tensor, inpq: torch.Tensor, inp_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dW = (grad_scale * gradq)^T @ (inp_scale * inpq): both operands already fp8 (an e5m2 gradient, an
+    e4m3 input) with their scales, no cast of either (``fp8_mlp_h_t``)."""
+    _check_rows(gradq, inpq)
+    if gradq.dtype != E5M2 or inpq.dtype != E4M3:
+        raise TypeError(f"wgrad_fp8_q takes an e5m2 gradient and an e4m3 input, got {gradq.dtype} and {inpq.dtype}")
+    ct = compute_dtype(out_dtype)
+    return ((gradq.to(ct).t() @ inpq.to(ct)) * (grad_scale.to(ct) * inp_scale.to(ct))).to(out_dtype)
+
+
 # --- custom ops ------------------------------------------------------------------------------------
 
 
@@ -297,3 +310,15 @@ def wgrad_fp8_e4m3_op(
 @wgrad_fp8_e4m3_op.register_fake
 def _(grad, grad_amax, inpq, inp_scale, out_dtype):
     return grad.new_empty((grad.shape[1], inpq.shape[1]), dtype=out_dtype)
+
+
+@program_op("wgrad_fp8_q")
+def wgrad_fp8_q_op(
+    gradq: torch.Tensor, grad_scale: torch.Tensor, inpq: torch.Tensor, inp_scale: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return wgrad_fp8_q(gradq=gradq, grad_scale=grad_scale, inpq=inpq, inp_scale=inp_scale, out_dtype=out_dtype)
+
+
+@wgrad_fp8_q_op.register_fake
+def _(gradq, grad_scale, inpq, inp_scale, out_dtype):
+    return inpq.new_empty((gradq.shape[1], inpq.shape[1]), dtype=out_dtype)

@@ -12,7 +12,9 @@ None = the current amax, the calibration step).
 
 ``residual_rms_q`` / ``residual_rms_q_fp8``: the same programs with an fp8 mainloop, acc = scale *
 (yq @ Wq^T) on e4m3 operands (scale = s_y * s_w, their dequantization scales), for the
-down-projection and the out-projection forward in fp8 (issue 19; not yet wired into the model).
+down-projection and the out-projection forward in fp8 (``fp8_down_proj``, ``fp8_out_proj``).
+``residual_rms_q_fp8_t`` also writes Hq^T (d, M), the next consumer's weight-gradient operand
+(``fp8_mlp_h_t``).
 
 Backward (``coda_titan.model.autograd``): the consumer of H returns the fully assembled residual
 gradient D (norm backward + residual add, see ``norm_residual_bwd``), so F1's backward is two
@@ -88,6 +90,17 @@ def residual_rms_q_fp8(
     return xf.to(residual.dtype), h, tile_sumsq(xf, tile_n), hq, amax
 
 
+def residual_rms_q_fp8_t(
+    *, yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+    tile_n: int, inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, H, S, Hq, Hq^T, amax): ``residual_rms_q_fp8`` that also writes Hq transposed, (d, M) token-major:
+    the consumer's weight gradient reads the forward's codes as cuBLAS takes them (``fp8_mlp_h_t``)."""
+    x, h, s, hq, amax = residual_rms_q_fp8(yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n,
+                                           inv_scale=inv_scale)
+    return x, h, s, hq, hq.t().contiguous(), amax
+
+
 # --- custom ops ------------------------------------------------------------------------------------
 
 
@@ -157,3 +170,20 @@ def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
         torch.empty_like(residual), torch.empty_like(residual), residual.new_empty((residual.shape[0], 1), dtype=ct),
         residual.new_empty(residual.shape, dtype=E4M3), residual.new_empty((), dtype=ct),
     )
+
+
+@program_op("residual_rms_q_fp8_t")
+def residual_rms_q_fp8_t_op(
+    yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int,
+    inv_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, h, s, hq, hq_t, amax = residual_rms_q_fp8_t(
+        yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale
+    )
+    return x, h, s.sum(-1, keepdim=True), hq, hq_t, amax
+
+
+@residual_rms_q_fp8_t_op.register_fake
+def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+    x, h, s, hq, amax = residual_rms_q_fp8_op(yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    return x, h, s, hq, hq.new_empty((hq.shape[1], hq.shape[0])), amax

@@ -47,9 +47,11 @@ class ProgramConfig:
 @dataclass(frozen=True)
 class QuantizeH:
     """F1 also writes its H as e4m3 for the next consumer, with ``inv_scale`` (the site's delayed
-    scale; None = the current amax, the calibration step), and reports amax |H|."""
+    scale; None = the current amax, the calibration step), and reports amax |H|; with ``transposed``
+    (an F1 on an fp8 mainloop only; ``fp8_mlp_h_t``) also Hq^T, (d, M) token-major."""
 
     inv_scale: torch.Tensor | None
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,9 @@ class Fp8Input:
 
 def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
         fp8_in: Fp8Input | None, y_amax: torch.Tensor | None = None) -> tuple:
-    """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize``, then amax |y| with ``fp8_in``
-    (y cast to e4m3 and the GEMM on the fp8 mainloop; with ``y_amax``, y is that e4m3 y already,
-    quantized by its producer with ``fp8_in.inv``, and ``y_amax`` its amax)."""
+    """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize`` (and Hq^T with its ``transposed``),
+    then amax |y| with ``fp8_in`` (y cast to e4m3 and the GEMM on the fp8 mainloop; with ``y_amax``, y
+    is that e4m3 y already, quantized by its producer with ``fp8_in.inv``, and ``y_amax`` its amax)."""
     inv_next = None if quantize is None else quantize.inv_scale
     if fp8_in is None:
         f1 = dict(y=y, weight=weight, residual=residual, gamma=gamma_next, tile_n=tile_n)
@@ -90,6 +92,9 @@ def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: Qua
     inv_y = inv_scale_from_amax(amax_y) if fp8_in.inv is None else fp8_in.inv
     f1 = dict(yq=yq, wq=fp8_in.w, scale=dequant_scale(inv_y, fp8_in.s_w), residual=residual, gamma=gamma_next,
               tile_n=tile_n)
+    if quantize is not None and quantize.transposed:
+        x, h, s, hq, hq_t, amax = be.residual_rms_q_fp8_t(**f1, inv_scale=inv_next)
+        return x, h, s, hq, amax, hq_t, amax_y
     outs = be.residual_rms_q(**f1) if quantize is None else be.residual_rms_q_fp8(**f1, inv_scale=inv_next)
     return (*outs, amax_y)
 
@@ -112,6 +117,7 @@ class MlpFp8:
     down: Fp8Input | None = None
     w2_t: torch.Tensor | None = None
     s_w2: torch.Tensor | None = None
+    hq_t: torch.Tensor | None = None  # F1's Hq^T (``fp8_mlp_h_t``): dW13 reads it, and H is not saved
 
 
 def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype,
@@ -226,14 +232,17 @@ class NormSwiGLUResidual(torch.autograd.Function):
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         inv_y = fp8.down.inv if ctx.e5m2 and cfg.fp8_y_wgrad and fp8.down is not None else None
-        e5m2 = (fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2, inv_y) if ctx.e5m2 else (None,) * 7
-        ctx.save_for_backward(h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
+        lean = ctx.e5m2 and cfg.fp8_da_wgrad and fp8.f2.w_t is not None and fp8.h_amax is not None  # (as backward's)
+        h_t = fp8.hq_t if lean else None  # dW13 on the forward's e4m3 H^T: the bf16 H is not kept
+        e5m2 = ((fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2, inv_y, h_t, fp8.f2.inv_a)
+                if ctx.e5m2 else (None,) * 9)
+        ctx.save_for_backward(None if h_t is not None else h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
         ctx.cfg = cfg
         return outs
 
     @staticmethod
     def backward(ctx, dx_out, *_):
-        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y = ctx.saved_tensors
+        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y, h_t, inv_h = ctx.saved_tensors
         be = ctx.cfg.backend
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
@@ -271,7 +280,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                     inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         else:
             dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
-        if lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
+        if lean and h_t is not None:  # fp8_mlp_h_t: and on F2's e4m3 H codes, F1's H^T (no cast of H)
+            dw13 = be.wgrad_fp8_q(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inpq=h_t.t(),
+                                  inp_scale=inv_h.reciprocal(), out_dtype=w13.dtype)
+        elif lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
             dw13 = be.wgrad_fp8_e5m2(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inp=h,
                                      inp_amax=h_amax, out_dtype=w13.dtype)
         else:

@@ -41,13 +41,11 @@ from .rope import rope_freqs
 
 @dataclass(frozen=True)
 class LayerFp8:
-    """One layer's fp8 inputs (precision = "fp8"): the e4m3 H of its attention input (``attn``'s
-    hq, quantized with ``attn.inv_a``) and its e4m3 W_qkv; the delayed scales of its MLP input
-    (``inv_ffn``) and of the next layer's input (``inv_next``; None = calibrate on the current amax),
-    ``last`` for the last layer; its e4m3 W13 (``w13``, scale ``s_13``, transposed ``w13_t`` or
-    None); the MLP's delayed gradient scale and amax sink (None, None without an e5m2 gradient);
-    whether dW13 runs on fp8; the down- and out-projections' e4m3 weights and delayed input scales
-    (``fp8_down_proj``, ``fp8_out_proj``)."""
+    """One layer's fp8 inputs: its attention input's e4m3 H (``attn.hq``, scale ``attn.inv_a``) and W_qkv;
+    the delayed scales of its MLP input (``inv_ffn``) and the next layer's (``inv_next``; None = calibrate
+    on the current amax), ``last``; its e4m3 W13 (scale ``s_13``, transposed ``w13_t`` or None); the MLP's
+    delayed gradient scale and amax sink (None without an e5m2 gradient); whether dW13 runs on fp8; the
+    F1 input sites' e4m3 weights and delayed input scales (``fp8_down_proj``, ``fp8_out_proj``)."""
 
     attn: Fp8Operands
     inv_ffn: torch.Tensor | None
@@ -63,6 +61,7 @@ class LayerFp8:
     out: Fp8Input | None = None
     w2_t: torch.Tensor | None = None  # e4m3 W2^T and its scale, for B3 on fp8 (fp8_down_dgrad)
     s_w2: torch.Tensor | None = None
+    mlp_h_t: bool = False  # the out-projection's F1 also writes Hq^T, dW13's input (fp8_mlp_h_t)
 
 
 class CodaTransformerBlock(TransformerBlock):
@@ -93,16 +92,16 @@ class CodaTransformerBlock(TransformerBlock):
             x, h, s = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg)
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
             return x, h, rstd
-        out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn), fp8.out)
+        out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn, fp8.mlp_h_t), fp8.out)
         x, h, s, hq, amax_ffn = out[:5]
-        amax_o = out[5] if fp8.out is not None else None
+        amax_o, hq_t = out[-1] if fp8.out is not None else None, out[5] if fp8.mlp_h_t else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         inv_ffn = inv_scale_from_amax(amax_ffn) if fp8.inv_ffn is None else fp8.inv_ffn  # calibration: current
         mlp = MlpFp8(
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
-            w2_t=fp8.w2_t, s_w2=fp8.s_w2,
+            w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t,
         )
         out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink)
         x, h, s = out[:3]
@@ -346,6 +345,7 @@ class CodaTransformer(Transformer):
         grad = torch.is_grad_enabled()  # (the transposed weights and gradient sites serve the backward only)
         flags = self._weight_pass_flags(grad)
         mlp_dgrad, mlp_wgrad, inputs = flags[0], coda.fp8_mlp_wgrad and grad, flags[3]
+        h_t = coda.fp8_mlp_h_t and mlp_dgrad and mlp_wgrad and coda.fp8_mlp_wgrad_e5m2 and "out" in inputs  # (dW13's)
 
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)
@@ -385,7 +385,7 @@ class CodaTransformer(Transformer):
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
                 down=f1_in.get("down"), out=f1_in.get("out"),
-                w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1],
+                w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], mlp_h_t=h_t,
             )
             x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]

@@ -43,14 +43,13 @@ class Coda:
     fp8_dgrad: bool = knob(False, "fp8: the QKV dgrad on an e5m2 gradient (off: measured slower at 1B)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
-    fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8 with fp8_mlp_dgrad and fp8_mlp_wgrad: dW13 reads B3's e5m2 da; "
-                                           "no bf16 da is written")
+    fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8: dW13 reads B3's e5m2 da; no bf16 da is written")
     fp8_down_proj: bool = knob(True, "fp8: the W2 forward on fp8, F2 writing e4m3 y (delayed scale)")
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
-    fp8_mlp_da_t: bool = knob(True, "fp8 with fp8_mlp_wgrad_e5m2: B3 also writes da^T (and y^T with "
-                                    "fp8_down_wgrad), so dW13 (dW2) reads no copy")
-    fp8_down_wgrad: bool = knob(True, "fp8 with fp8_mlp_wgrad_e5m2 and fp8_down_proj: B3 writes y (y^T with "
-                                      "fp8_mlp_da_t) as e4m3 and dW2 runs on it")
+    fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (y^T with fp8_down_wgrad): no copy for dW13 (dW2)")
+    fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
+    fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on the forward's e4m3 H^T, written by F1; no bf16 H kept "
+                                    "(not yet GPU-run)")
     fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: B3's GEMM on fp8, its gradient cast to e5m2 (current "
                                        "power-of-two scale); off: its parity run missed")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (measured "
@@ -138,6 +137,8 @@ def validate(coda: Coda) -> Coda:
 NEEDS = {
     "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
+    "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
+                     "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
 }
 
 

@@ -77,6 +77,19 @@ def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
 
 
 @gemm_epilogue(
+    outputs=("resid_out", "hq", "hqt"),
+    ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def rms_partial_scaled_fp8_t_epi(acc, c, weight, scale, inv_scale):
+    """``rms_partial_scaled_fp8_epi`` also storing the same e4m3 values through an M-major 8-bit output
+    ``hqt`` (Hq^T, as B3's da^T: ``residual_rms_q_fp8_t``)."""
+    x = acc * scale + c
+    h = x * weight
+    return {"D": h, "resid_out": x, "sqsum": (x, x), "hq": h * inv_scale, "hqt": h * inv_scale, "amax": h}
+
+
+@gemm_epilogue(
     outputs=("postact",),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale")},
     mode="acc_pair",

@@ -15,6 +15,7 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
                      operands only, and a weight gradient contracts over the tokens
 wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
 wgrad_fp8_e4m3       the same on B3's e4m3 y: its token-major copy, the gradient's cast-and-transpose
+wgrad_fp8_q          the same on two fp8 operands with their scales, no cast (B3's da^T, F1's H^T)
 """
 
 from __future__ import annotations
@@ -203,3 +204,30 @@ def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
     if _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype):
         return ref.wgrad_fp8_e4m3_op(grad, grad_amax, inpq, inp_scale, out_dtype)  # the op says why, once
     return _scaled_wgrad(*_wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale), out_dtype)
+
+
+def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale):
+    """(``_scaled_wgrad``'s operands): both fp8 operands' token-major copies (none where they are the
+    transposed views of token-major buffers, as B3's da^T and F1's H^T) with their given scales."""
+    return gradq.t().contiguous(), grad_scale.float().reshape(()), inpq.t().contiguous(), inp_scale.float().reshape(())
+
+
+def _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype) -> str | None:
+    why = _unsupported_fp8_operand(gradq, dtypes=(E5M2,)) or _unsupported_fp8_operand(inpq)
+    return why or _wgrad_shapes_unsupported(gradq, inpq, out_dtype)
+
+
+@torch.library.register_kernel("coda::wgrad_fp8_q", "cuda")
+def _wgrad_fp8_q(gradq, grad_scale, inpq, inp_scale, out_dtype):
+    why = _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype)
+    if why:
+        return fallback(ref.wgrad_fp8_q_op, why, gradq, grad_scale, inpq, inp_scale, out_dtype)
+    with first_call("wgrad_fp8_q", gradq, inpq):
+        return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale), out_dtype)
+
+
+def wgrad_fp8_q_traced(*, gradq, grad_scale, inpq, inp_scale, out_dtype):
+    """``coda::wgrad_fp8_q`` as code a compiled caller traces (``TRACED``)."""
+    if _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype):
+        return ref.wgrad_fp8_q_op(gradq, grad_scale, inpq, inp_scale, out_dtype)  # the op says why, once
+    return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale), out_dtype)

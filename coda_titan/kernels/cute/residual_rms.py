@@ -7,6 +7,8 @@ residual_rms_fp8  ``epilogues.rms_partial_fp8_epi``: the same plus e4m3 Hq = sat
 residual_rms_q    ``epilogues.rms_partial_scaled_epi`` on e4m3 yq and Wq (fp8 mainloop, fast
                   accumulation as every fp8 program here): X = scale * acc + residual
 residual_rms_q_fp8  ``epilogues.rms_partial_scaled_fp8_epi``: the same plus e4m3 Hq and amax |H|
+residual_rms_q_fp8_t  ``epilogues.rms_partial_scaled_fp8_t_epi``: also Hq^T through an M-major 8-bit output
+                  (a view of a (d, M) buffer), as B3 stores da^T
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from quack.epilogue.library import rms_partial_epi
 from .. import residual_rms as ref
 from ..scaling import E4M3
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi
+from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi, rms_partial_scaled_fp8_t_epi
 
 
 @torch.library.register_kernel("coda::residual_rms", "cuda")
@@ -86,3 +88,22 @@ def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
         res = gemm(rms_partial_scaled_fp8_epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq},
                    weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
     return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
+
+
+@torch.library.register_kernel("coda::residual_rms_q_fp8_t", "cuda")
+def _residual_rms_q_fp8_t(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+    why = _q_unsupported(yq, wq, residual)
+    if why is None and inv_scale is None:
+        why = "a current-amax scale (the calibration step)"
+    if why is None and residual.shape[0] % 16:
+        why = f"{residual.shape[0]} rows (the transposed store needs % 16)"
+    if why:
+        return fallback(ref.residual_rms_q_fp8_t_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    x = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
+    hq_t = torch.empty((residual.shape[1], residual.shape[0]), device=residual.device, dtype=E4M3)  # M-major view
+    with first_call("residual_rms_q_fp8_t", yq, wq):
+        res = gemm(rms_partial_scaled_fp8_t_epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq, "hqt": hq_t.t()},
+                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
+    return x, h, res["sqsum"].unsqueeze(1), hq, hq_t, res["amax"].amax()

@@ -42,6 +42,8 @@
 #                  compiled baseline (PREC=fp8 (default) or bf16)
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
+#     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
+#     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
@@ -237,6 +239,13 @@ for phase in "$@"; do
     b3configs)
       # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)
       python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 plain_fp8 b3_t b3_t_q ${CONFIGS:+--configs $CONFIGS}
+      ;;
+    mlpht)
+      # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass
+      ab fp8_mlp_h_t h_t h_cast fp8_mlp_h_t
+      ;;
+    mlphtparity)
+      curves fp8_mlp_h_t h_t "fp8_mlp_h_t = true"
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

@@ -703,8 +703,9 @@ def test_whole_1b_model_cute_matches_torch_backend():
                          [(False, False, False, False, True), (True, False, False, False, True),
                           (True, True, False, False, True), (True, True, False, False, False),
                           (True, False, True, False, True), (True, False, False, True, True),
-                          (True, True, False, False, "da_t"), (True, True, True, False, "da_t")])
-# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad)
+                          (True, True, False, False, "da_t"), (True, True, True, False, "da_t"),
+                          (True, True, False, False, "h_t")])
+# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad, "h_t": and fp8_mlp_h_t)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, down_dgrad, layer_wgrads, e5m2):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
     in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
@@ -722,15 +723,15 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, dow
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj, out_proj=down_proj, down_dgrad=down_dgrad,
-                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 == "da_t",
-                      down_wgrad=e5m2 == "da_t")  # (down_proj: both F1 input sites)
+                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 in ("da_t", "h_t"),
+                      down_wgrad=e5m2 in ("da_t", "h_t"), h_t=e5m2 == "h_t")  # (down_proj: both F1 input sites)
     losses, s = res["losses"], summary(res)
     bound = 2 * s["worst_order_ratio"]
     print(f"model (mlp_dgrad {mlp_dgrad}, down_proj {down_proj}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
           f"reordered {losses['reordered']:.6f} bf16 {losses['bf16']:.6f}; worst gradient deviation / fp8 effect "
           f"{s['worst_ratio']:.3f} at {s['worst']}, reordered sums {s['worst_order_ratio']:.3f} at {s['worst_order']}")
     log_bound(f"whole-1B fp8 (mlp_dgrad {mlp_dgrad}{', down_proj' if down_proj else ''}{', down_dgrad' if down_dgrad else ''}"
-              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', da_t' if e5m2 == 'da_t' else ''}) "
+              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', ' + e5m2 if e5m2 in ('da_t', 'h_t') else ''}) "
               "worst dev / fp8 effect", err=s["worst_ratio"], bound=bound,
               worst=s["worst"], worst_order=s["worst_order"], losses=losses)
     assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])

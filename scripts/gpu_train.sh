@@ -44,6 +44,8 @@
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
+#     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
+#     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
@@ -246,6 +248,13 @@ for phase in "$@"; do
       ;;
     mlphtparity)
       curves fp8_mlp_h_t h_t "fp8_mlp_h_t = true"
+      ;;
+    qkvwgrad)
+      # dW_qkv on fp8 from F3's e4m3 H (kept instead of the bf16 H) against the bf16 dW_qkv
+      ab fp8_qkv_wgrad qkv_fp8 qkv_bf16 fp8_qkv_wgrad
+      ;;
+    qkvwgradparity)
+      curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

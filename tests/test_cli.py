@@ -160,7 +160,7 @@ def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
                      ("fp8_down_dgrad", "fp8_mlp_dgrad = false"))
     _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--coda.fp8_layer_wgrads"],
                      ("fp8_layer_wgrads", 'precision = "bf16"'))
-    for knob in ("fp8_down_dgrad", "fp8_layer_wgrads", "fp8_mlp_h_t"):
+    for knob in ("fp8_down_dgrad", "fp8_layer_wgrads", "fp8_mlp_h_t", "fp8_qkv_wgrad"):
         args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", **{knob: True}))
         with pytest.raises(ConfigError, match=knob):
             CodaTransformer(args)

@@ -251,7 +251,8 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_layer_wgrads"), ("traced", "sdpa", "bf16"), ("traced", "sdpa", "fp8_layer_wgrads"),
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
-     ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t")],
+     ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
+     ("traced", "sdpa", "fp8_qkv_wgrad")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
@@ -268,6 +269,7 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision.startswith("fp8_down_dgrad"),
                 fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
                 fp8_out_proj=precision in ("fp8_down", "fp8_mlp_h_t"), fp8_mlp_h_t=precision == "fp8_mlp_h_t",
+                fp8_qkv_wgrad=precision == "fp8_qkv_wgrad",
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
@@ -328,6 +330,7 @@ def _models(**kw):
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
         fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
+        fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -704,8 +707,9 @@ def test_whole_1b_model_cute_matches_torch_backend():
                           (True, True, False, False, True), (True, True, False, False, False),
                           (True, False, True, False, True), (True, False, False, True, True),
                           (True, True, False, False, "da_t"), (True, True, True, False, "da_t"),
-                          (True, True, False, False, "h_t")])
-# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad, "h_t": and fp8_mlp_h_t)
+                          (True, True, False, False, "h_t"), (True, True, False, False, "qkv_wgrad")])
+# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad, "h_t" / "qkv_wgrad":
+# and fp8_mlp_h_t / fp8_qkv_wgrad)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, down_dgrad, layer_wgrads, e5m2):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
     in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
@@ -723,15 +727,16 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, dow
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj, out_proj=down_proj, down_dgrad=down_dgrad,
-                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 in ("da_t", "h_t"),
-                      down_wgrad=e5m2 in ("da_t", "h_t"), h_t=e5m2 == "h_t")  # (down_proj: both F1 input sites)
+                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 in ("da_t", "h_t", "qkv_wgrad"),
+                      down_wgrad=e5m2 in ("da_t", "h_t", "qkv_wgrad"), h_t=e5m2 == "h_t",
+                      qkv_wgrad=e5m2 == "qkv_wgrad")  # (down_proj: both F1 input sites)
     losses, s = res["losses"], summary(res)
     bound = 2 * s["worst_order_ratio"]
     print(f"model (mlp_dgrad {mlp_dgrad}, down_proj {down_proj}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
           f"reordered {losses['reordered']:.6f} bf16 {losses['bf16']:.6f}; worst gradient deviation / fp8 effect "
           f"{s['worst_ratio']:.3f} at {s['worst']}, reordered sums {s['worst_order_ratio']:.3f} at {s['worst_order']}")
     log_bound(f"whole-1B fp8 (mlp_dgrad {mlp_dgrad}{', down_proj' if down_proj else ''}{', down_dgrad' if down_dgrad else ''}"
-              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', ' + e5m2 if e5m2 in ('da_t', 'h_t') else ''}) "
+              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', ' + e5m2 if e5m2 in ('da_t', 'h_t', 'qkv_wgrad') else ''}) "
               "worst dev / fp8 effect", err=s["worst_ratio"], bound=bound,
               worst=s["worst"], worst_order=s["worst_order"], losses=losses)
     assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])
@@ -922,6 +927,24 @@ def test_fp8_down_dgrad_with_da_t_runs_the_transposed_b3_on_its_fp8_gemm(down_wg
             assert torch.equal(g_on[k], g_off[k]), k
 
 
+def _saved_bytes(models: dict, tokens, labels) -> dict:
+    """Bytes each model's forward saves for its backward (every saved tensor, by the autograd hooks); the
+    backward runs too."""
+    saved = {}
+    for key, m in models.items():
+        saved[key] = 0
+
+        def pack(t, key=key):
+            saved[key] += t.numel() * t.element_size()
+            return t
+
+        m.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(tokens, labels=labels)
+        loss.backward()
+    return saved
+
+
 def test_fp8_mlp_h_t_takes_dw13_from_f1s_transposed_h_and_keeps_no_bf16_h():
     """``fp8_mlp_h_t``: the out-projection's F1 also writes Hq^T (``residual_rms_q_fp8_t``), the codes F2
     multiplies, and dW13 is the fp8 GEMM of B3's da^T and that Hq^T (``wgrad_fp8_q``): no cast of H,
@@ -933,20 +956,10 @@ def test_fp8_mlp_h_t_takes_dw13_from_f1s_transposed_h_and_keeps_no_bf16_h():
     _, on = _models(**kw, fp8_mlp_h_t=True)
     calls = _spy(on, ("residual_rms_q_fp8_t", "wgrad_fp8_q", "wgrad_fp8_e5m2"))
     tokens, labels = _batch(on.model_args.vocab_size)
-    n, steps, saved = len(on.layers), [], {}
-
-    def pack(t):
-        saved[key] += t.numel() * t.element_size()
-        return t
-
+    n, steps = len(on.layers), []
     for _ in range(2):  # the calibration step (current scales), then the delayed scales
         calls.clear()
-        for key, m in (("bf16", bf16), ("off", off), ("on", on)):
-            m.zero_grad()
-            saved[key] = 0
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = m(tokens, labels=labels)
-            loss.backward()
+        saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
         steps.append(sorted(calls))
     assert steps == [sorted(["residual_rms_q_fp8_t", "wgrad_fp8_q"] * n)] * 2, steps
     m_tokens, dim = tokens.numel(), on.model_args.dim
@@ -957,6 +970,33 @@ def test_fp8_mlp_h_t_takes_dw13_from_f1s_transposed_h_and_keeps_no_bf16_h():
     for k in g_on.keys() - w13:
         assert torch.equal(g_on[k], g_off[k]), k
     for k in w13:
+        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+
+
+def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
+    """``fp8_qkv_wgrad``: dW_qkv is torchao's fp8 weight gradient on the e4m3 H that F3 multiplied (its
+    delayed scale) and the gradient cast with its current power-of-two scale (``wgrad_fp8_e4m3``); the
+    QKV Function keeps that e4m3 H (and its 0-dim scale) instead of the bf16 H. Against the model without
+    it only dW_q, dW_k and dW_v move; it tracks the bf16 model; the saved activations shrink by exactly
+    H less its e4m3 codes and scale per layer."""
+    bf16, off = _models()
+    _, on = _models(fp8_qkv_wgrad=True)
+    calls = _spy(on, ("wgrad", "wgrad_fp8_e4m3"), lambda name, k: (name, tuple(k.get("inpq", k.get("inp")).shape)))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, dim = len(on.layers), on.model_args.dim
+    for _ in range(2):  # the calibration step, then the delayed scales
+        calls.clear()
+        saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
+    assert sorted(c for c in calls if c[0] == "wgrad_fp8_e4m3") == [("wgrad_fp8_e4m3", (tokens.numel(), dim))] * n
+    h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
+    assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
+    g_off, g_on = _grads(off), _grads(on)
+    qkv = {k for k in g_on if k.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))}
+    assert len(qkv) == 3 * n
+    for k in g_on.keys() - qkv:
+        assert torch.equal(g_on[k], g_off[k]), k
+    for k in qkv:
         assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
     _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 

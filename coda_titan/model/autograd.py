@@ -42,6 +42,7 @@ class ProgramConfig:
     fp8_da_wgrad: bool = False  # dW13 on B3's e5m2 da, no bf16 da (``fp8_mlp_wgrad_e5m2``)
     fp8_y_wgrad: bool = False  # with it and the down site calibrated: dW2 on B3's e4m3 y (``fp8_down_wgrad``)
     fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
+    fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqle
 
 class NormRoPE(torch.autograd.Function):
     """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
-    zdz, which also casts da to e5m2 when ``fp8.w_t`` is given) -> B2 -> wgrad (bf16)."""
+    zdz, which also casts da to e5m2 when ``fp8.w_t`` is given) -> B2 -> wgrad (bf16; with
+    ``cfg.fp8_qkv_wgrad`` on fp8: da cast, times the e4m3 H F3 read, kept instead of the bf16 H)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
@@ -180,13 +182,14 @@ class NormRoPE(torch.autograd.Function):
             qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
                                             out_dtype=h.dtype, **rope)
         w_t, s_w = (None, None) if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w)
-        ctx.save_for_backward(h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w)
+        hq, inv_h = (fp8.hq, fp8.inv_a) if fp8 is not None and cfg.fp8_qkv_wgrad else (None, None)
+        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         return qkv, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w = ctx.saved_tensors
+        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h = ctx.saved_tensors
         be = ctx.cfg.backend
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
@@ -197,7 +200,11 @@ class NormRoPE(torch.autograd.Function):
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
-        dwq, dwk, dwv = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype).split([wq.shape[0], wk.shape[0], wv.shape[0]])
+        if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, the gradient cast and the forward's e4m3 input
+            dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None, inpq=hq, inp_scale=inv_h.reciprocal(), out_dtype=w.dtype)
+        else:
+            dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)
+        dwq, dwk, dwv = dw.split([wq.shape[0], wk.shape[0], wv.shape[0]])
         return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv)
 
 

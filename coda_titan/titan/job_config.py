@@ -50,12 +50,12 @@ class Coda:
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on the forward's e4m3 H^T, written by F1; no bf16 H kept "
                                     "(not yet GPU-run)")
-    fp8_down_dgrad: bool = knob(False, "fp8 with fp8_mlp_dgrad: B3's GEMM on fp8, its gradient cast to e5m2 (current "
-                                       "power-of-two scale); off: its parity run missed")
-    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o and dW2 on fp8 as fp8_mlp_wgrad does dW13 (measured "
-                                         "1% slower)")
-    trace_passes: bool = knob(True, "cute + compile: B1's pass and the weight / input gradient GEMMs traced into the "
-                                    "compiled graph, not opaque ops (less memory; docs/cute_backend.md)")
+    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on fp8 from F3's e4m3 H, kept instead of H (not yet GPU-run)")
+    fp8_down_dgrad: bool = knob(False, "fp8: B3's GEMM on fp8, D cast to e5m2 (measured level; its parity run "
+                                       "missed)")
+    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (measured 1% slower)")
+    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the compiled graph "
+                                    "(less memory; docs/cute_backend.md)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "
                                         "stream (docs/fp8.md)")
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (mode reduce-overhead); one GPU, no AC; "
@@ -137,6 +137,7 @@ def validate(coda: Coda) -> Coda:
 NEEDS = {
     "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
+    "fp8_qkv_wgrad": ({"precision": "fp8"}, "it runs dW_qkv on fp8"),
     "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
                      "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
 }

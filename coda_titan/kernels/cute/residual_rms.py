@@ -74,36 +74,41 @@ def _residual_rms_q(yq, wq, scale, residual, gamma, tile_n):
     return x, h, res["sqsum"].unsqueeze(1)
 
 
-@torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")
-def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+def _q_fp8_unsupported(yq, wq, residual, inv_scale) -> str | None:
     why = _q_unsupported(yq, wq, residual)
     if why is None and inv_scale is None:
         why = "a current-amax scale (the calibration step)"
-    if why:
-        return fallback(ref.residual_rms_q_fp8_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    return why
+
+
+def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale, **more_out):
+    """F1 on the fp8 mainloop writing e4m3 Hq (``epi``; ``more_out``: its further outputs):
+    (X, H, S, Hq, amax |H|)."""
     x = torch.empty_like(residual)
     h = torch.empty_like(residual)
     hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
-    with first_call("residual_rms_q_fp8", yq, wq):
-        res = gemm(rms_partial_scaled_fp8_epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq},
+    with first_call(name, yq, wq):
+        res = gemm(epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq, **more_out},
                    weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
     return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
 
 
+@torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")
+def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
+    why = _q_fp8_unsupported(yq, wq, residual, inv_scale)
+    if why:
+        return fallback(ref.residual_rms_q_fp8_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    return _f1_q_fp8("residual_rms_q_fp8", rms_partial_scaled_fp8_epi, yq, wq, scale, residual, gamma, inv_scale)
+
+
 @torch.library.register_kernel("coda::residual_rms_q_fp8_t", "cuda")
 def _residual_rms_q_fp8_t(yq, wq, scale, residual, gamma, tile_n, inv_scale):
-    why = _q_unsupported(yq, wq, residual)
-    if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"
+    why = _q_fp8_unsupported(yq, wq, residual, inv_scale)
     if why is None and residual.shape[0] % 16:
         why = f"{residual.shape[0]} rows (the transposed store needs % 16)"
     if why:
         return fallback(ref.residual_rms_q_fp8_t_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
-    x = torch.empty_like(residual)
-    h = torch.empty_like(residual)
-    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
     hq_t = torch.empty((residual.shape[1], residual.shape[0]), device=residual.device, dtype=E4M3)  # M-major view
-    with first_call("residual_rms_q_fp8_t", yq, wq):
-        res = gemm(rms_partial_scaled_fp8_t_epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq, "hqt": hq_t.t()},
-                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
-    return x, h, res["sqsum"].unsqueeze(1), hq, hq_t, res["amax"].amax()
+    x, h, s, hq, amax = _f1_q_fp8("residual_rms_q_fp8_t", rms_partial_scaled_fp8_t_epi, yq, wq, scale, residual, gamma,
+                                  inv_scale, hqt=hq_t.t())
+    return x, h, s, hq, hq_t, amax

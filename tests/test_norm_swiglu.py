@@ -465,7 +465,8 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     pass) are fp8 GEMMs on the same codes as ``wgrad_fp8_e5m2`` on daq, with cuBLAS free to pick
     another kernel for the other shape: each within the fp8 GEMM's bound of the exact product (the
     wgrad test above), so within twice that of each other. With inv_y, y^T (M-major e4m3 store) is
-    the bits of the n-major e4m3 y of ``swiglu_bwd_e5m2``, transposed."""
+    the bits of the n-major e4m3 y of ``swiglu_bwd_e5m2``, transposed. ``wgrad_fp8_q`` on the whole
+    da^T and an e4m3 H^T is within that bound of the exact product of its codes."""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels._common import deinterleave_rows
     from coda_titan.kernels.scaling import E5M2_MAX
@@ -496,6 +497,15 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     for got, want in zip(halves, (dw1, dw3)):
         log_bound("wgrad_fp8_e5m2 on da^T halves vs on da", err=rel(got, want), bound=bound)
         assert got.shape == want.shape and rel(got, want) <= bound
+    # fp8_mlp_h_t: dW13 as one fp8 GEMM of the whole da^T and an e4m3 H^T, both given with their scales
+    # (``wgrad_fp8_q``, no copy of either): against fp64 on the same codes, the fp8 wgrad bound (above)
+    inv_x = 300 / x.float().abs().amax()
+    xq_t = quantize_e4m3(x.float(), inv_x).t().contiguous()
+    exact = (daq_t.double() / inv_g.double()) @ (xq_t.double().t() / inv_x.double())
+    dw = cute.wgrad_fp8_q(gradq=daq_t.t(), grad_scale=1 / inv_g, inpq=xq_t.t(), inp_scale=1 / inv_x, out_dtype=BF)
+    err, bound = rel(dw, exact), 2.0**-13 * math.sqrt(m / 32) + 2.0**-8
+    log_bound("wgrad_fp8_q on da^T and H^T vs fp64 on the same codes", err=err, bound=bound)
+    assert dw.shape == (2 * ff, d) and dw.isfinite().all() and err <= bound
 
 
 @pytest.mark.gpu

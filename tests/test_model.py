@@ -812,6 +812,21 @@ def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
     assert steps == [sorted(["norm_swiglu_fp8", "quantize_delayed"] * n), ["norm_swiglu_q_fp8"] * n], steps
 
 
+def _assert_moves_only(models, tokens, labels, suffixes: tuple[str, ...]) -> None:
+    """``on`` against ``off`` (same weights, same steps run): exactly the parameters named by ``suffixes``
+    (one each per layer) get other gradients, each within 10% of ``off``'s, every other gradient bit for
+    bit the same; and ``on`` tracks the bf16 model (``_assert_tracks``)."""
+    bf16, off, on = models
+    g_off, g_on = _grads(off), _grads(on)
+    moved = {k for k in g_on if k.endswith(suffixes)}
+    assert len(moved) == len(suffixes) * len(on.layers), sorted(moved)
+    for k in g_on.keys() - moved:
+        assert torch.equal(g_on[k], g_off[k]), k
+    for k in moved:
+        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+
+
 def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else():
     """``fp8_mlp_wgrad_e5m2``: B3 writes no bf16 da (``swiglu_bwd_e5m2``) and dW13 reads B3's e5m2 da
     (``wgrad_fp8_e5m2``), in the calibration step too (its da scale is the current amax's there, as
@@ -830,14 +845,7 @@ def test_fp8_mlp_wgrad_e5m2_takes_dw13_from_b3s_e5m2_da_and_changes_nothing_else
             m(tokens, labels=labels).backward()
         steps.append(sorted(calls))
     assert steps == [sorted(["swiglu_bwd_e5m2", "wgrad_fp8_e5m2"] * n)] * 2, steps
-    g_off, g_on = _grads(off), _grads(on)
-    w13 = {k for k in g_on if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight"))}
-    assert len(w13) == 2 * n
-    for k in g_on.keys() - w13:
-        assert torch.equal(g_on[k], g_off[k]), k
-    for k in w13:
-        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
-    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+    _assert_moves_only((bf16, off, on), tokens, labels, ("feed_forward.w1.weight", "feed_forward.w3.weight"))
 
 
 @pytest.mark.parametrize("down_wgrad", [False, True])
@@ -965,13 +973,7 @@ def test_fp8_mlp_h_t_takes_dw13_from_f1s_transposed_h_and_keeps_no_bf16_h():
     m_tokens, dim = tokens.numel(), on.model_args.dim
     h_bytes = m_tokens * dim * torch.empty((), dtype=torch.get_default_dtype()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - m_tokens * dim), saved
-    g_off, g_on = _grads(off), _grads(on)
-    w13 = {k for k in g_on if k.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight"))}
-    for k in g_on.keys() - w13:
-        assert torch.equal(g_on[k], g_off[k]), k
-    for k in w13:
-        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
-    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+    _assert_moves_only((bf16, off, on), tokens, labels, ("feed_forward.w1.weight", "feed_forward.w3.weight"))
 
 
 def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
@@ -991,14 +993,7 @@ def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
     assert sorted(c for c in calls if c[0] == "wgrad_fp8_e4m3") == [("wgrad_fp8_e4m3", (tokens.numel(), dim))] * n
     h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
-    g_off, g_on = _grads(off), _grads(on)
-    qkv = {k for k in g_on if k.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))}
-    assert len(qkv) == 3 * n
-    for k in g_on.keys() - qkv:
-        assert torch.equal(g_on[k], g_off[k]), k
-    for k in qkv:
-        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
-    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+    _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))
 
 
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():
@@ -1021,14 +1016,7 @@ def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_sca
         steps.append(sorted(c for c in calls if c[0] != "wgrad" or c[1]))
     assert steps[0] == [("swiglu_bwd_e5m2", False)] * n and ("wgrad_fp8_e4m3", True) not in steps[0], steps
     assert steps[1] == sorted([("swiglu_bwd_e5m2", True), ("wgrad_fp8_e4m3", True)] * n), steps
-    g_off, g_on = _grads(off), _grads(on)
-    w2 = {k for k in g_on if k.endswith("feed_forward.w2.weight")}
-    assert len(w2) == n
-    for k in g_on.keys() - w2:
-        assert torch.equal(g_on[k], g_off[k]), k
-    for k in w2:
-        assert not torch.equal(g_on[k], g_off[k]) and rel(g_on[k], g_off[k]) < 0.1, k
-    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
+    _assert_moves_only((bf16, off, on), tokens, labels, ("feed_forward.w2.weight",))
 
 
 @pytest.mark.gpu

@@ -133,9 +133,15 @@ def wgrad_fp8(
 ) -> torch.Tensor:
     """dW = grad^T @ inp on fp8 operands (module docstring), in ``out_dtype``."""
     _check_rows(grad, inp)
-    gq, s_g, xq, s_x = wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
+    return _scaled_product(*wgrad_fp8_operands(grad, grad_amax, inp, inp_amax), out_dtype)
+
+
+def _scaled_product(gq: torch.Tensor, s_g: torch.Tensor, xq: torch.Tensor, s_x: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """(s_g gq)^T @ (s_x xq) of a weight gradient's fp8 operands: exact products, summed in the compute
+    dtype of ``out_dtype``, scaled once, rounded once to ``out_dtype``."""
     ct = compute_dtype(out_dtype)
-    return ((gq.to(ct).t() @ xq.to(ct)) * (s_g * s_x).to(ct)).to(out_dtype)
+    return ((gq.to(ct).t() @ xq.to(ct)) * (s_g.to(ct) * s_x.to(ct))).to(out_dtype)
 
 
 def wgrad_fp8_grad(grad: torch.Tensor, grad_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +164,7 @@ def wgrad_fp8_e5m2(
     _check_rows(gradq, inp)
     if gradq.dtype != E5M2:
         raise TypeError(f"wgrad_fp8_e5m2 takes an e5m2 gradient, got {gradq.dtype}")
-    ct = compute_dtype(out_dtype)
-    xq, s_x = wgrad_fp8_input(inp, inp_amax)
-    return ((gradq.to(ct).t() @ xq.to(ct)) * (grad_scale.to(ct) * s_x.to(ct))).to(out_dtype)
+    return _scaled_product(gradq, grad_scale, *wgrad_fp8_input(inp, inp_amax), out_dtype)
 
 
 def wgrad_fp8_e4m3(
@@ -171,9 +175,7 @@ def wgrad_fp8_e4m3(
     _check_rows(grad, inpq)
     if inpq.dtype != E4M3:
         raise TypeError(f"wgrad_fp8_e4m3 takes an e4m3 input, got {inpq.dtype}")
-    ct = compute_dtype(out_dtype)
-    gq, s_g = wgrad_fp8_grad(grad, grad_amax)
-    return ((gq.to(ct).t() @ inpq.to(ct)) * (s_g.to(ct) * inp_scale.to(ct))).to(out_dtype)
+    return _scaled_product(*wgrad_fp8_grad(grad, grad_amax), inpq, inp_scale, out_dtype)
 
 
 def wgrad_fp8_q(
@@ -185,8 +187,7 @@ def wgrad_fp8_q(
     _check_rows(gradq, inpq)
     if gradq.dtype != E5M2 or inpq.dtype != E4M3:
         raise TypeError(f"wgrad_fp8_q takes an e5m2 gradient and an e4m3 input, got {gradq.dtype} and {inpq.dtype}")
-    ct = compute_dtype(out_dtype)
-    return ((gradq.to(ct).t() @ inpq.to(ct)) * (grad_scale.to(ct) * inp_scale.to(ct))).to(out_dtype)
+    return _scaled_product(gradq, grad_scale, inpq, inp_scale, out_dtype)
 
 
 # --- custom ops ------------------------------------------------------------------------------------

@@ -92,6 +92,17 @@ def _meta():
     }
 
 
+def _plain_epi():
+    """The identity epilogue (D = acc): a GEMM's mainloop share of a program's time."""
+    from quack.epilogue.frontend import gemm_epilogue
+
+    @gemm_epilogue()
+    def plain_epi(acc):
+        return {"D": acc}
+
+    return plain_epi
+
+
 B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q")
 
 
@@ -99,13 +110,9 @@ def _b3_child(idx: int, kernels) -> dict:
     from coda_titan.kernels.cute import epilogues as P  # (importing cute also installs fast fp8 accumulation)
     from coda_titan.kernels.cute import norm_swiglu as NS
     from coda_titan.kernels.cute._dispatch import scalar32
-    from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.library import dswiglu_rstd_preact_mod
 
-    @gemm_epilogue()
-    def plain_epi(acc):
-        return {"D": acc}
-
+    plain_epi = _plain_epi()
     t = _inputs(torch.Generator(device="cuda").manual_seed(0))
     cfg = _cfg(CONFIGS[idx])
     r = t["rstd"]
@@ -146,12 +153,9 @@ def main():
         return
 
     import coda_titan.kernels.cute  # noqa: F401  (fast fp8 accumulation)
-    from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.library import rms_bwd_apply_epi
 
-    @gemm_epilogue()
-    def plain_epi(acc):
-        return {"D": acc}
+    plain_epi = _plain_epi()
 
     doc = _meta()
     doc["configs"] = [dict(zip(("tile_m", "tile_n", "pingpong", "cluster_m", "cluster_n"), c)) for c in CONFIGS]

@@ -40,6 +40,7 @@
 #     cechunks     probe: the LM head + CE program per ce_chunk_rows against the full head's bare GEMMs
 #     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096, with the
 #                  compiled baseline (PREC=fp8 (default) or bf16)
+#     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major)
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
@@ -237,6 +238,10 @@ for phase in "$@"; do
       done
       $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml $arms configs/llama3_1b_${PREC:-fp8}_coda_compile.toml \
         --steps "${STEPS:-40}" --warmup 10 --tag ce_chunk_rows_${PREC:-fp8}
+      ;;
+    fa4layouts)
+      # probe: FA4 fwd / bwd per q/k/v layout (stock's contiguous tensors against CODA's packed slices)
+      python3 -m scripts.probes.fa4_layouts 2>&1 | tail -8
       ;;
     b3configs)
       # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)

@@ -66,6 +66,51 @@ def test_opcheck_cpu():
     torch.library.opcheck(fa.flash_attn_bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.25, True))
 
 
+def _packed(q, k, v):
+    """F3's packed (tokens, (h + 2 h_kv) d) buffer of (b, s, heads, d) q, k, v."""
+    return torch.cat([t.flatten(2) for t in (q, k, v)], dim=2).flatten(0, 1)
+
+
+def test_packed_ops_equal_the_ops_on_separate_tensors():
+    """The packed ops (q, k, v read as slices of one buffer, dq, dk, dv returned as one) compute exactly
+    the separate ops' values, bit for bit, in every dtype's reference; opcheck checks schema and fake."""
+    q, k, v = _qkv(dtype=torch.float32)
+    qkv = _packed(q, k, v).requires_grad_()
+    args = (33, 4, 2, 0.25, True)
+    out, lse = fa.flash_attn_packed_fwd(qkv, *args)
+    want, want_lse = fa.flash_attn_fwd(q, k, v, 0.25, True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and out.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(fa.split_packed(qkv.detach(), 33, 4, 2), (q, k, v)))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+    assert torch.equal(dqkv, _packed(*fa.flash_attn_bwd(dout, q, k, v, want, want_lse, 0.25, True)))
+    torch.library.opcheck(fa.flash_attn_packed_fwd, (qkv, *args))
+    torch.library.opcheck(fa.flash_attn_packed_bwd, (dout, qkv.detach(), out.detach(), lse.detach(), *args))
+
+
+def test_attention_on_packed_runs_either_module_and_checks_gqa():
+    """The model's attention call: SDPA's wrapper on the slices and FA4's packed ops agree (both
+    reference math in float64), and FA4 refuses mismatched heads without enable_gqa as its module does."""
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+    qkv = _packed(*_qkv())
+    got = fa.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, True)
+    want = fa.attention_on_packed(ScaledDotProductAttentionWrapper(), qkv, 33, 4, 2, True)
+    assert got.shape == (2 * 33, 4 * 16)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fa.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, False)
+    # traced whole (fullgraph, its fakes and autograd formula), with the same value and gradient
+    x = qkv.clone().requires_grad_()
+    fn = torch.compile(lambda t: fa.attention_on_packed(fa.FA4Attention(), t, 33, 4, 2, True), backend="aot_eager", fullgraph=True)
+    y = fn(x)
+    torch.testing.assert_close(y, got, rtol=0, atol=0)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    (g_eager,) = torch.autograd.grad(fa.attention_on_packed(fa.FA4Attention(), x, 33, 4, 2, True).square().sum(), x)
+    torch.testing.assert_close(g, g_eager, rtol=0, atol=0)
+
+
 def _swap_to_reference_ops(model):
     n = fa.swap_attention(model)
     assert n == len(model.layers)
@@ -122,9 +167,11 @@ def test_converter_refuses_without_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shape", [(2, 2048, 32, 8, 64), (1, 1000, 32, 8, 128), (1, 4096, 16, 16, 128)])
-def test_fa4_kernels_match_float64_like_sdpa(shape):
-    """FA4 forward and backward error vs float64 attention <= 2x SDPA-in-bf16's error (+ tiny floor)."""
+def test_fa4_kernels_match_float64_like_sdpa(shape, packed):
+    """FA4 forward and backward error vs float64 attention <= 2x SDPA-in-bf16's error (+ tiny floor);
+    ``packed``: FA4's packed ops (CODA's F3 layout; dq, dk, dv written as slices of one buffer)."""
     if fa.fa4_unavailable_reason():
         pytest.skip(fa.fa4_unavailable_reason())
     b, s, h, h_kv, d = shape
@@ -141,7 +188,13 @@ def test_fa4_kernels_match_float64_like_sdpa(shape):
     # poison the allocator so that an unwritten output shows up as NaN
     torch.cuda.empty_cache()
     torch.full((1 << 28,), float("nan"), device="cuda")
-    got = run(lambda q, k, v: fa.flash_attn_fwd(q, k, v, d ** -0.5, True)[0])
+    if packed:
+        def fa4(q, k, v):  # (the gradients flow back through the concatenation to q, k, v)
+            return fa.flash_attn_packed_fwd(_packed(q, k, v), s, h, h_kv, d ** -0.5, True)[0]
+    else:
+        def fa4(q, k, v):
+            return fa.flash_attn_fwd(q, k, v, d ** -0.5, True)[0]
+    got = run(fa4)
     base = run(_sdpa)
     for name, g, bl, r in zip(("out", "dq", "dk", "dv"), got, base, (ref, *ref_g)):
         assert torch.isfinite(g).all(), name

@@ -32,6 +32,7 @@ from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 
 from ..kernels import get_backend, resolve_backend
 from ..kernels.scaling import inv_scale_from_amax
+from ..titan.fa4 import attention_on_packed
 from ..titan.job_config import validate
 from .args import CodaModelArgs
 from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
@@ -73,17 +74,11 @@ class CodaTransformerBlock(TransformerBlock):
         (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs (hq_next and
         amax_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
-        attn, m, hd = self.attention, x.shape[0], self.attention.head_dim
-        bs = m // seqlen
+        attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
                                 attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, None if fp8 is None else fp8.attn)
-        q, k, v = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], dim=-1)
-        q = q.view(bs, seqlen, n_q, hd).transpose(1, 2)  # (bs, n_heads, seqlen, head_dim)
-        k = k.view(bs, seqlen, n_kv, hd).transpose(1, 2)  # (bs, n_kv_heads, seqlen, head_dim)
-        v = v.view(bs, seqlen, n_kv, hd).transpose(1, 2)
-        o = attn.inner_attention(q, k, v, enable_gqa=attn.enable_gqa)  # (bs, n_heads, seqlen, head_dim)
-        o = o.transpose(1, 2).reshape(m, n_q * hd)
+        o = attention_on_packed(attn.inner_attention, qkv, seqlen, n_q, n_kv, attn.enable_gqa)  # (M, n_heads * head_dim)
         ff = self.feed_forward
         mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
         if fp8 is None:

@@ -86,6 +86,7 @@ finish() {
   tar cf "$out/logs.tar" -C "$logs" .
 }
 trap finish EXIT
+trap 'exit 143' TERM  # (timeout signals the whole process group: the phase dies, finish still returns the cache and logs)
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
 # variant NAME "KEY = VALUE" ...: the compiled CODA fp8 config with those [coda] lines, as /tmp/<stem>_NAME.toml
 # (an A/B arm: variant stems have no target; the table sets them against the compiled baseline)

@@ -315,6 +315,7 @@ def train(config_path: str, overrides: list[str]) -> None:
             trainer.checkpointer.save = interrupts.guard(trainer.checkpointer.save)
         fp8_state.attach(trainer)
         trainer.train()
+        clamped = fp8_state.saturation_report(trainer)
     except KeyboardInterrupt:
         ckpt = newest_checkpoint(config)
         where = f"the last checkpoint is {ckpt}" if ckpt else "no checkpoint was saved (checkpoint.enable is off or none was due)"
@@ -329,6 +330,8 @@ def train(config_path: str, overrides: list[str]) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     _say(f"done: {summary(steps.rows)}")
+    if clamped:
+        _say(clamped)
     ckpt = newest_checkpoint(config)
     _say(f"outputs in {config.job.dump_folder}" + (f"; newest checkpoint {ckpt}" if ckpt else ""))
     _report_wandb(config)

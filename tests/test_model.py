@@ -539,6 +539,41 @@ def test_mlp_gradient_scale_headroom_keeps_a_grown_gradient_from_saturating():
     assert bare_grown > 3 * bare, (bare, bare_grown)
 
 
+def test_clamped_delayed_scales_are_counted_and_reported():
+    """A step whose amax outgrows the range its delayed scale covers clamps (the cast saturates): the
+    scaling state counts those site-steps per kind and keeps the worst amax / range, ordinary steps
+    count none, the gradient sites count against the range their headroom gives, and the trainer's
+    line (``fp8_state.saturation_report``) is the state's."""
+    from types import SimpleNamespace
+
+    from coda_titan.model.fp8_scaling import SATURATION_KINDS
+    from coda_titan.titan import fp8_state
+
+    _, fp8 = _models(fp8_mlp_dgrad=True)
+    sc = fp8.fp8_scaling
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    for _ in range(2):  # calibration, then a delayed step on the same weights and data: amax = the history's
+        fp8(tokens, labels=labels).backward()
+        fp8.zero_grad()
+    assert sc.saturation_report() is None and (sc.saturation[:, 0] == 0).all()
+    sc.activation_history.div_(4.0)  # every activation site's history 4x too small for this step
+    fp8(tokens, labels=labels).backward()
+    n_sites, n_layers = sc.activation_history.shape[0], fp8.model_args.n_layers
+    act, grad = (sc.saturation[SATURATION_KINDS.index(k)] for k in ("activation", "gradient"))
+    # (layer 0's input is exactly 4x; the clamps upstream move the later sites' amaxes a little)
+    assert act[0].item() == n_sites and 4.0 <= act[1].item() <= 4.0 * 1.01
+    assert grad[0].item() == 0  # (its amax within 2**fp8_grad_margin of the history)
+    sc.gradient_history.div_(4.0 * 2.0**fp8.model_args.coda.fp8_grad_margin)
+    sc.flush_sink()  # the last backward's amaxes enter the gradient history
+    assert grad[0].item() == n_layers and grad[1].item() > 1
+    report = sc.saturation_report()
+    assert f"activation {n_sites} (amax up to 4.00x" in report and f"gradient {n_layers} " in report
+    assert "down" not in report and "out" not in report
+    assert fp8_state.saturation_report(SimpleNamespace(model_parts=[fp8])) == report
+    sc.reset()
+    assert sc.saturation_report() is None
+
+
 def test_fp8_grad_margin_is_validated():
     with pytest.raises(ValueError, match="fp8_grad_margin"):
         _models(fp8_mlp_dgrad=True, fp8_grad_margin=-1)

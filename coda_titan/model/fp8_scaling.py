@@ -63,6 +63,7 @@ class GradAmaxSink:
 
 
 INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
+SATURATION_KINDS = ("activation", *INPUT_SITES, "gradient")  # the rows of ``Fp8Scaling.saturation``
 
 
 class Fp8Scaling(nn.Module):
@@ -75,6 +76,9 @@ class Fp8Scaling(nn.Module):
         self.register_buffer("gradient_history", torch.zeros(n_layers, history), persistent=False)
         for site in INPUT_SITES:
             self.register_buffer(f"{site}_history", torch.zeros(n_layers, history), persistent=False)
+        # per kind of site: how many site-steps a delayed scale clamped (the step's amax beyond the
+        # range its history gave), and the largest amax / range seen; on the device, read once at the end
+        self.register_buffer("saturation", torch.zeros(len(SATURATION_KINDS), 2), persistent=False)
         self.reset()
 
     def reset(self, device=None) -> None:
@@ -84,11 +88,13 @@ class Fp8Scaling(nn.Module):
             self.gradient_history = torch.zeros_like(self.gradient_history, device=device)
             for site in INPUT_SITES:
                 setattr(self, f"{site}_history", torch.zeros_like(self.input_history(site), device=device))
+            self.saturation = torch.zeros_like(self.saturation, device=device)
         else:
             self.activation_history.zero_()
             self.gradient_history.zero_()
             for site in INPUT_SITES:
                 self.input_history(site).zero_()
+            self.saturation.zero_()
         self.activations_calibrated = False
         self.gradients_calibrated = False
         self.input_calibrated = {site: False for site in INPUT_SITES}
@@ -99,7 +105,10 @@ class Fp8Scaling(nn.Module):
         forward would do first), so the history alone is the whole state."""
         if self.sink is not None and self.sink.amaxes() is not None:
             with torch.no_grad():
-                _push(self.gradient_history, self.sink.amaxes().to(self.gradient_history))
+                new = self.sink.amaxes().to(self.gradient_history)
+                if self.gradients_calibrated:
+                    self._count_saturation("gradient", self.gradient_history, new, 2.0**self.grad_margin)
+                _push(self.gradient_history, new)
             self.gradients_calibrated = True
         self.sink = None
 
@@ -167,13 +176,36 @@ class Fp8Scaling(nn.Module):
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
         history = self.input_history(site)
-        _push(history, torch.stack([a.to(history.dtype) for a in amaxes]))
+        new = torch.stack([a.to(history.dtype) for a in amaxes])
+        if self.input_calibrated[site]:
+            self._count_saturation(site, history, new)
+        _push(history, new)
         self.input_calibrated[site] = True
 
     @torch.no_grad()
     def record_activations(self, amaxes: list[torch.Tensor]) -> None:
-        _push(self.activation_history, torch.stack([a.to(self.activation_history.dtype) for a in amaxes]))
+        new = torch.stack([a.to(self.activation_history.dtype) for a in amaxes])
+        if self.activations_calibrated:
+            self._count_saturation("activation", self.activation_history, new)
+        _push(self.activation_history, new)
         self.activations_calibrated = True
+
+    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float = 1.0) -> None:
+        """Before ``new`` (this step's amax per site) enters ``history``: the sites whose cast clamped,
+        i.e. whose amax passed what the scale this step used covers (history max x ``headroom``)."""
+        ratio = new / (history.amax(-1) * headroom).clamp_min(torch.finfo(torch.float32).tiny)
+        row = self.saturation[SATURATION_KINDS.index(kind)]
+        row[0] += (ratio > 1).sum()
+        row[1] = torch.maximum(row[1], ratio.max())
+
+    def saturation_report(self) -> str | None:
+        """One line on the delayed scales' clamps since the start (None when no cast clamped)."""
+        parts = [f"{kind} {int(n)} (amax up to {worst:.2f}x the scale's range)"
+                 for kind, (n, worst) in zip(SATURATION_KINDS, self.saturation.tolist()) if n]
+        if not parts:
+            return None
+        return ("fp8 delayed scales clamped at site-steps: " + ", ".join(parts)
+                + "; the values beyond the range saturated at the format's largest (docs/fp8.md)")
 
     def gradient_sites(self, device, enabled: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """(per-layer delayed inverse e5m2 scales, or Nones to calibrate; per-layer sink tensors, or

@@ -91,3 +91,10 @@ def attach(trainer) -> bool:
 
     ck.load = load_then_histories
     return True
+
+
+def saturation_report(trainer) -> str | None:
+    """The CODA fp8 model's line on clamped delayed scales (``Fp8Scaling.saturation_report``), or None."""
+    model = trainer.model_parts[0] if trainer is not None and len(trainer.model_parts) == 1 else None
+    scaling = getattr(model, "fp8_scaling", None)
+    return None if scaling is None else scaling.saturation_report()

@@ -48,9 +48,8 @@ class Coda:
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
     fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (y^T with fp8_down_wgrad): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
-    fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on the forward's e4m3 H^T, written by F1; no bf16 H kept "
-                                    "(not yet GPU-run)")
-    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on fp8 from F3's e4m3 H, kept instead of H (not yet GPU-run)")
+    fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
+    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
     fp8_down_dgrad: bool = knob(False, "fp8: B3's GEMM on fp8, D cast to e5m2 (measured level; its parity run "
                                        "missed)")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (measured 1% slower)")

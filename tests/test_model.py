@@ -332,6 +332,7 @@ def _models(**kw):
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
         fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
+        fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
     fp8 = CodaTransformer(fp8_args)
     fp8.load_state_dict(bf16.state_dict())
@@ -572,6 +573,39 @@ def test_clamped_delayed_scales_are_counted_and_reported():
     assert fp8_state.saturation_report(SimpleNamespace(model_parts=[fp8])) == report
     sc.reset()
     assert sc.saturation_report() is None
+
+
+def test_activation_scale_headroom_keeps_a_grown_input_from_clamping():
+    """``fp8_act_margin`` = k: every delayed e4m3 scale (activation and F1-input sites) is 2**-k times
+    the scale without headroom, so a step whose amax is up to 2**k times its history's clamps nowhere
+    (the clamp counter stays at zero) where the same step without headroom clamps every site."""
+    from coda_titan.model.fp8_scaling import SATURATION_KINDS, INPUT_SITES
+
+    clamped = {}
+    for margin in (0, 1):
+        _, fp8 = _models(fp8_act_margin=margin, fp8_down_proj=True, fp8_out_proj=True)
+        sc = fp8.fp8_scaling
+        tokens, labels = _batch(fp8.model_args.vocab_size)
+        with torch.no_grad():
+            for _ in range(2):  # calibration, then a delayed step: amax = the history's
+                fp8(tokens, labels=labels)
+            if margin:
+                assert all(torch.equal(a, b / 2) for a, b in zip(sc.activation_inv_scales(), base_act))
+                assert all(torch.equal(a, b / 2) for a, b in zip(sc.input_inv_scales("down"), base_down))
+            else:
+                base_act, base_down = sc.activation_inv_scales(), sc.input_inv_scales("down")
+            for h in (sc.activation_history, *(sc.input_history(site) for site in INPUT_SITES)):
+                h.div_(1.5)  # this step's amaxes 1.5x what the histories say
+            fp8(tokens, labels=labels)
+        clamped[margin] = {k: sc.saturation[SATURATION_KINDS.index(k), 0].item() for k in ("activation", *INPUT_SITES)}
+    n = fp8.model_args.n_layers
+    assert clamped[0] == {"activation": 2 * n, "down": n, "out": n}, clamped
+    assert clamped[1] == {"activation": 0, "down": 0, "out": 0}, clamped
+
+
+def test_fp8_act_margin_is_validated():
+    with pytest.raises(ValueError, match="fp8_act_margin"):
+        _models(fp8_act_margin=9)
 
 
 def test_fp8_grad_margin_is_validated():

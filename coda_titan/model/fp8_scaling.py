@@ -5,7 +5,8 @@ amax of the whole tensor exists:
 
 * activations: per layer l, site 2l is the attention input H (F3's A operand) and site 2l + 1 the
   MLP input H (F2's). A training forward records each site's current amax; the scale is
-  e4m3_max / max(history). The first step has no history: it calibrates on the current amax.
+  e4m3_max / max(history), with ``fp8_act_margin`` powers of two of headroom (default none). The
+  first step has no history: it calibrates on the current amax.
 * F1 inputs on an fp8 mainloop (``INPUT_SITES``): per layer, the SwiGLU output y that the
   down-projection reads as e4m3 (``fp8_down_proj``, site "down") and the attention output o that the
   out-projection reads (``fp8_out_proj``, site "out"); delayed like the activations, each amax
@@ -69,9 +70,9 @@ SATURATION_KINDS = ("activation", *INPUT_SITES, "gradient")  # the rows of ``Fp8
 class Fp8Scaling(nn.Module):
     """Amax histories (newest first) and the scales they give."""
 
-    def __init__(self, n_layers: int, history: int, grad_margin: int):
+    def __init__(self, n_layers: int, history: int, grad_margin: int, act_margin: int = 0):
         super().__init__()
-        self.grad_margin = grad_margin
+        self.grad_margin, self.act_margin = grad_margin, act_margin
         self.register_buffer("activation_history", torch.zeros(2 * n_layers, history), persistent=False)
         self.register_buffer("gradient_history", torch.zeros(n_layers, history), persistent=False)
         for site in INPUT_SITES:
@@ -161,7 +162,8 @@ class Fp8Scaling(nn.Module):
         if not self.activations_calibrated:
             return [None] * self.activation_history.shape[0]
         h = self.activation_history
-        return self._memo("activation", h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1))))
+        return self._memo("activation", h, True,
+                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * 2.0**self.act_margin)))
 
     def input_history(self, site: str) -> torch.Tensor:
         return getattr(self, f"{site}_history")
@@ -171,14 +173,14 @@ class Fp8Scaling(nn.Module):
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
         h = self.input_history(site)
-        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1))))
+        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * 2.0**self.act_margin)))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
         history = self.input_history(site)
         new = torch.stack([a.to(history.dtype) for a in amaxes])
         if self.input_calibrated[site]:
-            self._count_saturation(site, history, new)
+            self._count_saturation(site, history, new, 2.0**self.act_margin)
         _push(history, new)
         self.input_calibrated[site] = True
 
@@ -186,7 +188,7 @@ class Fp8Scaling(nn.Module):
     def record_activations(self, amaxes: list[torch.Tensor]) -> None:
         new = torch.stack([a.to(self.activation_history.dtype) for a in amaxes])
         if self.activations_calibrated:
-            self._count_saturation("activation", self.activation_history, new)
+            self._count_saturation("activation", self.activation_history, new, 2.0**self.act_margin)
         _push(self.activation_history, new)
         self.activations_calibrated = True
 

@@ -196,7 +196,7 @@ class CodaTransformer(Transformer):
         if self.output is not None:
             self.output = LMHead(model_args.dim, model_args.vocab_size)
         self._freqs_cache: dict[torch.device, torch.Tensor] = {}
-        self.fp8_scaling = Fp8Scaling(model_args.n_layers, coda.fp8_amax_history, coda.fp8_grad_margin)
+        self.fp8_scaling = Fp8Scaling(model_args.n_layers, coda.fp8_amax_history, coda.fp8_grad_margin, coda.fp8_act_margin)
 
     def init_weights(self, buffer_device=None):
         super().init_weights(buffer_device=buffer_device)

@@ -50,18 +50,16 @@ class Coda:
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
-    fp8_down_dgrad: bool = knob(False, "fp8: B3's GEMM on fp8, D cast to e5m2 (measured level; its parity run "
-                                       "missed)")
+    fp8_down_dgrad: bool = knob(False, "fp8: B3's GEMM on fp8, D cast to e5m2 (measured level; parity missed)")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (measured 1% slower)")
-    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the compiled graph "
-                                    "(less memory; docs/cute_backend.md)")
-    prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side "
-                                        "stream (docs/fp8.md)")
-    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (mode reduce-overhead); one GPU, no AC; "
-                                    "measured level (docs/fp8.md)")
+    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph (less memory)")
+    prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side stream")
+    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (reduce-overhead); one GPU, no AC; "
+                                    "measured level")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )
+    fp8_act_margin: int = knob(0, "fp8: headroom of the delayed e4m3 input scales, as a power of two", low=0, high=8)
 
 
 def _show_docs_in_help(cls) -> None:

@@ -82,6 +82,16 @@ class Fp8Scaling(nn.Module):
         self.register_buffer("saturation", torch.zeros(len(SATURATION_KINDS), 2), persistent=False)
         self.reset()
 
+    @property
+    def act_headroom(self) -> float:
+        """What an activation or F1-input scale covers beyond its history's max: 2**fp8_act_margin."""
+        return 2.0**self.act_margin
+
+    @property
+    def grad_headroom(self) -> float:
+        """The same for a gradient scale: 2**fp8_grad_margin (a step's amax may outgrow the history)."""
+        return 2.0**self.grad_margin
+
     def reset(self, device=None) -> None:
         """Forget every history (``init_weights``)."""
         if device is not None:
@@ -108,7 +118,7 @@ class Fp8Scaling(nn.Module):
             with torch.no_grad():
                 new = self.sink.amaxes().to(self.gradient_history)
                 if self.gradients_calibrated:
-                    self._count_saturation("gradient", self.gradient_history, new, 2.0**self.grad_margin)
+                    self._count_saturation("gradient", self.gradient_history, new, self.grad_headroom)
                 _push(self.gradient_history, new)
             self.gradients_calibrated = True
         self.sink = None
@@ -163,7 +173,7 @@ class Fp8Scaling(nn.Module):
             return [None] * self.activation_history.shape[0]
         h = self.activation_history
         return self._memo("activation", h, True,
-                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * 2.0**self.act_margin)))
+                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.act_headroom)))
 
     def input_history(self, site: str) -> torch.Tensor:
         return getattr(self, f"{site}_history")
@@ -173,14 +183,14 @@ class Fp8Scaling(nn.Module):
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
         h = self.input_history(site)
-        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * 2.0**self.act_margin)))
+        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.act_headroom)))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
         history = self.input_history(site)
         new = torch.stack([a.to(history.dtype) for a in amaxes])
         if self.input_calibrated[site]:
-            self._count_saturation(site, history, new, 2.0**self.act_margin)
+            self._count_saturation(site, history, new, self.act_headroom)
         _push(history, new)
         self.input_calibrated[site] = True
 
@@ -188,11 +198,11 @@ class Fp8Scaling(nn.Module):
     def record_activations(self, amaxes: list[torch.Tensor]) -> None:
         new = torch.stack([a.to(self.activation_history.dtype) for a in amaxes])
         if self.activations_calibrated:
-            self._count_saturation("activation", self.activation_history, new, 2.0**self.act_margin)
+            self._count_saturation("activation", self.activation_history, new, self.act_headroom)
         _push(self.activation_history, new)
         self.activations_calibrated = True
 
-    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float = 1.0) -> None:
+    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float) -> None:
         """Before ``new`` (this step's amax per site) enters ``history``: the sites whose cast clamped,
         i.e. whose amax passed what the scale this step used covers (history max x ``headroom``)."""
         ratio = new / (history.amax(-1) * headroom).clamp_min(torch.finfo(torch.float32).tiny)
@@ -225,9 +235,8 @@ class Fp8Scaling(nn.Module):
         h = self.gradient_history
         if not self.gradients_calibrated:
             return [None] * h.shape[0]
-        headroom = 2.0**self.grad_margin  # (a step's amax may outgrow the history)
         return self._memo("gradient", h, True,
-                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * headroom, E5M2_MAX)))
+                          lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.grad_headroom, E5M2_MAX)))
 
 
 def _push(history: torch.Tensor, new: torch.Tensor) -> None:

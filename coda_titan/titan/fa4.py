@@ -242,6 +242,11 @@ torch.library.register_autograd("coda::flash_attn_packed_fwd", _backward_packed,
 # --- the module and the converter ----------------------------------------------------------------
 
 
+def _check_gqa(n_heads: int, n_kv_heads: int, enable_gqa: bool) -> None:
+    if n_heads != n_kv_heads and not enable_gqa:
+        raise ValueError(f"{n_heads} query heads and {n_kv_heads} kv heads need enable_gqa=True")
+
+
 class FA4Attention(nn.Module):
     """Drop-in for TorchTitan's ``ScaledDotProductAttentionWrapper`` (causal, GQA), running FA4."""
 
@@ -256,8 +261,7 @@ class FA4Attention(nn.Module):
         is_causal: bool = True,
     ) -> torch.Tensor:
         # (b, h, s, d) views in, the same out; FA4 works on (b, s, h, d), which is how q/k/v are stored
-        if q.shape[1] != k.shape[1] and not enable_gqa:
-            raise ValueError(f"{q.shape[1]} query heads and {k.shape[1]} kv heads need enable_gqa=True")
+        _check_gqa(q.shape[1], k.shape[1], enable_gqa)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out, _ = flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, is_causal)
         return out.transpose(1, 2)
@@ -269,8 +273,7 @@ def attention_on_packed(inner: nn.Module, qkv: torch.Tensor, seqlen: int, n_head
     :class:`FA4Attention`) on the packed q, k, v of ``qkv``: FA4 runs its packed ops (dq, dk, dv come
     back packed), any other module the (b, h, s, d) views of the slices."""
     if isinstance(inner, FA4Attention):
-        if n_heads != n_kv_heads and not enable_gqa:
-            raise ValueError(f"{n_heads} query heads and {n_kv_heads} kv heads need enable_gqa=True")
+        _check_gqa(n_heads, n_kv_heads, enable_gqa)
         d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
         out, _ = flash_attn_packed_fwd(qkv, seqlen, n_heads, n_kv_heads, 1.0 / math.sqrt(d), True)
     else:

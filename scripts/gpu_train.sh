@@ -38,8 +38,8 @@
 #     qdat         float8 baseline (compiled) vs CODA fp8 compiled with fp8_down_dgrad (the transposed B3 on fp8), with
 #                  fp8_down_wgrad too, and as configured
 #     cechunks     probe: the LM head + CE program per ce_chunk_rows against the full head's bare GEMMs
-#     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096, with the
-#                  compiled baseline (PREC=fp8 (default) or bf16)
+#     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 (CE_ROWS="2048 ...": those) against the
+#                  configs' 4096, with the compiled baseline (PREC=fp8 (default) or bf16); 2048 trades time for memory
 #     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major)
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py)
@@ -233,7 +233,7 @@ for phase in "$@"; do
     ceab)
       # the step with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096 (PREC=fp8 or bf16)
       arms=""
-      for n in 8192 16384; do
+      for n in ${CE_ROWS:-8192 16384}; do
         v=/tmp/llama3_1b_${PREC:-fp8}_coda_compile_ce$n.toml
         sed "s/^ce_chunk_rows = .*/ce_chunk_rows = $n/" "configs/llama3_1b_${PREC:-fp8}_coda_compile.toml" > "$v"
         grep -qx "ce_chunk_rows = $n" "$v" || { echo "could not derive $v" >&2; exit 2; }

@@ -4,8 +4,10 @@ the real CLI trains under torchrun and resumes across world sizes (docs/design.m
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -23,17 +25,60 @@ FP32_U = 2.0**-24
 SHARDED_VS_ONE = 16 * FP32_U
 
 
+# A rank of a 2-rank gloo run has died twice in full CPU-suite runs on 2 cores (of about 10) with SIGABRT,
+# "terminate called without an active exception", the second time right after a traceback through
+# TorchTitan's first-step barrier (``set_pg_timeouts``); it never did in 22 runs of that test's command
+# in a loop (half of them beside two CPU-bound processes), and the cause is not established. Such a run
+# is repeated once from scratch, and the first one's tracebacks are reported as a warning.
+_GLOO_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(args, cwd, env_extra=None, timeout=600):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and _GLOO_ABORT in proc.stdout + proc.stderr:
+        warnings.warn(f"a torchrun rank aborted, run repeated once: {_tracebacks(proc.stdout + proc.stderr)}")
+        if "--job.dump_folder" in args:  # start over: no checkpoint of the aborted run is resumed
+            shutil.rmtree(args[args.index("--job.dump_folder") + 1], ignore_errors=True)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _tracebacks(out: str, lines: int = 40) -> str:
+    """Every Python traceback in ``out`` (up to ``lines`` lines each), then its last 4000 characters."""
+    text = out.splitlines()
+    found = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
+    return "".join("\n".join(text[i:i + lines]) + "\n---\n" for i in found) + out[-4000:]
+
+
+def test_torchrun_repeats_a_run_whose_rank_aborted_once_from_scratch(tmp_path, monkeypatch):
+    """The helper's one repeat: only a run that failed with the abort above, after removing its dump
+    folder, with the first run's traceback in a warning; any other failure is returned as it is."""
+    dump = tmp_path / "dump"
+    runs = []
+
+    def fake_run(cmd, **kw):
+        runs.append((cmd, dump.exists()))
+        failed = len(runs) == 1
+        return subprocess.CompletedProcess(cmd, 1 if failed else 0, "",
+                                           f"Traceback (most recent call last):\n  boom\n{_GLOO_ABORT}" if failed else "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    dump.mkdir()
+    with pytest.warns(UserWarning, match="(?s)run repeated once.*boom"):
+        proc = _torchrun(["-m", "x", "--job.dump_folder", str(dump)], cwd=tmp_path)
+    assert proc.returncode == 0 and [d for _, d in runs] == [True, False] and "--standalone" in runs[0][0]
+    runs.clear()
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "other"))
+    assert _torchrun(["-m", "x"], cwd=tmp_path).returncode == 1 and len(runs) == 1
 
 
 def test_fsdp_and_hsdp_train_the_one_process_model_and_checkpoints_load_anywhere(tmp_path):
     out = str(tmp_path)
     proc = _torchrun(["-m", "tests.fsdp_worker", "sharded", out], cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _tracebacks(proc.stderr)
     proc = subprocess.run([sys.executable, "-m", "tests.fsdp_worker", "single", out, str(tmp_path / "fsdp_ckpt")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -80,7 +125,7 @@ def test_cli_trains_sharded_and_resumes_across_world_sizes(tmp_path, cache_dir):
                       str(two), "--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full",
                       *common], cwd=tmp_path, env_extra=env)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, _tracebacks(out)
     assert "Applied FSDP to the model" in out and sorted(logged_losses(out)) == [1, 2, 3, 4]
     assert sum(line.startswith("coda-titan: done:") for line in proc.stdout.splitlines()) == 1  # said once, by rank 0
     # 2 ranks -> 1 process: TorchTitan cannot reshard the data loaders' positions; said before any work
@@ -104,7 +149,7 @@ def test_cli_trains_sharded_and_resumes_across_world_sizes(tmp_path, cache_dir):
                       "--parallelism.data_parallel_shard_degree", "1", *common[2:], "--training.steps", "6",
                       "--checkpoint.exclude_from_loading", "dataloader"], cwd=tmp_path, env_extra=env)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, _tracebacks(out)
     assert "resuming from checkpoint step-4" in out and sorted(logged_losses(out)) == [5, 6]
 
 
@@ -140,7 +185,7 @@ def test_sharded_fp8_resume_continues_bit_for_bit(tmp_path, cache_dir):
     cmd = ["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml")]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     proc = _torchrun([*cmd, "--job.dump_folder", str(whole), *common], cwd=tmp_path, env_extra=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, _tracebacks(proc.stdout + proc.stderr)
     step2 = _dcp_tensors(whole / "checkpoint" / "step-2", tmp_path, "step2")
     assert {k for k in step2 if k.startswith("coda_fp8.")} >= {f"coda_fp8.rank{r}.activation_history" for r in (0, 1)}
     assert not torch.equal(step2["coda_fp8.rank0.activation_history"], step2["coda_fp8.rank1.activation_history"])
@@ -182,7 +227,7 @@ def test_sharded_full_activation_checkpointing_with_compile_trains_like_without(
             args += ["--compile.enable", "--compile.backend", "aot_eager"]
         proc = _torchrun(args, cwd=tmp_path, env_extra=env)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
+        assert proc.returncode == 0, _tracebacks(out)
         assert ("inside its full activation checkpoint" in out) == compiled
         losses[compiled] = logged_losses(out)
     assert sorted(losses[True]) == [1, 2, 3]

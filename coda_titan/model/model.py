@@ -8,7 +8,7 @@ Program chain (one row of tokens; r = deferred rstd, H = X * gamma, S = partial 
 
     prologue:  X0 = embed(tokens); H, S = rms_partial(X0, gamma_attn[0]); r = rstd_finalize(S)
     layer l:   qkv = norm_rope(H, r)                          # F3: QKV GEMM + rstd + RoPE
-               o   = attention(qkv)                           # untouched (SDPA or FA4)
+               o   = attention(qkv)                           # SDPA, or FA4 on the packed qkv
                X, H, S = residual_rms(o, Wo, X, gamma_ffn[l]) # F1; r = rstd_finalize(S)
                X, H, S = norm_swiglu -> residual_rms(W2, gamma_next)   # F2 -> F1; r = ...
     head:      loss = lm_head_ce(H, r)                        # F4: chunked LM head + CE (+ its gradient)

@@ -47,7 +47,7 @@
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
-#     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 1
+#     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
@@ -265,11 +265,11 @@ for phase in "$@"; do
       curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"
       ;;
     actmargin)
-      # 300-step loss curves: float8 + compile, CODA fp8 eager as configured, and with [coda] fp8_act_margin = 1
-      # (the sixteenth session's eager run spiked at step 85; each run's train.log ends with the clamp counts)
-      v=/tmp/llama3_1b_fp8_coda_act1.toml
-      sed "s/^\[coda\]$/[coda]\nfp8_act_margin = 1/" configs/llama3_1b_fp8_coda.toml > "$v"
-      grep -qx "fp8_act_margin = 1" "$v" || { echo "could not derive $v" >&2; exit 2; }
+      # 300-step loss curves: float8 + compile, CODA fp8 eager as configured (fp8_act_margin = 1 since the
+      # seventeenth session), and with [coda] fp8_act_margin = 0; each run's train.log ends with the clamp counts
+      v=/tmp/llama3_1b_fp8_coda_act0.toml
+      sed "s/^\[coda\]$/[coda]\nfp8_act_margin = 0/" configs/llama3_1b_fp8_coda.toml > "$v"
+      grep -qx "fp8_act_margin = 0" "$v" || { echo "could not derive $v" >&2; exit 2; }
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$v" \
         --steps "${PARITY_STEPS:-300}" --tag fp8_act_margin
       grep -H "clamped" /tmp/compare/*/train.log | tee "$out/clamped.txt"

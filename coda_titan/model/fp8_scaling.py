@@ -5,7 +5,7 @@ amax of the whole tensor exists:
 
 * activations: per layer l, site 2l is the attention input H (F3's A operand) and site 2l + 1 the
   MLP input H (F2's). A training forward records each site's current amax; the scale is
-  e4m3_max / max(history), with ``fp8_act_margin`` powers of two of headroom (default none). The
+  e4m3_max / max(history), with ``fp8_act_margin`` powers of two of headroom (default one). The
   first step has no history: it calibrates on the current amax.
 * F1 inputs on an fp8 mainloop (``INPUT_SITES``): per layer, the SwiGLU output y that the
   down-projection reads as e4m3 (``fp8_down_proj``, site "down") and the attention output o that the

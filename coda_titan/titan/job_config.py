@@ -59,7 +59,7 @@ class Coda:
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )
-    fp8_act_margin: int = knob(0, "fp8: headroom of the delayed e4m3 input scales, as a power of two", low=0, high=8)
+    fp8_act_margin: int = knob(1, "fp8: headroom of the delayed e4m3 input scales, as a power of two", low=0, high=8)
 
 
 def _show_docs_in_help(cls) -> None:

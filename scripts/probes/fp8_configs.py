@@ -10,7 +10,8 @@ At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinne
 * ``b3_fp8`` / ``b3_bf16``: B3 (dout @ W2 with the dSwiGLU epilogue) with and without the e5m2
   output; ``b3_t``: the defaults' B3 since the fifteenth session (da, da^T and y^T in 8 bits, bf16
   GEMM, ``swiglu_bwd_e5m2_t``), ``b3_t_q`` the same on the fp8 GEMM (``swiglu_bwd_e5m2_t_q``), and
-  ``plain_fp8`` that fp8 GEMM with an identity epilogue (how much of B3 is its epilogue?); ``--b3``
+  ``plain_fp8`` that fp8 GEMM with an identity epilogue (how much of B3 is its epilogue?), ``c_only_fp8``
+  and ``b3_nt_q`` the steps between (``_diag_epis``); ``--b3``
   picks them. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every
   B3 config runs in a child process with a timeout; a hang is recorded as such.
 
@@ -103,7 +104,34 @@ def _plain_epi():
     return plain_epi
 
 
-B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q")
+def _diag_epis():
+    """Two probe-only epilogues that split B3's fp8 time: ``c_only`` reads B3's C (a's float32 view) and
+    stores D = acc * gate (what loading C adds to the plain GEMM), ``nt_q`` is ``b3_t_q`` less its
+    three transposed stores (da as e5m2 pairs and y as e4m3, both row-major)."""
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar
+
+    from coda_titan.kernels.cute import epilogues as P
+
+    @gemm_epilogue()
+    def c_only_epi(acc, c):
+        return {"D": acc * P._bf16_lo(c)}
+
+    @gemm_epilogue(
+        outputs=("postact", "daq"),
+        ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
+             "inv_y": Scalar("inv_y")},
+        reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    )
+    def nt_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
+        out = P._dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale)
+        out["postact"] = out["postact"] * inv_y
+        return out
+
+    return c_only_epi, nt_q_epi
+
+
+B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q")
 
 
 def _b3_child(idx: int, kernels) -> dict:
@@ -125,7 +153,14 @@ def _b3_child(idx: int, kernels) -> dict:
     da = torch.empty_like(t["a"])
     y = t["a"].new_empty((M, F))
     daq = torch.empty((M, F), device="cuda", dtype=torch.float16)
+    c_only_epi, nt_q_epi = _diag_epis()
+    a32 = t["a"].view(torch.float32)
+    y_q = torch.empty((M, F), device="cuda", dtype=torch.float8_e4m3fn)
     runs = {
+        # the split of b3_t_q's time: + C loaded (c_only_fp8), + the row-major outputs (b3_nt_q), + the transposed ones
+        "c_only_fp8": lambda: c_only_epi(doutq, w2q_kn, a32, out={"D": y}, config=cfg, tuned=False),
+        "b3_nt_q": lambda: nt_q_epi(doutq, w2q_kn, a32, out={"postact": y_q, "daq": daq}, store_d=False, config=cfg,
+                                    tuned=False, rstd=r, scale=one, inv_scale=scalar32(inv), inv_y=scalar32(inv_y)),
         # the packed-mode B3s (bf16 da written): quack's bf16 B3, and with the e5m2 da too
         "b3_bf16": lambda: dswiglu_rstd_preact_mod(t["dout"], t["w2"], t["a"], out={"D": da, "postact": y}, config=cfg,
                                                    tuned=False, rstd=r),

@@ -99,7 +99,7 @@ def _swiglu_bwd(dout, w_down, a, rstd):
 def _b3_fp8_config(device):
     """The pinned tile config of the fp8 B3: the autotuner's 256 x 160 cooperative 1 x 2 candidate of
     this epilogue never finishes; this one is the fastest of the others on the H100
-    (benchmarks/results/probe_fp8_configs_*.json) and the bf16 B3's autotuned choice there."""
+    (benchmarks/results/archive/probe_fp8_configs_packed_b3_*.json) and the bf16 B3's autotuned choice there."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None  # quack's per-arch default
     return GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,

@@ -482,9 +482,9 @@ def test_delayed_scales_come_from_the_history():
 
 
 def test_mlp_gradient_scales_come_from_the_gradient_history():
-    # no headroom, so that the delayed scale is exactly the calibration step's (with headroom the two
-    # grids differ by a power of two, which moves values in and out of e5m2's subnormals)
-    _, fp8 = _models(fp8_mlp_dgrad=True, fp8_grad_margin=0)
+    # no headroom (gradient or activation), so that the delayed scales are exactly the calibration step's
+    # (with headroom the two grids differ by a power of two, which moves values in and out of the subnormals)
+    _, fp8 = _models(fp8_mlp_dgrad=True, fp8_grad_margin=0, fp8_act_margin=0)
     tokens, labels = _batch(fp8.model_args.vocab_size)
     hist = fp8.fp8_scaling.gradient_history
     assert hist.shape == (fp8.model_args.n_layers, fp8.model_args.coda.fp8_amax_history)
@@ -557,7 +557,7 @@ def test_clamped_delayed_scales_are_counted_and_reported():
         fp8(tokens, labels=labels).backward()
         fp8.zero_grad()
     assert sc.saturation_report() is None and (sc.saturation[:, 0] == 0).all()
-    sc.activation_history.div_(4.0)  # every activation site's history 4x too small for this step
+    sc.activation_history.div_(4.0 * sc.act_headroom)  # every site's range (headroom included) 4x too small
     fp8(tokens, labels=labels).backward()
     n_sites, n_layers = sc.activation_history.shape[0], fp8.model_args.n_layers
     act, grad = (sc.saturation[SATURATION_KINDS.index(k)] for k in ("activation", "gradient"))

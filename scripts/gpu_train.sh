@@ -70,6 +70,7 @@
 #     fp8downprofile one profiled step of the fp8down A/B's "down" arm (both flags on)
 #     fp8store   probe: F2 storing y as e4m3 from its epilogue on SM90, against bf16 y (+ a cast pass)
 #     fp8parity  python -m scripts.compare --loss-curve, float8 baseline (compiled) vs CODA fp8 and vs eager float8 (its noise floor), 300 steps
+#     fp8paritydefaults fp8parity less the eager float8 run (it fits one call): float8 + compile against CODA fp8 eager
 #     fp8profile python -m scripts.compare --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
 #                SKIP_BASELINE=1 skips the baseline, KEEP_TRACE=1 also returns the gzipped chrome traces
 #
@@ -363,6 +364,11 @@ for phase in "$@"; do
     fp8parity)
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
         configs/llama3_1b_fp8_baseline.toml --steps "${PARITY_STEPS:-300}" --tag fp8
+      ;;
+    fp8paritydefaults)
+      # fp8parity without its float8-eager arm (the slowest run): float8 + compile against CODA fp8 eager, 300 steps
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
+        --steps "${PARITY_STEPS:-300}" --tag fp8_defaults
       ;;
     fp8profile)
       [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep

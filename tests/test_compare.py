@@ -120,6 +120,32 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
     assert q["max_rel_dev_10step_mean"] == pytest.approx(0.1 / 50)  # one 10-step window holds the bump
 
 
+def test_consensus_spread_measures_every_run_against_the_mean_of_the_baselines_repeats(tmp_path):
+    """The most repeated stock config's step-wise mean is the reference (its own repeats each against the
+    mean of the others); each config gets the range of its runs' mean abs. deviation and last-50 signed
+    mean, and how many end below; runs of another cohort stay out."""
+    n = 80
+    reps = [[5.0 + e] * n for e in (-0.05, 0.0, 0.05)]  # three repeats: the reference is 5.0
+    low = [5.0] * 30 + [4.9] * (n - 30)  # a candidate 2% below from step 31
+    docs = [{"device": "d", "runs": [_curve_run("b", reps[0]), _curve_run("c", low, coda=True)]},
+            {"device": "d", "runs": [_curve_run("b", reps[1]), _curve_run("b", reps[2])]},
+            {"device": "d", "runs": [_curve_run("c", [1.0] * n, coda=True, seed=1)]}]  # other data
+    paths = []
+    for i, d in enumerate(docs):
+        paths.append(tmp_path / f"loss_curve_{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    c = compare.consensus_spread(compare.loss_runs(paths))
+    assert c["reference"] == "b" and c["repeats"] == 3 and c["steps"] == n
+    b, cand = c["configs"]
+    assert b["config"] == "b" and b["stock"] and len(b["last"]) == 3
+    # the middle repeat sits on the others' mean; the outer ones 0.075 off theirs (5.025 or 4.975)
+    assert sorted(b["last"]) == pytest.approx([-0.075 / 5.025, 0.0, 0.075 / 4.975])
+    assert cand["config"] == "c" and not cand["stock"] and cand["last"] == pytest.approx([-0.02])  # (steps 31-80)
+    assert cand["mean_abs"] == pytest.approx([0.02 * 50 / 60])  # after step 20: 60 steps, 50 of them off
+    table = compare.spread_tables(compare.loss_runs(paths))
+    assert "| c | no | 1 | 1.67%-1.67% | -2.00% to -2.00% | 1 of 1 |" in table
+
+
 def test_a_candidate_is_judged_against_the_baselines_own_repeats(tmp_path):
     """The fp8 issue's parity criterion: a candidate's max and mean abs. deviation no larger than the
     baseline's largest repeat pair's (same cohort), no NaN, and the last-50 mean within 1%; the

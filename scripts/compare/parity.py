@@ -139,6 +139,59 @@ def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
                               for r in rs), key=lambda e: e["loss"])}
 
 
+def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) -> dict | None:
+    """Every run of a cohort measured against one reference: the step-wise mean loss of the stock config
+    repeated most often in that cohort (leave-one-out for its own repeats). Per config: its runs, the
+    range of their mean abs. relative deviation after ``skip``, of their signed mean over the last
+    ``last`` steps, and how many of them end below the reference. A pairwise criterion says whether a
+    candidate deviates more than the worst repeat pair; this says in which direction and how far."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["stock"]:
+            groups.setdefault((r["cohort"], r["config"]), []).append(r)
+    if not groups:
+        return None
+    (cohort, ref_config), reps = max(groups.items(), key=lambda kv: len(kv[1]))
+    if len(reps) < 3:
+        return None
+    n = min(len(r["loss"]) for r in reps)
+
+    def reference(exclude=None):
+        others = [r["loss"] for r in reps if r is not exclude]
+        return [statistics.fmean(step) for step in zip(*(lo[:n] for lo in others))]
+
+    shared = reference()
+    rows: dict[str, dict] = {}
+    for r in runs:
+        if r["cohort"] != cohort or len(r["loss"]) < n:
+            continue
+        ref = reference(r) if r in reps else shared
+        dev = [(r["loss"][i] - ref[i]) / ref[i] for i in range(skip, n)]
+        row = rows.setdefault(r["config"], {"config": r["config"], "stock": r["stock"], "mean_abs": [], "last": []})
+        row["mean_abs"].append(statistics.fmean(abs(d) for d in dev))
+        row["last"].append(statistics.fmean(dev[-last:]))
+    return {"reference": ref_config, "repeats": len(reps), "steps": n, "after_step": skip, "last_steps": last,
+            "configs": sorted(rows.values(), key=lambda q: (not q["stock"], q["config"]))}
+
+
+def _consensus_lines(c: dict) -> list[str]:
+    pct = lambda v: f"{100 * v:+.2f}%"  # noqa: E731
+    lines = [
+        f"Each stored run of that cohort against `{c['reference']}`'s consensus curve (the step-wise mean of its "
+        f"{c['repeats']} repeats; each repeat against the others' mean): mean abs. relative deviation after step "
+        f"{c['after_step']}, the signed mean over the last {c['last_steps']} steps, and how many runs end below it.",
+        "",
+        "| config | stock | runs | mean abs. deviation | last-50 mean deviation | runs ending below |",
+        "|---|:---:|---:|---:|---:|---:|",
+    ]
+    for q in c["configs"]:
+        k = len(q["last"])
+        lines.append(f"| {q['config']} | {'yes' if q['stock'] else 'no'} | {k} | "
+                     f"{100 * min(q['mean_abs']):.2f}%-{100 * max(q['mean_abs']):.2f}% | "
+                     f"{pct(min(q['last']))} to {pct(max(q['last']))} | {sum(v < 0 for v in q['last'])} of {k} |")
+    return lines + [""]
+
+
 def spread_tables(runs: list[dict]) -> str:
     pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
     lines = []
@@ -160,6 +213,9 @@ def spread_tables(runs: list[dict]) -> str:
                 f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
                 f"{pct(mlo)}-{pct(mhi)} | {pct(q['max_rel_dev_10step_mean'])} | {q['pairs_within_tolerance']} of {q['pairs']} |")
         lines.append("")
+    c = consensus_spread(runs)
+    if c:
+        lines += _consensus_lines(c)
     f = fragile_step(runs)
     if f:
         lines += [

@@ -361,14 +361,12 @@ for phase in "$@"; do
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py -k whole_1b_fp8 -s --tb=short -W ignore::DeprecationWarning 2>&1 \
         | grep -E "^\.*model:|passed|failed|^E " | tail -8
       ;;
-    fp8parity)
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        configs/llama3_1b_fp8_baseline.toml --steps "${PARITY_STEPS:-300}" --tag fp8
-      ;;
-    fp8paritydefaults)
-      # fp8parity without its float8-eager arm (the slowest run): float8 + compile against CODA fp8 eager, 300 steps
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        --steps "${PARITY_STEPS:-300}" --tag fp8_defaults
+    fp8parity|fp8paritydefaults)
+      # fp8paritydefaults: without the float8-eager arm (the slowest run), so that it fits one call
+      eager=configs/llama3_1b_fp8_baseline.toml tag=fp8
+      [ "$phase" = fp8parity ] || eager="" tag=fp8_defaults
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml $eager \
+        --steps "${PARITY_STEPS:-300}" --tag $tag
       ;;
     fp8profile)
       [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep

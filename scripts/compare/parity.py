@@ -68,15 +68,20 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
     return out
 
 
-def repeat_spread(runs: list[dict]) -> list[dict]:
-    """Stock configs trained more than once in one cohort: the parity statistics of every pair of
-    repeats. Same config, data, seed and code, so they measure run-to-run nondeterminism alone."""
+def _stock_groups(runs: list[dict]) -> dict[tuple, list[dict]]:
+    """The stock runs by (cohort, config): each group's runs are repeats of one another."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r["stock"]:
             groups.setdefault((r["cohort"], r["config"]), []).append(r)
+    return groups
+
+
+def repeat_spread(runs: list[dict]) -> list[dict]:
+    """Stock configs trained more than once in one cohort: the parity statistics of every pair of
+    repeats. Same config, data, seed and code, so they measure run-to-run nondeterminism alone."""
     out = []
-    for (_, config), rs in groups.items():
+    for (_, config), rs in _stock_groups(runs).items():
         if len(rs) < 2:
             continue
         tol = PARITY_TOL_FP8 if rs[0]["precision"] == "fp8" else PARITY_TOL
@@ -145,10 +150,7 @@ def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) 
     range of their mean abs. relative deviation after ``skip``, of their signed mean over the last
     ``last`` steps, and how many of them end below the reference. A pairwise criterion says whether a
     candidate deviates more than the worst repeat pair; this says in which direction and how far."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in runs:
-        if r["stock"]:
-            groups.setdefault((r["cohort"], r["config"]), []).append(r)
+    groups = _stock_groups(runs)
     if not groups:
         return None
     (cohort, ref_config), reps = max(groups.items(), key=lambda kv: len(kv[1]))
@@ -165,7 +167,7 @@ def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) 
     for r in runs:
         if r["cohort"] != cohort or len(r["loss"]) < n:
             continue
-        ref = reference(r) if r in reps else shared
+        ref = reference(r) if any(r is q for q in reps) else shared
         dev = [(r["loss"][i] - ref[i]) / ref[i] for i in range(skip, n)]
         row = rows.setdefault(r["config"], {"config": r["config"], "stock": r["stock"], "mean_abs": [], "last": []})
         row["mean_abs"].append(statistics.fmean(abs(d) for d in dev))

@@ -50,6 +50,8 @@
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
+#     fp8sites     300-step loss curves: float8 + compile, CODA fp8 eager with its backward in bf16 and with the W2 / W_o
+#                  inputs in bf16 (which sites move CODA fp8 off float8's consensus curve; docs/results.md)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
@@ -275,6 +277,19 @@ for phase in "$@"; do
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$v" \
         --steps "${PARITY_STEPS:-300}" --tag fp8_act_margin
       grep -H "clamped" /tmp/compare/*/train.log | tee "$out/clamped.txt"
+      ;;
+    fp8sites)
+      # which fp8 sites move CODA fp8's loss below float8 + compile's (docs/fp8.md, parity): 300-step curves of
+      # float8 + compile and of the eager CODA fp8 config with its backward in bf16, and with W2's and W_o's inputs in bf16
+      arms=""
+      for arm in "bwd_bf16:fp8_mlp_dgrad = false:fp8_mlp_wgrad = false" "fwd_in_bf16:fp8_down_proj = false:fp8_out_proj = false"; do
+        IFS=: read -r name k1 k2 <<< "$arm"
+        v=/tmp/llama3_1b_fp8_coda_$name.toml
+        sed "s/^\[coda\]$/[coda]\n$k1\n$k2/" configs/llama3_1b_fp8_coda.toml > "$v"
+        grep -qx "$k1" "$v" && grep -qx "$k2" "$v" || { echo "could not derive $v" >&2; exit 2; }
+        arms="$arms $v"
+      done
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml $arms --steps "${PARITY_STEPS:-300}" --tag fp8_sites
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

@@ -180,8 +180,13 @@ def test_budget_lines_give_the_gemm_time_left_for_the_target():
     base = prof("m_fp8_baseline_compile", 250.0, 100.0, 150.0)
     (line,) = compare.budget_lines([base, prof("m_fp8_coda_compile", 240.0, 140.0, 100.0)])
     assert "200.0 ms" in line and "100.0 ms for every GEMM" in line and "at least" in line  # 250/1.25 - 100
-    (line,) = compare.budget_lines([base, prof("m_fp8_coda_compile", 240.0, 130.0, 110.0)])
-    assert "90.0 ms for every GEMM" in line and "less than" in line
+    coda = prof("m_fp8_coda_compile", 240.0, 130.0, 110.0)
+    (line,) = compare.budget_lines([base, coda])
+    assert "90.0 ms for every GEMM" in line and "less than" in line and "idle (" not in line  # (not recorded)
+    coda["summary"]["gpu_idle_ms"] = 15.0  # (part of the 110 ms outside the GEMMs)
+    (line,) = compare.budget_lines([base, coda])
+    assert "90.0 ms for every GEMM of the step, less than" in line
+    assert "GPU idle (15.0 ms;" in line and "105.0 ms would be left, at least what the baseline's GEMMs take" in line
     assert compare.budget_lines([prof("m_fp8_coda_compile", 240.0, 130.0, 110.0)]) == []  # no baseline profiled
 
 

@@ -84,10 +84,15 @@ def budget_lines(docs: list[dict]) -> list[str]:
         need = base["summary"]["gpu_span_ms"] / target
         rest = d["summary"]["gpu_span_ms"] - gemm(d)
         left = need - rest
-        verdict = ("less than" if left < gemm(base) else "at least") + " what the baseline's GEMMs take"
-        out.append(
-            f"For {target:.2f}x over `{Path(base['config']).stem}` the span of `{stem}` would have to be "
-            f"{need:.1f} ms. Outside its GEMMs (attention, elementwise, optimizer, GPU idle) it spends "
-            f"{rest:.1f} ms, which leaves {left:.1f} ms for every GEMM of the step, {verdict} "
-            f"({gemm(base):.1f} ms; CODA's take {gemm(d):.1f} ms now).")
+        verdict = lambda ms: ("less than" if ms < gemm(base) else "at least") + " what the baseline's GEMMs take"  # noqa: E731
+        line = (f"For {target:.2f}x over `{Path(base['config']).stem}` the span of `{stem}` would have to be "
+                f"{need:.1f} ms. Outside its GEMMs (attention, elementwise, optimizer, GPU idle) it spends "
+                f"{rest:.1f} ms, which leaves {left:.1f} ms for every GEMM of the step, {verdict(left)} "
+                f"({gemm(base):.1f} ms; CODA's take {gemm(d):.1f} ms now).")
+        idle = d["summary"].get("gpu_idle_ms")  # (older profiles did not record it)
+        if idle is not None:
+            line += (f" Without the profiled step's GPU idle ({idle:.1f} ms; the profiler's own host work inflates it "
+                     f"where the host launches the next kernel late) {left + idle:.1f} ms would be left, "
+                     f"{verdict(left + idle)}.")
+        out.append(line)
     return out

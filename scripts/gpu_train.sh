@@ -96,11 +96,12 @@ trap 'exit 143' TERM  # (timeout signals the whole process group: the phase dies
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
 # variant NAME "KEY = VALUE" ...: the compiled CODA fp8 config with those [coda] lines, as /tmp/<stem>_NAME.toml
 # (an A/B arm: variant stems have no target; the table sets them against the compiled baseline)
-# (PREC=bf16: of the compiled CODA bf16 config)
+# (PREC=bf16: of the compiled CODA bf16 config; VARIANT_OF=CONFIG: of that config)
 variant() {
-  local v=/tmp/llama3_1b_${PREC:-fp8}_coda_compile_$1.toml lines="" l; shift
+  local base=${VARIANT_OF:-configs/llama3_1b_${PREC:-fp8}_coda_compile.toml} lines="" l v
+  v=/tmp/$(basename "$base" .toml)_$1.toml; shift
   for l in "$@"; do lines="$lines\n$l"; done
-  sed "s/^\[coda\]$/[coda]$lines/" configs/llama3_1b_${PREC:-fp8}_coda_compile.toml > "$v"
+  sed "s/^\[coda\]$/[coda]$lines/" "$base" > "$v"
   for l in "$@"; do grep -qx "$l" "$v" || { echo "could not derive $v" >&2; return 1; }; done
   echo "$v"
 }
@@ -271,9 +272,7 @@ for phase in "$@"; do
     actmargin)
       # 300-step loss curves: float8 + compile, CODA fp8 eager as configured (fp8_act_margin = 1 since the
       # seventeenth session), and with [coda] fp8_act_margin = 0; each run's train.log ends with the clamp counts
-      v=/tmp/llama3_1b_fp8_coda_act0.toml
-      sed "s/^\[coda\]$/[coda]\nfp8_act_margin = 0/" configs/llama3_1b_fp8_coda.toml > "$v"
-      grep -qx "fp8_act_margin = 0" "$v" || { echo "could not derive $v" >&2; exit 2; }
+      v=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant act0 "fp8_act_margin = 0") || exit 2
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$v" \
         --steps "${PARITY_STEPS:-300}" --tag fp8_act_margin
       grep -H "clamped" /tmp/compare/*/train.log | tee "$out/clamped.txt"
@@ -281,15 +280,10 @@ for phase in "$@"; do
     fp8sites)
       # which fp8 sites move CODA fp8's loss below float8 + compile's (docs/fp8.md, parity): 300-step curves of
       # float8 + compile and of the eager CODA fp8 config with its backward in bf16, and with W2's and W_o's inputs in bf16
-      arms=""
-      for arm in "bwd_bf16:fp8_mlp_dgrad = false:fp8_mlp_wgrad = false" "fwd_in_bf16:fp8_down_proj = false:fp8_out_proj = false"; do
-        IFS=: read -r name k1 k2 <<< "$arm"
-        v=/tmp/llama3_1b_fp8_coda_$name.toml
-        sed "s/^\[coda\]$/[coda]\n$k1\n$k2/" configs/llama3_1b_fp8_coda.toml > "$v"
-        grep -qx "$k1" "$v" && grep -qx "$k2" "$v" || { echo "could not derive $v" >&2; exit 2; }
-        arms="$arms $v"
-      done
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml $arms --steps "${PARITY_STEPS:-300}" --tag fp8_sites
+      a=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant bwd_bf16 "fp8_mlp_dgrad = false" "fp8_mlp_wgrad = false") &&
+        b=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant fwd_in_bf16 "fp8_down_proj = false" "fp8_out_proj = false") ||
+        exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${PARITY_STEPS:-300}" --tag fp8_sites
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

@@ -51,7 +51,7 @@
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
 #     fp8sites     300-step loss curves: float8 + compile, CODA fp8 eager with its backward in bf16 and with the W2 / W_o
-#                  inputs in bf16 (which sites move CODA fp8 off float8's consensus curve; docs/results.md)
+#                  inputs in bf16; SITES="bwd" or "fwd" runs one of the two (both do not fit one call) (which sites move CODA fp8 off float8's consensus curve; docs/results.md)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16
@@ -280,10 +280,18 @@ for phase in "$@"; do
     fp8sites)
       # which fp8 sites move CODA fp8's loss below float8 + compile's (docs/fp8.md, parity): 300-step curves of
       # float8 + compile and of the eager CODA fp8 config with its backward in bf16, and with W2's and W_o's inputs in bf16
-      a=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant bwd_bf16 "fp8_mlp_dgrad = false" "fp8_mlp_wgrad = false") &&
-        b=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant fwd_in_bf16 "fp8_down_proj = false" "fp8_out_proj = false") ||
-        exit 2
-      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${PARITY_STEPS:-300}" --tag fp8_sites
+      # SITES picks the arms (default both; the three curves do not fit one 600 s call, one arm with float8 does)
+      arms=()
+      for s in ${SITES:-bwd fwd}; do
+        case $s in
+          bwd) v=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant bwd_bf16 "fp8_mlp_dgrad = false" "fp8_mlp_wgrad = false") ;;
+          fwd) v=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant fwd_in_bf16 "fp8_down_proj = false" "fp8_out_proj = false") ;;
+          *) echo "fp8sites: SITES takes bwd and fwd, not '$s'" >&2; exit 2 ;;
+        esac || exit 2
+        arms+=("$v")
+      done
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "${arms[@]}" --steps "${PARITY_STEPS:-300}" \
+        --tag "fp8_sites_$(echo ${SITES:-bwd fwd} | tr ' ' '_')"
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

@@ -51,7 +51,8 @@
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
 #     fp8sites     300-step loss curves: float8 + compile, CODA fp8 eager with its backward in bf16 and with the W2 / W_o
-#                  inputs in bf16; SITES="bwd" or "fwd" runs one of the two (both do not fit one call) (which sites move CODA fp8 off float8's consensus curve; docs/results.md)
+#                  inputs in bf16 (which sites move CODA fp8 off float8's consensus curve; docs/results.md);
+#                  SITES="bwd" or "fwd" runs one arm (the three curves do not fit one call)
 #     qdatparity   300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_down_dgrad and fp8_down_wgrad, and without
 #     fp8layerwgrads float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_layer_wgrads on / off (A/B)
 #     tracepasses  stock / float8 + compile vs CODA compiled with [coda] trace_passes on / off (A/B), fp8 and bf16

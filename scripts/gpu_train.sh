@@ -282,8 +282,8 @@ for phase in "$@"; do
       # which fp8 sites move CODA fp8's loss below float8 + compile's (docs/fp8.md, parity): 300-step curves of
       # float8 + compile and of the eager CODA fp8 config with its backward in bf16, and with W2's and W_o's inputs in bf16
       # SITES picks the arms (default both; the three curves do not fit one 600 s call, one arm with float8 does)
-      arms=()
-      for s in ${SITES:-bwd fwd}; do
+      arms=() sites=${SITES:-bwd fwd}
+      for s in $sites; do
         case $s in
           bwd) v=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant bwd_bf16 "fp8_mlp_dgrad = false" "fp8_mlp_wgrad = false") ;;
           fwd) v=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant fwd_in_bf16 "fp8_down_proj = false" "fp8_out_proj = false") ;;
@@ -292,7 +292,7 @@ for phase in "$@"; do
         arms+=("$v")
       done
       $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "${arms[@]}" --steps "${PARITY_STEPS:-300}" \
-        --tag "fp8_sites_$(echo ${SITES:-bwd fwd} | tr ' ' '_')"
+        --tag "fp8_sites_${sites// /_}"
       ;;
     qdatparity)
       curves fp8_down_dgrad_da_t q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true"

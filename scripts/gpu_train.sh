@@ -44,6 +44,8 @@
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py; B3="k ..." the
 #                  kernels, e.g. plain_fp8 c_only_fp8 b3_nt_q b3_t_q: the split of B3's time)
+#     tstore       probe: B3's transposed 8-bit stores through stmatrix.trans against quack's universal copy (bits
+#                  after de-interleaving the tokens, and time; scripts/probes/fp8_trans_store.py)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -255,6 +257,9 @@ for phase in "$@"; do
     b3configs)
       # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)
       python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 ${B3:-plain_fp8 b3_t b3_t_q} ${CONFIGS:+--configs $CONFIGS}
+      ;;
+    tstore)
+      python3 -m scripts.probes.fp8_trans_store
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

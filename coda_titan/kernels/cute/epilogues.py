@@ -17,6 +17,8 @@ from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar, TileStore,
                                 setup_epi_tensor)
 
+from .tstore import InterleavedTransposedStore
+
 
 _target_idx = ColVecLoad("target")
 
@@ -300,6 +302,53 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
 )
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""
+    out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+    out["postact"] = out["postact"] * inv_y
+    return out
+
+
+# The same four B3 epilogues with their M-major 8-bit outputs through ``stmatrix.trans`` (``tstore``):
+# tokens interleaved within each 16 (``scaling.interleave16``), the rest unchanged.
+
+
+def _b3_t_ops(*scalars):
+    """B3's epilogue inputs (fresh op instances per epilogue): rstd, inv_scale and ``scalars``."""
+    return {"rstd": ColVecLoad("rstd"), **{k: Scalar(k) for k in ("inv_scale", *scalars)}}
+
+
+def _b3_t_reduces():
+    return {"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")}
+
+
+_ti = InterleavedTransposedStore
+
+
+@gemm_epilogue(outputs=("postact", "daq", _ti("dagt"), _ti("daut")), ops=_b3_t_ops(), reduces=_b3_t_reduces())
+def dswiglu_rstd_preact_e5m2_ti_epi(acc, c, rstd, inv_scale):
+    """``dswiglu_rstd_preact_e5m2_t_epi`` with da^T's tokens interleaved."""
+    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+
+
+@gemm_epilogue(outputs=(_ti("postact"), "daq", _ti("dagt"), _ti("daut")),
+               ops=_b3_t_ops("inv_y"), reduces=_b3_t_reduces())
+def dswiglu_rstd_preact_e5m2_ti_yq_epi(acc, c, rstd, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_yq_epi`` with da^T's and y^T's tokens interleaved."""
+    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+    out["postact"] = out["postact"] * inv_y
+    return out
+
+
+@gemm_epilogue(outputs=("postact", "daq", _ti("dagt"), _ti("daut")),
+               ops=_b3_t_ops("scale"), reduces=_b3_t_reduces())
+def dswiglu_rstd_preact_e5m2_ti_q_epi(acc, c, rstd, inv_scale, scale):
+    """``dswiglu_rstd_preact_e5m2_t_q_epi`` with da^T's tokens interleaved."""
+    return _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+
+
+@gemm_epilogue(outputs=(_ti("postact"), "daq", _ti("dagt"), _ti("daut")),
+               ops=_b3_t_ops("scale", "inv_y"), reduces=_b3_t_reduces())
+def dswiglu_rstd_preact_e5m2_ti_yq_q_epi(acc, c, rstd, inv_scale, scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_yq_q_epi`` with da^T's and y^T's tokens interleaved."""
     out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out

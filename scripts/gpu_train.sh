@@ -46,7 +46,6 @@
 #                  kernels, e.g. plain_fp8 c_only_fp8 b3_nt_q b3_t_q: the split of B3's time)
 #     tstore       probe: B3's transposed 8-bit stores through stmatrix.trans against quack's universal copy (bits
 #                  after de-interleaving the tokens, and time; scripts/probes/fp8_trans_store.py)
-#     tinter       float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_t_interleaved on / off (A/B)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -352,11 +351,6 @@ for phase in "$@"; do
       ;;
     datdownparity)
       curves fp8_mlp_da_t_down_wgrad da_y_t "fp8_mlp_da_t = true" "fp8_down_wgrad = true"
-      ;;
-    tinter)
-      # B3's da^T and y^T through stmatrix.trans (tokens interleaved; the wgrads' other operands follow) against
-      # quack's universal copy, in the compiled CODA fp8 step
-      ab fp8_t_interleaved t_interleaved t_universal fp8_t_interleaved
       ;;
     dat)
       # dW13 on the da^T B3 writes itself (M-major e5m2 stores) against dW13 on its copy pass

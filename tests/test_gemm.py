@@ -136,49 +136,6 @@ def test_wgrad_fp8_e4m3_is_the_fp8_weight_gradient_of_a_given_e4m3_input():
             test_utils=("test_faketensor",))
 
 
-def test_wgrad_fp8_on_interleaved_tokens_is_the_same_sum_in_another_order():
-    """``interleaved``: ``wgrad_fp8_e5m2`` on a gradient whose tokens come in ``interleave16``'s order (B3's da^T
-    through ``stmatrix.trans``) takes its input in that order, ``wgrad_fp8_e4m3`` on such an input its
-    gradient: the same exact products as on the token-order operands, summed in another order. Two fp64
-    sums of the same m terms differ by at most 2 (m - 1) u sum |terms| (u = 2^-53), plus one rounding
-    each of the scaled result: the bound, elementwise. A token count not a multiple of 16 is refused."""
-    from coda_titan.kernels.gemm import wgrad_fp8_grad, wgrad_fp8_input
-    from coda_titan.kernels.scaling import interleave16, quantize_e4m3, quantize_e5m2
-
-    gen = torch.Generator().manual_seed(41)
-    m, n, k = 96, 32, 48
-    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * 1e-3
-    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * 3
-    inv_g, inv_x = torch.tensor(3.0e5, dtype=torch.float64), torch.tensor(37.0, dtype=torch.float64)
-    gq, xq = quantize_e5m2(g, inv_g), quantize_e4m3(x, inv_x)
-    u = 2.0**-53
-    xc, s_x = wgrad_fp8_input(x, None)  # the operands each op casts itself, decoded: sum |terms| exactly
-    gc, s_g = wgrad_fp8_grad(g, None)
-    terms = {"wgrad_fp8_e5m2": (gq.double().abs() / inv_g).t() @ (xc.double().abs() * s_x),
-             "wgrad_fp8_e4m3": (gc.double().abs() * s_g).t() @ (xq.double().abs() / inv_x)}
-    cases = {
-        "wgrad_fp8_e5m2": (dict(gradq=gq, grad_scale=1 / inv_g, inp=x, inp_amax=None),
-                           dict(gradq=interleave16(gq), grad_scale=1 / inv_g, inp=x, inp_amax=None)),
-        "wgrad_fp8_e4m3": (dict(grad=g, grad_amax=None, inpq=xq, inp_scale=1 / inv_x),
-                           dict(grad=g, grad_amax=None, inpq=interleave16(xq), inp_scale=1 / inv_x)),
-    }
-    for name, (plain, inter) in cases.items():
-        fn = getattr(TORCH, name)
-        want = fn(**plain, out_dtype=torch.float64)
-        got = fn(**inter, out_dtype=torch.float64, interleaved=True)
-        bound = 2 * (m - 1) * u * terms[name] + 2 * u * want.abs()
-        assert ((got - want).abs() <= bound).all(), name
-        assert rel(got, fn(**inter, out_dtype=torch.float64)) > 0.1  # (in token order the pairs would not match)
-        with pytest.raises(ValueError, match="multiple of 16"):
-            fn(**{k2: (v[:40] if torch.is_tensor(v) and v.dim() == 2 else v) for k2, v in inter.items()},
-               out_dtype=torch.float64, interleaved=True)
-    opcheck(torch.ops.coda.wgrad_fp8_e5m2.default, (interleave16(gq).float().to(gq.dtype), (1 / inv_g).float(), x.float(),
-                                                    None, torch.float32, True), test_utils=("test_faketensor",))
-    opcheck(torch.ops.coda.wgrad_fp8_e4m3.default, (g.float(), None, interleave16(xq).float().to(xq.dtype),
-                                                    (1 / inv_x).float(), torch.float32, True),
-            test_utils=("test_faketensor",))
-
-
 def test_wgrad_fp8_q_is_the_weight_gradient_of_two_given_fp8_operands():
     """``wgrad_fp8_q`` (dW13 on B3's e5m2 da and F1's e4m3 H^T, ``fp8_mlp_h_t``): both operands' codes
     taken as they are times their scales, no cast; in fp64 the exact product of the decoded operands."""

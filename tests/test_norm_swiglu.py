@@ -169,31 +169,6 @@ def test_b3_on_an_fp8_gemm_is_b3_fp8_on_the_dequantized_operands():
         TORCH.swiglu_bwd_q_fp8(doutq=dq, w_down_tq=w2q_t.float(), scale=s_d, a=a, rstd=rstd, inv_scale=None)
 
 
-def test_b3_interleaved_writes_the_same_transposed_codes_with_tokens_interleaved():
-    """``interleaved`` (``fp8_t_interleaved``): ``swiglu_bwd_e5m2_t`` and ``_t_q`` write da^T (and, with inv_y,
-    the e4m3 y^T) with the tokens of each 16 in ``interleave16``'s order, the order the ``stmatrix.trans``
-    store leaves them in, and change nothing else: the same codes, bit for bit, reordered. A token count
-    that is not a multiple of 16 is refused."""
-    from coda_titan.kernels.scaling import interleave16
-
-    gen = torch.Generator().manual_seed(31)
-    dout, w2, a, rstd, dq, s_d, w2q_t, s_w = _b3_q_operands(gen, 48, 32, 40)
-    inv_g = torch.tensor(2.0**12)
-    progs = {"swiglu_bwd_e5m2_t": (dout, w2, a, rstd), "swiglu_bwd_e5m2_t_q": (dq, w2q_t, s_d * s_w, a, rstd)}
-    for name, args in progs.items():
-        op = getattr(torch.ops.coda, name)
-        for inv_y in (None, torch.tensor(30.0)):
-            plain, got = op(*args, inv_g, inv_y), op(*args, inv_g, inv_y, True)
-            for i, (p, g) in enumerate(zip(plain, got)):
-                want = interleave16(p, 1) if i == 3 or (i == 0 and inv_y is not None) else p
-                assert g.shape == p.shape and g.is_contiguous() and torch.equal(g.float(), want.float()), (name, i)
-            assert not torch.equal(got[3].float(), plain[3].float())
-            opcheck(op.default, (*args, inv_g, inv_y, True), test_utils=("test_faketensor",))
-        short = [t[:24] if t.dim() and t.shape[0] == 48 else t for t in args]  # 24 tokens
-        with pytest.raises(ValueError, match="multiple of 16"):
-            op(*short, inv_g, None, True)
-
-
 def test_b3_on_an_fp8_gemm_ops_schemas_and_fakes():
     gen = torch.Generator().manual_seed(22)
     dout, w2, a, rstd, dq, s_d, w2q_t, s_w = _b3_q_operands(gen, 8, 16, 24)
@@ -531,53 +506,6 @@ def test_cute_b3_writing_e5m2_da_transposed_too():
     err, bound = rel(dw, exact), 2.0**-13 * math.sqrt(m / 32) + 2.0**-8
     log_bound("wgrad_fp8_q on da^T and H^T vs fp64 on the same codes", err=err, bound=bound)
     assert dw.shape == (2 * ff, d) and dw.isfinite().all() and err <= bound
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8_gemm", [False, True])
-def test_cute_b3_interleaved_stores_the_transposed_codes_with_tokens_interleaved(fp8_gemm):
-    """``interleaved``: the ``stmatrix.trans`` stores (``tstore``) of da^T and y^T. The epilogue math is the
-    token-order kernel's, only the register-to-shared copy differs, so every output must be that kernel's
-    bits with the transposed ones' tokens in ``interleave16``'s order (bound 0: no byte apart); the torch
-    reference with ``interleaved`` gives the same order. dW1, dW3 (and dW2) on them with the other operand
-    interleaved too are fp8 GEMMs of the same codes summed in another order: each within the fp8 wgrad
-    bound of the exact product (above), so within twice that of the token-order results."""
-    import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.scaling import E5M2_MAX, interleave16
-
-    cute, gen, (m, d, ff), b3 = _cuda_b3(17)
-    if fp8_gemm:
-        dq, s_d = cute.quantize_grad(t=b3["dout"])
-        (w2q_t,), (s_w,) = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
-        b3, prog = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), a=b3["a"], rstd=b3["rstd"]), "_q"
-    else:
-        prog = ""
-    fn = getattr(cute, f"swiglu_bwd_e5m2_t{prog}")
-    amax0 = fn(**b3, inv_scale=torch.tensor(1.0, device="cuda"))[4]
-    inv_g = inv_scale_from_amax(amax0 / 2, E5M2_MAX)  # a stale amax: the top saturates
-    y = fn(**b3, inv_scale=inv_g)[0]
-    inv_y = 400 / y.float().abs().amax()
-    plain = fn(**b3, inv_scale=inv_g, inv_y=inv_y)
-    got = fn(**b3, inv_scale=inv_g, inv_y=inv_y, interleaved=True)
-    for i, name in enumerate(("y^T", "zdz", "daq", "da^T", "amax")):
-        want = interleave16(plain[i], 1) if i in (0, 3) else plain[i]
-        g, w = (got[i].view(torch.uint8), want.view(torch.uint8)) if got[i].element_size() == 1 else (got[i], want)
-        apart = (g != w).float().mean().item()
-        log_bound(f"swiglu_bwd_e5m2_t{prog} interleaved {name}: share apart from the token-order kernel's", err=apart,
-                  bound=0.0)
-        assert got[i].shape == want.shape and apart == 0.0, name
-    x = torch.randn(m, d, generator=gen, device="cuda").to(BF)
-    bound = 2 * (2.0**-13 * math.sqrt(m / 32) + 2.0**-8)
-    for half, (t, ti) in enumerate(zip(plain[3].split(ff), got[3].split(ff))):
-        want = cute.wgrad_fp8_e5m2(gradq=t.t(), grad_scale=1 / inv_g, inp=x, inp_amax=None, out_dtype=BF)
-        dw = cute.wgrad_fp8_e5m2(gradq=ti.t(), grad_scale=1 / inv_g, inp=x, inp_amax=None, out_dtype=BF, interleaved=True)
-        log_bound(f"wgrad_fp8_e5m2 on interleaved da^T half {half} vs token order", err=rel(dw, want), bound=bound)
-        assert rel(dw, want) <= bound
-    g = torch.randn(m, d, generator=gen, device="cuda").to(BF)
-    want = cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=plain[0].t(), inp_scale=1 / inv_y, out_dtype=BF)
-    dw = cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=got[0].t(), inp_scale=1 / inv_y, out_dtype=BF, interleaved=True)
-    log_bound("wgrad_fp8_e4m3 on interleaved y^T vs token order", err=rel(dw, want), bound=bound)
-    assert rel(dw, want) <= bound
 
 
 @pytest.mark.gpu

@@ -23,16 +23,3 @@ def test_quantizer_is_round_to_nearest_even_with_saturation():
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} mismatches, e.g. {v[bad[:5]].tolist()} -> {got[bad[:5]].tolist()} vs {want[bad[:5]].tolist()}"
     assert got.abs().max() == E4M3_MAX and got.isfinite().all()
-
-
-def test_interleave16_is_the_stmatrix_trans_token_order():
-    """Within each 16 tokens, position 2r holds token r and 2r + 1 token r + 8 (rows r and r + 8 of a
-    WGMMA fragment packed into one 16-bit unit), along any dim; ``deinterleave16`` undoes it."""
-    from coda_titan.kernels.scaling import deinterleave16, interleave16
-
-    want = [g * 16 + r + 8 * h for g in range(3) for r in range(8) for h in range(2)]
-    assert interleave16(torch.arange(48)).tolist() == want
-    t = torch.randn(5, 32, 3)
-    assert torch.equal(interleave16(t, 1)[:, 1], t[:, 8]) and torch.equal(interleave16(t, -2)[:, 2], t[:, 1])
-    assert torch.equal(deinterleave16(interleave16(t, 1), 1), t)
-    assert not torch.equal(interleave16(t, 1), t)

@@ -24,8 +24,6 @@ FP8 (precision = "fp8"):
                          it): no cast of the gradient, only its token-major copy.
     wgrad_fp8_e4m3       the same with the input already e4m3 (B3's y, with the down-projection input
                          site's delayed scale; ``inp_scale`` = 1 / inv) and the gradient cast.
-                         Both take ``interleaved``: the given fp8 operand's tokens in ``interleave16``'s
-                         order (B3's ``stmatrix.trans`` stores), the other operand taken in the same.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, interleave_rows, mm, program_op
 from .scaling import (
-    E4M3, E4M3_MAX, E5M2, E5M2_MAX, compute_dtype, interleave16, inv_scale_from_amax, pow2_floor, quantize_e4m3,
-    quantize_e5m2,
+    E4M3, E4M3_MAX, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2,
 )
 
 
@@ -159,37 +156,26 @@ def wgrad_fp8_input(inp: torch.Tensor, inp_amax: torch.Tensor | None) -> tuple[t
     return _pow2_cast(inp.to(compute_dtype(inp.dtype)), inp_amax, quantize_e4m3, E4M3_MAX)
 
 
-def _in_order(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``t``'s tokens (rows) in ``interleave16``'s order where ``interleaved``: the order of the given fp8
-    operand of a weight gradient (B3's ``stmatrix.trans`` stores), so the sum over tokens pairs each
-    token's two rows again."""
-    if interleaved and t.shape[0] % 16:
-        raise ValueError(f"interleaved tokens need a multiple of 16 rows, got {t.shape[0]}")
-    return interleave16(t) if interleaved else t
-
-
 def wgrad_fp8_e5m2(
     *, gradq: torch.Tensor, grad_scale: torch.Tensor, inp: torch.Tensor, inp_amax: torch.Tensor | None,
-    out_dtype: torch.dtype, interleaved: bool = False,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """dW = (grad_scale * gradq)^T @ inp: ``wgrad_fp8`` on an e5m2 gradient given with its scale; with
-    ``interleaved``, gradq's tokens in ``interleave16``'s order (``inp`` is taken in the same)."""
+    """dW = (grad_scale * gradq)^T @ inp: ``wgrad_fp8`` on an e5m2 gradient given with its scale."""
     _check_rows(gradq, inp)
     if gradq.dtype != E5M2:
         raise TypeError(f"wgrad_fp8_e5m2 takes an e5m2 gradient, got {gradq.dtype}")
-    return _scaled_product(gradq, grad_scale, *wgrad_fp8_input(_in_order(inp, interleaved), inp_amax), out_dtype)
+    return _scaled_product(gradq, grad_scale, *wgrad_fp8_input(inp, inp_amax), out_dtype)
 
 
 def wgrad_fp8_e4m3(
     *, grad: torch.Tensor, grad_amax: torch.Tensor | None, inpq: torch.Tensor, inp_scale: torch.Tensor,
-    out_dtype: torch.dtype, interleaved: bool = False,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """dW = grad^T @ (inp_scale * inpq): ``wgrad_fp8`` on an e4m3 input given with its scale; with
-    ``interleaved``, inpq's tokens in ``interleave16``'s order (``grad`` is taken in the same)."""
+    """dW = grad^T @ (inp_scale * inpq): ``wgrad_fp8`` on an e4m3 input given with its scale."""
     _check_rows(grad, inpq)
     if inpq.dtype != E4M3:
         raise TypeError(f"wgrad_fp8_e4m3 takes an e4m3 input, got {inpq.dtype}")
-    return _scaled_product(*wgrad_fp8_grad(_in_order(grad, interleaved), grad_amax), inpq, inp_scale, out_dtype)
+    return _scaled_product(*wgrad_fp8_grad(grad, grad_amax), inpq, inp_scale, out_dtype)
 
 
 def wgrad_fp8_q(
@@ -304,28 +290,26 @@ def _(grad, grad_amax, inp, inp_amax, out_dtype):
 @program_op("wgrad_fp8_e5m2")
 def wgrad_fp8_e5m2_op(
     gradq: torch.Tensor, grad_scale: torch.Tensor, inp: torch.Tensor, inp_amax: Optional[torch.Tensor],
-    out_dtype: torch.dtype, interleaved: bool = False,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return wgrad_fp8_e5m2(gradq=gradq, grad_scale=grad_scale, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype,
-                          interleaved=interleaved)
+    return wgrad_fp8_e5m2(gradq=gradq, grad_scale=grad_scale, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
 
 
 @wgrad_fp8_e5m2_op.register_fake
-def _(gradq, grad_scale, inp, inp_amax, out_dtype, interleaved=False):
+def _(gradq, grad_scale, inp, inp_amax, out_dtype):
     return inp.new_empty((gradq.shape[1], inp.shape[1]), dtype=out_dtype)
 
 
 @program_op("wgrad_fp8_e4m3")
 def wgrad_fp8_e4m3_op(
     grad: torch.Tensor, grad_amax: Optional[torch.Tensor], inpq: torch.Tensor, inp_scale: torch.Tensor,
-    out_dtype: torch.dtype, interleaved: bool = False,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return wgrad_fp8_e4m3(grad=grad, grad_amax=grad_amax, inpq=inpq, inp_scale=inp_scale, out_dtype=out_dtype,
-                          interleaved=interleaved)
+    return wgrad_fp8_e4m3(grad=grad, grad_amax=grad_amax, inpq=inpq, inp_scale=inp_scale, out_dtype=out_dtype)
 
 
 @wgrad_fp8_e4m3_op.register_fake
-def _(grad, grad_amax, inpq, inp_scale, out_dtype, interleaved=False):
+def _(grad, grad_amax, inpq, inp_scale, out_dtype):
     return grad.new_empty((grad.shape[1], inpq.shape[1]), dtype=out_dtype)
 
 

@@ -40,8 +40,7 @@ FP8 (precision = "fp8"):
                      de-interleaved, daq_t (2F, M) = [gate columns; up columns]^T: dW13's fp8 operand
                      as cuBLAS reads it (K-major along the tokens), so dW13 = daq_t @ H needs no
                      copy pass and comes out as [dW1; dW3]; with ``inv_y`` its e4m3 y comes
-                     transposed too, (F, M), dW2's input with no copy pass; ``interleaved``: their
-                     tokens in ``scaling.interleave16``'s order (the ``stmatrix.trans`` store's)
+                     transposed too, (F, M), dW2's input with no copy pass
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
@@ -55,8 +54,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import (E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, interleave16, inv_scale_from_amax, quantize_e4m3,
-                      quantize_e5m2)
+from .scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e4m3, quantize_e5m2
 
 
 def _swiglu(z: torch.Tensor) -> torch.Tensor:
@@ -148,15 +146,10 @@ def _e5m2_only(da, y, zdz, a, inv_scale, inv_y):
     return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
 
 
-def _transposed(y, zdz, daq, amax, inv_y, interleaved=False):
-    """``_e5m2_only``'s outputs plus daq^T de-interleaved, [gate; up] (2F, M); an e4m3 y as y^T. With
-    ``interleaved``, the transposed outputs' tokens in ``interleave16``'s order (the ``stmatrix.trans``
-    store's)."""
-    if interleaved and daq.shape[0] % 16:
-        raise ValueError(f"interleaved tokens need a multiple of 16 rows, got {daq.shape[0]}")
-    order = (lambda t: interleave16(t, 1).contiguous()) if interleaved else (lambda t: t.contiguous())
-    y = y if inv_y is None else order(y.t())
-    return y, zdz, daq, order(torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()])), amax
+def _transposed(y, zdz, daq, amax, inv_y):
+    """``_e5m2_only``'s outputs plus daq^T de-interleaved, [gate; up] (2F, M); an e4m3 y as y^T."""
+    y = y if inv_y is None else y.t().contiguous()
+    return y, zdz, daq, torch.cat([daq[:, 0::2].t(), daq[:, 1::2].t()]).contiguous(), amax
 
 
 def swiglu_bwd_e5m2(
@@ -171,14 +164,12 @@ def swiglu_bwd_e5m2(
 
 def swiglu_bwd_e5m2_t(
     *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: torch.Tensor | None,
-    inv_y: torch.Tensor | None = None, interleaved: bool = False,
+    inv_y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, zdz, daq, daq_t, amax): ``swiglu_bwd_e5m2`` plus daq's gate and up columns transposed; with
-    ``inv_y``, y as e4m3 *transposed*, (F, M) token-major: dW2's input as cuBLAS reads it. With
-    ``interleaved`` (``fp8_t_interleaved``), the tokens of daq_t (and y^T) within each 16 in
-    ``interleave16``'s order: a weight gradient on them takes its other operand in the same order."""
+    ``inv_y``, y as e4m3 *transposed*, (F, M) token-major: dW2's input as cuBLAS reads it."""
     return _transposed(*swiglu_bwd_e5m2(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y),
-                       inv_y, interleaved)
+                       inv_y)
 
 
 def _dy_q(doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -202,11 +193,10 @@ def swiglu_bwd_q_fp8(
 
 def swiglu_bwd_e5m2_t_q(
     *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
-    inv_scale: torch.Tensor | None, inv_y: torch.Tensor | None = None, interleaved: bool = False,
+    inv_scale: torch.Tensor | None, inv_y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``swiglu_bwd_e5m2_t`` on an fp8 GEMM (``_dy_q``; ``fp8_down_dgrad`` with the e5m2-only B3)."""
-    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a, inv_scale, inv_y), inv_y,
-                       interleaved)
+    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a, inv_scale, inv_y), inv_y)
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -296,14 +286,13 @@ def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
 @program_op("swiglu_bwd_e5m2_t")
 def swiglu_bwd_e5m2_t_op(
     dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, inv_scale: Optional[torch.Tensor],
-    inv_y: Optional[torch.Tensor] = None, interleaved: bool = False,
+    inv_y: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_bwd_e5m2_t(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y,
-                             interleaved=interleaved)
+    return swiglu_bwd_e5m2_t(dout=dout, w_down=w_down, a=a, rstd=rstd, inv_scale=inv_scale, inv_y=inv_y)
 
 
 @swiglu_bwd_e5m2_t_op.register_fake
-def _(dout, w_down, a, rstd, inv_scale, inv_y=None, interleaved=False):
+def _(dout, w_down, a, rstd, inv_scale, inv_y=None):
     y, zdz, daq, amax = swiglu_bwd_e5m2_op(dout, w_down, a, rstd, inv_scale, inv_y)
     y = y if inv_y is None else y.new_empty((y.shape[1], y.shape[0]))
     return y, zdz, daq, daq.new_empty((daq.shape[1], daq.shape[0])), amax
@@ -328,14 +317,14 @@ def _(doutq, w_down_tq, scale, a, rstd, inv_scale):
 @program_op("swiglu_bwd_e5m2_t_q")
 def swiglu_bwd_e5m2_t_q_op(
     doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor,
-    inv_scale: Optional[torch.Tensor], inv_y: Optional[torch.Tensor] = None, interleaved: bool = False,
+    inv_scale: Optional[torch.Tensor], inv_y: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return swiglu_bwd_e5m2_t_q(doutq=doutq, w_down_tq=w_down_tq, scale=scale, a=a, rstd=rstd, inv_scale=inv_scale,
-                               inv_y=inv_y, interleaved=interleaved)
+                               inv_y=inv_y)
 
 
 @swiglu_bwd_e5m2_t_q_op.register_fake
-def _(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None, interleaved=False):
+def _(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None):
     m, f = a.shape[0], a.shape[1] // 2
     y = a.new_empty((m, f)) if inv_y is None else a.new_empty((f, m), dtype=E4M3)
     return (y, a.new_empty((m,), dtype=compute_dtype(a.dtype)), a.new_empty(a.shape, dtype=E5M2),

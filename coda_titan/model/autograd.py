@@ -43,7 +43,6 @@ class ProgramConfig:
     fp8_y_wgrad: bool = False  # with it and the down site calibrated: dW2 on B3's e4m3 y (``fp8_down_wgrad``)
     fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
-    fp8_t_interleaved: bool = False  # with fp8_da_t: da^T, y^T via stmatrix.trans, tokens interleaved (``fp8_t_interleaved``)
 
 
 @dataclass(frozen=True)
@@ -255,20 +254,19 @@ class NormSwiGLUResidual(torch.autograd.Function):
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
-        ti = ctx.cfg.fp8_t_interleaved and h_t is None and a.shape[0] % 16 == 0  # (F1's H^T comes in token order)
         daq_t = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
             q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd, inv_scale=grad_inv_scale)
             if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
                 da = None
-                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, inv_y=inv_y, interleaved=ti)
+                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, inv_y=inv_y)
             else:
                 da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(**q)
         elif lean and ctx.cfg.fp8_da_t:  # and da^T (and e4m3 y^T with inv_y): the wgrads' operands as cuBLAS reads them
             da = None
             y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t(dout=dx_out, w_down=w2, a=a, rstd=rstd,
-                                                            inv_scale=grad_inv_scale, inv_y=inv_y, interleaved=ti)
+                                                            inv_scale=grad_inv_scale, inv_y=inv_y)
         elif lean:  # both consumers of da read its e5m2 copy: B3 writes no bf16 da (and y as e4m3 with inv_y)
             da = None
             y, zdz, daq, amax = be.swiglu_bwd_e5m2(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale,
@@ -284,10 +282,9 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        ti = ti and daq_t is not None  # da^T and y^T in interleave16's token order: so are the wgrads' others
         if y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
             dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),
-                                    inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype, interleaved=ti)
+                                    inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         else:
             dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         if lean and h_t is not None:  # fp8_mlp_h_t: and on F2's e4m3 H codes, F1's H^T (no cast of H)
@@ -295,7 +292,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                   inp_scale=inv_h.reciprocal(), out_dtype=w13.dtype)
         elif lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
             dw13 = be.wgrad_fp8_e5m2(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inp=h,
-                                     inp_amax=h_amax, out_dtype=w13.dtype, interleaved=ti)
+                                     inp_amax=h_amax, out_dtype=w13.dtype)
         else:
             dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
         dw1, dw3 = deinterleave_rows(dw13) if daq_t is None else dw13.chunk(2)  # (da^T: [gate; up] rows)

@@ -208,7 +208,7 @@ class CodaTransformer(Transformer):
             backend=get_backend(self.backend_name, traced=a.coda.trace_passes), tile_n=a.coda.tile_n, eps=a.norm_eps,
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
-            fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad, fp8_t_interleaved=a.coda.fp8_t_interleaved)
+            fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

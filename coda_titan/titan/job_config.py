@@ -48,7 +48,6 @@ class Coda:
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
     fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (y^T with fp8_down_wgrad): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
-    fp8_t_interleaved: bool = knob(True, "fp8: B3's da^T, y^T via stmatrix.trans, tokens interleaved by 16s")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
     fp8_down_dgrad: bool = knob(False, "fp8: B3's GEMM on fp8, D cast to e5m2 (measured level; parity missed)")
@@ -131,7 +130,7 @@ def validate(coda: Coda) -> Coda:
 
 # The off-by-default knobs and the settings they act through: without them each would do nothing, so
 # a run that sets it is refused before it starts. (The on-by-default variants, fp8_mlp_wgrad_e5m2,
-# fp8_mlp_da_t, fp8_down_wgrad and fp8_t_interleaved, are ignored where what they vary does not run.)
+# fp8_mlp_da_t and fp8_down_wgrad, are ignored where what they vary does not run.)
 NEEDS = {
     "fp8_down_dgrad": ({"precision": "fp8", "fp8_mlp_dgrad": True}, "it runs the e5m2 B3 of fp8_mlp_dgrad on an fp8 GEMM"),
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),

@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
-from ..scaling import (E4M3, E5M2, E5M2_MAX, compute_dtype, interleave16, inv_scale_from_amax, pow2_floor, quantize_e4m3,
-                       quantize_e5m2)
+from ..scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
 
 
@@ -151,17 +150,10 @@ def _unsupported_fp8_operand(t, dtypes=(E4M3,)) -> str | None:
     return unsupported_fp8(t if t.is_contiguous() else t.t(), dtypes=dtypes)
 
 
-def _in_order_t(t, interleaved):
-    """t^T (token-major) as one contiguous copy, its tokens in ``interleave16``'s order where ``interleaved``:
-    the permutation rides the transposing pass inductor fuses it into."""
-    return (interleave16(t) if interleaved else t).t().contiguous()
-
-
-def _wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax, interleaved=False):
-    """(``_scaled_wgrad``'s operands): gradq's token-major copy with its given scale, inp cast and transposed
-    (in gradq's token order)."""
+def _wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax):
+    """(``_scaled_wgrad``'s operands): gradq's token-major copy with its given scale, inp cast and transposed."""
     xq, s_x = ref.wgrad_fp8_input(inp, inp_amax)
-    return gradq.t().contiguous(), grad_scale.float().reshape(()), _in_order_t(xq, interleaved), s_x
+    return gradq.t().contiguous(), grad_scale.float().reshape(()), xq.t().contiguous(), s_x
 
 
 def _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype) -> str | None:
@@ -170,29 +162,27 @@ def _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype) -> str | None:
 
 
 @torch.library.register_kernel("coda::wgrad_fp8_e5m2", "cuda")
-def _wgrad_fp8_e5m2(gradq, grad_scale, inp, inp_amax, out_dtype, interleaved=False):
+def _wgrad_fp8_e5m2(gradq, grad_scale, inp, inp_amax, out_dtype):
     why = _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype)
     if why:
-        return fallback(ref.wgrad_fp8_e5m2_op, why, gradq, grad_scale, inp, inp_amax, out_dtype, interleaved)
-    fn = fused(f"wgrad_fp8_e5m2_operands_{inp_amax is None:d}{interleaved:d}",
-               lambda g, s, x, a: _wgrad_fp8_e5m2_operands_t(g, s, x, a, interleaved))
+        return fallback(ref.wgrad_fp8_e5m2_op, why, gradq, grad_scale, inp, inp_amax, out_dtype)
+    fn = fused(f"wgrad_fp8_e5m2_operands_{inp_amax is None:d}", _wgrad_fp8_e5m2_operands_t)
     with first_call("wgrad_fp8_e5m2", gradq, inp):
         return _scaled_wgrad(*fn(gradq, grad_scale, inp, inp_amax), out_dtype)
 
 
-def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype, interleaved=False):
+def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
     """``coda::wgrad_fp8_e5m2`` as code a compiled caller traces (``TRACED``): the token-major copy of
     the e5m2 gradient and the cast-and-transpose of the input fused by inductor, then cuBLAS's fp8 GEMM."""
-    if _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype):  # the op says why, once
-        return ref.wgrad_fp8_e5m2_op(gradq, grad_scale, inp, inp_amax, out_dtype, interleaved)
-    return _scaled_wgrad(*_wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax, interleaved), out_dtype)
+    if _wgrad_fp8_e5m2_unsupported(gradq, inp, out_dtype):
+        return ref.wgrad_fp8_e5m2_op(gradq, grad_scale, inp, inp_amax, out_dtype)  # the op says why, once
+    return _scaled_wgrad(*_wgrad_fp8_e5m2_operands_t(gradq, grad_scale, inp, inp_amax), out_dtype)
 
 
-def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale, interleaved=False):
-    """(``_scaled_wgrad``'s operands): grad cast and transposed (in inpq's token order), inpq's token-major
-    copy with its given scale."""
+def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale):
+    """(``_scaled_wgrad``'s operands): grad cast and transposed, inpq's token-major copy with its given scale."""
     gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)
-    return _in_order_t(gq, interleaved), s_g, inpq.t().contiguous(), inp_scale.float().reshape(())
+    return gq.t().contiguous(), s_g, inpq.t().contiguous(), inp_scale.float().reshape(())
 
 
 def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:
@@ -200,21 +190,20 @@ def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:
 
 
 @torch.library.register_kernel("coda::wgrad_fp8_e4m3", "cuda")
-def _wgrad_fp8_e4m3(grad, grad_amax, inpq, inp_scale, out_dtype, interleaved=False):
+def _wgrad_fp8_e4m3(grad, grad_amax, inpq, inp_scale, out_dtype):
     why = _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype)
     if why:
-        return fallback(ref.wgrad_fp8_e4m3_op, why, grad, grad_amax, inpq, inp_scale, out_dtype, interleaved)
-    fn = fused(f"wgrad_fp8_e4m3_operands_{grad_amax is None:d}{interleaved:d}",
-               lambda g, a, x, s: _wgrad_fp8_e4m3_operands_t(g, a, x, s, interleaved))
+        return fallback(ref.wgrad_fp8_e4m3_op, why, grad, grad_amax, inpq, inp_scale, out_dtype)
+    fn = fused(f"wgrad_fp8_e4m3_operands_{grad_amax is None:d}", _wgrad_fp8_e4m3_operands_t)
     with first_call("wgrad_fp8_e4m3", grad, inpq):
         return _scaled_wgrad(*fn(grad, grad_amax, inpq, inp_scale), out_dtype)
 
 
-def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype, interleaved=False):
+def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
     """``coda::wgrad_fp8_e4m3`` as code a compiled caller traces (``TRACED``)."""
-    if _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype):  # the op says why, once
-        return ref.wgrad_fp8_e4m3_op(grad, grad_amax, inpq, inp_scale, out_dtype, interleaved)
-    return _scaled_wgrad(*_wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale, interleaved), out_dtype)
+    if _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype):
+        return ref.wgrad_fp8_e4m3_op(grad, grad_amax, inpq, inp_scale, out_dtype)  # the op says why, once
+    return _scaled_wgrad(*_wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale), out_dtype)
 
 
 def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale):

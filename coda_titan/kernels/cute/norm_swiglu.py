@@ -18,8 +18,6 @@ swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswigl
                  scales the accumulator first), the same pinned config
 swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``epilogues.dswiglu_rstd_preact_e5m2_t_q_epi``,
                  ``..._t_yq_q_epi``)
-                 both with ``interleaved``: the ``..._ti_...`` epilogues, whose M-major 8-bit outputs go through
-                 ``stmatrix.trans`` (``tstore``), tokens interleaved within each 16
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from ..scaling import E4M3, E5M2, compute_dtype
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
-                        dswiglu_rstd_preact_e5m2_ti_epi, dswiglu_rstd_preact_e5m2_ti_q_epi,
-                        dswiglu_rstd_preact_e5m2_ti_yq_epi, dswiglu_rstd_preact_e5m2_ti_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
 
@@ -183,33 +179,23 @@ def _b3_t_unsupported(a, inv_scale):
     return None
 
 
-# (y as bf16, y^T as e4m3) epilogues of the transposed B3: [fp8 GEMM][interleaved]
-_B3_T_EPIS = {
-    (False, False): (dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_yq_epi),
-    (False, True): (dswiglu_rstd_preact_e5m2_ti_epi, dswiglu_rstd_preact_e5m2_ti_yq_epi),
-    (True, False): (dswiglu_rstd_preact_e5m2_t_q_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi),
-    (True, True): (dswiglu_rstd_preact_e5m2_ti_q_epi, dswiglu_rstd_preact_e5m2_ti_yq_q_epi),
-}
-
-
 @torch.library.register_kernel("coda::swiglu_bwd_e5m2_t", "cuda")
-def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale, inv_y=None, interleaved=False):
+def _swiglu_bwd_e5m2_t(dout, w_down, a, rstd, inv_scale, inv_y=None):
     why = unsupported(dout, w_down, a) or _b3_t_unsupported(a, inv_scale)
     if why:
-        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale, inv_y, interleaved)
-    name = "swiglu_bwd_e5m2_ti" if interleaved else "swiglu_bwd_e5m2_t"
-    return _b3_e5m2_t(name, _B3_T_EPIS[False, interleaved], dout, w_down, a, rstd, inv_scale, inv_y)
+        return fallback(ref.swiglu_bwd_e5m2_t_op, why, dout, w_down, a, rstd, inv_scale, inv_y)
+    return _b3_e5m2_t("swiglu_bwd_e5m2_t", (dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_yq_epi),
+                      dout, w_down, a, rstd, inv_scale, inv_y)
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_e5m2_t_q", "cuda")
-def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None, interleaved=False):
+def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None):
     why = (unsupported(a) or unsupported_fp8(doutq, dtypes=(E4M3, E5M2)) or unsupported_fp8(w_down_tq)
            or _b3_t_unsupported(a, inv_scale))
     if why:
-        return fallback(ref.swiglu_bwd_e5m2_t_q_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y, interleaved)
-    name = "swiglu_bwd_e5m2_ti_q" if interleaved else "swiglu_bwd_e5m2_t_q"
-    return _b3_e5m2_t(name, _B3_T_EPIS[True, interleaved], doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y,
-                      scale=scalar32(scale))
+        return fallback(ref.swiglu_bwd_e5m2_t_q_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y)
+    return _b3_e5m2_t("swiglu_bwd_e5m2_t_q", (dswiglu_rstd_preact_e5m2_t_q_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi),
+                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")

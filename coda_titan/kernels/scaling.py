@@ -78,17 +78,3 @@ def fp8_mm(aq: torch.Tensor, bq: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     check_e4m3(aq, bq)
     return aq.to(ct) @ bq.to(ct).t()
 
-
-def interleave16(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """``t`` with the entries along ``dim`` (a multiple of 16 long) reordered 0, 8, 1, 9, ..., 7, 15 within
-    each group of 16: the token order of the transposed 8-bit stores through ``stmatrix.trans``
-    (``coda_titan.kernels.cute.tstore``). A sum over ``dim`` is unchanged when both of its operands are
-    in this order."""
-    dim = dim % t.dim()
-    return t.unflatten(dim, (-1, 2, 8)).transpose(dim + 1, dim + 2).flatten(dim, dim + 2)
-
-
-def deinterleave16(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """The inverse of ``interleave16``."""
-    dim = dim % t.dim()
-    return t.unflatten(dim, (-1, 8, 2)).transpose(dim + 1, dim + 2).flatten(dim, dim + 2)

@@ -17,7 +17,7 @@ from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar, TileStore,
                                 setup_epi_tensor)
 
-from .tstore import InterleavedTransposedStore
+from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through stmatrix.trans
 
 
 _target_idx = ColVecLoad("target")
@@ -79,7 +79,7 @@ def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
 
 
 @gemm_epilogue(
-    outputs=("resid_out", "hq", "hqt"),
+    outputs=("resid_out", "hq", _T("hqt")),
     ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
     reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
 )
@@ -258,20 +258,19 @@ def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
 
 
 @gemm_epilogue(
-    outputs=("postact", "daq", "dagt", "daut"),
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
 )
 def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
-    M-major (transposed) 8-bit outputs ``dagt`` / ``daut`` (``swiglu_bwd_e5m2_t``): quack's ``TileStore``
-    with an M-major 8-bit tensor, the universal register-to-shared copy and a TMA store of the
-    transposed tile."""
+    M-major (transposed) 8-bit outputs ``dagt`` / ``daut`` (``swiglu_bwd_e5m2_t``): ``tstore``'s
+    ``stmatrix.trans`` register-to-shared copy and a TMA store of the transposed tile."""
     return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
 
 
 @gemm_epilogue(
-    outputs=("postact", "daq", "dagt", "daut"),
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
 )
@@ -284,7 +283,7 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
 
 
 @gemm_epilogue(
-    outputs=("postact", "daq", "dagt", "daut"),
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
 )
@@ -295,7 +294,7 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
 
 
 @gemm_epilogue(
-    outputs=("postact", "daq", "dagt", "daut"),
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
          "inv_y": Scalar("inv_y")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
@@ -306,49 +305,3 @@ def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     out["postact"] = out["postact"] * inv_y
     return out
 
-
-# The same four B3 epilogues with their M-major 8-bit outputs through ``stmatrix.trans`` (``tstore``):
-# tokens interleaved within each 16 (``scaling.interleave16``), the rest unchanged.
-
-
-def _b3_t_ops(*scalars):
-    """B3's epilogue inputs (fresh op instances per epilogue): rstd, inv_scale and ``scalars``."""
-    return {"rstd": ColVecLoad("rstd"), **{k: Scalar(k) for k in ("inv_scale", *scalars)}}
-
-
-def _b3_t_reduces():
-    return {"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")}
-
-
-_ti = InterleavedTransposedStore
-
-
-@gemm_epilogue(outputs=("postact", "daq", _ti("dagt"), _ti("daut")), ops=_b3_t_ops(), reduces=_b3_t_reduces())
-def dswiglu_rstd_preact_e5m2_ti_epi(acc, c, rstd, inv_scale):
-    """``dswiglu_rstd_preact_e5m2_t_epi`` with da^T's tokens interleaved."""
-    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
-
-
-@gemm_epilogue(outputs=(_ti("postact"), "daq", _ti("dagt"), _ti("daut")),
-               ops=_b3_t_ops("inv_y"), reduces=_b3_t_reduces())
-def dswiglu_rstd_preact_e5m2_ti_yq_epi(acc, c, rstd, inv_scale, inv_y):
-    """``dswiglu_rstd_preact_e5m2_t_yq_epi`` with da^T's and y^T's tokens interleaved."""
-    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
-    out["postact"] = out["postact"] * inv_y
-    return out
-
-
-@gemm_epilogue(outputs=("postact", "daq", _ti("dagt"), _ti("daut")),
-               ops=_b3_t_ops("scale"), reduces=_b3_t_reduces())
-def dswiglu_rstd_preact_e5m2_ti_q_epi(acc, c, rstd, inv_scale, scale):
-    """``dswiglu_rstd_preact_e5m2_t_q_epi`` with da^T's tokens interleaved."""
-    return _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
-
-
-@gemm_epilogue(outputs=(_ti("postact"), "daq", _ti("dagt"), _ti("daut")),
-               ops=_b3_t_ops("scale", "inv_y"), reduces=_b3_t_reduces())
-def dswiglu_rstd_preact_e5m2_ti_yq_q_epi(acc, c, rstd, inv_scale, scale, inv_y):
-    """``dswiglu_rstd_preact_e5m2_t_yq_q_epi`` with da^T's and y^T's tokens interleaved."""
-    out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
-    out["postact"] = out["postact"] * inv_y
-    return out

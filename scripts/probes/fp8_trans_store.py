@@ -9,7 +9,8 @@ B3 (bf16 GEMM, e5m2 da, da^T and e4m3 y^T: ``b3_t``) and the same on the fp8 GEM
 * **bits**: the package's B3 (``stmatrix.trans``) must write the bytes of the same epilogue with quack's
   universal copy (built here): da^T, y^T, the row-major e5m2 da, the sum(dz a) partials and amax |da|.
   A mismatch row gives the share of equal bytes and one differing 16-token group.
-* **time**: median of CUDA-event timings of 20 calls after 3 warm-up calls (the first compiles).
+* **time**: the two kernels timed in alternation, 5 rounds of 20 calls (after 3 warm-up calls) each, so
+  that clock drift hits both: the median over the 100 calls per kernel and each round's median.
 
 Each kernel runs in a child process with a timeout (new code may hang the compiler). Writes
 ``$OUT/probe_fp8_trans_store_<gpu>.json`` after every row.
@@ -30,6 +31,7 @@ import torch
 from scripts.probes.fp8_configs import CONFIGS, M, _cfg, _inputs, _meta, _time
 
 TIMEOUT_S = 240
+ROUNDS = 5
 
 
 def _universal_epis():
@@ -103,9 +105,24 @@ def _child(kernel: str) -> dict:
     row = {"compile_s": round(time.perf_counter() - t0, 1)}
     row["bits"] = {n: _compare(a, b) for n, a, b in zip(("y_t", "zdz", "daq", "daq_t", "amax"), ref, got)}
     row["all_equal"] = all(v["equal"] for v in row["bits"].values())
-    row["universal"] = _time(lambda: run(f"probe_{kernel}_universal", ref_epis))
-    row["stmatrix_trans"] = _time(lambda: run(f"probe_{kernel}", new_epis))
+    row.update(_time_ab({"universal": lambda: run(f"probe_{kernel}_universal", ref_epis),
+                         "stmatrix_trans": lambda: run(f"probe_{kernel}", new_epis)}))
     return row
+
+
+def _time_ab(fns: dict, rounds: int = ROUNDS) -> dict:
+    """Each of ``fns`` timed in alternation (``_time``: 20 calls after 3 warm-up calls) for ``rounds``
+    rounds, so clock drift hits both: per arm the median over every call and the per-round medians."""
+    per = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            per[k].append(_time(fn))
+    out = {}
+    for k, ts in per.items():
+        raw = sorted(x for t in ts for x in t["raw_ms"])
+        out[k] = {"median_ms": raw[len(raw) // 2], "min_ms": raw[0], "round_medians_ms": [t["median_ms"] for t in ts],
+                  "raw_ms": [t["raw_ms"] for t in ts]}
+    return out
 
 
 def main():

@@ -71,16 +71,17 @@ def test_a_part_replaces_only_the_programs_it_measured(tmp_path, monkeypatch):
     assert merged["runs"] == ["d64: new", "d64: old"]
 
 
-def test_step_over_floor_uses_the_floor_of_the_same_gpu_and_day(tmp_path):
-    """compare embeds the floor measured in its own lease (same device, day, seq x batch) and the
-    table divides each FA4 run's step by the floor of its precision; another day's floor is not used."""
+def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
+    """compare embeds the floor measured in its own lease (same host and boot, device, day, seq x batch)
+    and the table divides each FA4 run's step by the floor of its precision; another day's floor, and a
+    floor of the same GPU and day from another host (or one that names no host) are not used."""
     from scripts.bench.floor import totals
     from scripts.compare.run import same_lease_floor
     from scripts.report.training import compare_table
 
     gemms = [{"weight": w, "precision": p, "direction": d, "best_ms": 1.0 if p == "bf16" else 0.5}
              for w in ("qkv", "out", "w13", "w2", "lm_head") for p in ("bf16", "fp8") for d in ("fwd", "dgrad", "wgrad")]
-    floor = {"device": "GPU X", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2, "n_layers": 2,
+    floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2, "n_layers": 2,
              "gemms": gemms, "fa4": {"ms": 2.0}, "adamw": {"ms": 3.0}}
     floor["totals"] = t = totals(floor)
     assert t["bf16"]["floor_ms"] == 2 * 12 * 1.0 + 3 * 1.0 + 2 * 2.0 + 3.0
@@ -88,7 +89,8 @@ def test_step_over_floor_uses_the_floor_of_the_same_gpu_and_day(tmp_path):
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
     run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": 51.0, "peak_gib": 1.0,
            "mfu": 1.0, "loss": [1.0], "precision": "fp8", "seq_len": 8, "local_batch_size": 2}
-    doc = {"device": "GPU X", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1, "warmup": 1, "runs": [run]}
+    doc = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1,
+           "warmup": 1, "runs": [run]}
     doc["floor"] = same_lease_floor(doc, tmp_path)
     assert doc["floor"]["fp8"] == t["fp8"]["floor_ms"]
     row = next(line for line in compare_table(doc).splitlines() if line.startswith("| m_coda"))
@@ -96,6 +98,17 @@ def test_step_over_floor_uses_the_floor_of_the_same_gpu_and_day(tmp_path):
     other_day = {**doc, "date": "2026-01-03T10:00:00Z"}
     assert same_lease_floor(other_day, tmp_path) is None
     assert "Step / floor: n/a" in compare_table({**other_day, "floor": None})
+    for host in ("h2/boot-a", "h1/boot-b", None):  # another machine, the same hostname rebooted, no host
+        assert same_lease_floor({**doc, "host": host}, tmp_path) is None, host
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({k: v for k, v in floor.items() if k != "host"}))
+    assert same_lease_floor(doc, tmp_path) is None  # a floor file from before hosts were recorded
+
+
+def test_host_id_names_the_machine_and_its_boot():
+    from scripts.compare.common import host_id
+
+    name, boot = host_id().split("/", 1)
+    assert name and boot and host_id() == f"{name}/{boot}"
 
 
 def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monkeypatch):

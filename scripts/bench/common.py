@@ -17,11 +17,14 @@ BF = torch.bfloat16
 
 
 def header() -> dict:
-    """device, date and versions: the first keys of every kernel result file."""
+    """device, host (``host_id``: which lease), date and versions: the first keys of every kernel result file."""
     import quack
+
+    from scripts.compare.common import host_id
 
     return {
         "device": torch.cuda.get_device_name(),
+        "host": host_id(),
         "date": datetime.date.today().isoformat(),
         "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
     }

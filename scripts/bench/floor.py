@@ -18,7 +18,8 @@ TorchTitan's float8 recipe) + FA4 + AdamW. Elementwise work (norms, SwiGLU, RoPE
 and the idle gaps between kernels are not in it: a step at the floor has fused all of them away.
 Every timing is the median of triton's do_bench after one untimed call, on random (never zero)
 inputs. Writes ``$OUT/floor_<gpu>_<date>.json`` (default ``benchmarks/results``);
-``python -m scripts.report`` puts step / floor beside every compared config of the same GPU and day.
+``scripts.compare`` embeds it in a comparison run later in the same lease (the same ``host_id``), and the
+tables put step / floor beside every config.
 """
 
 from __future__ import annotations

@@ -118,10 +118,23 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", s).strip("_")
 
 
+def host_id() -> str:
+    """This machine's identity for one lease: its hostname and kernel boot id (a device host started
+    afresh boots anew, so two leases on one hostname differ too)."""
+    import socket
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
 def _header(kind: str) -> dict:
     return {
         "kind": kind,
         "device": _device(),
+        "host": host_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "versions": _versions(),
         "command": " ".join(["python -m scripts.compare", *sys.argv[1:]]),

@@ -200,12 +200,14 @@ def floor_files(device: str, date: str, dirs) -> list[tuple[Path, dict]]:
 
 
 def same_lease_floor(doc: dict, out: Path) -> dict | None:
-    """The step floor (``scripts.bench.floor``) measured on this GPU today for this model shape, found
-    in ``out`` or benchmarks/results: its file and its floor ms per precision, or None."""
+    """The step floor (``scripts.bench.floor``) measured in this lease (the same ``host_id``: machine and
+    boot) for this model shape, before this run, found in ``out`` or benchmarks/results: its file and its
+    floor ms per precision, or None (the tables then say n/a). A floor of the same GPU and day from
+    another host is not this lease's: hosts differ by several percent."""
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
     for p, f in floor_files(doc["device"], doc["date"], (out, RESULTS)):
-        if (f["seq_len"], f["local_batch_size"]) == (seq, bs):
-            return {"file": p.name, **{k: v["floor_ms"] for k, v in f["totals"].items()}}
+        if doc.get("host") and f.get("host") == doc["host"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
+            return {"file": p.name, "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()}}
     return None
 
 

@@ -56,7 +56,8 @@ def compare_table(doc: dict) -> str:
         lines += ["", "Peak GiB: the caching allocator's reserved peak over every step, as TorchTitan logs it; in "
                   "parentheses the peak of live tensors over the timed steps (W&B's memory/max_active)."]
     if floor:
-        lines += ["", f"Floor ({floor['file']}, same GPU and day): every GEMM of the step at the best of cuBLAS and quack, "
+        where = "same lease" if floor.get("host") else "same GPU and day; before hosts were recorded"
+        lines += ["", f"Floor ({floor['file']}, {where}): every GEMM of the step at the best of cuBLAS and quack, "
                   f"FA4 forward + backward, fused AdamW: bf16 {_f(floor.get('bf16'))} ms, fp8 {_f(floor.get('fp8'))} ms "
                   "(`python -m scripts.bench.floor`)."]
     else:

@@ -4,6 +4,7 @@ and kernel targets are judged right."""
 import json
 import random
 import re
+from pathlib import Path
 
 from scripts.report import kernels as report
 
@@ -81,8 +82,8 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
 
     gemms = [{"weight": w, "precision": p, "direction": d, "best_ms": 1.0 if p == "bf16" else 0.5}
              for w in ("qkv", "out", "w13", "w2", "lm_head") for p in ("bf16", "fp8") for d in ("fwd", "dgrad", "wgrad")]
-    floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2, "n_layers": 2,
-             "gemms": gemms, "fa4": {"ms": 2.0}, "adamw": {"ms": 3.0}}
+    floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2,
+             "n_layers": 2, "gemms": gemms, "fa4": {"ms": 2.0}, "adamw": {"ms": 3.0}}
     floor["totals"] = t = totals(floor)
     assert t["bf16"]["floor_ms"] == 2 * 12 * 1.0 + 3 * 1.0 + 2 * 2.0 + 3.0
     assert t["fp8"]["floor_ms"] == 2 * 12 * 0.5 + 3 * 1.0 + 2 * 2.0 + 3.0  # the LM head stays bf16
@@ -104,11 +105,19 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
     assert same_lease_floor(doc, tmp_path) is None  # a floor file from before hosts were recorded
 
 
-def test_host_id_names_the_machine_and_its_boot():
-    from scripts.compare.common import host_id
+def test_host_id_names_the_machine_and_its_boot(monkeypatch):
+    """``host_id`` is the hostname and the kernel's boot id (a fresh device host reuses hostnames such
+    as "vm", never a boot id); without a boot id it still names the host."""
+    import socket
 
-    name, boot = host_id().split("/", 1)
-    assert name and boot and host_id() == f"{name}/{boot}"
+    from scripts.compare import common
+
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    if boot.exists():
+        assert common.host_id() == f"{socket.gethostname()}/{boot.read_text().strip()}"
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(common.Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("no procfs")))
+    assert common.host_id() == "vm/?"
 
 
 def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monkeypatch):

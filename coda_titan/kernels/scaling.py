@@ -77,4 +77,3 @@ def fp8_mm(aq: torch.Tensor, bq: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     fp32 accumulation; fp64 for the tests)."""
     check_e4m3(aq, bq)
     return aq.to(ct) @ bq.to(ct).t()
-

@@ -304,4 +304,3 @@ def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out
-

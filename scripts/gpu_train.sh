@@ -23,6 +23,7 @@
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
+#     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
@@ -400,6 +401,12 @@ for phase in "$@"; do
       # probe: the host time of one call of each program (bf16 and fp8, d = 2048) beside its GPU time
       python3 -m scripts.probes.host_overhead > "$logs/host_overhead.log" 2>&1
       echo "hostoverhead rc=$?"; tail -4 "$logs/host_overhead.log"
+      ;;
+    hostslack)
+      # probe: host-bound GPU idle of the forward, without a profiler: the step with a GPU sleep of S ms at each
+      # forward's start against none (SLEEPS, default "0 30"; CONFIG; GRAPHS=1 adds an arm with cuda_graphs)
+      python3 -m scripts.probes.host_slack --config "${CONFIG:-configs/llama3_1b_fp8_coda_compile.toml}" \
+        --sleep-ms ${SLEEPS:-0 30} ${GRAPHS:+--set coda.cuda_graphs=true} --workdir /tmp/compare 2>&1 | tail -12
       ;;
     hostprofile)
       python3 -m scripts.probes.host_profile > "$logs/host_profile.log" 2>&1

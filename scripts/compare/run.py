@@ -63,11 +63,12 @@ def summarize(rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
     }
 
 
-def launch_command(derived: Path, overrides: list[str], nproc: int = 1) -> list[str]:
+def launch_command(derived: Path, overrides: list[str], nproc: int = 1, entry=("-m", "coda_titan.cli")) -> list[str]:
     """The training command: ``coda_titan.cli train`` in one process, or under torchrun on ``nproc``
     processes of this host (FSDP2 over all of them unless the overrides set the data-parallel
-    degrees), with only rank 0's output (its tokens/s is per GPU, as TorchTitan logs it)."""
-    train = ["-m", "coda_titan.cli", "train", str(derived), *overrides]
+    degrees), with only rank 0's output (its tokens/s is per GPU, as TorchTitan logs it). ``entry``:
+    the module that takes ``train CONFIG OVERRIDES`` (a probe's wrapper of ``coda_titan.cli``)."""
+    train = [*entry, "train", str(derived), *overrides]
     if nproc == 1:
         return [sys.executable, *train]
     if not any(o.startswith("--parallelism.data_parallel_") for o in overrides):
@@ -77,7 +78,7 @@ def launch_command(derived: Path, overrides: list[str], nproc: int = 1) -> list[
 
 
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
-               nproc: int = 1) -> dict:
+               nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None) -> dict:
     """Train ``config`` for ``steps`` steps in a fresh process (``nproc`` > 1: under torchrun);
     returns the parsed log and run facts."""
     from coda_titan.cli import parse_config
@@ -105,10 +106,10 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     overrides += list(extra)
     job = parse_config(str(derived), overrides)
     tokens_per_step = job.training.local_batch_size * job.training.seq_len
-    cmd = launch_command(derived, overrides, nproc)
+    cmd = launch_command(derived, overrides, nproc, entry)
     _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable}"
          f"{f', {nproc} processes' if nproc > 1 else ''} -> {run_dir}/train.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.setdefault("WANDB_SILENT", "true")
     t0 = time.time()
     lines = []

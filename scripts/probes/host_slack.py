@@ -1,0 +1,160 @@
+"""Probe (GPU): how much of a training step the GPU spends waiting for the host in the forward, without
+a profiler.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.host_slack [--config C.toml] [--sleep-ms 0 30]
+        [--set coda.cuda_graphs=true ...] [--steps 30 --warmup 10]
+
+Why: the profiled CODA fp8 step (docs/results.md) showed 64 ms of GPU idle in its forward, charged to
+host launches, where the bf16 one showed 2 ms; the profiler's own host work inflates such gaps, and the
+timed steps run about 16 ms longer than the profiled step's kernels. Every step starts with an empty
+GPU queue (TorchTitan copies the batch with a synchronizing ``.to(device)``), so where the host enqueues
+the forward slower than the GPU runs it, the GPU waits.
+
+Method: the same config trains once per ``--sleep-ms`` value; each forward of the model first enqueues
+``torch.cuda._sleep`` for that long on the GPU (cycles calibrated with CUDA events), which lets the host
+run that far ahead. With host-bound idle X in the forward, a sleep S >= X lengthens the step by S - X
+only; so X = S - (step(S) - step(0)). Each forward also records host and GPU (CUDA event) time from
+its start (after the sleep) to the LM head's entry: the blocks' host time against their GPU span.
+
+Writes ``$OUT/probe_host_slack_<gpu>.json`` (benchmarks/results without $OUT): per arm the median
+step, the estimate X, and the per-step host / GPU forward times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ENV_SLEEP = "CODA_TITAN_PROBE_SLEEP_MS"
+ENV_LOG = "CODA_TITAN_PROBE_LOG"
+
+
+def _install(sleep_ms: float, log_path: str) -> None:
+    """Wrap the CODA model's forward and its LM head's (the child process)."""
+    import torch
+
+    from coda_titan.model import model as m
+
+    state = {"cycles_per_ms": None, "open": None, "rows": []}
+
+    def cycles_per_ms() -> float:
+        if state["cycles_per_ms"] is None:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)
+            a.record()
+            torch.cuda._sleep(50_000_000)
+            b.record()
+            b.synchronize()
+            state["cycles_per_ms"] = 50_000_000 / a.elapsed_time(b)
+        return state["cycles_per_ms"]
+
+    def flush() -> None:
+        """Read the previous forward's events (long done) and append its row."""
+        pending = state["open"]
+        if pending is None or "head_event" not in pending:
+            return
+        state["open"] = None
+        row = {"host_fwd_ms": 1e3 * (pending["head_t"] - pending["t0"]),
+               "gpu_fwd_ms": pending["event"].elapsed_time(pending["head_event"])}
+        state["rows"].append(row)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    model_forward, head_forward = m.CodaTransformer.forward, m.LMHead.forward
+
+    def forward(self, tokens, *args, **kwargs):
+        if tokens.is_cuda and self.training:
+            flush()
+            if sleep_ms > 0:
+                torch.cuda._sleep(int(sleep_ms * cycles_per_ms()))
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            state["open"] = {"t0": time.perf_counter(), "event": ev}
+        return model_forward(self, tokens, *args, **kwargs)
+
+    def head(self, *args, **kwargs):
+        pending = state["open"]
+        if pending is not None and "head_event" not in pending:
+            pending["head_t"] = time.perf_counter()
+            pending["head_event"] = torch.cuda.Event(enable_timing=True)
+            pending["head_event"].record()
+        return head_forward(self, *args, **kwargs)
+
+    m.CodaTransformer.forward, m.LMHead.forward = forward, head
+
+
+def child(argv: list[str]) -> int:
+    """``train CONFIG OVERRIDES`` as ``coda_titan.cli`` takes them, with the probe's wrappers installed."""
+    _install(float(os.environ.get(ENV_SLEEP, "0")), os.environ[ENV_LOG])
+    from coda_titan.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> dict:
+    from scripts.compare.run import run_config, summarize
+
+    log = workdir / f"{label}.jsonl"
+    log.unlink(missing_ok=True)
+    r = run_config(Path(args.config), steps=args.steps, workdir=workdir / label, attention="config", sets=sets,
+                   timeout=args.timeout, entry=("-m", "scripts.probes.host_slack", "child"),
+                   env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log)})
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    timed = rows[args.warmup:]
+    out = {"label": label, "sleep_ms": sleep_ms, "sets": sets, "returncode": r["returncode"], "error": r.get("error")}
+    if "error" not in r:
+        out.update(summarize(r["rows"], args.warmup, r["tokens_per_step"]))
+        out.pop("loss", None)
+    if timed:
+        out["host_fwd_ms"] = statistics.median(x["host_fwd_ms"] for x in timed)
+        out["gpu_fwd_ms"] = statistics.median(x["gpu_fwd_ms"] for x in timed)
+        out["fwd_raw"] = timed
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "child":
+        return child(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.host_slack", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/llama3_1b_fp8_coda_compile.toml")
+    ap.add_argument("--sleep-ms", type=float, nargs="+", default=[0.0, 30.0])
+    ap.add_argument("--set", action="append", default=[], help="an extra arm: KEY=VALUE overrides (sleep 0), e.g. "
+                    "coda.cuda_graphs=true; comma-separate several")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--workdir", default="/tmp/host_slack")
+    args = ap.parse_args(argv)
+    import torch
+
+    from scripts.bench.common import header, out_json
+
+    workdir = Path(args.workdir)
+    out = out_json("probe_host_slack")
+    doc = {**header(), "kind": "probe_host_slack", "config": args.config, "steps": args.steps, "warmup": args.warmup,
+           "method": "X = S - (step(S) - step(0)): host-bound GPU idle of the forward that a GPU sleep of S ms at the "
+                     "forward's start absorbs; host_fwd_ms / gpu_fwd_ms: forward start to the LM head's entry",
+           "arms": []}
+    arms = [(s, [], f"sleep{s:g}") for s in args.sleep_ms]
+    arms += [(0.0, spec.split(","), "set_" + "_".join(spec.replace("=", "-").split(","))) for spec in args.set]
+    for sleep_ms, sets, label in arms:
+        doc["arms"].append(_arm(args, sleep_ms, sets, label, workdir))
+        base = next((a for a in doc["arms"] if a["sleep_ms"] == 0 and not a["sets"] and "step_ms" in a), None)
+        for a in doc["arms"]:
+            if base is not None and a["sleep_ms"] > 0 and "step_ms" in a:
+                a["host_bound_idle_ms"] = a["sleep_ms"] - (a["step_ms"] - base["step_ms"])
+        Path(out).write_text(json.dumps(doc, indent=1))
+        print(json.dumps({k: v for k, v in doc["arms"][-1].items() if k not in ("fwd_raw", "step_ms_raw")}), flush=True)
+    torch.cuda.empty_cache()
+    print("wrote", out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,6 +23,7 @@
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
+#     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
@@ -88,7 +89,11 @@ set -uo pipefail
 out=${OUT:-outputs/gpu_train}; mkdir -p "$out"
 logs=/tmp/gpu_logs; mkdir -p "$logs"
 export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 WANDB_SILENT=true
-if [ -f .gpu/tune.tar ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf .gpu/tune.tar -C "$CODA_TITAN_CACHE"; fi
+# (.gpu/tune.tar: this machine's merged copy; else scripts/gpu_cache/tune.tar, the committed one, so that a fresh
+# checkout's first call does not spend its device time re-tuning)
+for t in .gpu/tune.tar scripts/gpu_cache/tune.tar; do
+  if [ -f "$t" ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf "$t" -C "$CODA_TITAN_CACHE"; break; fi
+done
 python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"
 finish() {
   (cd "$CODA_TITAN_CACHE" && find . -name '*.autotune.json' -o -path './tokenizers/*' -type f | tar cf "$out/tune.tar" -T -)
@@ -363,6 +368,14 @@ for phase in "$@"; do
         b=$(variant da_y_copy "fp8_down_wgrad = true" "fp8_mlp_da_t = false") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
       ;;
+    optstream)
+      # [coda] optimizer_stream on / off (the optimizer step on its own stream: the batch copy's synchronization
+      # waits for the backward only, and the host enqueues the next forward beside the step), after its GPU test
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_opt_stream.py -rfE --tb=short -W ignore::DeprecationWarning \
+        > "$logs/pytest_optstream.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_optstream.txt" | tail -8
+      ab optimizer_stream opt_stream main_stream optimizer_stream
+      ;;
     prefetch)
       # [coda] prefetch_weights on / off: the fp8 weight pass issued at the optimizer step on a side stream, or at
       # the forward's start (where the host, just synchronized by the batch copy, leaves the GPU idle)
@@ -404,9 +417,10 @@ for phase in "$@"; do
       ;;
     hostslack)
       # probe: host-bound GPU idle of the forward, without a profiler: the step with a GPU sleep of S ms at each
-      # forward's start against none (SLEEPS, default "0 30"; CONFIG; GRAPHS=1 adds an arm with cuda_graphs)
+      # forward's start against none (SLEEPS, default "0 30"; CONFIG; GRAPHS=1 adds an arm with cuda_graphs),
+      # and cProfile's split of the host time of the no-sleep arm's last forward
       python3 -m scripts.probes.host_slack --config "${CONFIG:-configs/llama3_1b_fp8_coda_compile.toml}" \
-        --sleep-ms ${SLEEPS:-0 30} ${GRAPHS:+--set coda.cuda_graphs=true} --workdir /tmp/compare 2>&1 | tail -12
+        --steps "${STEPS:-30}" --cprofile-forward "${STEPS:-30}" --sleep-ms ${SLEEPS:-0 30} ${GRAPHS:+--set coda.cuda_graphs=true} --workdir /tmp/compare 2>&1 | tail -12
       ;;
     hostprofile)
       python3 -m scripts.probes.host_profile > "$logs/host_profile.log" 2>&1

@@ -222,6 +222,8 @@ class CodaTransformer(Transformer):
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         if attention_masks is not None or positions is not None:
             raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
+        if getattr(self, "optimizer_stream", None) is not None:  # ([coda] optimizer_stream: the last step's)
+            self.optimizer_stream.wait()
         cfg = self.program_config()
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)

@@ -54,8 +54,9 @@ class Coda:
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (measured 1% slower)")
     trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph (less memory)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side stream")
-    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs (reduce-overhead); one GPU, no AC; "
-                                    "measured level")
+    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
+    optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's host "
+                                         "work; one GPU")
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

@@ -18,6 +18,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ac, apply_compile, apply_ddp
 from torchtitan.tools.logging import logger
 
+from . import opt_stream
+
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
              "activation checkpointing and compile")
 
@@ -36,6 +38,7 @@ def parallelize_coda(model, parallel_dims, job_config):
     graphs = getattr(getattr(job_config, "coda", None), "cuda_graphs", False)
     if graphs:
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
+    opt_stream.check(job_config, parallel_dims)
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept
     # the outputs of CODA's programs (custom ops): on 8B with compile, full AC recomputed nothing

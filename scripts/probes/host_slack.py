@@ -32,15 +32,30 @@ from pathlib import Path
 
 ENV_SLEEP = "CODA_TITAN_PROBE_SLEEP_MS"
 ENV_LOG = "CODA_TITAN_PROBE_LOG"
+ENV_CPROFILE = "CODA_TITAN_PROBE_CPROFILE_FORWARD"  # the training forward (1-based) whose host time cProfile splits
 
 
-def _install(sleep_ms: float, log_path: str) -> None:
+def _cprofile_rows(prof, top: int = 40) -> dict:
+    """The profiled forward's host time by function: the ``top`` by own time and by cumulative time."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = [{"where": f"{Path(f).name}:{line}({fn})" if f != "~" else fn, "calls": nc, "own_ms": 1e3 * tt,
+             "cum_ms": 1e3 * ct} for (f, line, fn), (_, nc, tt, ct, _) in st.stats.items()]
+    return {"total_ms": 1e3 * st.total_tt,
+            "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+
+
+def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
     """Wrap the CODA model's forward and its LM head's (the child process)."""
+    import cProfile
+
     import torch
 
     from coda_titan.model import model as m
 
-    state = {"cycles_per_ms": None, "open": None, "rows": []}
+    state = {"cycles_per_ms": None, "open": None, "rows": [], "forwards": 0, "prof": None}
 
     def cycles_per_ms() -> float:
         if state["cycles_per_ms"] is None:
@@ -70,6 +85,10 @@ def _install(sleep_ms: float, log_path: str) -> None:
     def forward(self, tokens, *args, **kwargs):
         if tokens.is_cuda and self.training:
             flush()
+            state["forwards"] += 1
+            if state["forwards"] == cprofile_forward:
+                state["prof"] = cProfile.Profile()
+                state["prof"].enable()
             if sleep_ms > 0:
                 torch.cuda._sleep(int(sleep_ms * cycles_per_ms()))
             ev = torch.cuda.Event(enable_timing=True)
@@ -83,6 +102,10 @@ def _install(sleep_ms: float, log_path: str) -> None:
             pending["head_t"] = time.perf_counter()
             pending["head_event"] = torch.cuda.Event(enable_timing=True)
             pending["head_event"].record()
+            if state["prof"] is not None:
+                state["prof"].disable()
+                Path(log_path).with_suffix(".cprofile.json").write_text(json.dumps(_cprofile_rows(state["prof"])))
+                state["prof"] = None
         return head_forward(self, *args, **kwargs)
 
     m.CodaTransformer.forward, m.LMHead.forward = forward, head
@@ -90,7 +113,7 @@ def _install(sleep_ms: float, log_path: str) -> None:
 
 def child(argv: list[str]) -> int:
     """``train CONFIG OVERRIDES`` as ``coda_titan.cli`` takes them, with the probe's wrappers installed."""
-    _install(float(os.environ.get(ENV_SLEEP, "0")), os.environ[ENV_LOG])
+    _install(float(os.environ.get(ENV_SLEEP, "0")), os.environ[ENV_LOG], int(os.environ.get(ENV_CPROFILE, "0")))
     from coda_titan.cli import main as cli_main
 
     return cli_main(argv)
@@ -101,11 +124,14 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
 
     log = workdir / f"{label}.jsonl"
     log.unlink(missing_ok=True)
+    prof = log.with_suffix(".cprofile.json")
+    prof.unlink(missing_ok=True)
+    cprofile_forward = args.cprofile_forward if sleep_ms == 0 and not sets else 0
     r = run_config(Path(args.config), steps=args.steps, workdir=workdir / label, attention="config", sets=sets,
                    timeout=args.timeout, entry=("-m", "scripts.probes.host_slack", "child"),
-                   env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log)})
+                   env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log), ENV_CPROFILE: str(cprofile_forward)})
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    timed = rows[args.warmup:]
+    timed = [r for i, r in enumerate(rows) if i >= args.warmup and i + 1 != cprofile_forward]
     out = {"label": label, "sleep_ms": sleep_ms, "sets": sets, "returncode": r["returncode"], "error": r.get("error")}
     if "error" not in r:
         out.update(summarize(r["rows"], args.warmup, r["tokens_per_step"]))
@@ -114,6 +140,8 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
         out["host_fwd_ms"] = statistics.median(x["host_fwd_ms"] for x in timed)
         out["gpu_fwd_ms"] = statistics.median(x["gpu_fwd_ms"] for x in timed)
         out["fwd_raw"] = timed
+    if prof.exists():  # (that forward ran slower, under cProfile: its row is left out of the medians above)
+        out["cprofile_forward"] = {"forward": cprofile_forward, **json.loads(prof.read_text())}
     return out
 
 
@@ -130,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--workdir", default="/tmp/host_slack")
+    ap.add_argument("--cprofile-forward", type=int, default=0, help="in the no-sleep arm, split this training "
+                    "forward's host time by function with cProfile (0: none; use the last steps)")
     args = ap.parse_args(argv)
     import torch
 

@@ -1,0 +1,103 @@
+"""``[coda] optimizer_stream``: TorchTitan's optimizer step on a CUDA stream of its own.
+
+Why: TorchTitan's train step copies the batch to the GPU with a synchronizing ``.to(device)``, so every
+forward starts with an empty GPU queue, and wherever the host enqueues the forward slower than the GPU
+runs it, the GPU waits. The compiled CODA fp8 forward is such a case: on an H100 its host time and the
+GPU span of the same forward agreed within 0.1 ms on almost every step, and the step time followed the
+host's forward time (``scripts/probes/host_slack.py``, docs/fp8.md). With the step on a side stream,
+that copy waits only for the backward (the main stream's last work): the host enqueues the next
+forward while the GPU still runs the optimizer step, and the forward's first GPU work waits for the
+step on the GPU (``wait``), not on the host.
+
+What keeps it correct, on one GPU (``check``):
+
+* the side stream waits for the main stream before the step (the backward and the gradient clipping
+  are in), and each gradient is marked as used there (``record_stream``), so the allocator reuses
+  its memory only after the step has read it, when TorchTitan's next ``zero_grad`` frees it;
+* whatever the step allocates comes from the side stream's pool, and the parameters and the
+  optimizer state are never freed;
+* everything that reads the parameters or the optimizer state after a step waits for it first: the
+  model's forward (``CodaTransformer.forward``), its ``state_dict`` and each optimizer's (checkpoints),
+  and the fp8 weight pass the step's post-hook issues (``prefetch_fp8_weights``), which runs while the
+  side stream is still the current one, so its own stream is ordered after the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OptimizerStream:
+    """The hooks around one ``OptimizersContainer.step`` (``install``)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.stream: torch.cuda.Stream | None = None
+        self.main: torch.cuda.Stream | None = None
+        self.done: torch.cuda.Event | None = None
+
+    def _device(self):
+        for p in self.params:
+            if p.is_cuda:
+                return p.device
+        return None
+
+    def before_step(self, *_) -> None:
+        """Make the side stream current, ordered after the main stream's work."""
+        device = self._device()
+        if device is None:
+            return  # (CPU: nothing to overlap)
+        main = torch.cuda.current_stream(device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(main)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.record_stream(self.stream)
+        self.main = main
+        torch.cuda.set_stream(self.stream)
+
+    def after_step(self, *_) -> None:
+        """Record the step's end and make the main stream current again (the last post-hook)."""
+        if self.main is None:
+            return
+        self.done = self.stream.record_event()
+        torch.cuda.set_stream(self.main)
+        self.main = None
+
+    def wait(self, *_) -> None:
+        """The current stream waits (on the GPU) for the last step; once per step."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.done.device).wait_event(self.done)
+            self.done = None
+
+
+def install(optimizers, model_parts: list[torch.nn.Module]) -> OptimizerStream:
+    """Put ``optimizers``' steps on a side stream; call after every other post-hook is registered (the
+    fp8 weight pass must run on the step's stream). Each model part waits for the step at its forward
+    (``optimizer_stream`` attribute) and at its ``state_dict``, each optimizer at its ``state_dict``."""
+    hooks = OptimizerStream([p for m in model_parts for p in m.parameters()])
+    optimizers.register_step_pre_hook(hooks.before_step)
+    optimizers.register_step_post_hook(hooks.after_step)
+    for m in model_parts:
+        m.optimizer_stream = hooks
+        m.register_state_dict_pre_hook(hooks.wait)
+    for opt in getattr(optimizers, "optimizers", [optimizers]):
+        opt.register_state_dict_pre_hook(hooks.wait)
+    return hooks
+
+
+def check(job_config, parallel_dims) -> None:
+    """``[coda] optimizer_stream`` runs on one GPU, without ``cuda_graphs``; anything else is refused
+    with one line (under FSDP2 or DDP, their own streams would read the parameters before the
+    forward's wait)."""
+    from .job_config import ConfigError
+
+    coda = getattr(job_config, "coda", None)
+    if not getattr(coda, "optimizer_stream", False):
+        return
+    why = [(parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled, "a single GPU (no FSDP2 / DDP)"),
+           (getattr(coda, "cuda_graphs", False), "[coda] cuda_graphs = false")]
+    missing = [need for bad, need in why if bad]
+    if missing:
+        raise ConfigError(f"[coda] optimizer_stream = true needs {'; '.join(missing)}")

@@ -1,0 +1,200 @@
+"""``[coda] optimizer_stream`` (``coda_titan.titan.opt_stream``): the optimizer step on a CUDA stream of
+its own. CPU: the stream protocol against a recording fake of ``torch.cuda`` (what waits for what, in
+which order, and that nothing waits twice), the hook order ``build_coda_optimizers`` installs, the
+refusals, and a CPU step that is unchanged. GPU: a short training run with it equals one without, bit
+for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coda_titan.model.args import coda_llama3_args
+from coda_titan.model.model import CodaTransformer
+from coda_titan.titan import opt_stream
+from coda_titan.titan.job_config import Coda
+
+
+class _Recorder:
+    """A fake ``torch.cuda`` for ``opt_stream``: streams and events that log what they are asked."""
+
+    def __init__(self):
+        self.log, self.current = [], "main"
+
+    def current_stream(self, device=None):
+        return _Stream(self, self.current)
+
+    def set_stream(self, stream):
+        self.log.append(("set_stream", stream.name))
+        self.current = stream.name
+
+    def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
+        return _Stream(self, "side")
+
+
+class _Stream:
+    def __init__(self, rec, name):
+        self.rec, self.name = rec, name
+
+    def wait_stream(self, other):
+        self.rec.log.append(("wait_stream", self.name, other.name))
+
+    def record_event(self):
+        self.rec.log.append(("record_event", self.name))
+        return SimpleNamespace(device="cuda:0", name=f"{self.name}_done")
+
+    def wait_event(self, event):
+        self.rec.log.append(("wait_event", self.name, event.name))
+
+
+class _Grad:
+    def __init__(self, rec, i):
+        self.rec, self.i = rec, i
+
+    def record_stream(self, stream):
+        self.rec.log.append(("record_stream", self.i, stream.name))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(opt_stream.torch, "cuda", rec)
+    return rec
+
+
+def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_forward_waits_for_it_once(fake_cuda):
+    rec = fake_cuda
+    params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(2)]
+    params.append(SimpleNamespace(is_cuda=True, device="cuda:0", grad=None))  # (a frozen or unused parameter)
+    hooks = opt_stream.OptimizerStream(params)
+    hooks.before_step()
+    assert rec.log == [("wait_stream", "side", "main"), ("record_stream", 0, "side"), ("record_stream", 1, "side"),
+                       ("set_stream", "side")]
+    assert rec.current == "side"  # (what the step and the post-hooks before after_step enqueue goes there)
+    rec.log.clear()
+    hooks.after_step()
+    assert rec.log == [("record_event", "side"), ("set_stream", "main")] and rec.current == "main"
+    rec.log.clear()
+    hooks.wait()
+    hooks.wait()  # (once per step: the main stream is ordered after the step from then on)
+    assert rec.log == [("wait_event", "main", "side_done")]
+
+
+def test_without_a_cuda_parameter_the_hooks_do_nothing(fake_cuda):
+    hooks = opt_stream.OptimizerStream([SimpleNamespace(is_cuda=False, device="cpu", grad=None)])
+    hooks.before_step()
+    hooks.after_step()
+    hooks.wait()
+    assert fake_cuda.log == [] and fake_cuda.current == "main"
+
+
+def _tiny(coda: Coda) -> CodaTransformer:
+    args = dataclasses.replace(coda_llama3_args["debugmodel"], n_layers=2, coda=coda)
+    torch.manual_seed(0)
+    model = CodaTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def test_build_coda_optimizers_installs_the_stream_hooks_last_and_only_when_asked():
+    """The step's stream must still be current when the fp8 weight pass is issued (its side stream then
+    waits for the step): ``after_step`` is the last post-hook, ``before_step`` a pre-hook; the model and
+    each optimizer wait at ``state_dict`` (checkpoints)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    for on in (False, True):
+        model = _tiny(Coda(optimizer_stream=on))
+        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+        post = list(opt._optimizer_step_post_hooks.values())
+        pre = list(opt._optimizer_step_pre_hooks.values())
+        hooks = getattr(model, "optimizer_stream", None)
+        if not on:
+            assert hooks is None and len(post) == 1 and not pre
+            continue
+        assert isinstance(hooks, opt_stream.OptimizerStream)
+        assert len(post) == 2 and post[-1] == hooks.after_step and pre == [hooks.before_step]
+        assert hooks.wait in model._state_dict_pre_hooks.values()
+        assert all(hooks.wait in o._optimizer_state_dict_pre_hooks.values() for o in opt.optimizers)
+
+
+def test_a_cpu_training_step_with_the_knob_is_the_step_without_it():
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    tokens = torch.randint(0, 2000, (2, 64), generator=torch.Generator().manual_seed(1))
+    params = {}
+    for on in (False, True):
+        model = _tiny(Coda(optimizer_stream=on))
+        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+        for _ in range(2):
+            model(tokens, labels=tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        params[on] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
+
+
+@pytest.mark.parametrize("case", ["fsdp", "ddp", "graphs"])
+def test_the_knob_outside_one_gpu_is_refused_in_one_line(case):
+    from coda_titan.titan.job_config import ConfigError
+
+    job = SimpleNamespace(coda=Coda(optimizer_stream=True, cuda_graphs=case == "graphs"))
+    dims = SimpleNamespace(fsdp_enabled=case == "fsdp", dp_replicate_enabled=case == "ddp")
+    with pytest.raises(ConfigError) as err:
+        opt_stream.check(job, dims)
+    msg = str(err.value)
+    expect = "[coda] cuda_graphs = false" if case == "graphs" else "a single GPU"
+    assert "\n" not in msg and msg.startswith("[coda] optimizer_stream = true needs") and expect in msg, msg
+    opt_stream.check(SimpleNamespace(coda=Coda()), dims)  # (off: nothing to check)
+
+
+@pytest.mark.gpu
+def test_training_with_the_step_on_its_own_stream_equals_training_without_it():
+    """cute fp8, two 1B-width layers, compiled blocks, the fp8 weight pass prefetched by the step's
+    post-hook: five steps with ``[coda] optimizer_stream`` give, bit for bit, the losses and the final
+    parameters and optimizer state of five steps without it (the same kernels in the same order on
+    the same values; a forward or a weight pass that read a parameter before its update shows)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+
+    from coda_titan.titan.parallelize import parallelize_coda
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    seqlen, result = 1024, {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        coda = Coda(backend="cute", precision="fp8", optimizer_stream=on)
+        args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=seqlen, coda=coda)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = CodaTransformer(args)
+            with torch.no_grad():
+                model.init_weights()
+        model = model.to(torch.bfloat16)
+        job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
+                              activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
+        dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
+                               dp_replicate_enabled=False)
+        parallelize_coda(model, dims, job)
+        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        losses = []
+        for _ in range(5):
+            tokens = torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda")
+            loss = model(tokens, labels=tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.float().item())  # (the next step's batch follows a synchronizing read, as in TorchTitan)
+        state = [v.clone() for o in opt.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+        result[on] = (losses, [p.detach().clone() for p in model.parameters()], state)
+    (l0, p0, s0), (l1, p1, s1) = result[False], result[True]
+    assert l0 == l1, (l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(s0, s1))

@@ -548,6 +548,39 @@ def test_cute_b3_transposed_on_an_fp8_gemm_is_the_fp8_b3_less_da():
                         2.0**-8 * y.double().abs().t() * inv_y.double())
 
 
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_gemm", [False, True])
+def test_cute_b3_with_overlapped_epilogues_writes_the_same_bits(monkeypatch, fp8_gemm):
+    """``CODA_TITAN_OVERLAP_EPILOGUES=1`` (``kernels/cute/overlap.py``): B3's two pingpong warpgroups run
+    their epilogues at the same time, each on its own half of the C ring, its own copy of the ops'
+    shared memory and its own named barrier. Each element's math, each tile's reductions and each
+    store are the plain kernel's, so every output must be its bits (y^T, da, da^T, zdz, amax), on both
+    GEMMs; a ring, buffer or barrier two warpgroups shared would show as other bits or a hang."""
+    import coda_titan.kernels.cute  # noqa: F401
+
+    cute, gen, (m, d, ff), b3 = _cuda_b3(17)
+    inv_g, inv_y = torch.tensor(2.0**10, device="cuda"), torch.tensor(30.0, device="cuda")
+    if fp8_gemm:
+        dq, s_d = cute.quantize_grad(t=b3["dout"])
+        (w2q_t,), (s_w,) = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
+        args = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), a=b3["a"], rstd=b3["rstd"])
+        run = cute.swiglu_bwd_e5m2_t_q
+    else:
+        args, run = b3, cute.swiglu_bwd_e5m2_t
+    for y_fp8 in (None, inv_y):
+        monkeypatch.setenv("CODA_TITAN_OVERLAP_EPILOGUES", "0")
+        want = run(**args, inv_scale=inv_g, inv_y=y_fp8)
+        monkeypatch.setenv("CODA_TITAN_OVERLAP_EPILOGUES", "1")
+        got = run(**args, inv_scale=inv_g, inv_y=y_fp8)
+        assert len(got) == len(want) == 5
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(_bits(g), _bits(w))
+
+
 @pytest.mark.gpu
 def test_cute_b3_on_an_fp8_gemm_matches_reference():
     """``fp8_down_dgrad`` on the GPU: ``quantize_grad`` gives the reference's e5m2 codes and scale bit

@@ -11,7 +11,9 @@ At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinne
   output; ``b3_t``: the defaults' B3 since the fifteenth session (da, da^T and y^T in 8 bits, bf16
   GEMM, ``swiglu_bwd_e5m2_t``), ``b3_t_q`` the same on the fp8 GEMM (``swiglu_bwd_e5m2_t_q``), and
   ``plain_fp8`` that fp8 GEMM with an identity epilogue (how much of B3 is its epilogue?), ``c_only_fp8``
-  and ``b3_nt_q`` the steps between (``_diag_epis``); ``--b3``
+  and ``b3_nt_q`` the steps between (``_diag_epis``); ``b3_t_ov`` / ``b3_t_q_ov`` those two with
+  overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``), their outputs checked bit for
+  bit against the plain ones'; ``--b3``
   picks them. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every
   B3 config runs in a child process with a timeout; a hang is recorded as such.
 
@@ -133,7 +135,7 @@ def _diag_epis():
     return c_only_epi, nt_q_epi
 
 
-B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q")
+B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q", "b3_t_ov", "b3_t_q_ov")
 
 
 def _b3_child(idx: int, kernels) -> dict:
@@ -175,7 +177,28 @@ def _b3_child(idx: int, kernels) -> dict:
         "b3_t_q": lambda: NS._b3_e5m2_t("probe_b3_t_q", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg,
                                         scale=one),
     }
-    return {k: _time(runs[k]) for k in kernels}
+    # b3_t / b3_t_q with overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``; pingpong configs only),
+    # on a config object of their own (quack's eager call cache keys a pinned config by its id)
+    cfg_ov = _cfg(CONFIGS[idx])
+    for k in ("t", "t_q"):
+        runs[f"b3_{k}_ov"] = _overlapped(lambda k=k: NS._b3_e5m2_t(
+            f"probe_b3_{k}_ov", y_t[k], *((t["dout"], t["w2"]) if k == "t" else (doutq, w2q_kn)), t["a"], r, inv, inv_y,
+            config=cfg_ov, **({} if k == "t" else {"scale": one})))
+    row = {k: _time(runs[k]) for k in kernels}
+    for k in ("b3_t", "b3_t_q"):  # the overlapped kernel's outputs are the plain one's, bit for bit
+        if f"{k}_ov" in kernels:
+            row[f"{k}_ov_bits_equal"] = all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(
+                torch.uint8) if b.dtype.itemsize == 1 else b) for a, b in zip(runs[k](), runs[f"{k}_ov"]()))
+    return row
+
+
+def _overlapped(fn):
+    from coda_titan.kernels.cute import overlap
+
+    def run():
+        with overlap.requested():
+            return fn()
+    return run
 
 
 def main():

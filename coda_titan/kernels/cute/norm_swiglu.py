@@ -22,6 +22,8 @@ swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``epilogues.dswiglu_
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -30,6 +32,7 @@ from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
+from . import overlap
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
@@ -151,9 +154,19 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
     return y, res["dsum"] * r, daq.view(E5M2), res["amax"].amax()
 
 
+@functools.cache
+def _b3_overlap_config(device):
+    """The pinned config as an object of its own for B3 with overlapped epilogues (quack's eager call
+    cache keys a pinned config by its id), or None where the pinned one is quack's default."""
+    base = _b3_fp8_config(device)
+    return None if base is None else dataclasses.replace(base)
+
+
 def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
-    tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|)."""
+    tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
+    With ``CODA_TITAN_OVERLAP_EPILOGUES=1`` (and no ``config``) its two pingpong warpgroups' epilogues
+    overlap (``overlap``; measured by ``gpu_train.sh b3overlap`` before it can be a default)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
@@ -165,9 +178,12 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
         y = torch.empty((f2 // 2, m), device=a.device, dtype=E4M3)
         epi, y_out, ops = epis[1], y.t(), {**ops, "inv_y": scalar32(inv_y)}
     out = {"postact": y_out, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
-    with first_call(name, a_op, b_kn):
-        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False,
-                  config=config or _b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
+    overlapped = config is None and overlap.enabled() and _b3_overlap_config(a.device) is not None
+    if config is None:
+        config = _b3_overlap_config(a.device) if overlapped else _b3_fp8_config(a.device)
+    with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):
+        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config, rstd=r,
+                  inv_scale=scalar32(inv_scale), **ops)
     return y, res["dsum"] * r, daq.view(E5M2), daq_t, res["amax"].amax()
 
 

@@ -1,0 +1,235 @@
+"""Overlapped pingpong epilogues (SM90): both consumer warpgroups may run their epilogues at once.
+
+quack 0.6.5's pingpong kernel alternates the two consumer warpgroups' mainloops and also their
+epilogues: one ``epi`` barrier pair hands the epilogue over, and everything an epilogue uses is shared
+(the C ring, the epilogue ops' shared memory and staged output buffers, the ``Epilogue`` named
+barrier), so a warpgroup's epilogue starts only after the other's has drained its stores. Where the
+epilogue is longer than the mainloop (B3: three 8-bit outputs, two of them transposed, and a read of
+``a``, after a short fp8 or bf16 mainloop; docs/fp8.md "B3's time, split") the tile rate is set by
+the epilogue alone. With ``ATTR`` set on a kernel (a post-init attribute: part of its compile key, set
+for the calls that ask for it, ``requested``), that kernel gives each warpgroup its own:
+
+* epilogue: the ``epi`` pingpong barriers are no-ops (the mainloops still alternate on ``mma``);
+* shared memory for the epilogue ops (two copies of their struct, each warpgroup's tensors offset to
+  its own; ``epi_smem_struct`` / ``epi_smem_tensors``), staged output buffers included;
+* named barrier: the ids the ``epi`` barriers freed, instead of the shared ``Epilogue`` one;
+* half of the C ring: its pipeline states are ``_HalfRingState`` views whose index is offset to the
+  warpgroup's half and wraps inside it, derived from the shared state's count (warpgroup w's j-th tile
+  starts at count (2j + w) x subtiles); the C stage count is made even;
+* A/B stage count, recomputed with the second copy in the budget (``setup_attributes``).
+
+The TMA stores need nothing: a bulk-async group belongs to the thread that commits it, and each
+warpgroup's TMA thread waits only for its own. Kernels with a D output (whose staged buffer sits
+outside the ops' struct) are refused. Everything here is inert for kernels without ``ATTR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.pipeline import NamedBarrier, PipelineState
+
+ATTR = "_coda_overlap_epilogues"
+_REQUESTED = contextvars.ContextVar("coda_overlap_epilogues", default=False)
+WG_THREADS = 128
+
+
+@contextlib.contextmanager
+def requested():
+    """quack GEMMs compiled inside this block get ``ATTR`` (``install``'s ``EpiMod.gemm`` wrapper)."""
+    token = _REQUESTED.set(True)
+    try:
+        yield
+    finally:
+        _REQUESTED.reset(token)
+
+
+def enabled() -> bool:
+    """``CODA_TITAN_OVERLAP_EPILOGUES=1``: the programs that can (B3 with transposed outputs) ask for it."""
+    return os.environ.get("CODA_TITAN_OVERLAP_EPILOGUES", "0") != "0"
+
+
+def _on(gemm) -> bool:
+    return bool(getattr(gemm, ATTR, False))
+
+
+class _HalfRingState(PipelineState):
+    """A pipeline state over one warpgroup's half of a ring: ``index`` is ``base`` + the local index,
+    which wraps at ``stages`` (the half's length)."""
+
+    def __init__(self, stages: int, count, index, phase, base):
+        super().__init__(stages, count, index, phase)
+        self._base = base
+
+    @property
+    def index(self):
+        return self._index + self._base
+
+    def clone(self, *, loc=None, ip=None):
+        return _HalfRingState(self._stages, self._count, self._index, self._phase, self._base)
+
+    def advance(self, count=1, *, loc=None, ip=None):
+        assert count == 1, "the epilogue advances its C states one stage at a time"
+        self._count += 1
+        nxt = self._index + 1
+        wrap = nxt == self._stages
+        self._index = cutlass.select_(wrap, Int32(0), nxt)
+        self._phase = cutlass.select_(wrap, self._phase ^ 1, self._phase)
+
+    def __get_mlir_types__(self):
+        return [self._count.type, self._index.type, self._phase.type, self._base.type]
+
+    def __extract_mlir_values__(self):
+        return [v.ir_value() for v in (self._count, self._index, self._phase, self._base)]
+
+    def __new_from_mlir_values__(self, values):
+        return _HalfRingState(self._stages, *(Int32(v) for v in values))
+
+
+def _warp_group() -> Int32:
+    """This thread's consumer warpgroup (0 or 1; the producer warps map to 0, they use no op smem)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    return cute.arch.make_warp_uniform((tidx // WG_THREADS) % 2)
+
+
+def _struct_bytes(struct) -> int:
+    return struct.size_in_bytes() if hasattr(struct, "size_in_bytes") else 0
+
+
+def epi_smem_struct(original):
+    def patched(self, params):
+        struct = original(self, params)
+        if not _on(self) or _struct_bytes(struct) == 0:
+            return struct
+        padded = -(-_struct_bytes(struct) // 1024) * 1024
+        self._coda_op_smem_bytes = padded  # (epi_smem_tensors offsets warpgroup 1's tensors by it)
+        fields = {"wg0": struct, "wg1": cute.struct.Align[cute.struct.MemRange[cutlass.Int8, padded], 1024]}
+        return cute.struct(type("OverlapEpiSharedStorage", (), {"__annotations__": fields}))
+    return patched
+
+
+def _offset(t, wg, nbytes: int):
+    """``t`` moved ``wg`` x ``nbytes`` bytes on, keeping its alignment (a multiple of 1024 bytes)."""
+    if t is None:
+        return None
+    if isinstance(t, (tuple, list)):
+        return type(t)(_offset(x, wg, nbytes) for x in t)
+    if not isinstance(t, cute.Tensor):
+        return t
+    elems = nbytes * 8 // t.element_type.width
+    return cute.make_tensor(t.iterator + cute.assume(wg * elems, divby=elems), t.layout)
+
+
+def epi_smem_tensors(original):
+    def patched(self, params, storage):
+        if not _on(self) or not getattr(self, "_coda_op_smem_bytes", 0):
+            return original(self, params, storage)
+        tensors = original(self, params, SimpleNamespace(epi=storage.epi.wg0))
+        wg = _warp_group()
+        return {name: _offset(t, wg, self._coda_op_smem_bytes) for name, t in tensors.items()}
+    return patched
+
+
+def pingpong_barrier(original):
+    def patched(self, warp_group_idx, stage, *args, **kwargs):
+        if _on(self) and stage == "epi":
+            return None  # (each warpgroup's epilogue has its own resources)
+        return original(self, warp_group_idx, stage, *args, **kwargs)
+    return patched
+
+
+def setup_attributes(original):
+    def patched(self, epilogue_args):
+        if not _on(self):
+            return original(self, epilogue_args)
+        if not self.pingpong or self.d_dtype is not None or getattr(self, "split_k", 1) != 1:
+            raise ValueError("overlapped epilogues: pingpong kernels without a D output or split-K only")
+        base = type(self)._compute_stages
+
+        def compute(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity, occupancy, warp_shape=None,
+                    **kw):
+            ab, epi, c = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity, occupancy,
+                              warp_shape, **kw)
+            op = type(self).epi_smem_bytes(args, cta, epi_tile, warp_shape)
+            copy = -(-(op.unstaged + op.d_stage * epi + op.c_stage * c) // 1024) * 1024 + 1024
+            ab2, epi2, c2 = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity - copy,
+                                 occupancy, warp_shape, **kw)
+            epi2, c2 = min(epi2, epi), c2 - c2 % 2
+            if ab2 < 2 or c2 < 2:
+                raise ValueError(f"overlapped epilogues do not fit: {ab2} A/B stages, {c2} C stages")
+            return ab2, epi2, c2
+
+        self._compute_stages = compute
+        try:
+            return original(self, epilogue_args)
+        finally:
+            del self._compute_stages
+    return patched
+
+
+def epilogue(original):
+    def patched(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, epi_read_state,
+                epi_producer_state, epi_tile, load_acc_subtile, *args, **kwargs):
+        if not _on(self):  # (plain Python at trace time: the branch is the kernel's, not the device's)
+            return original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, epi_read_state,
+                            epi_producer_state, epi_tile, load_acc_subtile, *args, **kwargs)
+        wg = _warp_group()
+        subtiles = cute.size(self.epi_tile_shape)
+        half = self.epi_c_stage // 2
+        local = (epi_read_state.count - wg * subtiles) // 2  # this warpgroup's tiles so far x subtiles
+        lap = (local // half) % 2
+        read = _HalfRingState(half, local, local % half, lap, wg * half)
+        produce = _HalfRingState(half, local, local % half, lap ^ 1, wg * half)
+        kwargs["epilogue_barrier"] = NamedBarrier(
+            barrier_id=Int32(int(_epi_wg0())) + wg, num_threads=WG_THREADS
+        )
+        kwargs["tile_scheduler"] = SimpleNamespace(num_tiles_executed=local // subtiles)
+        stages = self.epi_c_stage
+        self.epi_c_stage = half  # (the epilogue's C prefetch depth: this warpgroup's half)
+        original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, read, produce, epi_tile,
+                 load_acc_subtile, *args, **kwargs)
+        self.epi_c_stage = stages
+        epi_read_state.advance(subtiles)
+        epi_producer_state.advance(subtiles)
+        return epi_read_state, epi_producer_state
+    return patched
+
+
+def _epi_wg0():
+    from quack.gemm_base import NamedBarrierGemm
+
+    assert NamedBarrierGemm.EpiWG1 == NamedBarrierGemm.EpiWG0 + 1
+    return NamedBarrierGemm.EpiWG0
+
+
+def _request_in_gemm(original):
+    def gemm(self, *args, post_init_attrs=(), **kwargs):
+        if _REQUESTED.get() and all(k != ATTR for k, _ in post_init_attrs):
+            post_init_attrs = (*post_init_attrs, (ATTR, True))
+        return original(self, *args, post_init_attrs=post_init_attrs, **kwargs)
+    gemm._coda_overlap = True
+    return gemm
+
+
+def install() -> None:
+    """Patch quack's SM90 GEMM and epilogue mixin (idempotent); inert unless a kernel carries ``ATTR``."""
+    from quack.epilogue.frontend import EpiMod
+    from quack.epilogue.mixin import ComposableEpiMixin
+    from quack.gemm_base import GemmBase
+    from quack.gemm_sm90 import GemmSm90
+
+    if getattr(EpiMod.gemm, "_coda_overlap", False):
+        return
+    EpiMod.gemm = _request_in_gemm(EpiMod.gemm)
+    ComposableEpiMixin.epi_get_smem_struct = epi_smem_struct(ComposableEpiMixin.epi_get_smem_struct)
+    ComposableEpiMixin.epi_get_smem_tensors = epi_smem_tensors(ComposableEpiMixin.epi_get_smem_tensors)
+    GemmSm90.pingpong_barrier_sync = pingpong_barrier(GemmSm90.pingpong_barrier_sync)
+    GemmSm90.pingpong_barrier_arrive = pingpong_barrier(GemmSm90.pingpong_barrier_arrive)
+    GemmSm90._setup_attributes = setup_attributes(GemmSm90._setup_attributes)
+    GemmBase.epilogue = epilogue(GemmBase.epilogue)

@@ -1,0 +1,119 @@
+"""Compile CODA's CuTeDSL epilogue kernels for sm90a on a machine without a GPU (a development check).
+
+    PYTHONPATH=. python3.12 -m scripts.dev.compile_check [NAME ...]
+
+CuTeDSL traces and compiles a kernel to a cubin without a device; only quack's launch path needs one.
+This runs each named program's quack call on CPU tensors of the right dtypes, layouts and (small)
+shapes, with quack's device queries answered for an H100 (compute capability 9.0, 132 SMs) and its
+launch replaced by a no-op: what compiles here is the kernel the GPU would build for those layouts,
+so trace and compile errors show before a device call. It checks nothing about values or speed.
+Needs Python 3.12 with nvidia-cutlass-dsl, quack-kernels, torch (any build: no CUDA is used) and what
+``coda_titan`` imports: ``scripts/dev/setup_py312.sh`` builds such a venv.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # (no device to ask: compile for the H100)
+os.environ.setdefault("QUACK_CACHE_DIR", tempfile.mkdtemp(prefix="compile_check_"))  # (compile, never a cache hit)
+
+
+def _patch_quack_for_cpu():
+    import quack.cute_dsl_utils as cdu
+    import quack.epilogue.frontend as fe
+    import quack.epilogue.ops as ops
+    import quack.gemm_runtime.host as host
+
+    ops.Scalar._validate_pointer_value = lambda self, value: None  # (its one check that needs a device: is_cuda)
+
+    def capacity(device=None):
+        return (9, 0)
+
+    for mod in (cdu, fe):
+        mod.get_device_capacity = capacity
+    host.get_max_active_clusters = lambda *a, **k: 132
+    launched = []
+
+    def no_launch(plan, *args, **kwargs):
+        launched.append(plan)
+
+    host.run_gemm_epi_plan = no_launch
+    fe.run_gemm_epi_plan = no_launch
+    return launched
+
+
+def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
+    """B3 writing e5m2 da, da^T and (inv_y) e4m3 y^T: ``coda::swiglu_bwd_e5m2_t``'s quack call."""
+    import torch
+
+    from coda_titan.kernels.cute import epilogues as ep
+    from coda_titan.kernels.cute.norm_swiglu import _b3_fp8_config  # noqa: F401 (the pinned config's module)
+    from coda_titan.kernels.scaling import E4M3, E5M2
+    from quack.gemm_config import GemmConfig
+
+    cfg = config or GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+                               is_dynamic_persistent=False, device_capacity=9)
+    _KEEP.append(cfg)
+    a = torch.zeros(m, 2 * f, dtype=torch.bfloat16)
+    if fp8_gemm:
+        dout, w = torch.zeros(m, d, dtype=E5M2), torch.zeros(f, d, dtype=E4M3).t()
+        epi = ep.dswiglu_rstd_preact_e5m2_t_yq_q_epi if inv_y else ep.dswiglu_rstd_preact_e5m2_t_q_epi
+        ops = {"scale": torch.ones(1)}
+    else:
+        dout, w = torch.zeros(m, d, dtype=torch.bfloat16), torch.zeros(d, f, dtype=torch.bfloat16)
+        epi = ep.dswiglu_rstd_preact_e5m2_t_yq_epi if inv_y else ep.dswiglu_rstd_preact_e5m2_t_epi
+        ops = {}
+    daq = torch.empty(m, f, dtype=torch.float16)
+    daq_t = torch.empty(2 * f, m, dtype=E5M2)
+    y = torch.empty(f, m, dtype=E4M3).t() if inv_y else torch.empty(m, f, dtype=torch.bfloat16)
+    if inv_y:
+        ops["inv_y"] = torch.ones(1)
+    out = {"postact": y, "daq": daq, "dagt": daq_t[:f].t(), "daut": daq_t[f:].t()}
+    epi(dout, w, a.view(torch.float32), out=out, store_d=False, tuned=False, config=cfg,
+        rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
+
+
+_KEEP = []  # (quack's eager call cache keys a pinned config by id(): a freed config's id may come back)
+
+
+def _overlapped(fn):
+    """``fn`` with overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``) on its own config object."""
+    from coda_titan.kernels.cute import overlap
+    from quack.gemm_config import GemmConfig
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                     device_capacity=9)
+    _KEEP.append(cfg)
+    with overlap.requested():
+        fn(config=cfg)
+
+
+PROGRAMS = {
+    "b3_t": lambda: _b3_t(),
+    "b3_t_q": lambda: _b3_t(fp8_gemm=True),
+    "b3_t_overlap": lambda: _overlapped(_b3_t),
+    "b3_t_q_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True)),
+}
+
+
+def main(argv=None) -> int:
+    names = (sys.argv[1:] if argv is None else argv) or list(PROGRAMS)
+    launched = _patch_quack_for_cpu()
+    failed = 0
+    for name in names:
+        t0 = time.time()
+        try:
+            PROGRAMS[name]()
+            print(f"{name}: compiled ({len(launched)} launches recorded) in {time.time() - t0:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - report each program's error and go on
+            failed += 1
+            print(f"{name}: FAILED after {time.time() - t0:.1f} s: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

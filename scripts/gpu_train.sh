@@ -23,7 +23,7 @@
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
-#     b3overlap    B3 with overlapped pingpong epilogues: its GPU test (same bits), then timed beside the plain B3
+#     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
@@ -262,13 +262,15 @@ for phase in "$@"; do
       # probe: FA4 fwd / bwd per q/k/v layout (stock's contiguous tensors against CODA's packed slices)
       python3 -m scripts.probes.fa4_layouts 2>&1 | tail -8
       ;;
-    b3overlap)
-      # overlapped pingpong epilogues for B3 (coda_titan/kernels/cute/overlap.py): the GPU test (the plain kernel's
-      # bits, bf16 and fp8 GEMM), then both kernels timed and their outputs compared at the 1B shapes, config 0
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_swiglu.py -k overlapped -rfE --tb=short \
-        -W ignore::DeprecationWarning > "$logs/pytest_overlap.txt" 2>&1
+    overlap)
+      # overlapped pingpong epilogues (coda_titan/kernels/cute/overlap.py): the GPU tests (the plain kernels' bits: B3
+      # on the bf16 and fp8 GEMMs, F1 and B2 with their D output), then B3 plain / overlapped at the 1B shapes
+      # (config 0, outputs compared), and F1 and B2 plain / overlapped / cuBLAS (scripts/probes/overlap.py)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_swiglu.py tests/test_overlap.py -k overlapped \
+        -rfE --tb=short -W ignore::DeprecationWarning > "$logs/pytest_overlap.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_overlap.txt" | tail -8
       python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 plain_fp8 b3_t b3_t_ov b3_t_q b3_t_q_ov --configs 0
+      python3 -m scripts.probes.overlap 2>&1 | tail -6
       ;;
     b3configs)
       # B3's tile configs for the defaults' B3 and its fp8-GEMM form, with the bare fp8 GEMM (CONFIGS="0 3": a subset)

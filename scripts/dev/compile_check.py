@@ -51,7 +51,6 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
     import torch
 
     from coda_titan.kernels.cute import epilogues as ep
-    from coda_titan.kernels.cute.norm_swiglu import _b3_fp8_config  # noqa: F401 (the pinned config's module)
     from coda_titan.kernels.scaling import E4M3, E5M2
     from quack.gemm_config import GemmConfig
 
@@ -77,19 +76,48 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
         rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
 
 
+def _f1(config=None, m=512, k=256, d=256):
+    """F1 (bf16): quack's ``rms_partial_epi`` as ``coda::residual_rms`` calls it, on a pinned config."""
+    import torch
+    from quack.epilogue.library import rms_partial_epi
+
+    cfg = config or _pingpong()
+    y, w, res = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(d, k, dtype=torch.bfloat16), torch.zeros(
+        m, d, dtype=torch.bfloat16)
+    rms_partial_epi(y, w.t(), res, out={"D": torch.empty_like(res), "resid_out": torch.empty_like(res)}, tuned=False,
+                    config=cfg, weight=torch.ones(d))
+
+
+def _b2(config=None, m=512, k=512, d=256):
+    """B2 (bf16): quack's ``rms_bwd_apply_epi`` as ``coda::norm_residual_bwd`` calls it, on a pinned config."""
+    import torch
+    from quack.epilogue.library import rms_bwd_apply_epi
+
+    cfg = config or _pingpong()
+    da, w, x = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, d, dtype=torch.bfloat16), torch.zeros(
+        m, d, dtype=torch.bfloat16)
+    rms_bwd_apply_epi(da, w, torch.zeros_like(x), out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x,
+                      w=torch.ones(d), corr=torch.zeros(m))
+
+
+def _pingpong():
+    from quack.gemm_config import GemmConfig
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                     device_capacity=9)
+    _KEEP.append(cfg)
+    return cfg
+
+
 _KEEP = []  # (quack's eager call cache keys a pinned config by id(): a freed config's id may come back)
 
 
 def _overlapped(fn):
     """``fn`` with overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``) on its own config object."""
     from coda_titan.kernels.cute import overlap
-    from quack.gemm_config import GemmConfig
 
-    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
-                     device_capacity=9)
-    _KEEP.append(cfg)
     with overlap.requested():
-        fn(config=cfg)
+        fn(config=_pingpong())
 
 
 PROGRAMS = {
@@ -97,6 +125,10 @@ PROGRAMS = {
     "b3_t_q": lambda: _b3_t(fp8_gemm=True),
     "b3_t_overlap": lambda: _overlapped(_b3_t),
     "b3_t_q_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True)),
+    "f1": lambda: _f1(),
+    "f1_overlap": lambda: _overlapped(_f1),
+    "b2": lambda: _b2(),
+    "b2_overlap": lambda: _overlapped(_b2),
 }
 
 

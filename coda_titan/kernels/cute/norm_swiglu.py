@@ -166,7 +166,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
     tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
     With ``CODA_TITAN_OVERLAP_EPILOGUES=1`` (and no ``config``) its two pingpong warpgroups' epilogues
-    overlap (``overlap``; measured by ``gpu_train.sh b3overlap`` before it can be a default)."""
+    overlap (``overlap``; measured by ``gpu_train.sh overlap`` before it can be a default)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16

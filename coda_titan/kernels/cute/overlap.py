@@ -18,9 +18,10 @@ for the calls that ask for it, ``requested``), that kernel gives each warpgroup 
   starts at count (2j + w) x subtiles); the C stage count is made even;
 * A/B stage count, recomputed with the second copy in the budget (``setup_attributes``).
 
-The TMA stores need nothing: a bulk-async group belongs to the thread that commits it, and each
-warpgroup's TMA thread waits only for its own. Kernels with a D output (whose staged buffer sits
-outside the ops' struct) are refused. Everything here is inert for kernels without ``ATTR``.
+The TMA stores need nothing more: a bulk-async group belongs to the thread that commits it, and each
+warpgroup's TMA thread waits only for its own. D's staged buffers (outside the ops' struct) are one
+ring that each warpgroup takes half of, with a store pipeline of half the stages (``_half_d_ring``,
+``store_pipeline``). Everything here is inert for kernels without ``ATTR``.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def setup_attributes(original):
     def patched(self, epilogue_args):
         if not _on(self):
             return original(self, epilogue_args)
-        if not self.pingpong or self.d_dtype is not None or getattr(self, "split_k", 1) != 1:
-            raise ValueError("overlapped epilogues: pingpong kernels without a D output or split-K only")
+        if not self.pingpong or getattr(self, "split_k", 1) != 1:
+            raise ValueError("overlapped epilogues: pingpong kernels without split-K only")
         base = type(self)._compute_stages
 
         def compute(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity, occupancy, warp_shape=None,
@@ -162,12 +163,19 @@ def setup_attributes(original):
             ab, epi, c = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity, occupancy,
                               warp_shape, **kw)
             op = type(self).epi_smem_bytes(args, cta, epi_tile, warp_shape)
-            copy = -(-(op.unstaged + op.d_stage * epi + op.c_stage * c) // 1024) * 1024 + 1024
-            ab2, epi2, c2 = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity - copy,
+            # D's staged buffers are one ring that the warpgroups halve: at least 4, 2 each (quack's minimum is 2)
+            d_extra = 0 if d_dtype is None else max(0, 4 - epi)
+            stage_bytes = 0 if d_dtype is None else cute.size(cute.shape(epi_tile)) * d_dtype.width // 8
+            most = epi + d_extra  # (the ops' staged buffers are sized for the final count, at most this)
+            copy = -(-(op.unstaged + op.d_stage * most + op.c_stage * c) // 1024) * 1024 + 1024
+            reserve = copy + d_extra * (stage_bytes + op.d_stage)
+            ab2, epi2, c2 = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity - reserve,
                                  occupancy, warp_shape, **kw)
-            epi2, c2 = min(epi2, epi), c2 - c2 % 2
-            if ab2 < 2 or c2 < 2:
-                raise ValueError(f"overlapped epilogues do not fit: {ab2} A/B stages, {c2} C stages")
+            epi2, c2 = min(epi2, epi) + d_extra, c2 - c2 % 2
+            if d_dtype is not None:
+                epi2 -= epi2 % 2
+            if ab2 < 2 or c2 < 2 or epi2 < (4 if d_dtype is not None else 1):
+                raise ValueError(f"overlapped epilogues do not fit: {ab2} A/B, {epi2} store, {c2} C stages")
             return ab2, epi2, c2
 
         self._compute_stages = compute
@@ -195,14 +203,42 @@ def epilogue(original):
             barrier_id=Int32(int(_epi_wg0())) + wg, num_threads=WG_THREADS
         )
         kwargs["tile_scheduler"] = SimpleNamespace(num_tiles_executed=local // subtiles)
-        stages = self.epi_c_stage
+        stages = (self.epi_c_stage, self.epi_stage)
         self.epi_c_stage = half  # (the epilogue's C prefetch depth: this warpgroup's half)
+        if self.d_dtype is not None:  # D's ring: this warpgroup's half of the staged buffers
+            self.epi_stage = stages[1] // 2
+            _half_d_ring(self, kwargs, wg, stages[1])
         original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, read, produce, epi_tile,
                  load_acc_subtile, *args, **kwargs)
-        self.epi_c_stage = stages
+        self.epi_c_stage, self.epi_stage = stages
         epi_read_state.advance(subtiles)
         epi_producer_state.advance(subtiles)
         return epi_read_state, epi_producer_state
+    return patched
+
+
+def _half_d_ring(gemm, kwargs, wg, stages: int) -> None:
+    """Point D's register-to-shared view and its TMA store at warpgroup ``wg``'s half of D's ``stages``
+    staged buffers (the epilogue indexes them 0 .. stages / 2 - 1)."""
+    half = stages // 2
+    per_stage = cute.size(cute.shape(gemm.epi_tile))  # (one staged buffer: the epilogue subtile)
+    sD = kwargs["tRS_sD"]
+    kwargs["tRS_sD"] = cute.make_tensor(sD.iterator + cute.assume(wg * (half * per_stage), divby=half * per_stage),
+                                        sD.layout)
+    copy_d = kwargs["copy_D"]
+    kwargs["copy_D"] = lambda src_idx, dst_idx, **kw: copy_d(src_idx=src_idx + wg * half, dst_idx=dst_idx, **kw)
+
+
+def store_pipeline(original):
+    def patched(self):
+        if not (_on(self) and self.d_dtype is not None):
+            return original(self)
+        stages = self.epi_stage
+        self.epi_stage = stages // 2  # (each warpgroup's TMA thread cycles through its half of D's buffers)
+        try:
+            return original(self)
+        finally:
+            self.epi_stage = stages
     return patched
 
 
@@ -226,7 +262,7 @@ def install() -> None:
     """Patch quack's SM90 GEMM and epilogue mixin (idempotent); inert unless a kernel carries ``ATTR``."""
     from quack.epilogue.frontend import EpiMod
     from quack.epilogue.mixin import ComposableEpiMixin
-    from quack.gemm_base import GemmBase
+    from quack.gemm_base import GemmBase, GemmTmaBase
     from quack.gemm_sm90 import GemmSm90
 
     if getattr(EpiMod.gemm, "_coda_overlap", False):
@@ -238,3 +274,4 @@ def install() -> None:
     GemmSm90.pingpong_barrier_arrive = pingpong_barrier(GemmSm90.pingpong_barrier_arrive)
     GemmSm90._setup_attributes = setup_attributes(GemmSm90._setup_attributes)
     GemmBase.epilogue = epilogue(GemmBase.epilogue)
+    GemmTmaBase.make_epi_store_pipeline = store_pipeline(GemmTmaBase.make_epi_store_pipeline)

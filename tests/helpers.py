@@ -269,3 +269,31 @@ def torchao_linear_error(n_input, w, exact):
     convert_to_float8_training(lin, config=Float8LinearConfig.from_recipe_name("tensorwise"))
     with torch.no_grad():
         return rel(lin(n_input), exact)
+
+
+def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2):
+    """A CODA model of the 1B's width with ``n_layers`` layers on the GPU, in bf16, initialized from seed 0
+    and parallelized as the Trainer does on one GPU with compiled blocks (inductor, no activation
+    checkpointing): what the GPU tests of whole training steps run."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.parallelize import parallelize_coda
+
+    args = dataclasses.replace(coda_llama3_args["1B"], n_layers=n_layers, max_seq_len=seqlen, coda=coda)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CodaTransformer(args)
+        with torch.no_grad():
+            model.init_weights()
+    model = model.to(torch.bfloat16)
+    job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
+                          activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
+                           dp_replicate_enabled=False)
+    parallelize_coda(model, dims, job)
+    return model

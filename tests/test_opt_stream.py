@@ -162,27 +162,15 @@ def test_training_with_the_step_on_its_own_stream_equals_training_without_it():
     parameters and optimizer state of five steps without it (the same kernels in the same order on
     the same values; a forward or a weight pass that read a parameter before its update shows)."""
     from torchtitan.config import Optimizer as OptimizerConfig
-    from torchtitan.config.job_config import ActivationCheckpoint, Compile
 
-    from coda_titan.titan.parallelize import parallelize_coda
     from coda_titan.titan.train_spec import build_coda_optimizers
+
+    from .helpers import compiled_1b_width_model
 
     seqlen, result = 1024, {}
     for on in (False, True):
         torch._dynamo.reset()
-        coda = Coda(backend="cute", precision="fp8", optimizer_stream=on)
-        args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=seqlen, coda=coda)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = CodaTransformer(args)
-            with torch.no_grad():
-                model.init_weights()
-        model = model.to(torch.bfloat16)
-        job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
-                              activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
-        dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
-                               dp_replicate_enabled=False)
-        parallelize_coda(model, dims, job)
+        model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen)
         opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
         g = torch.Generator(device="cuda").manual_seed(1)
         losses = []

@@ -496,32 +496,16 @@ def test_cuda_graph_replays_compute_what_the_compiled_blocks_compute():
     prefetched fp8 weight pass and fresh delayed scales: each step's state (weights, optimizer state,
     fp8 histories) is copied into the plain model first, so only the replay can differ. The forward
     is deterministic (the same kernels on the same inputs), so any stale or overwritten input shows."""
-    from types import SimpleNamespace
-
     from torchtitan.config import Optimizer as OptimizerConfig
-    from torchtitan.config.job_config import ActivationCheckpoint, Compile
 
-    from coda_titan.titan.parallelize import parallelize_coda
     from coda_titan.titan.train_spec import build_coda_optimizers
+
+    from .helpers import compiled_1b_width_model
 
     torch._dynamo.reset()
     seqlen = 1024
-    models = {}
-    for graphs in (True, False):
-        coda = Coda(backend="cute", precision="fp8", cuda_graphs=graphs)
-        args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=seqlen, coda=coda)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = CodaTransformer(args)
-            with torch.no_grad():
-                model.init_weights()
-        model = model.to(torch.bfloat16)
-        job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
-                              activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
-        dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
-                               dp_replicate_enabled=False)
-        parallelize_coda(model, dims, job)
-        models[graphs] = model
+    models = {graphs: compiled_1b_width_model(Coda(backend="cute", precision="fp8", cuda_graphs=graphs), seqlen)
+              for graphs in (True, False)}
     graphed, plain = models[True], models[False]
     opt = build_coda_optimizers([graphed], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
     # (a failure names the stack that allocated any tensor the graphs' pool keeps beyond their outputs)

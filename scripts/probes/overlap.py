@@ -16,24 +16,10 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
+from scripts.probes.fp8_configs import _time
 
 M, D = 16384, 2048
 SHAPES = [("f1", "out_proj", 2048), ("f1", "down_proj", 8192), ("b2", "qkv_dgrad", 3072), ("b2", "w13_dgrad", 16384)]
-
-
-def _time(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 def _program(kind, k, cfg, g):

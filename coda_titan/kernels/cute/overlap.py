@@ -163,15 +163,16 @@ def setup_attributes(original):
             ab, epi, c = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity, occupancy,
                               warp_shape, **kw)
             op = type(self).epi_smem_bytes(args, cta, epi_tile, warp_shape)
-            # D's staged buffers are one ring that the warpgroups halve: at least 4, 2 each (quack's minimum is 2)
-            d_extra = 0 if d_dtype is None else max(0, 4 - epi)
+            # D's staged buffers are one ring that the warpgroups halve: 2 stages more than quack's count (at least
+            # its minimum, 2), reserved with the second copy of the ops' smem (sized for the most stages it can get)
+            extra = 0 if d_dtype is None else 2
             stage_bytes = 0 if d_dtype is None else cute.size(cute.shape(epi_tile)) * d_dtype.width // 8
-            most = epi + d_extra  # (the ops' staged buffers are sized for the final count, at most this)
+            most = epi + extra
             copy = -(-(op.unstaged + op.d_stage * most + op.c_stage * c) // 1024) * 1024 + 1024
-            reserve = copy + d_extra * (stage_bytes + op.d_stage)
+            reserve = copy + extra * (stage_bytes + op.d_stage)
             ab2, epi2, c2 = base(cta, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, args, capacity - reserve,
                                  occupancy, warp_shape, **kw)
-            epi2, c2 = min(epi2, epi) + d_extra, c2 - c2 % 2
+            epi2, c2 = min(epi2 + extra, most), c2 - c2 % 2
             if d_dtype is not None:
                 epi2 -= epi2 % 2
             if ab2 < 2 or c2 < 2 or epi2 < (4 if d_dtype is not None else 1):

@@ -38,6 +38,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.pipeline import NamedBarrier, PipelineState
 
+from .patches import add_post_init_attrs
+
 ATTR = "_coda_overlap_epilogues"
 # the attribute's value: this file's digest, so that a kernel compiled by another version of it is never
 # handed back from quack's disk cache (whose key holds the attribute but not this code)
@@ -48,7 +50,7 @@ WG_THREADS = 128
 
 @contextlib.contextmanager
 def requested():
-    """quack GEMMs compiled inside this block get ``ATTR`` (``install``'s ``EpiMod.gemm`` wrapper)."""
+    """quack GEMMs compiled inside this block get ``ATTR`` (``patches.add_post_init_attrs``)."""
     token = _REQUESTED.set(True)
     try:
         yield
@@ -59,6 +61,21 @@ def requested():
 def enabled() -> bool:
     """``CODA_TITAN_OVERLAP_EPILOGUES=1``: the programs that can (B3 with transposed outputs) ask for it."""
     return os.environ.get("CODA_TITAN_OVERLAP_EPILOGUES", "0") != "0"
+
+
+@contextlib.contextmanager
+def _temporarily(obj, **attrs):
+    """``obj``'s attributes set to ``attrs`` inside the block (at trace time), then restored (or removed)."""
+    old = {k: obj.__dict__[k] for k in attrs if k in obj.__dict__}
+    obj.__dict__.update(attrs)
+    try:
+        yield
+    finally:
+        for k in attrs:
+            if k in old:
+                obj.__dict__[k] = old[k]
+            else:
+                del obj.__dict__[k]
 
 
 def _on(gemm) -> bool:
@@ -179,11 +196,8 @@ def setup_attributes(original):
                 raise ValueError(f"overlapped epilogues do not fit: {ab2} A/B, {epi2} store, {c2} C stages")
             return ab2, epi2, c2
 
-        self._compute_stages = compute
-        try:
+        with _temporarily(self, _compute_stages=compute):
             return original(self, epilogue_args)
-        finally:
-            del self._compute_stages
     return patched
 
 
@@ -204,14 +218,13 @@ def epilogue(original):
             barrier_id=Int32(int(_epi_wg0())) + wg, num_threads=WG_THREADS
         )
         kwargs["tile_scheduler"] = SimpleNamespace(num_tiles_executed=local // subtiles)
-        stages = (self.epi_c_stage, self.epi_stage)
-        self.epi_c_stage = half  # (the epilogue's C prefetch depth: this warpgroup's half)
+        stages = {"epi_c_stage": half}  # (the epilogue's C prefetch depth: this warpgroup's half)
         if self.d_dtype is not None:  # D's ring: this warpgroup's half of the staged buffers
-            self.epi_stage = stages[1] // 2
-            _half_d_ring(self, kwargs, wg, stages[1])
-        original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, read, produce, epi_tile,
-                 load_acc_subtile, *args, **kwargs)
-        self.epi_c_stage, self.epi_stage = stages
+            stages["epi_stage"] = self.epi_stage // 2
+            _half_d_ring(self, kwargs, wg, self.epi_stage)
+        with _temporarily(self, **stages):
+            original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, read, produce, epi_tile,
+                     load_acc_subtile, *args, **kwargs)
         epi_read_state.advance(subtiles)
         epi_producer_state.advance(subtiles)
         return epi_read_state, epi_producer_state
@@ -234,12 +247,8 @@ def store_pipeline(original):
     def patched(self):
         if not (_on(self) and self.d_dtype is not None):
             return original(self)
-        stages = self.epi_stage
-        self.epi_stage = stages // 2  # (each warpgroup's TMA thread cycles through its half of D's buffers)
-        try:
+        with _temporarily(self, epi_stage=self.epi_stage // 2):  # (each warpgroup's TMA thread: its half of D's)
             return original(self)
-        finally:
-            self.epi_stage = stages
     return patched
 
 
@@ -250,29 +259,24 @@ def _epi_wg0():
     return NamedBarrierGemm.EpiWG0
 
 
-def _request_in_gemm(original):
-    def gemm(self, *args, post_init_attrs=(), **kwargs):
-        if _REQUESTED.get() and all(k != ATTR for k, _ in post_init_attrs):
-            post_init_attrs = (*post_init_attrs, (ATTR, VERSION))
-        return original(self, *args, post_init_attrs=post_init_attrs, **kwargs)
-    gemm._coda_overlap = True
-    return gemm
+def _requested_attrs(A):
+    return ((ATTR, VERSION),) if _REQUESTED.get() else ()
 
 
 def install() -> None:
     """Patch quack's SM90 GEMM and epilogue mixin (idempotent); inert unless a kernel carries ``ATTR``."""
-    from quack.epilogue.frontend import EpiMod
     from quack.epilogue.mixin import ComposableEpiMixin
     from quack.gemm_base import GemmBase, GemmTmaBase
     from quack.gemm_sm90 import GemmSm90
 
-    if getattr(EpiMod.gemm, "_coda_overlap", False):
+    if getattr(GemmBase.epilogue, "_coda_overlap", False):
         return
-    EpiMod.gemm = _request_in_gemm(EpiMod.gemm)
+    add_post_init_attrs(_requested_attrs)
     ComposableEpiMixin.epi_get_smem_struct = epi_smem_struct(ComposableEpiMixin.epi_get_smem_struct)
     ComposableEpiMixin.epi_get_smem_tensors = epi_smem_tensors(ComposableEpiMixin.epi_get_smem_tensors)
     GemmSm90.pingpong_barrier_sync = pingpong_barrier(GemmSm90.pingpong_barrier_sync)
     GemmSm90.pingpong_barrier_arrive = pingpong_barrier(GemmSm90.pingpong_barrier_arrive)
     GemmSm90._setup_attributes = setup_attributes(GemmSm90._setup_attributes)
     GemmBase.epilogue = epilogue(GemmBase.epilogue)
+    GemmBase.epilogue._coda_overlap = True
     GemmTmaBase.make_epi_store_pipeline = store_pipeline(GemmTmaBase.make_epi_store_pipeline)

@@ -20,26 +20,40 @@ import os
 from ..scaling import E4M3, E5M2
 
 _FP8_DTYPES = (E4M3, E5M2)
+_PROVIDERS = []  # callables A -> ((attr, value), ...): the post-init attributes a GEMM on A gets
+
+
+def add_post_init_attrs(provider) -> None:
+    """Give every quack epilogue GEMM the post-init attributes ``provider(A)`` returns (A: its first
+    operand), unless the call names them itself; idempotent per provider. One wrapper of
+    ``EpiMod.gemm`` serves every provider (this module's fp8 switch, ``overlap.requested``)."""
+    from quack.epilogue.frontend import EpiMod
+
+    if provider not in _PROVIDERS:
+        _PROVIDERS.append(provider)
+    gemm = EpiMod.gemm
+    if getattr(gemm, "_coda_post_init_attrs", False):
+        return
+
+    @functools.wraps(gemm)
+    def gemm_with_attrs(self, A, *args, post_init_attrs=(), **kwargs):
+        given = {k for k, _ in post_init_attrs}
+        extra = tuple(kv for provide in _PROVIDERS for kv in provide(A) if kv[0] not in given)
+        return gemm(self, A, *args, post_init_attrs=(*post_init_attrs, *extra), **kwargs)
+
+    gemm_with_attrs._coda_post_init_attrs = True
+    EpiMod.gemm = gemm_with_attrs
+
+
+def _fast_accum_attrs(A):
+    return (("fp8_slow_accum", False),) if getattr(A, "dtype", None) in _FP8_DTYPES else ()
 
 
 def fp8_fast_accumulation() -> bool:
     """Install the switch (idempotent); False when ``CODA_TITAN_FP8_SLOW_ACCUM`` asks for quack's default."""
     if os.environ.get("CODA_TITAN_FP8_SLOW_ACCUM", "0") != "0":
         return False
-    from quack.epilogue.frontend import EpiMod
-
-    gemm = EpiMod.gemm
-    if getattr(gemm, "_coda_fast_accum", False):
-        return True
-
-    @functools.wraps(gemm)
-    def fast_accum_gemm(self, A, *args, post_init_attrs=(), **kwargs):
-        if getattr(A, "dtype", None) in _FP8_DTYPES and all(k != "fp8_slow_accum" for k, _ in post_init_attrs):
-            post_init_attrs = (*post_init_attrs, ("fp8_slow_accum", False))
-        return gemm(self, A, *args, post_init_attrs=post_init_attrs, **kwargs)
-
-    fast_accum_gemm._coda_fast_accum = True
-    EpiMod.gemm = fast_accum_gemm
+    add_post_init_attrs(_fast_accum_attrs)
     return True
 
 

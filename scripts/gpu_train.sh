@@ -218,8 +218,8 @@ for phase in "$@"; do
       python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
       ;;
     fp8compare)
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
+      $cmp ${FP8_CONFIGS:-configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
+        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml} --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
       ;;
     fp8mlp)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml configs/llama3_1b_fp8_coda_compile.toml \

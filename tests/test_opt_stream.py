@@ -70,6 +70,10 @@ def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_fo
     params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(2)]
     params.append(SimpleNamespace(is_cuda=True, device="cuda:0", grad=None))  # (a frozen or unused parameter)
     hooks = opt_stream.OptimizerStream(params)
+    hooks.before_step()  # the first step allocates the optimizer state: it stays on the main stream
+    hooks.after_step()
+    hooks.wait()
+    assert rec.log == [] and rec.current == "main"
     hooks.before_step()
     assert rec.log == [("wait_stream", "side", "main"), ("record_stream", 0, "side"), ("record_stream", 1, "side"),
                        ("set_stream", "side")]

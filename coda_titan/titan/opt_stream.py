@@ -14,8 +14,11 @@ What keeps it correct, on one GPU (``check``):
 * the side stream waits for the main stream before the step (the backward and the gradient clipping
   are in), and each gradient is marked as used there (``record_stream``), so the allocator reuses
   its memory only after the step has read it, when TorchTitan's next ``zero_grad`` frees it;
-* whatever the step allocates comes from the side stream's pool, and the parameters and the
-  optimizer state are never freed;
+* the first step stays on the main stream: it allocates the optimizer state, which then comes from
+  the main stream's cached blocks (the backward's freed activations), as without the knob; on the
+  side stream it took new memory (5 GiB more reserved on the 1B fp8 config,
+  ``compare_optimizer_stream_…json``). Later steps allocate next to nothing, and the parameters and
+  the optimizer state are never freed;
 * everything that reads the parameters or the optimizer state after a step waits for it first: the
   model's forward (``CodaTransformer.forward``), its ``state_dict`` and each optimizer's (checkpoints),
   and the fp8 weight pass the step's post-hook issues (``prefetch_fp8_weights``), which runs while the
@@ -35,6 +38,7 @@ class OptimizerStream:
         self.stream: torch.cuda.Stream | None = None
         self.main: torch.cuda.Stream | None = None
         self.done: torch.cuda.Event | None = None
+        self.first = True
 
     def _device(self):
         for p in self.params:
@@ -47,6 +51,9 @@ class OptimizerStream:
         device = self._device()
         if device is None:
             return  # (CPU: nothing to overlap)
+        if self.first:  # (the optimizer state is allocated on the main stream)
+            self.first = False
+            return
         main = torch.cuda.current_stream(device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device)

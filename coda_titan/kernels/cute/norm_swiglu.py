@@ -165,8 +165,9 @@ def _b3_overlap_config(device):
 def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
     tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
-    With ``CODA_TITAN_OVERLAP_EPILOGUES=1`` (and no ``config``) its two pingpong warpgroups' epilogues
-    overlap (``overlap``; measured by ``gpu_train.sh overlap`` before it can be a default)."""
+    Without ``config``, on the fp8 GEMM (``scale`` given), its two pingpong warpgroups' epilogues overlap
+    (``overlap``: 5% faster at the 1B shapes, the same bits; on the bf16 GEMM 8% slower, so only with
+    ``CODA_TITAN_OVERLAP_EPILOGUES=1``; ``gpu_train.sh overlap``)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
@@ -178,7 +179,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
         y = torch.empty((f2 // 2, m), device=a.device, dtype=E4M3)
         epi, y_out, ops = epis[1], y.t(), {**ops, "inv_y": scalar32(inv_y)}
     out = {"postact": y_out, "daq": daq, "dagt": daq_t[: f2 // 2].t(), "daut": daq_t[f2 // 2:].t()}
-    overlapped = config is None and overlap.enabled() and _b3_overlap_config(a.device) is not None
+    overlapped = config is None and overlap.enabled("scale" in ops) and _b3_overlap_config(a.device) is not None
     if config is None:
         config = _b3_overlap_config(a.device) if overlapped else _b3_fp8_config(a.device)
     with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):

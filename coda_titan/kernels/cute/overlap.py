@@ -58,9 +58,12 @@ def requested():
         _REQUESTED.reset(token)
 
 
-def enabled() -> bool:
-    """``CODA_TITAN_OVERLAP_EPILOGUES=1``: the programs that can (B3 with transposed outputs) ask for it."""
-    return os.environ.get("CODA_TITAN_OVERLAP_EPILOGUES", "0") != "0"
+def enabled(default: bool) -> bool:
+    """Whether a program that can (B3 with transposed outputs) asks for it: ``CODA_TITAN_OVERLAP_EPILOGUES``
+    = 1 or 0 for every such program, else the program's measured ``default`` (``probe_overlap_…json``,
+    ``probe_fp8_configs_…json``: faster on B3's fp8 GEMM, slower on its bf16 GEMM)."""
+    env = os.environ.get("CODA_TITAN_OVERLAP_EPILOGUES")
+    return default if env is None else env != "0"
 
 
 @contextlib.contextmanager

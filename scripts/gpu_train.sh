@@ -25,6 +25,7 @@
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
 #     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
+#     optstreambf16 stock + compile vs CODA bf16 compiled with [coda] optimizer_stream on / off
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
@@ -110,8 +111,9 @@ cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
 variant() {
   local base=${VARIANT_OF:-configs/llama3_1b_${PREC:-fp8}_coda_compile.toml} lines="" l v
   v=/tmp/$(basename "$base" .toml)_$1.toml; shift
-  for l in "$@"; do lines="$lines\n$l"; done
-  sed "s/^\[coda\]$/[coda]$lines/" "$base" > "$v"
+  local drop=()  # (a key the base config sets already is replaced, not repeated: TOML refuses a duplicate)
+  for l in "$@"; do lines="$lines\n$l"; drop+=(-e "/^${l%% =*} = /d"); done
+  sed "${drop[@]}" "$base" | sed "s/^\[coda\]$/[coda]$lines/" > "$v"
   for l in "$@"; do grep -qx "$l" "$v" || { echo "could not derive $v" >&2; return 1; }; done
   echo "$v"
 }
@@ -378,6 +380,10 @@ for phase in "$@"; do
       a=$(variant da_y_t "fp8_down_wgrad = true" "fp8_mlp_da_t = true") &&
         b=$(variant da_y_copy "fp8_down_wgrad = true" "fp8_mlp_da_t = false") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
+      ;;
+    optstreambf16)
+      # [coda] optimizer_stream on / off on the compiled CODA bf16 config, against stock + compile
+      PREC=bf16 ab optimizer_stream_bf16 opt_stream main_stream optimizer_stream
       ;;
     optstream)
       # [coda] optimizer_stream on / off (the optimizer step on its own stream: the batch copy's synchronization

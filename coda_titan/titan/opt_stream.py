@@ -107,4 +107,5 @@ def check(job_config, parallel_dims) -> None:
            (getattr(coda, "cuda_graphs", False), "[coda] cuda_graphs = false")]
     missing = [need for bad, need in why if bad]
     if missing:
-        raise ConfigError(f"[coda] optimizer_stream = true needs {'; '.join(missing)}")
+        raise ConfigError(f"[coda] optimizer_stream = true needs {'; '.join(missing)}"
+                          " (or turn it off: --coda.no_optimizer_stream)")

@@ -15,10 +15,10 @@ What keeps it correct, on one GPU (``check``):
   are in), and each gradient is marked as used there (``record_stream``), so the allocator reuses
   its memory only after the step has read it, when TorchTitan's next ``zero_grad`` frees it;
 * the first step stays on the main stream: it allocates the optimizer state, which then comes from
-  the main stream's cached blocks (the backward's freed activations), as without the knob; on the
-  side stream it took new memory (5 GiB more reserved on the 1B fp8 config,
-  ``compare_optimizer_stream_…json``). Later steps allocate next to nothing, and the parameters and
-  the optimizer state are never freed;
+  the main stream's pool, as without the knob (on the 1B fp8 config the reserved memory after the
+  first steps is the same either way: 27.10 GiB with the whole step on the side stream, 27.29 with
+  the first on the main stream and 27.29 without the knob, docs/history.md). Later steps allocate next
+  to nothing, and the parameters and the optimizer state are never freed;
 * everything that reads the parameters or the optimizer state after a step waits for it first: the
   model's forward (``CodaTransformer.forward``), its ``state_dict`` and each optimizer's (checkpoints),
   and the fp8 weight pass the step's post-hook issues (``prefetch_fp8_weights``), which runs while the

@@ -26,6 +26,7 @@
 #     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
 #     optstreambf16 stock + compile vs CODA bf16 compiled with [coda] optimizer_stream on / off
+#     downdgradov  CODA fp8 compiled with fp8_down_dgrad (B3 on fp8, overlapped epilogues) against its defaults
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
@@ -232,6 +233,12 @@ for phase in "$@"; do
       ;;
     fp8down)
       ab fp8_down_proj down plain fp8_down_proj fp8_out_proj  # both on against both off
+      ;;
+    downdgradov)
+      # fp8_down_dgrad with B3's overlapped epilogues (its default on the fp8 GEMM) against the compiled CODA fp8
+      # defaults, no baseline (two arms fit a short call)
+      a=$(variant down_dgrad_ov "fp8_down_dgrad = true") || exit 2
+      $cmp "$a" configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_overlap
       ;;
     fp8downdgrad)
       ab fp8_down_dgrad down_dgrad bf16_b3 fp8_down_dgrad  # B3's GEMM on e5m2 D x e4m3 W2^T

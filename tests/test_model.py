@@ -949,17 +949,19 @@ _MLP = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, fp8
 @pytest.mark.parametrize("knob,other", [
     ("fp8_mlp_da_t", dict(fp8_mlp_wgrad_e5m2=False)), ("fp8_mlp_da_t", dict(fp8_mlp_wgrad_e5m2=False, fp8_down_dgrad=True)),
     ("fp8_down_wgrad", dict(fp8_down_proj=False, fp8_mlp_da_t=True)), ("fp8_down_wgrad", dict(fp8_mlp_wgrad_e5m2=False)),
-    ("fp8_down_wgrad", dict(fp8_down_dgrad=True))])
+    ("fp8_down_wgrad", dict(fp8_down_dgrad=True)),
+    ("fp8_down_dgrad", dict(fp8_mlp_dgrad=False)), ("fp8_down_dgrad", dict(precision="bf16"))])
 def test_on_by_default_fp8_variants_are_ignored_where_what_they_vary_does_not_run(knob, other):
-    """``fp8_mlp_da_t`` and ``fp8_down_wgrad`` are on by default: where B3 writes a bf16 da (on a bf16 or
-    an fp8 GEMM), or, for dW2 on the e4m3 y, where B3 writes no e4m3 y (no down-projection site, a
-    bf16-da B3, B3 on fp8 without da^T), they change nothing: no transposed store, no fp8 dW2, every
-    gradient bit for bit the model's without them."""
+    """``fp8_mlp_da_t``, ``fp8_down_wgrad`` and ``fp8_down_dgrad`` are on by default: where B3 writes a
+    bf16 da (on a bf16 or an fp8 GEMM), or, for dW2 on the e4m3 y, where B3 writes no e4m3 y (no
+    down-projection site, a bf16-da B3, B3 on fp8 without da^T), or, for B3's fp8 GEMM, where B3 has
+    no e5m2 gradient site (``fp8_mlp_dgrad`` off, or bf16), they change nothing: no transposed store,
+    no fp8 dW2, no cast of D, every gradient bit for bit the model's without them."""
     kw = {**_MLP, **other}
     _, off = _models(**kw, **{knob: False})
     _, on = _models(**kw, **{knob: True})
-    calls = _spy(on, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3"))
-    calls_off = _spy(off, ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3"))
+    spied = ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3", "quantize_grad", "swiglu_bwd_q_fp8")
+    calls, calls_off = _spy(on, spied), _spy(off, spied)
     tokens, labels = _batch(on.model_args.vocab_size)
     for _ in range(2):
         for m in (off, on):
@@ -968,6 +970,8 @@ def test_on_by_default_fp8_variants_are_ignored_where_what_they_vary_does_not_ru
     assert calls == calls_off and "wgrad_fp8_e4m3" not in calls, calls
     if knob == "fp8_mlp_da_t":
         assert not any(c.startswith("swiglu_bwd_e5m2_t") for c in calls), calls
+    if knob == "fp8_down_dgrad":
+        assert not any(c in ("quantize_grad", "swiglu_bwd_q_fp8", "swiglu_bwd_e5m2_t_q") for c in calls), calls
     g_off, g_on = _grads(off), _grads(on)
     for k in g_on:
         assert torch.equal(g_on[k], g_off[k]), k

@@ -54,6 +54,7 @@
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
+#     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
@@ -298,6 +299,14 @@ for phase in "$@"; do
     qkvwgrad)
       # dW_qkv on fp8 from F3's e4m3 H (kept instead of the bf16 H) against the bf16 dW_qkv
       ab fp8_qkv_wgrad qkv_fp8 qkv_bf16 fp8_qkv_wgrad
+      ;;
+    qkvdgrad)
+      # fp8_dgrad (B1 casts F3's da to e5m2 with the QKV gradient site's delayed scale, B2 on fp8): its GPU
+      # tests (B1 -> B2 against the reference, the traced B1 against its op), then the A/B against the defaults
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_rope.py tests/test_gemm.py -rfE --tb=short \
+        -k "fp8_qkv_dgrad or traced_programs" -W ignore::DeprecationWarning > "$logs/pytest_qkvdgrad.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_qkvdgrad.txt" | tail -8
+      ab fp8_dgrad qkv_dgrad_fp8 qkv_dgrad_bf16 fp8_dgrad
       ;;
     qkvwgradparity)
       curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"

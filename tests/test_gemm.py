@@ -379,13 +379,16 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     pair = a[:, :rot].reshape(m, rot // 2, 2).sum(-1).repeat_interleave(2, dim=1)
     mag = torch.cat([pair, a[:, rot:]], dim=1) * rstd.double()[:, None]
     zdz_bound = 2 * q * u * (y.double().abs() * a).sum(-1)
-    for name in ("rope_bwd", "rope_bwd_fp8"):
-        got, want = compiled(name)(**kw), getattr(cute, name)(**kw)
+    delayed = inv_scale_from_amax(mag.max().float() * 2.0, E5M2_MAX)  # (a history's scale: 2x the headroom)
+    for name, extra in (("rope_bwd", {}), ("rope_bwd_fp8", dict(inv_scale=None)), ("rope_bwd_fp8", dict(inv_scale=delayed))):
+        got, want = compiled(name)(**kw, **extra), getattr(cute, name)(**kw, **extra)
         da, da0 = got[0].double(), want[0].double()
         assert_codes_within(f"traced {name} da vs op", da, da0, _step(torch.maximum(da.abs(), da0.abs())), 6 * u * mag)
         assert ((got[1].double() - want[1].double()).abs() <= zdz_bound).all(), f"{name} zdz"
-        if name == "rope_bwd_fp8":  # on each path's own scale s = amax / E5M2_MAX, amaxes at most da's bound apart
-            sc, sc0 = got[3].double(), want[3].double()
+        if name == "rope_bwd_fp8":  # amaxes at most da's bound apart; the scale: each path's own s = amax / E5M2_MAX
+            assert (got[3].double() - want[3].double()).abs() <= (6 * u * mag).max() + 4 * u * want[3].double()
+            inv = [inv_scale_from_amax(t[3], E5M2_MAX) if extra["inv_scale"] is None else delayed for t in (got, want)]
+            sc, sc0 = (i.double().reciprocal() for i in inv)
             assert (sc - sc0).abs() <= (6 * u * mag).max() / E5M2_MAX + 4 * u * sc0, (sc, sc0)
             # dequantized: q = RN(v / s) s and q0 = RN(v0 / s0) s0 lie within half a step of v and v0
             qv, qv0 = got[2].double() * sc, want[2].double() * sc0

@@ -510,6 +510,45 @@ def test_mlp_gradient_scales_come_from_the_gradient_history():
     assert fp8.fp8_scaling.sink is None and torch.equal(fp8.fp8_scaling.gradient_history[:, 0], hist[:, 0])
 
 
+@pytest.mark.parametrize("mlp", [False, True])
+def test_qkv_gradient_scales_come_from_their_own_history(mlp):
+    """``fp8_dgrad``: B1 casts F3's da to e5m2 with the QKV gradient site's delayed scale. Its amaxes
+    come back through the sink's second column into their own history (the MLP site's, if on, through
+    the first into its own), the calibration step's numbers come back bit for bit, a different history
+    moves exactly what flows through F3's B2, and checkpoints carry the history (an older state
+    without it recalibrates)."""
+    _, fp8 = _models(fp8_dgrad=True, fp8_mlp_dgrad=mlp, fp8_grad_margin=0, fp8_act_margin=0)
+    sc = fp8.fp8_scaling
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    fp8(tokens, labels=labels).backward()  # calibration: the current amax of each layer's da
+    assert not sc.qkv_gradients_calibrated and (sc.qkv_gradient_history == 0).all()
+    amax_q, amax_m = sc.sink.amaxes("qkv").clone(), sc.sink.amaxes("mlp").clone()
+    assert (amax_q > 0).all() and ((amax_m > 0).all() if mlp else (amax_m == 0).all())
+    g1 = _grads(fp8)
+    fp8.zero_grad()
+    fp8(tokens, labels=labels).backward()  # delayed: the scale of the recorded amax, the same numbers
+    assert sc.qkv_gradients_calibrated and torch.equal(sc.qkv_gradient_history[:, 0], amax_q)
+    assert sc.gradients_calibrated == mlp and torch.equal(sc.gradient_history[:, 0], amax_m)
+    g2 = _grads(fp8)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+    sc.qkv_gradient_history.mul_(3.0)  # a coarser e5m2 grid for F3's da: what flows through its B2 moves
+    sc.sink = None
+    fp8.zero_grad()
+    fp8(tokens, labels=labels).backward()
+    g3 = _grads(fp8)
+    last = f"layers.{fp8.model_args.n_layers - 1}."
+    assert not torch.equal(g3["tok_embeddings.weight"], g1["tok_embeddings.weight"])
+    assert not torch.equal(g3[last + "attention_norm.weight"], g1[last + "attention_norm.weight"])
+    for n in ("output.weight", "norm.weight", last + "feed_forward.w2.weight", last + "attention.wq.weight"):
+        assert torch.equal(g3[n], g1[n]), n  # upstream of F3's B2, and its wgrad (bf16 da)
+    state = {k: v.clone() for k, v in sc.checkpoint_state().items()}
+    assert {"qkv_gradient_history", "qkv_gradient_calibrated"} <= state.keys()
+    sc.load_checkpoint_state({k: v for k, v in state.items() if not k.startswith("qkv")})
+    assert not sc.qkv_gradients_calibrated and (sc.qkv_gradient_history == 0).all()
+    sc.load_checkpoint_state(state)
+    assert sc.qkv_gradients_calibrated and torch.equal(sc.qkv_gradient_history, state["qkv_gradient_history"])
+
+
 def _mlp_dgrad_error(margin: int, grown: float) -> float:
     """Worst relative gradient deviation of the e5m2 MLP dgrad from the bf16 dgrad of the same model
     (same weights, same e4m3 forward), on a step whose gradient amax is ``grown`` times the history's."""

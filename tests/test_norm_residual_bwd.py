@@ -55,7 +55,8 @@ def test_opcheck_without_residual():
 def test_fp8_ops_schemas_and_fakes():
     freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
     dy, yq, res, g = torch.randn(16, 48), torch.randn(16, 48), torch.randn(16, 64), torch.rand(64)
-    daq = TORCH.rope_bwd_fp8(dy=dy, y=yq, rstd=torch.rand(16), freqs=freqs, seqlen=8, n_rope_heads=2, head_dim=16)[2]
+    daq = TORCH.rope_bwd_fp8(dy=dy, y=yq, rstd=torch.rand(16), freqs=freqs, seqlen=8, n_rope_heads=2, head_dim=16,
+                           inv_scale=None)[2]
     wt = TORCH.quantize_tensorwise(w=torch.randn(48, 64))[0].t().contiguous()
     for dres in (res, None):
         opcheck(torch.ops.coda.norm_residual_bwd_fp8.default,

@@ -59,7 +59,10 @@ def test_norm_rope_fp8_matches_fp64_emulation():
     assert y.dtype == torch.float32 and y.shape == (2 * seqlen, q)
 
 
-def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_scale():
+def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_or_delayed_scale():
+    """Calibrating (no scale), B1 casts da with its current amax's scale; with a delayed one (the QKV
+    gradient site's history, ``fp8_dgrad``) it casts with that, saturating what lies beyond its range;
+    either way it reports amax |da| of the fp32 da."""
     from coda_titan.kernels.scaling import E5M2, E5M2_MAX, quantize_e5m2
 
     gen = torch.Generator().manual_seed(12)
@@ -69,14 +72,21 @@ def test_b1_fp8_casts_its_gradient_to_e5m2_with_a_current_scale():
     rstd = torch.rand(2 * seqlen, generator=gen) + 0.5
     kw = dict(dy=dy, y=y, rstd=rstd, freqs=rope_freqs(hd, 500000.0, RoPEScalingArgs()), seqlen=seqlen,
               n_rope_heads=nh, head_dim=hd)
-    da, zdz, daq, s = TORCH.rope_bwd_fp8(**kw)
+    da, zdz, daq, amax = TORCH.rope_bwd_fp8(**kw, inv_scale=None)
     da0, zdz0 = TORCH.rope_bwd(**kw)
     assert torch.equal(da, da0) and torch.equal(zdz, zdz0)  # the bf16 outputs are B1's own
-    assert daq.dtype == E5M2 and daq.shape == da.shape and s.shape == ()
+    assert daq.dtype == E5M2 and daq.shape == da.shape and amax.shape == ()
     assert daq.float().abs().max() == E5M2_MAX  # current scale: the amax lands on the top of the range
     da32 = rotate(dy, kw["freqs"], seqlen, n_rope_heads=nh, head_dim=hd, inverse=True) * rstd[:, None]
     inv = inv_scale_from_amax(da32.abs().amax(), E5M2_MAX)
-    assert torch.equal(daq.float(), quantize_e5m2(da32, inv).float()) and s == inv.reciprocal()  # cast from fp32 da
+    assert amax == da32.abs().amax() and torch.equal(daq.float(), quantize_e5m2(da32, inv).float())  # from fp32 da
+    for delayed in (inv / 8, inv * 4):  # a history 8x larger (headroom), or 4x smaller (this step outgrew it)
+        got = TORCH.rope_bwd_fp8(**kw, inv_scale=delayed)
+        assert torch.equal(got[0], da) and torch.equal(got[1], zdz) and got[3] == amax
+        want = (da32 * delayed).clamp(-E5M2_MAX, E5M2_MAX)
+        assert torch.equal(got[2].float(), want.to(E5M2).float()), delayed
+        assert (got[2].float().abs().max() == E5M2_MAX) == (delayed > inv)  # saturated only beyond the range
+    s = inv.reciprocal()
     rel = ((daq.double() * s.double() - da.double()).abs() / da.double().abs().clamp(min=1e-30))
     big = da.double().abs() > da.double().abs().max() * 2.0**-14  # e5m2 normals under this scale
     assert (rel[big] <= 2.0**-3 + 1e-6).all()  # 2 mantissa bits: half a step is 2^-3 relative
@@ -92,8 +102,9 @@ def test_opcheck(name, dtype):
 def test_fp8_ops_schemas_and_fakes():
     freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
     dy, yq = torch.randn(16, 48), torch.randn(16, 48)
-    opcheck(torch.ops.coda.rope_bwd_fp8.default, (dy, yq, torch.rand(16) + 0.5, freqs, 8, 2, 16),
-            test_utils=("test_faketensor",))
+    for inv in (None, torch.tensor(100.0)):
+        opcheck(torch.ops.coda.rope_bwd_fp8.default, (dy, yq, torch.rand(16) + 0.5, freqs, 8, 2, 16, inv),
+                test_utils=("test_faketensor",))
 
 
 def test_rope_tables_op_is_rope_cos_sin():
@@ -117,9 +128,10 @@ def test_cute_matches_reference(name, d):
 @pytest.mark.gpu
 def test_cute_fp8_qkv_dgrad_matches_reference():
     """B1 -> B2 of F3 in fp8 (e5m2 gradient x e4m3 W_qkv^T) on the cute backend against the torch
-    reference on the same operands, bounded by what the fp8 cast itself moves B2's output."""
+    reference on the same operands, bounded by what the fp8 cast itself moves B2's output. B1 both
+    calibrating and with a delayed scale (``fp8_dgrad``)."""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.scaling import E5M2
+    from coda_titan.kernels.scaling import E5M2, E5M2_MAX
 
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
     cute = get_backend("cute")
@@ -131,11 +143,16 @@ def test_cute_fp8_qkv_dgrad_matches_reference():
     rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
     freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
     kw = dict(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=nq + nkv, head_dim=hd)
-    da, zdz, daq, s_da = cute.rope_bwd_fp8(**kw)
-    da_r, zdz_r, daq_r, s_da_r = TORCH.rope_bwd_fp8(**kw)
-    assert daq.dtype == E5M2 and torch.allclose(s_da, s_da_r, rtol=1e-6)
+    da, zdz, daq, amax = cute.rope_bwd_fp8(**kw, inv_scale=None)
+    da_r, zdz_r, daq_r, amax_r = TORCH.rope_bwd_fp8(**kw, inv_scale=None)
+    assert daq.dtype == E5M2 and torch.allclose(amax, amax_r, rtol=1e-6)
     step_apart = (daq.float() != daq_r.float()).float().mean().item()  # cos/sin tables vs rotate: ulps
     assert rel(da, da_r) < 1e-2 and step_apart < 1e-3, step_apart
+    delayed = inv_scale_from_amax(amax_r * 4.0, E5M2_MAX)  # a history's scale, with headroom
+    got, want = cute.rope_bwd_fp8(**kw, inv_scale=delayed), TORCH.rope_bwd_fp8(**kw, inv_scale=delayed)
+    step_apart = (got[2].float() != want[2].float()).float().mean().item()
+    assert got[2].dtype == E5M2 and torch.allclose(got[3], amax_r, rtol=1e-6) and step_apart < 1e-3, step_apart
+    s_da_r = inv_scale_from_amax(amax_r, E5M2_MAX).reciprocal()
     w = (torch.randn(q, d, generator=gen, device="cuda") * d**-0.5).to(BF)
     x, dres = torch.randn(m, d, generator=gen, device="cuda").to(BF), torch.randn(m, d, generator=gen, device="cuda").to(BF)
     gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(BF)

@@ -22,12 +22,14 @@ Saved: the post-RoPE output y (which attention saves anyway) and r.
 FP8 (precision = "fp8"):
     norm_rope_fp8  acc = Hq @ W_qkv,q^T on e4m3 operands; the dequantization scale s_a * s_w rides
                    the deferred-rstd column vector: p = (r * s) * acc
-    rope_bwd_fp8   B1 that also casts da to e5m2 with a current tensorwise scale (torchao's
-                   treatment of gradients): B1 is a pass of its own, so the amax is one more
-                   reduction in it, not a round trip
+    rope_bwd_fp8   B1 that also casts da to e5m2 and reports amax |da|: with a delayed scale
+                   (``fp8_dgrad``: the QKV gradient site's history, as B3's da) in the same pass;
+                   without one (the calibration step) with the current amax's scale
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -111,13 +113,14 @@ def rope_bwd(
 
 def rope_bwd_fp8(
     *, dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int,
-    n_rope_heads: int, head_dim: int,
+    n_rope_heads: int, head_dim: int, inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(da, zdz, daq, s): ``rope_bwd`` plus daq = sat(da * inv) in e5m2 with the current amax's
-    scale inv, and s = 1 / inv."""
+    """(da, zdz, daq, amax): ``rope_bwd`` plus daq = sat(da * inv) in e5m2, inv = ``inv_scale`` (the
+    delayed scale; None = the current amax's, E5M2_MAX / amax), and amax |da| (accumulator dtype)."""
     da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
-    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), amax
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -180,14 +183,14 @@ def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
 @program_op("rope_bwd_fp8")
 def rope_bwd_fp8_op(
     dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,
-    head_dim: int,
+    head_dim: int, inv_scale: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_bwd_fp8(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads,
-                        head_dim=head_dim)
+                        head_dim=head_dim, inv_scale=inv_scale)
 
 
 @rope_bwd_fp8_op.register_fake
-def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale):
     ct = acc_dtype(dy, y)
     return (torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=ct),
             dy.new_empty(dy.shape, dtype=E5M2), dy.new_empty((), dtype=ct))

@@ -59,13 +59,15 @@ class QuantizeH:
 class Fp8Operands:
     """The e4m3 operands of a consumer GEMM: ``hq`` (H quantized with ``inv_a``) and the layer's
     e4m3 weight ``w`` with its scale ``s_w`` (the weight pass). ``w_t`` is that weight transposed,
-    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16."""
+    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16. F3's: ``grad_inv`` is that
+    gradient's delayed e5m2 scale (None = calibrate on the current amax)."""
 
     hq: torch.Tensor
     inv_a: torch.Tensor
     w: torch.Tensor
     s_w: torch.Tensor
     w_t: torch.Tensor | None = None
+    grad_inv: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -164,39 +166,44 @@ class ResidualRMS(torch.autograd.Function):
 
 
 NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqlen", "cfg", "n_rope_heads", "head_dim",
-              "fp8")  # NormRoPE.forward's inputs, in order
+              "fp8", "grad_sink")  # NormRoPE.forward's inputs, in order
 
 
 class NormRoPE(torch.autograd.Function):
     """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
-    zdz, which also casts da to e5m2 when ``fp8.w_t`` is given) -> B2 -> wgrad (bf16; with
-    ``cfg.fp8_qkv_wgrad`` on fp8: da cast, times the e4m3 H F3 read, kept instead of the bf16 H)."""
+    zdz, which also casts da to e5m2 with ``fp8.grad_inv`` when ``fp8.w_t`` is given, returning amax
+    |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8: da
+    cast, times the e4m3 H F3 read, kept instead of the bf16 H)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
-                head_dim: int, fp8: Fp8Operands | None = None):
+                head_dim: int, fp8: Fp8Operands | None = None, grad_sink: torch.Tensor | None = None):
         rope = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         if fp8 is None:
             qkv = cfg.backend.norm_rope(h=h, rstd=rstd, weight=torch.cat([wq, wk, wv]), **rope)
         else:
             qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
                                             out_dtype=h.dtype, **rope)
-        w_t, s_w = (None, None) if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w)
+        w_t, s_w, inv_g = (None,) * 3 if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w, fp8.grad_inv)
         hq, inv_h = (fp8.hq, fp8.inv_a) if fp8 is not None and cfg.fp8_qkv_wgrad else (None, None)
-        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h)
+        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h,
+                              inv_g)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         return qkv, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dqkv, dx_res):
-        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h = ctx.saved_tensors
+        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h, inv_g = ctx.saved_tensors
         be = ctx.cfg.backend
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
         w = torch.cat([wq, wk, wv])
-        if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2, B2 runs on it and W_qkv,q^T
-            da, zdz, daq, s_da = be.rope_bwd_fp8(**rope)
-            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w8_t, scale=s_da * s_w, zdz=zdz, **norm)
+        sink = None
+        if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2 (delayed scale), B2 runs on it and W_qkv,q^T
+            da, zdz, daq, amax = be.rope_bwd_fp8(**rope, inv_scale=inv_g)
+            inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g
+            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w8_t, scale=dequant_scale(inv, s_w), zdz=zdz, **norm)
+            sink = amax.float().reshape(()) if ctx.needs_input_grad[-1] else None
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
@@ -205,7 +212,7 @@ class NormRoPE(torch.autograd.Function):
         else:
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)
         dwq, dwk, dwv = dw.split([wq.shape[0], wk.shape[0], wv.shape[0]])
-        return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv)
+        return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv, grad_sink=sink)
 
 
 NORM_SWIGLU_RESIDUAL_INPUTS = ("h", "rstd", "x", "gamma", "w1", "w3", "w2", "gamma_next", "cfg", "fp8", "grad_sink")  # NormSwiGLUResidual.forward's inputs, in order

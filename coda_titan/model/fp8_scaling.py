@@ -15,6 +15,8 @@ amax of the whole tensor exists:
   amax is only known in the backward; it comes back through autograd as the gradient of a
   ``GradAmaxSink`` tensor, and enters the history at the next forward. The scale keeps
   ``fp8_grad_margin`` powers of two of headroom over the history's max.
+* QKV gradients (``fp8_dgrad``): per layer, F3's da as e5m2 written by B1, for B2's fp8 GEMM; the
+  same recipe, its amax in a second column of the same sink.
 
 The histories are non-persistent buffers, so the model's state dict stays stock llama3's. They reach
 TorchTitan's checkpoints as a state of their own, ``coda_fp8`` (``checkpoint_state`` /
@@ -48,23 +50,31 @@ def aligned_unbind(t: torch.Tensor) -> list[torch.Tensor]:
     return [r[:row].view(t.shape[1:]) for r in padded.unbind(0)]
 
 
+GRADIENT_SITES = ("mlp", "qkv")  # B3's da (``gradient_history``), B1's da (``qkv_gradient_history``)
+
+
 class GradAmaxSink:
-    """A fresh zero tensor per forward, one 16-byte-aligned scalar per layer (``aligned_unbind``),
-    that each layer's MLP Function takes as an input; the Function's backward returns that layer's
-    amax |da| as its gradient. Works compiled too: it is an ordinary autograd edge."""
+    """A fresh zero tensor per forward, one 16-byte-aligned scalar per layer and gradient site
+    (``GRADIENT_SITES``; ``aligned_unbind``'s alignment), that each layer's Function of that site
+    takes as an input; the Function's backward returns that layer's amax |da| as its gradient.
+    Works compiled too: it is an ordinary autograd edge."""
 
     def __init__(self, n_layers: int, device):
-        self.tensor = torch.zeros(n_layers, ALIGN_BYTES // 4, device=device, dtype=torch.float32, requires_grad=True)
+        col = ALIGN_BYTES // 4
+        self.tensor = torch.zeros(n_layers, col * len(GRADIENT_SITES), device=device, dtype=torch.float32,
+                                  requires_grad=True)
         with torch.enable_grad():
-            self.per_layer = [row[0] for row in self.tensor.unbind(0)]
+            rows = self.tensor.unbind(0)
+            self.per_layer = {site: [row[col * k] for row in rows] for k, site in enumerate(GRADIENT_SITES)}
 
-    def amaxes(self) -> torch.Tensor | None:
-        """The (n_layers,) amaxes the last backward left, or None if no backward ran."""
-        return None if self.tensor.grad is None else self.tensor.grad[:, 0]
+    def amaxes(self, site: str = "mlp") -> torch.Tensor | None:
+        """The (n_layers,) amaxes of ``site`` the last backward left, or None if no backward ran."""
+        col = ALIGN_BYTES // 4 * GRADIENT_SITES.index(site)
+        return None if self.tensor.grad is None else self.tensor.grad[:, col]
 
 
 INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
-SATURATION_KINDS = ("activation", *INPUT_SITES, "gradient")  # the rows of ``Fp8Scaling.saturation``
+SATURATION_KINDS = ("activation", *INPUT_SITES, "gradient", "qkv_gradient")  # the rows of ``Fp8Scaling.saturation``
 
 
 class Fp8Scaling(nn.Module):
@@ -75,6 +85,7 @@ class Fp8Scaling(nn.Module):
         self.grad_margin, self.act_margin = grad_margin, act_margin
         self.register_buffer("activation_history", torch.zeros(2 * n_layers, history), persistent=False)
         self.register_buffer("gradient_history", torch.zeros(n_layers, history), persistent=False)
+        self.register_buffer("qkv_gradient_history", torch.zeros(n_layers, history), persistent=False)
         for site in INPUT_SITES:
             self.register_buffer(f"{site}_history", torch.zeros(n_layers, history), persistent=False)
         # per kind of site: how many site-steps a delayed scale clamped (the step's amax beyond the
@@ -97,31 +108,42 @@ class Fp8Scaling(nn.Module):
         if device is not None:
             self.activation_history = torch.zeros_like(self.activation_history, device=device)
             self.gradient_history = torch.zeros_like(self.gradient_history, device=device)
+            self.qkv_gradient_history = torch.zeros_like(self.qkv_gradient_history, device=device)
             for site in INPUT_SITES:
                 setattr(self, f"{site}_history", torch.zeros_like(self.input_history(site), device=device))
             self.saturation = torch.zeros_like(self.saturation, device=device)
         else:
             self.activation_history.zero_()
             self.gradient_history.zero_()
+            self.qkv_gradient_history.zero_()
             for site in INPUT_SITES:
                 self.input_history(site).zero_()
             self.saturation.zero_()
         self.activations_calibrated = False
         self.gradients_calibrated = False
+        self.qkv_gradients_calibrated = False
         self.input_calibrated = {site: False for site in INPUT_SITES}
         self.sink: GradAmaxSink | None = None
+        self.sink_sites: tuple[str, ...] = ()  # the gradient sites the sink's forward took
 
     def flush_sink(self) -> None:
         """Move the amaxes the last backward left into the gradient history now (what the next
         forward would do first), so the history alone is the whole state."""
         if self.sink is not None and self.sink.amaxes() is not None:
             with torch.no_grad():
-                new = self.sink.amaxes().to(self.gradient_history)
-                if self.gradients_calibrated:
-                    self._count_saturation("gradient", self.gradient_history, new, self.grad_headroom)
-                _push(self.gradient_history, new)
-            self.gradients_calibrated = True
-        self.sink = None
+                for site in self.sink_sites:
+                    history = self.gradient_history if site == "mlp" else self.qkv_gradient_history
+                    new = self.sink.amaxes(site).to(history)
+                    if self._calibrated(site):
+                        self._count_saturation("gradient" if site == "mlp" else "qkv_gradient", history, new,
+                                               self.grad_headroom)
+                    _push(history, new)
+            self.gradients_calibrated |= "mlp" in self.sink_sites
+            self.qkv_gradients_calibrated |= "qkv" in self.sink_sites
+        self.sink, self.sink_sites = None, ()
+
+    def _calibrated(self, site: str) -> bool:
+        return self.gradients_calibrated if site == "mlp" else self.qkv_gradients_calibrated
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps: both histories and whether each is calibrated."""
@@ -132,6 +154,8 @@ class Fp8Scaling(nn.Module):
         for site in INPUT_SITES:
             state[f"{site}_history"] = self.input_history(site)
             state[f"{site}_calibrated"] = torch.tensor([self.input_calibrated[site]], dtype=torch.int8)
+        state["qkv_gradient_history"] = self.qkv_gradient_history
+        state["qkv_gradient_calibrated"] = torch.tensor([self.qkv_gradients_calibrated], dtype=torch.int8)
         return state
 
     def load_checkpoint_state(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -145,7 +169,12 @@ class Fp8Scaling(nn.Module):
             else:
                 self.input_history(site).zero_()
                 self.input_calibrated[site] = False
-        self.sink = None
+        self.qkv_gradient_history.zero_()  # (likewise the QKV gradient site)
+        self.qkv_gradients_calibrated = "qkv_gradient_history" in state_dict and bool(
+            state_dict["qkv_gradient_calibrated"].item())
+        if self.qkv_gradients_calibrated:
+            self.qkv_gradient_history.copy_(state_dict["qkv_gradient_history"])
+        self.sink, self.sink_sites = None, ()
 
     def _memo(self, name: str, history: torch.Tensor, calibrated: bool, make):
         """``make()``, kept while ``history`` is the same tensor at the same version (every update of a
@@ -166,6 +195,7 @@ class Fp8Scaling(nn.Module):
         for site in sites:
             self.input_inv_scales(site)
         self._gradient_inv_scales()
+        self._gradient_inv_scales("qkv")
 
     def activation_inv_scales(self) -> list[torch.Tensor | None]:
         """Per-site inverse scales 448 / max(history), or all None on the calibration step."""
@@ -219,23 +249,23 @@ class Fp8Scaling(nn.Module):
         return ("fp8 delayed scales clamped at site-steps: " + ", ".join(parts)
                 + "; the values beyond the range saturated at the format's largest (docs/fp8.md)")
 
-    def gradient_sites(self, device, enabled: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """(per-layer delayed inverse e5m2 scales, or Nones to calibrate; per-layer sink tensors, or
-        Nones when ``enabled`` is False). First moves the amaxes the last backward left in the
-        previous sink into the history."""
+    def gradient_sites(self, device, mlp: bool, qkv: bool = False) -> dict[str, tuple[list, list]]:
+        """Per gradient site (``GRADIENT_SITES``): (per-layer delayed inverse e5m2 scales, or Nones to
+        calibrate; per-layer sink tensors), both all None where the site is off (``mlp``, ``qkv``).
+        First moves the amaxes the last backward left in the previous sink into the histories."""
         n = self.gradient_history.shape[0]
         self.flush_sink()
-        if not enabled:
-            return [None] * n, [None] * n
-        inv = self._gradient_inv_scales()
-        self.sink = GradAmaxSink(n, device)
-        return inv, self.sink.per_layer
+        on = {site: flag for site, flag in zip(GRADIENT_SITES, (mlp, qkv))}
+        if any(on.values()):
+            self.sink, self.sink_sites = GradAmaxSink(n, device), tuple(site for site, f in on.items() if f)
+        return {site: (self._gradient_inv_scales(site), self.sink.per_layer[site]) if f else ([None] * n, [None] * n)
+                for site, f in on.items()}
 
-    def _gradient_inv_scales(self) -> list[torch.Tensor | None]:
-        h = self.gradient_history
-        if not self.gradients_calibrated:
+    def _gradient_inv_scales(self, site: str = "mlp") -> list[torch.Tensor | None]:
+        h = self.gradient_history if site == "mlp" else self.qkv_gradient_history
+        if not self._calibrated(site):
             return [None] * h.shape[0]
-        return self._memo("gradient", h, True,
+        return self._memo(f"gradient_{site}", h, True,
                           lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.grad_headroom, E5M2_MAX)))
 
 

@@ -63,6 +63,7 @@ class LayerFp8:
     w2_t: torch.Tensor | None = None  # e4m3 W2^T and its scale, for B3 on fp8 (fp8_down_dgrad)
     s_w2: torch.Tensor | None = None
     mlp_h_t: bool = False  # the out-projection's F1 also writes Hq^T, dW13's input (fp8_mlp_h_t)
+    qkv_grad_sink: torch.Tensor | None = None  # F3's gradient site's amax sink (fp8_dgrad; its scale: attn.grad_inv)
 
 
 class CodaTransformerBlock(TransformerBlock):
@@ -77,7 +78,7 @@ class CodaTransformerBlock(TransformerBlock):
         attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
-                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, None if fp8 is None else fp8.attn)
+                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink)))
         o = attention_on_packed(attn.inner_attention, qkv, seqlen, n_q, n_kv, attn.enable_gqa)  # (M, n_heads * head_dim)
         ff = self.feed_forward
         mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
@@ -366,8 +367,9 @@ class CodaTransformer(Transformer):
                     {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()},
                     None if w2_t is None else (w2_t[0][j], w2_t[1][j]))
 
-        with torch.no_grad():
-            inv_g, sinks = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad)  # B3 writes e5m2 da
+        with torch.no_grad():  # B3 writes e5m2 da (and B1 F3's with fp8_dgrad)
+            sites = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad, qkv=flags[1])
+        (inv_g, sinks), (inv_q, sinks_q) = sites["mlp"], sites["qkv"]
         inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs}
         amaxes_in = {site: [] for site in inputs}
         for i, layer in enumerate(layers):
@@ -378,7 +380,7 @@ class CodaTransformer(Transformer):
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(
-                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t),
+                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t, grad_inv=inv_q[i]), qkv_grad_sink=sinks_q[i],
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,

@@ -98,11 +98,12 @@ def norm_rope_fp8(s: Setup):
 
 
 def rope_bwd_fp8(s: Setup):
-    """B1 with its e5m2 copy of da (current scale)."""
+    """B1 with its e5m2 copy of da (delayed scale, ``fp8_dgrad``; the history's amax: this one's)."""
     b1 = s.b1
     dy = b1["dy"].float()
+    inv = inv_scale_from_amax(s.be.rope_bwd_fp8(**b1, inv_scale=None)[3], E5M2_MAX)
     return "rope_bwd_fp8", "bwd", dict(
-        coda=lambda: s.be.rope_bwd_fp8(**b1), coda_bf16=lambda: s.be.rope_bwd(**b1), bare_gemm=[],
+        coda=lambda: s.be.rope_bwd_fp8(**b1, inv_scale=inv), coda_bf16=lambda: s.be.rope_bwd(**b1), bare_gemm=[],
         eager=lambda: quantize_e5m2(dy, inv_scale_from_amax(dy.abs().amax(), E5M2_MAX)))
 
 
@@ -124,7 +125,8 @@ def _b2_fp8(s: Setup, name, da, daq, s_da, zdz, weight, weight_q, s_w):
 
 def norm_residual_bwd_fp8(s: Setup):
     """F3's dgrad B2 on e5m2 da x e4m3 W_qkv^T (``fp8_dgrad``)."""
-    da, zdz, daq, s_da = s.be.rope_bwd_fp8(**s.b1)
+    da, zdz, daq, amax = s.be.rope_bwd_fp8(**s.b1, inv_scale=None)
+    s_da = inv_scale_from_amax(amax, E5M2_MAX).reciprocal()
     wqkv8, s_qkv = s.wqkv8
     return _b2_fp8(s, "norm_residual_bwd_fp8", da, daq, s_da, zdz, s.wqkv, wqkv8, s_qkv)
 

@@ -4,7 +4,8 @@ norm_rope      quack's ``rstd_rope_posfreq_epi``: r * acc, then rotation by +the
                pos * freq formed in-kernel as a float-float (v columns: zero frequency)
 norm_rope_fp8  the same epilogue on e4m3 Hq and W_qkv,q; s_a * s_w rides the rstd column vector
 rope_bwd       one inductor-fused elementwise + row-reduction pass (no GEMM involved)
-rope_bwd_fp8   the same pass that also casts da to e5m2 (current tensorwise scale)
+rope_bwd_fp8   the same pass that also casts da to e5m2 (delayed scale, else the current amax's) and
+               reduces amax |da|
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
     return da.to(dy.dtype), zdz
 
 
-def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
+def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int, inv_scale=None):
     da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
-    inv = inv_scale_from_amax(da.abs().amax(), E5M2_MAX)
-    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), inv.reciprocal()
+    amax = da.abs().amax()
+    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
+    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), amax
 
 
 def _rope_bwd_unsupported(dy, y, seqlen, head_dim) -> str | None:
@@ -104,15 +106,16 @@ def _cos_sin_tables(freqs, seqlen):
     return cos.clone(), sin.clone()  # an op's outputs are its caller's to reuse
 
 
-def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
-    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math) as one inductor program."""
+def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale):
+    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math, ``scale`` = the latter's inv_scale) as one
+    inductor program."""
     why = _rope_bwd_unsupported(dy, y, seqlen, head_dim)
     if why:
-        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale)
     cos, sin = _cos_sin(freqs, seqlen)
     name = math.__name__.strip("_").removesuffix("_math")
     with first_call(name, dy):
-        return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+        return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scale)
 
 
 @torch.library.register_kernel("coda::rope_bwd", "cuda")
@@ -121,20 +124,21 @@ def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
 
 
 @torch.library.register_kernel("coda::rope_bwd_fp8", "cuda")
-def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
-    # the amax reduction, then da in bf16 and e5m2 in one pointwise pass
-    return _rope_bwd_pass(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
+def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale):
+    # delayed: da in bf16 and e5m2 with the amax beside them; calibrating: the amax reduction first
+    return _rope_bwd_pass(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
+                          inv_scale)
 
 
 def _traced_rope_bwd(op, math):
     """B1 as code a compiled caller traces (``TRACED``): the same ``math``, fused by inductor into the
     caller's backward graph; the tables come through ``coda::rope_tables``."""
 
-    def program(*, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    def program(*, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, **scale):
         if _rope_bwd_unsupported(dy, y, seqlen, head_dim):
-            return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)  # the op says why, once
+            return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale.values())  # the op says why, once
         cos, sin = torch.ops.coda.rope_tables(freqs, seqlen)
-        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim)
+        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scale.values())
 
     return program
 

@@ -47,14 +47,14 @@ class _Stream:
         return SimpleNamespace(device="cuda:0", name=f"{self.name}_done")
 
     def wait_event(self, event):
-        self.rec.log.append(("wait_event", self.name, event.name))
+        self.rec.log.append(("wait_event", self.name, event.name, len(self.rec.hooks.held)))
 
 
 class _Grad:
     def __init__(self, rec, i):
         self.rec, self.i = rec, i
 
-    def record_stream(self, stream):
+    def record_stream(self, stream):  # (the allocator would learn of the step's end only by polling)
         self.rec.log.append(("record_stream", self.i, stream.name))
 
 
@@ -69,22 +69,26 @@ def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_fo
     rec = fake_cuda
     params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(2)]
     params.append(SimpleNamespace(is_cuda=True, device="cuda:0", grad=None))  # (a frozen or unused parameter)
-    hooks = opt_stream.OptimizerStream(params)
+    hooks = rec.hooks = opt_stream.OptimizerStream(params)
     hooks.before_step()  # the first step allocates the optimizer state: it stays on the main stream
     hooks.after_step()
     hooks.wait()
-    assert rec.log == [] and rec.current == "main"
+    assert rec.log == [] and rec.current == "main" and hooks.held == []
     hooks.before_step()
-    assert rec.log == [("wait_stream", "side", "main"), ("record_stream", 0, "side"), ("record_stream", 1, "side"),
-                       ("set_stream", "side")]
+    assert rec.log == [("wait_stream", "side", "main"), ("set_stream", "side")]
     assert rec.current == "side"  # (what the step and the post-hooks before after_step enqueue goes there)
+    assert hooks.held == [params[0].grad, params[1].grad]  # the step's gradients, kept past zero_grad
     rec.log.clear()
     hooks.after_step()
     assert rec.log == [("record_event", "side"), ("set_stream", "main")] and rec.current == "main"
+    for p in params:
+        p.grad = None  # (TorchTitan's zero_grad: the hooks' references keep the memory)
+    assert len(hooks.held) == 2
     rec.log.clear()
     hooks.wait()
     hooks.wait()  # (once per step: the main stream is ordered after the step from then on)
-    assert rec.log == [("wait_event", "main", "side_done")]
+    # the main stream waits for the step while the gradients are still held, and lets them go after
+    assert rec.log == [("wait_event", "main", "side_done", 2)] and hooks.held == []
 
 
 def test_without_a_cuda_parameter_the_hooks_do_nothing(fake_cuda):

@@ -12,8 +12,13 @@ step on the GPU (``wait``), not on the host.
 What keeps it correct, on one GPU (``check``):
 
 * the side stream waits for the main stream before the step (the backward and the gradient clipping
-  are in), and each gradient is marked as used there (``record_stream``), so the allocator reuses
-  its memory only after the step has read it, when TorchTitan's next ``zero_grad`` frees it;
+  are in), and the hooks keep a reference to each gradient the step reads until the next ``wait``:
+  TorchTitan's ``zero_grad`` drops its own, and the memory goes back to the main stream's pool only
+  once the main stream is ordered after the step. (The first version marked each gradient used on
+  the side stream, ``record_stream``: the allocator then holds the memory back until it sees, by
+  polling an event at the host's allocations, that the step is done, and the host runs ahead of the
+  step. With it the compiled bf16 config held 1 GiB more reserved than without the knob; that this
+  was the cause, and that this version removes it, is not measured yet: docs/history.md);
 * the first step stays on the main stream: it allocates the optimizer state, which then comes from
   the main stream's pool, as without the knob (on the 1B fp8 config the reserved memory after the
   first steps is the same either way: 27.10 GiB with the whole step on the side stream, 27.29 with
@@ -39,6 +44,7 @@ class OptimizerStream:
         self.main: torch.cuda.Stream | None = None
         self.done: torch.cuda.Event | None = None
         self.first = True
+        self.held: list[torch.Tensor] = []  # the gradients the last step read, until the forward's wait
 
     def _device(self):
         for p in self.params:
@@ -58,9 +64,7 @@ class OptimizerStream:
         if self.stream is None:
             self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(main)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.record_stream(self.stream)
+        self.held = [p.grad for p in self.params if p.grad is not None]
         self.main = main
         torch.cuda.set_stream(self.stream)
 
@@ -73,10 +77,11 @@ class OptimizerStream:
         self.main = None
 
     def wait(self, *_) -> None:
-        """The current stream waits (on the GPU) for the last step; once per step."""
+        """The current stream waits (on the GPU) for the last step, then lets its gradients go; once per step."""
         if self.done is not None:
             torch.cuda.current_stream(self.done.device).wait_event(self.done)
             self.done = None
+            self.held = []  # (freed now, their blocks are reused only by work ordered after the step)
 
 
 def install(optimizers, model_parts: list[torch.nn.Module]) -> OptimizerStream:

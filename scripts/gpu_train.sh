@@ -55,6 +55,7 @@
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
+#     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
@@ -307,6 +308,12 @@ for phase in "$@"; do
         -k "fp8_qkv_dgrad or traced_programs" -W ignore::DeprecationWarning > "$logs/pytest_qkvdgrad.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_qkvdgrad.txt" | tail -8
       ab fp8_dgrad qkv_dgrad_fp8 qkv_dgrad_bf16 fp8_dgrad
+      ;;
+    qkvdgradprofile)
+      # where fp8_dgrad's time goes (measured slower than the defaults): one profiled step of that arm, beside
+      # the defaults' profile (fp8profile SKIP_BASELINE=1)
+      a=$(variant qkv_dgrad "fp8_dgrad = true") || exit 2
+      $cmp --profile "$a" --steps 15 $keep
       ;;
     qkvwgradparity)
       curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"

@@ -55,6 +55,7 @@
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
+#     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
@@ -308,6 +309,16 @@ for phase in "$@"; do
         -k "fp8_qkv_dgrad or traced_programs" -W ignore::DeprecationWarning > "$logs/pytest_qkvdgrad.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_qkvdgrad.txt" | tail -8
       ab fp8_dgrad qkv_dgrad_fp8 qkv_dgrad_bf16 fp8_dgrad
+      ;;
+    epistages)
+      # B2 with a lower base for its epilogue's C-load stages (CODA_TITAN_EPI_C_STAGES; kernels/cute/stages.py): the
+      # GPU test (same bits on one tile config), then the probe (B2 of QKV and W13, bf16 and fp8, autotuned with
+      # quack's base and with BASE (default 2), the pinned 256 x 128 tile with each, the bare GEMM)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_residual_bwd.py -k c_stage_base -rfE --tb=short \
+        -W ignore::DeprecationWarning > "$logs/pytest_epistages.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_epistages.txt" | tail -8
+      python3 -m scripts.probes.epi_stages --base "${BASE:-2}" > "$logs/epi_stages.log" 2>&1
+      echo "epistages rc=$?"; grep -E '^\{|wrote|Error' "$logs/epi_stages.log" | tail -6
       ;;
     qkvdgradprofile)
       # where fp8_dgrad's time goes (measured slower than the defaults): one profiled step of that arm, beside

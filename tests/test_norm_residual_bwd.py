@@ -69,3 +69,48 @@ def test_fp8_ops_schemas_and_fakes():
 @pytest.mark.parametrize("name", ['norm_residual_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch):
+    """``CODA_TITAN_EPI_C_STAGES`` (``coda_titan.kernels.cute.stages``) changes only how B2's shared memory
+    is split into pipeline stages: on the same tile config (256 x 128 cooperative, where it moves stages
+    from the epilogue's C loads to the mainloop) D and the dgamma partials are bit for bit quack's. The
+    op with it set (autotuned, our own copy of the epilogue) passes the reference check of every B2."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels.cute import epilogues, stages
+    from quack.gemm_config import GemmConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    m, k, d = 2048, 1024, 512
+    bf = torch.bfloat16
+    da = (torch.randn(m, k, generator=gen, device="cuda") * 1e-2).to(bf)
+    w = (torch.randn(k, d, generator=gen, device="cuda") * k**-0.5).to(bf)
+    x, dres = torch.randn(m, d, generator=gen, device="cuda").to(bf), torch.randn(m, d, generator=gen, device="cuda").to(bf)
+    gamma, rstd = 1 + 0.1 * torch.randn(d, generator=gen, device="cuda"), torch.rand(m, generator=gen, device="cuda") + 0.5
+    corr = -(rstd**2 / d) * (torch.randn(m, generator=gen, device="cuda") * 1e-3)
+    if fp8:
+        be = get_backend("cute")
+        a = be.quantize_grad(t=da)[0]
+        b_kn = be.quantize_tensorwise(w=w.t().contiguous())[0].t()
+    else:
+        a, b_kn = da, w
+    keep, outs = [], {}
+    for base in (None, 2):
+        cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                         device_capacity=9)
+        keep.append(cfg)  # (quack's eager call cache keys a pinned config by its id)
+        out = {"D": torch.empty_like(x)}
+        with stages.capped(base):
+            r = epilogues.norm_residual_bwd_epi(a, b_kn, dres, out=out, tuned=False, config=cfg, y=x, w=gamma, corr=corr)
+        outs[base] = (out["D"], r["dw"])
+    assert all(torch.equal(p, q) for p, q in zip(outs[None], outs[2]))
+    if not fp8:
+        monkeypatch.setenv(stages.ENV, "2")
+        check_cute_matches_reference("norm_residual_bwd", DIMS[0])
+        for bad in ("0", "two"):  # (a value that is not a base is an error, not quack's default)
+            monkeypatch.setenv(stages.ENV, bad)
+            with pytest.raises(ValueError, match=stages.ENV):
+                stages.requested_base()

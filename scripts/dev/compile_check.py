@@ -114,6 +114,46 @@ def _b2(config=None, m=512, k=512, d=256):
                       w=torch.ones(d), corr=torch.zeros(m))
 
 
+def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256):
+    """B2 as ``coda::norm_residual_bwd`` (``fp8``: ``_fp8``) calls it with ``CODA_TITAN_EPI_C_STAGES`` = ``base``:
+    our own copy of the epilogue, the C-stage base in its compile key (``stages.capped``), on a 256 x 128
+    cooperative tile unless ``config`` is given (the tile the base is for)."""
+    import torch
+
+    from coda_titan.kernels.cute import epilogues as ep
+    from coda_titan.kernels.cute import stages
+    from coda_titan.kernels.scaling import E4M3, E5M2
+    from quack.gemm_config import GemmConfig
+
+    cfg = config or GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2,
+                               is_dynamic_persistent=False, device_capacity=9)
+    _KEEP.append(cfg)
+    da = torch.zeros(m, k, dtype=E5M2 if fp8 else torch.bfloat16)
+    w = torch.zeros(d, k, dtype=E4M3).t() if fp8 else torch.zeros(k, d, dtype=torch.bfloat16)
+    x = torch.zeros(m, d, dtype=torch.bfloat16)
+    with stages.capped(base):
+        ep.norm_residual_bwd_epi(da, w, torch.zeros_like(x), out={"D": torch.empty_like(x)}, tuned=False, config=cfg,
+                                 y=x, w=torch.ones(d), corr=torch.zeros(m))
+
+
+def _report_stages():
+    """Print each compiled kernel's (A/B, D, C) stage counts (the C-stage base's effect)."""
+    from quack.gemm_sm90 import GemmSm90
+
+    compute = GemmSm90._compute_stages.__func__
+    if getattr(compute, "_coda_report", False):
+        return
+
+    def report(cls, cta, epi_tile, *args, **kwargs):
+        ab, epi, c = compute(cls, cta, epi_tile, *args, **kwargs)
+        print(f"  {cls.__name__[:48]} tile {tuple(cta)[:2]} base {cls.epi_c_stage_base}: "
+              f"{ab} A/B, {epi} D, {c} C stages", flush=True)
+        return ab, epi, c
+
+    report._coda_report = True
+    GemmSm90._compute_stages = classmethod(report)
+
+
 def _pingpong():
     from quack.gemm_config import GemmConfig
 
@@ -145,12 +185,17 @@ PROGRAMS = {
     "f1_q_fp8_overlap": lambda: _overlapped(_f1_q_fp8),
     "b2": lambda: _b2(),
     "b2_overlap": lambda: _overlapped(_b2),
+    "b2_wide": lambda: _b2_capped(base=None),
+    "b2_wide_c2": lambda: _b2_capped(base=2),
+    "b2_wide_c1": lambda: _b2_capped(base=1),
+    "b2_wide_c2_fp8": lambda: _b2_capped(base=2, fp8=True),
 }
 
 
 def main(argv=None) -> int:
     names = (sys.argv[1:] if argv is None else argv) or list(PROGRAMS)
     launched = _patch_quack_for_cpu()
+    _report_stages()
     failed = 0
     for name in names:
         t0 = time.time()

@@ -48,9 +48,10 @@ if not os.environ.get("QUACK_CACHE_DIR"):
     os.environ["QUACK_CACHE_DIR"] = cache_root()
 
 from . import patches  # noqa: E402,F401  (before any fp8 GEMM is built)
-from . import overlap  # noqa: E402
+from . import overlap, stages  # noqa: E402
 
 overlap.install()  # (inert unless a call asks for overlapped epilogues: overlap.requested())
+stages.install()  # (after overlap's: inert unless a call asks for a C-stage base, stages.capped())
 from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
 
 TRACED = {

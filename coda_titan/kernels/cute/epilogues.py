@@ -14,8 +14,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from quack.activation import dswiglu, swiglu
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
-from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar, TileStore,
-                                setup_epi_tensor)
+from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, RowVecReduce, Scalar,
+                                TileStore, setup_epi_tensor)
 
 from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through stmatrix.trans
 
@@ -37,6 +37,20 @@ def rstd_lse_target_epi(acc, rstd):
     whose target is -100 are left untouched)."""
     v = acc * rstd
     return {"D": v, "lse": v, "target_logit": v}
+
+
+@gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
+def norm_residual_bwd_epi(acc, c, y, w, corr):
+    """B2's epilogue (the math of quack's ``rms_bwd_apply_epi``): D = acc * gamma + dres + X * corr and
+    the dgamma partials, defined here so that a kernel of it can carry ``stages.ATTR``: quack's compile
+    workers re-mint it by importing this module, which installs the patch."""
+    return {"D": acc * w + c + y * corr, "dw": (acc, y)}
+
+
+@gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
+def norm_residual_bwd_last_epi(acc, y, w, corr):
+    """``norm_residual_bwd_epi`` without the residual gradient C (quack's ``rms_bwd_apply_last_epi``)."""
+    return {"D": acc * w + y * corr, "dw": (acc, y)}
 
 
 @gemm_epilogue(

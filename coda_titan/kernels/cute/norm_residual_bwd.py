@@ -4,6 +4,10 @@ norm_residual_bwd      quack's ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc
                        X * corr, corr = -(r^2/d) zdz, dgamma partials in the epilogue
 norm_residual_bwd_fp8  the same epilogue on e5m2 da x e4m3 W^T; s_da * s_w rides the gamma row
                        vector and multiplies the dgamma partials once, after their reduction
+
+With ``CODA_TITAN_EPI_C_STAGES`` set (``stages``: a lower base for the epilogue's C-load stages, so
+that wide tiles keep their mainloop stages; unmeasured, so off unless asked for), both run the same
+math as our own epilogues (``epilogues.norm_residual_bwd_epi``) with that base in their compile key.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from quack.epilogue.library import rms_bwd_apply_epi, rms_bwd_apply_last_epi
 
 from .. import norm_residual_bwd as ref
 from ..scaling import E4M3, E5M2
+from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 
 
@@ -22,11 +27,16 @@ def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
     r = rstd.float()
     corr = -(r * r / d) * zdz.float()
     out = torch.empty_like(x)
-    with first_call(name, a, b_kn):
+    base = stages.requested_base()
+    if base is None:
+        mid, last = rms_bwd_apply_epi, rms_bwd_apply_last_epi
+    else:
+        mid, last = epilogues.norm_residual_bwd_epi, epilogues.norm_residual_bwd_last_epi
+    with first_call(name, a, b_kn), stages.capped(base):
         if dresidual is None:
-            res = gemm(rms_bwd_apply_last_epi, a, b_kn, None, {"D": out}, y=x, w=w, corr=corr)
+            res = gemm(last, a, b_kn, None, {"D": out}, y=x, w=w, corr=corr)
         else:
-            res = gemm(rms_bwd_apply_epi, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
+            res = gemm(mid, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
     return out, res["dw"]
 
 

@@ -1,0 +1,107 @@
+"""Probe (GPU): B2 with a lower base for its epilogue's C-load stages (``CODA_TITAN_EPI_C_STAGES``).
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.epi_stages [--base 2]
+
+``coda_titan/kernels/cute/stages.py``: quack gives B2's two tile-sized epilogue inputs 4-5 shared-memory
+stages before the mainloop's, so a 256 x 128 cooperative tile keeps 2 A/B stages (3 with the base at 2;
+``scripts/dev/compile_check.py`` prints the counts). At the 1B shapes (M = 16384 tokens, d = 2048) this
+times B2 of the QKV dgrad (K = 3072) and of W13's (K = 16384), bf16 and fp8 (e5m2 x e4m3), through the
+cute op as training calls it (autotuned, quack's base against ``--base``), the pinned 256 x 128
+cooperative tile with each base (whose outputs must agree bit for bit: the stage count does not change
+the arithmetic), and the bare GEMM (cuBLAS; ``torch._scaled_mm`` for fp8). Median of CUDA-event timings
+of 20 calls after 3 warm-up calls (the first compiles and autotunes). Writes
+``$OUT/probe_epi_stages_<gpu>.json`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from scripts.bench.common import header, log_row, out_json
+from scripts.probes.fp8_configs import _time
+
+M, D = 16384, 2048
+SHAPES = [("qkv_dgrad", 3072), ("w13_dgrad", 16384)]
+
+
+def _operands(k: int, fp8: bool, g):
+    from coda_titan.kernels import get_backend
+
+    be = get_backend("cute")
+    bf = torch.bfloat16
+    da = (torch.randn(M, k, generator=g, device="cuda") * 1e-2).to(bf)
+    w = (torch.randn(k, D, generator=g, device="cuda") * k**-0.5).to(bf)
+    norm = dict(x=torch.randn(M, D, generator=g, device="cuda").to(bf), gamma=1 + 0.1 * torch.randn(D, generator=g, device="cuda"),
+                rstd=torch.rand(M, generator=g, device="cuda") + 0.5, zdz=torch.randn(M, generator=g, device="cuda") * 1e-3,
+                dresidual=(torch.randn(M, D, generator=g, device="cuda") * 1e-2).to(bf))
+    if not fp8:
+        return (lambda: be.norm_residual_bwd(da=da, weight=w, **norm)), (lambda: da @ w), (da, w, norm)
+    daq, s_da = be.quantize_grad(t=da)
+    wq, s_w = be.quantize_tensorwise(w=w.t().contiguous())  # (d, K) e4m3: the weight pass's W^T, B2's weight_tq
+    call = lambda: be.norm_residual_bwd_fp8(daq=daq, weight_tq=wq, scale=s_da * s_w, **norm)  # noqa: E731
+    bare = lambda: torch._scaled_mm(daq, wq.t(), scale_a=s_da.float(), scale_b=s_w.float(), out_dtype=bf)  # noqa: E731
+    return call, bare, (daq, wq, norm)
+
+
+def _pinned(base, k, fp8, ops):
+    """The pinned 256 x 128 cooperative tile with C-stage ``base`` (None: quack's): call and its outputs."""
+    from coda_titan.kernels.cute import epilogues, stages
+    from quack.gemm_config import GemmConfig
+
+    cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                     device_capacity=9)
+    a, w, norm = ops
+    b_kn = w.t() if fp8 else w
+    out, keep = {"D": torch.empty_like(norm["x"])}, {}
+    corr = -(norm["rstd"] ** 2 / D) * norm["zdz"]
+
+    def call():
+        with stages.capped(base):
+            keep["r"] = epilogues.norm_residual_bwd_epi(a, b_kn, norm["dresidual"], out=out, tuned=False, config=cfg,
+                                                        y=norm["x"], w=norm["gamma"], corr=corr)
+    return call, lambda: [out["D"].clone(), keep["r"]["dw"].clone()], cfg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.epi_stages", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=int, default=2)
+    args = ap.parse_args()
+    import coda_titan.kernels.cute  # noqa: F401  (installs the hooks)
+    from coda_titan.kernels.cute import stages
+
+    doc = {**header(), "kind": "probe_epi_stages", "M": M, "d": D, "base": args.base,
+           "timing": "median of 20 CUDA-event timings after 3 warm-up calls (the first autotunes)", "rows": []}
+    path = out_json("probe_epi_stages")
+    keep = []  # (quack's eager call cache keys a pinned config by its id)
+    for name, k in SHAPES:
+        for fp8 in (False, True):
+            row = {"gemm": name, "K": k, "precision": "fp8" if fp8 else "bf16"}
+            try:
+                call, bare, ops = _operands(k, fp8, torch.Generator(device="cuda").manual_seed(k))
+                row["bare_ms"] = _time(bare)
+                os.environ.pop(stages.ENV, None)
+                row["tuned_quack_base_ms"] = _time(call)
+                os.environ[stages.ENV] = str(args.base)
+                row["tuned_base_ms"] = _time(call)
+                os.environ.pop(stages.ENV, None)
+                outs = {}
+                for base in (None, args.base):
+                    run, got, cfg = _pinned(base, k, fp8, ops)
+                    keep.append(cfg)
+                    row[f"pinned_256x128_base_{base or 'quack'}_ms"] = _time(run)
+                    outs[base] = got()
+                row["pinned_bits_equal"] = all(torch.equal(a, b) for a, b in zip(outs[None], outs[args.base]))
+            except Exception as e:  # noqa: BLE001 - record the failure and go on with the next shape
+                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            finally:
+                os.environ.pop(stages.ENV, None)
+            log_row(doc, "rows", row, path)
+    print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

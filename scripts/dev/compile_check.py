@@ -114,7 +114,7 @@ def _b2(config=None, m=512, k=512, d=256):
                       w=torch.ones(d), corr=torch.zeros(m))
 
 
-def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256):
+def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
     """B2 as ``coda::norm_residual_bwd`` (``fp8``: ``_fp8``) calls it with ``CODA_TITAN_EPI_C_STAGES`` = ``base``:
     our own copy of the epilogue, the C-stage base in its compile key (``stages.capped``), on a 256 x 128
     cooperative tile unless ``config`` is given (the tile the base is for)."""
@@ -131,9 +131,9 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256):
     da = torch.zeros(m, k, dtype=E5M2 if fp8 else torch.bfloat16)
     w = torch.zeros(d, k, dtype=E4M3).t() if fp8 else torch.zeros(k, d, dtype=torch.bfloat16)
     x = torch.zeros(m, d, dtype=torch.bfloat16)
+    epi, c = (ep.norm_residual_bwd_last_epi, None) if last else (ep.norm_residual_bwd_epi, torch.zeros_like(x))
     with stages.capped(base):
-        ep.norm_residual_bwd_epi(da, w, torch.zeros_like(x), out={"D": torch.empty_like(x)}, tuned=False, config=cfg,
-                                 y=x, w=torch.ones(d), corr=torch.zeros(m))
+        epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
 def _report_stages():
@@ -189,6 +189,8 @@ PROGRAMS = {
     "b2_wide_c2": lambda: _b2_capped(base=2),
     "b2_wide_c1": lambda: _b2_capped(base=1),
     "b2_wide_c2_fp8": lambda: _b2_capped(base=2, fp8=True),
+    "b2_last_wide": lambda: _b2_capped(base=None, last=True),
+    "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
 }
 
 

@@ -24,19 +24,21 @@ from scripts.bench.common import header, log_row, out_json
 from scripts.probes.fp8_configs import _time
 
 M, D = 16384, 2048
-SHAPES = [("qkv_dgrad", 3072), ("w13_dgrad", 16384)]
+# (name, rows, K, fp8 or not); the LM head's dgrad (4096 rows, K = 128256) is left out: its tuned 256 x 128
+# tile keeps 3 A/B stages with either base (scripts/dev/compile_check.py b2_last_wide b2_last_wide_c2)
+SHAPES = [("qkv_dgrad", M, 3072, (False, True)), ("w13_dgrad", M, 16384, (False, True))]
 
 
-def _operands(k: int, fp8: bool, g):
+def _operands(m: int, k: int, fp8: bool, g, last: bool):
     from coda_titan.kernels import get_backend
 
     be = get_backend("cute")
     bf = torch.bfloat16
-    da = (torch.randn(M, k, generator=g, device="cuda") * 1e-2).to(bf)
+    da = (torch.randn(m, k, generator=g, device="cuda") * 1e-2).to(bf)
     w = (torch.randn(k, D, generator=g, device="cuda") * k**-0.5).to(bf)
-    norm = dict(x=torch.randn(M, D, generator=g, device="cuda").to(bf), gamma=1 + 0.1 * torch.randn(D, generator=g, device="cuda"),
-                rstd=torch.rand(M, generator=g, device="cuda") + 0.5, zdz=torch.randn(M, generator=g, device="cuda") * 1e-3,
-                dresidual=(torch.randn(M, D, generator=g, device="cuda") * 1e-2).to(bf))
+    norm = dict(x=torch.randn(m, D, generator=g, device="cuda").to(bf), gamma=1 + 0.1 * torch.randn(D, generator=g, device="cuda"),
+                rstd=torch.rand(m, generator=g, device="cuda") + 0.5, zdz=torch.randn(m, generator=g, device="cuda") * 1e-3,
+                dresidual=None if last else (torch.randn(m, D, generator=g, device="cuda") * 1e-2).to(bf))
     if not fp8:
         return (lambda: be.norm_residual_bwd(da=da, weight=w, **norm)), (lambda: da @ w), (da, w, norm)
     daq, s_da = be.quantize_grad(t=da)
@@ -46,7 +48,7 @@ def _operands(k: int, fp8: bool, g):
     return call, bare, (daq, wq, norm)
 
 
-def _pinned(base, k, fp8, ops):
+def _pinned(base, fp8, ops):
     """The pinned 256 x 128 cooperative tile with C-stage ``base`` (None: quack's): call and its outputs."""
     from coda_titan.kernels.cute import epilogues, stages
     from quack.gemm_config import GemmConfig
@@ -58,10 +60,13 @@ def _pinned(base, k, fp8, ops):
     out, keep = {"D": torch.empty_like(norm["x"])}, {}
     corr = -(norm["rstd"] ** 2 / D) * norm["zdz"]
 
+    last = norm["dresidual"] is None
+    epi = epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi
+    c = (norm["dresidual"],)  # (None for the last: no C)
+
     def call():
         with stages.capped(base):
-            keep["r"] = epilogues.norm_residual_bwd_epi(a, b_kn, norm["dresidual"], out=out, tuned=False, config=cfg,
-                                                        y=norm["x"], w=norm["gamma"], corr=corr)
+            keep["r"] = epi(a, b_kn, *c, out=out, tuned=False, config=cfg, y=norm["x"], w=norm["gamma"], corr=corr)
     return call, lambda: [out["D"].clone(), keep["r"]["dw"].clone()], cfg
 
 
@@ -76,11 +81,11 @@ def main() -> int:
            "timing": "median of 20 CUDA-event timings after 3 warm-up calls (the first autotunes)", "rows": []}
     path = out_json("probe_epi_stages")
     keep = []  # (quack's eager call cache keys a pinned config by its id)
-    for name, k in SHAPES:
-        for fp8 in (False, True):
-            row = {"gemm": name, "K": k, "precision": "fp8" if fp8 else "bf16"}
+    for name, m, k, precisions in SHAPES:
+        for fp8 in precisions:
+            row = {"gemm": name, "M": m, "K": k, "precision": "fp8" if fp8 else "bf16"}
             try:
-                call, bare, ops = _operands(k, fp8, torch.Generator(device="cuda").manual_seed(k))
+                call, bare, ops = _operands(m, k, fp8, torch.Generator(device="cuda").manual_seed(k), name == "lm_head_dgrad")
                 row["bare_ms"] = _time(bare)
                 os.environ.pop(stages.ENV, None)
                 row["tuned_quack_base_ms"] = _time(call)
@@ -89,7 +94,7 @@ def main() -> int:
                 os.environ.pop(stages.ENV, None)
                 outs = {}
                 for base in (None, args.base):
-                    run, got, cfg = _pinned(base, k, fp8, ops)
+                    run, got, cfg = _pinned(base, fp8, ops)
                     keep.append(cfg)
                     row[f"pinned_256x128_base_{base or 'quack'}_ms"] = _time(run)
                     outs[base] = got()

@@ -2,19 +2,21 @@
 
 Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) and
 the target logit in the epilogue); one inductor-fused pass makes da = r * (softmax - onehot) and
-zdz; then B2 (``rms_bwd_apply_last_epi``) and the dW_out GEMM, accumulated over chunks.
+zdz; then B2 (``rms_bwd_apply_last_epi``; with ``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s)
+and the dW_out GEMM, accumulated over chunks.
 """
 
 from __future__ import annotations
 
 import torch
-from quack.epilogue.library import rms_bwd_apply_last_epi
 from quack.gemm_interface import gemm as quack_gemm
 from quack.gemm_interface import gemm_add_inplace
 
 from .. import lm_head_ce as ref
+from . import stages
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported
 from .epilogues import rstd_lse_target_epi
+from .norm_residual_bwd import epilogue as b2_epilogue
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -45,6 +47,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32)
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     grad_fn = fused("ce_grad", _ce_grad_math)
+    b2, base = b2_epilogue(last=True)
     for i, start in enumerate(range(0, m, chunk_rows)):
         stop = min(start + chunk_rows, m)
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
@@ -57,7 +60,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
             continue
         da, zdz = grad_fn(logits, lse, tl, t, r)
         corr = -(r * r / d) * zdz
-        out = gemm(rms_bwd_apply_last_epi, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
+        with stages.capped(base):
+            out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
         dgamma += out["dw"]
         if i == 0:
             quack_gemm(da.t(), hc, out=dw, tuned=TUNE)

@@ -21,22 +21,25 @@ from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 
 
+def epilogue(last: bool):
+    """(B2's epilogue, the C-stage base to compile it with): quack's own epilogue and base, unless
+    ``CODA_TITAN_EPI_C_STAGES`` asks for a base (``stages``; our copy of the epilogue then). ``last``:
+    without the residual gradient C (the LM head's dgrad, or a B2 with nothing below it)."""
+    base = stages.requested_base()
+    if base is None:
+        return (rms_bwd_apply_last_epi if last else rms_bwd_apply_epi), None
+    return (epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi), base
+
+
 def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
     """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma partial sums)."""
     d = x.shape[1]
     r = rstd.float()
     corr = -(r * r / d) * zdz.float()
     out = torch.empty_like(x)
-    base = stages.requested_base()
-    if base is None:
-        mid, last = rms_bwd_apply_epi, rms_bwd_apply_last_epi
-    else:
-        mid, last = epilogues.norm_residual_bwd_epi, epilogues.norm_residual_bwd_last_epi
+    epi, base = epilogue(last=dresidual is None)
     with first_call(name, a, b_kn), stages.capped(base):
-        if dresidual is None:
-            res = gemm(last, a, b_kn, None, {"D": out}, y=x, w=w, corr=corr)
-        else:
-            res = gemm(mid, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
+        res = gemm(epi, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
     return out, res["dw"]
 
 

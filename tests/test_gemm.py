@@ -385,8 +385,10 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
         da, da0 = got[0].double(), want[0].double()
         assert_codes_within(f"traced {name} da vs op", da, da0, _step(torch.maximum(da.abs(), da0.abs())), 6 * u * mag)
         assert ((got[1].double() - want[1].double()).abs() <= zdz_bound).all(), f"{name} zdz"
-        if name == "rope_bwd_fp8":  # amaxes at most da's bound apart; the scale: each path's own s = amax / E5M2_MAX
-            assert (got[3].double() - want[3].double()).abs() <= (6 * u * mag).max() + 4 * u * want[3].double()
+        if name == "rope_bwd_fp8":  # the scale: each path's own s = amax / E5M2_MAX (calibrating), else the given one
+            # amax |da| is a max over the fp32 da (exact in any order), so the two paths' amaxes differ by at
+            # most the largest difference of their fp32 da elements: da's own bound
+            assert (got[3].double() - want[3].double()).abs() <= (6 * u * mag).max()
             inv = [inv_scale_from_amax(t[3], E5M2_MAX) if extra["inv_scale"] is None else delayed for t in (got, want)]
             sc, sc0 = (i.double().reciprocal() for i in inv)
             assert (sc - sc0).abs() <= (6 * u * mag).max() / E5M2_MAX + 4 * u * sc0, (sc, sc0)

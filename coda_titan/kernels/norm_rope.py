@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import E5M2, E5M2_MAX, check_e4m3, compute_dtype, inv_scale_from_amax, quantize_e5m2
+from .scaling import E5M2, check_e4m3, compute_dtype, quantize_e5m2_site
 
 
 def rope_cos_sin(freqs: torch.Tensor, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,9 +118,7 @@ def rope_bwd_fp8(
     """(da, zdz, daq, amax): ``rope_bwd`` plus daq = sat(da * inv) in e5m2, inv = ``inv_scale`` (the
     delayed scale; None = the current amax's, E5M2_MAX / amax), and amax |da| (accumulator dtype)."""
     da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), amax
+    return da.to(dy.dtype), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
 # --- custom ops ------------------------------------------------------------------------------------

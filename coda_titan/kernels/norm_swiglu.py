@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, fp8_mm, inv_scale_from_amax, quantize_e4m3, quantize_e5m2
+from .scaling import E4M3, E5M2, compute_dtype, fp8_mm, quantize_e4m3, quantize_e5m2_site
 
 
 def _swiglu(z: torch.Tensor) -> torch.Tensor:
@@ -141,9 +141,7 @@ def _with_bf16_da(da, y, zdz, a, inv_scale):
 
 def _e5m2_only(da, y, zdz, a, inv_scale, inv_y):
     """B3's outputs without the bf16 da: (y (e4m3 with ``inv_y``), zdz, daq, amax |da|)."""
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, quantize_e5m2(da, inv), amax
+    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
 def _transposed(y, zdz, daq, amax, inv_y):

@@ -62,6 +62,13 @@ def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
 
 
+def quantize_e5m2_site(t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tq, amax |t|): a gradient site's cast, with its delayed ``inv_scale`` or, calibrating (None),
+    the current amax's E5M2_MAX / amax; the amax goes to the site's history either way (B1's and B3's da)."""
+    amax = t.abs().amax()
+    return quantize_e5m2(t, inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale), amax
+
+
 def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
     """The accumulator dtype of an fp8 program: fp32, or fp64 when the outputs are fp64 (tests)."""
     return torch.float64 if out_dtype == torch.float64 else torch.float32

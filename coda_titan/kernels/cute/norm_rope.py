@@ -14,7 +14,7 @@ import torch
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
 
 from .. import norm_rope as ref
-from ..scaling import E5M2_MAX, inv_scale_from_amax, quantize_e5m2
+from ..scaling import quantize_e5m2_site
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 
 
@@ -81,9 +81,7 @@ def _rope_bwd_math(dy, y, rstd, cos, sin, rot: int, head_dim: int):
 
 def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int, inv_scale=None):
     da, zdz = _rope_bwd_f32(dy, y, rstd, cos, sin, rot, head_dim)
-    amax = da.abs().amax()
-    inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    return da.to(dy.dtype), zdz, quantize_e5m2(da, inv), amax
+    return da.to(dy.dtype), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
 def _rope_bwd_unsupported(dy, y, seqlen, head_dim) -> str | None:

@@ -132,7 +132,7 @@ class Fp8Scaling(nn.Module):
         if self.sink is not None and self.sink.amaxes() is not None:
             with torch.no_grad():
                 for site in self.sink_sites:
-                    history = self.gradient_history if site == "mlp" else self.qkv_gradient_history
+                    history = self._gradient_history(site)
                     new = self.sink.amaxes(site).to(history)
                     if self._calibrated(site):
                         self._count_saturation("gradient" if site == "mlp" else "qkv_gradient", history, new,
@@ -144,6 +144,9 @@ class Fp8Scaling(nn.Module):
 
     def _calibrated(self, site: str) -> bool:
         return self.gradients_calibrated if site == "mlp" else self.qkv_gradients_calibrated
+
+    def _gradient_history(self, site: str) -> torch.Tensor:
+        return self.gradient_history if site == "mlp" else self.qkv_gradient_history
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps: both histories and whether each is calibrated."""
@@ -262,7 +265,7 @@ class Fp8Scaling(nn.Module):
                 for site, f in on.items()}
 
     def _gradient_inv_scales(self, site: str = "mlp") -> list[torch.Tensor | None]:
-        h = self.gradient_history if site == "mlp" else self.qkv_gradient_history
+        h = self._gradient_history(site)
         if not self._calibrated(site):
             return [None] * h.shape[0]
         return self._memo(f"gradient_{site}", h, True,

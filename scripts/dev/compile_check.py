@@ -146,12 +146,23 @@ def _report_stages():
 
     def report(cls, cta, epi_tile, *args, **kwargs):
         ab, epi, c = compute(cls, cta, epi_tile, *args, **kwargs)
-        print(f"  {cls.__name__[:48]} tile {tuple(cta)[:2]} base {cls.epi_c_stage_base}: "
+        print(f"  {cls.__name__[:48]} tile {tuple(cta)[:2]} epi tile {tuple(epi_tile)} base {cls.epi_c_stage_base}: "
               f"{ab} A/B, {epi} D, {c} C stages", flush=True)
         return ab, epi, c
 
     report._coda_report = True
     GemmSm90._compute_stages = classmethod(report)
+
+
+def _b3_epi_tile(tile, fp8_gemm=True, overlapped=False, base=None):
+    """B3 (``_b3_t``) on its own config object with the epilogue subtile ``tile`` (``stages.epi_tile``) and
+    C-stage ``base`` (``stages.capped``)."""
+    import contextlib
+
+    from coda_titan.kernels.cute import overlap, stages
+
+    with stages.epi_tile(tile), stages.capped(base), (overlap.requested() if overlapped else contextlib.nullcontext()):
+        _b3_t(config=_pingpong(), fp8_gemm=fp8_gemm)
 
 
 def _pingpong():
@@ -189,6 +200,11 @@ PROGRAMS = {
     "b2_wide_c2": lambda: _b2_capped(base=2),
     "b2_wide_c1": lambda: _b2_capped(base=1),
     "b2_wide_c2_fp8": lambda: _b2_capped(base=2, fp8=True),
+    "b3_t_epi64x64": lambda: _b3_epi_tile((64, 64), fp8_gemm=False),
+    "b3_t_q_epi64x64": lambda: _b3_epi_tile((64, 64)),
+    "b3_t_q_overlap_epi64x64": lambda: _b3_epi_tile((64, 64), overlapped=True),
+    "b3_t_q_epi128x32": lambda: _b3_epi_tile((128, 32)),
+    "b3_t_q_epi64x64_c2": lambda: _b3_epi_tile((64, 64), base=2),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),
     "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
 }

@@ -13,7 +13,9 @@ At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinne
   ``plain_fp8`` that fp8 GEMM with an identity epilogue (how much of B3 is its epilogue?), ``c_only_fp8``
   and ``b3_nt_q`` the steps between (``_diag_epis``); ``b3_t_ov`` / ``b3_t_q_ov`` those two with
   overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``), their outputs checked bit for
-  bit against the plain ones'; ``--b3``
+  bit against the plain ones'; ``b3_t_e64`` / ``b3_t_q_e64`` with a 64 x 64 epilogue subtile instead of
+  quack's 64 x 32 (``stages.epi_tile``: half the subtile rounds, 3 A/B stages instead of 5) and
+  ``b3_t_q_e64_c2`` with the C-stage base at 2 too (4 A/B stages), bits checked likewise; ``--b3``
   picks them. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every
   B3 config runs in a child process with a timeout; a hang is recorded as such.
 
@@ -135,7 +137,8 @@ def _diag_epis():
     return c_only_epi, nt_q_epi
 
 
-B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q", "b3_t_ov", "b3_t_q_ov")
+B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q", "b3_t_ov", "b3_t_q_ov",
+              "b3_t_e64", "b3_t_q_e64", "b3_t_q_e64_c2")
 
 
 def _b3_child(idx: int, kernels) -> dict:
@@ -184,12 +187,29 @@ def _b3_child(idx: int, kernels) -> dict:
         runs[f"b3_{k}_ov"] = _overlapped(lambda k=k: NS._b3_e5m2_t(
             f"probe_b3_{k}_ov", y_t[k], *((t["dout"], t["w2"]) if k == "t" else (doutq, w2q_kn)), t["a"], r, inv, inv_y,
             config=cfg_ov, **({} if k == "t" else {"scale": one})))
+    # b3_t / b3_t_q with a 64 x 64 epilogue subtile (``stages.epi_tile``: half the subtile rounds of quack's
+    # 64 x 32), and b3_t_q so with the C-stage base at 2 too (the larger subtile's staging costs mainloop stages)
+    for k, tile_base in (("t_e64", None), ("t_q_e64", None), ("t_q_e64_c2", 2)):
+        q = "_q" in k
+        runs[f"b3_{k}"] = _epi_tiled(lambda k=k, q=q, cfg_e=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
+            f"probe_b3_{k}", y_t["t_q" if q else "t"], *((doutq, w2q_kn) if q else (t["dout"], t["w2"])), t["a"], r, inv,
+            inv_y, config=cfg_e, **({"scale": one} if q else {})), (64, 64), tile_base)
     row = {k: _time(runs[k]) for k in kernels}
-    for k in ("b3_t", "b3_t_q"):  # the overlapped kernel's outputs are the plain one's, bit for bit
-        if f"{k}_ov" in kernels:
-            row[f"{k}_ov_bits_equal"] = all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(
-                torch.uint8) if b.dtype.itemsize == 1 else b) for a, b in zip(runs[k](), runs[f"{k}_ov"]()))
+    for k, other in (("b3_t", "b3_t_ov"), ("b3_t_q", "b3_t_q_ov"), ("b3_t", "b3_t_e64"), ("b3_t_q", "b3_t_q_e64"),
+                     ("b3_t_q", "b3_t_q_e64_c2")):  # the variant's outputs are the plain kernel's, bit for bit
+        if other in kernels:
+            row[f"{other}_bits_equal"] = all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(
+                torch.uint8) if b.dtype.itemsize == 1 else b) for a, b in zip(runs[k](), runs[other]()))
     return row
+
+
+def _epi_tiled(fn, tile, base=None):
+    from coda_titan.kernels.cute import stages
+
+    def run():
+        with stages.epi_tile(tile), stages.capped(base):
+            return fn()
+    return run
 
 
 def _overlapped(fn):

@@ -10,7 +10,10 @@ that cuBLAS runs this GEMM on (``scripts/dev/compile_check.py``'s stage report, 
 With the base at 2 the same tile gets 3 A/B stages, and C still gets whatever fits after them.
 
 ``ATTR`` (a post-init attribute: part of a kernel's compile key, set for the calls inside ``capped``)
-holds the base; the kernel's class carries it while its stages are computed. The programs that ask
+holds the base; the kernel's class carries it while its stages are computed. ``TILE_ATTR`` (inside
+``epi_tile``) likewise sets the epilogue's subtile, which quack derives from the CTA tile (64 x 32 on
+128 x 128 with a 16-bit D): each subtile is one round of C loads, one shared-memory barrier and one TMA
+store per output, so a larger one halves those rounds (B3, whose epilogue is longer than its mainloop). The programs that ask
 for it define their epilogue in ``epilogues.py``, so that quack's compile workers, which re-mint an
 epilogue's class by importing its module, import this package and its patch too. Inert for kernels
 without ``ATTR``.
@@ -25,8 +28,10 @@ import os
 from .patches import add_post_init_attrs
 
 ATTR = "_coda_epi_c_stage_base"
+TILE_ATTR = "_coda_epi_tile"
 ENV = "CODA_TITAN_EPI_C_STAGES"
 _BASE = contextvars.ContextVar("coda_epi_c_stage_base", default=None)
+_TILE = contextvars.ContextVar("coda_epi_tile", default=None)
 
 
 def requested_base() -> int | None:
@@ -49,25 +54,40 @@ def capped(base: int | None):
         _BASE.reset(token)
 
 
+@contextlib.contextmanager
+def epi_tile(tile: tuple[int, int] | None):
+    """quack GEMMs compiled inside this block get ``TILE_ATTR`` = ``tile`` (M x N of the epilogue's
+    subtile; None: quack's)."""
+    token = _TILE.set(None if tile is None else tuple(tile))
+    try:
+        yield
+    finally:
+        _TILE.reset(token)
+
+
 def _attrs(A):
-    base = _BASE.get()
-    return () if base is None else ((ATTR, base),)
+    base, tile = _BASE.get(), _TILE.get()
+    return (() if base is None else ((ATTR, base),)) + (() if tile is None else ((TILE_ATTR, tile),))
 
 
 def setup_attributes(original):
     def patched(self, epilogue_args):
-        base = getattr(self, ATTR, None)
-        if base is None:
+        base, tile = getattr(self, ATTR, None), getattr(self, TILE_ATTR, None)
+        if base is None and tile is None:
             return original(self, epilogue_args)
         cls = type(self)  # (``_compute_stages`` is a classmethod: it reads the base from the class)
         own = cls.__dict__.get("epi_c_stage_base", None)
-        cls.epi_c_stage_base = base
+        if base is not None:
+            cls.epi_c_stage_base = base
+        if tile is not None:  # (``_compute_tile_shape_or_override``, a staticmethod, is looked up on the instance)
+            self._compute_tile_shape_or_override = lambda *args, **kwargs: tile
         try:
             return original(self, epilogue_args)
         finally:
-            if own is None:
+            self.__dict__.pop("_compute_tile_shape_or_override", None)
+            if base is not None and own is None:
                 del cls.epi_c_stage_base
-            else:
+            elif base is not None:
                 cls.epi_c_stage_base = own
     return patched
 

@@ -16,7 +16,7 @@ holds the base; the kernel's class carries it while its stages are computed. ``T
 store per output, so a larger one halves those rounds (B3, whose epilogue is longer than its mainloop). The programs that ask
 for it define their epilogue in ``epilogues.py``, so that quack's compile workers, which re-mint an
 epilogue's class by importing its module, import this package and its patch too. Inert for kernels
-without ``ATTR``.
+without ``ATTR`` or ``TILE_ATTR``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def setup_attributes(original):
 
 
 def install() -> None:
-    """Patch quack's SM90 GEMM (idempotent); inert unless a kernel carries ``ATTR``."""
+    """Patch quack's SM90 GEMM (idempotent); inert unless a kernel carries ``ATTR`` or ``TILE_ATTR``."""
     from quack.gemm_sm90 import GemmSm90
 
     if getattr(GemmSm90._setup_attributes, "_coda_stages", False):

@@ -64,8 +64,11 @@ def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_e5m2_site(t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tq, amax |t|): a gradient site's cast, with its delayed ``inv_scale`` or, calibrating (None),
-    the current amax's E5M2_MAX / amax; the amax goes to the site's history either way (B1's and B3's da)."""
-    amax = t.abs().amax()
+    the current amax's E5M2_MAX / amax; the amax goes to the site's history either way (B1's and B3's da).
+    The amax is taken per row first (the same value: a max is exact in any order), so that where
+    inductor traces it (B1) it can join the row reductions over the same rows (B1's zdz) instead of a
+    whole-tensor reduction of its own that reads the inputs again."""
+    amax = t.abs().amax(-1).amax()
     return quantize_e5m2(t, inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale), amax
 
 

@@ -50,7 +50,8 @@ def aligned_unbind(t: torch.Tensor) -> list[torch.Tensor]:
     return [r[:row].view(t.shape[1:]) for r in padded.unbind(0)]
 
 
-GRADIENT_SITES = ("mlp", "qkv")  # B3's da (``gradient_history``), B1's da (``qkv_gradient_history``)
+# gradient site -> the name of its history (``<name>_history``) and of its row of ``saturation``: B3's da, B1's da
+GRADIENT_SITES = {"mlp": "gradient", "qkv": "qkv_gradient"}
 
 
 class GradAmaxSink:
@@ -69,12 +70,12 @@ class GradAmaxSink:
 
     def amaxes(self, site: str = "mlp") -> torch.Tensor | None:
         """The (n_layers,) amaxes of ``site`` the last backward left, or None if no backward ran."""
-        col = ALIGN_BYTES // 4 * GRADIENT_SITES.index(site)
+        col = ALIGN_BYTES // 4 * list(GRADIENT_SITES).index(site)
         return None if self.tensor.grad is None else self.tensor.grad[:, col]
 
 
 INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
-SATURATION_KINDS = ("activation", *INPUT_SITES, "gradient", "qkv_gradient")  # the rows of ``Fp8Scaling.saturation``
+SATURATION_KINDS = ("activation", *INPUT_SITES, *GRADIENT_SITES.values())  # the rows of ``Fp8Scaling.saturation``
 
 
 class Fp8Scaling(nn.Module):
@@ -135,8 +136,7 @@ class Fp8Scaling(nn.Module):
                     history = self._gradient_history(site)
                     new = self.sink.amaxes(site).to(history)
                     if self._calibrated(site):
-                        self._count_saturation("gradient" if site == "mlp" else "qkv_gradient", history, new,
-                                               self.grad_headroom)
+                        self._count_saturation(GRADIENT_SITES[site], history, new, self.grad_headroom)
                     _push(history, new)
             self.gradients_calibrated |= "mlp" in self.sink_sites
             self.qkv_gradients_calibrated |= "qkv" in self.sink_sites
@@ -146,7 +146,7 @@ class Fp8Scaling(nn.Module):
         return self.gradients_calibrated if site == "mlp" else self.qkv_gradients_calibrated
 
     def _gradient_history(self, site: str) -> torch.Tensor:
-        return self.gradient_history if site == "mlp" else self.qkv_gradient_history
+        return getattr(self, f"{GRADIENT_SITES[site]}_history")
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps: both histories and whether each is calibrated."""

@@ -56,6 +56,7 @@
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
+#     epibase      [coda] b2_c_stages = 2 against quack's base: the compiled baseline, CODA compiled with it, as configured (PREC)
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
@@ -319,6 +320,13 @@ for phase in "$@"; do
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_epistages.txt" | tail -8
       python3 -m scripts.probes.epi_stages --base "${BASE:-2}" > "$logs/epi_stages.log" 2>&1
       echo "epistages rc=$?"; grep -E '^\{|wrote|Error' "$logs/epi_stages.log" | tail -6
+      ;;
+    epibase)
+      # [coda] b2_c_stages = 2 (B2's epilogue C-load stage base; quack's is 4) against the configs' quack base, beside the
+      # compiled baseline (PREC=fp8 (default) or bf16)
+      a=$(variant b2_c2 "b2_c_stages = 2") || exit 2
+      $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" configs/llama3_1b_${PREC:-fp8}_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag "b2_c_stages_${PREC:-fp8}"
       ;;
     qkvdgradprofile)
       # where fp8_dgrad's time goes (measured slower than the defaults): one profiled step of that arm, beside

@@ -169,28 +169,38 @@ def test_training_with_the_step_on_its_own_stream_equals_training_without_it():
     post-hook: five steps with ``[coda] optimizer_stream`` give, bit for bit, the losses and the final
     parameters and optimizer state of five steps without it (the same kernels in the same order on
     the same values; a forward or a weight pass that read a parameter before its update shows)."""
+    seqlen = 1024
+    # (FA4's backward sums dQ, and with GQA dK and dV, in arrival order unless asked to be deterministic)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        result = {on: _five_steps(on, seqlen) for on in (False, True)}
+    finally:
+        torch.use_deterministic_algorithms(was)
+    (l0, p0, s0), (l1, p1, s1) = result[False], result[True]
+    assert l0 == l1, (l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(s0, s1))
+
+
+def _five_steps(on: bool, seqlen: int):
+    """Five training steps of the test above: (losses, parameters, optimizer state)."""
     from torchtitan.config import Optimizer as OptimizerConfig
 
     from coda_titan.titan.train_spec import build_coda_optimizers
 
     from .helpers import compiled_1b_width_model
 
-    seqlen, result = 1024, {}
-    for on in (False, True):
-        torch._dynamo.reset()
-        model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen)
-        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        losses = []
-        for _ in range(5):
-            tokens = torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda")
-            loss = model(tokens, labels=tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.float().item())  # (the next step's batch follows a synchronizing read, as in TorchTitan)
-        state = [v.clone() for o in opt.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-        result[on] = (losses, [p.detach().clone() for p in model.parameters()], state)
-    (l0, p0, s0), (l1, p1, s1) = result[False], result[True]
-    assert l0 == l1, (l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(s0, s1))
+    torch._dynamo.reset()
+    model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen)
+    opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for _ in range(5):
+        tokens = torch.randint(0, 128256, (2, seqlen), generator=g, device="cuda")
+        loss = model(tokens, labels=tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.float().item())  # (the next step's batch follows a synchronizing read, as in TorchTitan)
+    state = [v.clone() for o in opt.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    return losses, [p.detach().clone() for p in model.parameters()], state

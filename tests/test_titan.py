@@ -4,6 +4,7 @@ from its baseline only in model.name and [coda]), and the offline data and token
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,34 @@ def test_fa4_kernels_match_float64_like_sdpa(shape, packed):
         err = (g.double() - r).abs().max().item()
         err_sdpa = (bl.double() - r).abs().max().item()
         assert err <= 2 * err_sdpa + 1e-6, f"{name}: fa4 {err:.3e} vs sdpa {err_sdpa:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_fa4_backward_under_deterministic_algorithms_repeats_its_bits(packed):
+    """With ``torch.use_deterministic_algorithms`` (TorchTitan's ``debug.deterministic``) FA4's backward
+    gives the same dq, dk, dv bits on every call (GQA: dK and dV are summed across query heads too)."""
+    if fa.fa4_unavailable_reason():
+        pytest.skip(fa.fa4_unavailable_reason())
+    b, s, h, h_kv, d = 2, 2048, 32, 8, 64
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(b, s, h, h_kv, d, device="cuda"))
+    out, lse = fa.flash_attn_fwd(q, k, v, d ** -0.5, True)
+    dout = torch.randn_like(out)
+    qkv = _packed(q, k, v)
+
+    def grads():
+        if packed:
+            return (fa.flash_attn_packed_bwd(dout, qkv, out, lse, s, h, h_kv, d ** -0.5, True),)
+        return fa.flash_attn_bwd(dout, q, k, v, out, lse, d ** -0.5, True)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        first = grads()
+        for _ in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.gpu
@@ -488,6 +517,32 @@ def test_cuda_graphs_outside_what_they_hold_is_refused_in_one_line(case):
     expect = {"no_compile": "compile.enable = true", "aot_eager": 'compile.backend = "inductor" (got "aot_eager")',
               "full_ac": 'activation_checkpoint.mode = "none" (got "full")', "fsdp": "a single GPU"}[case]
     assert "\n" not in msg and msg.startswith("[coda] cuda_graphs = true needs") and expect in msg, msg
+
+
+@pytest.mark.parametrize("env", [None, "3"])
+def test_b2_c_stages_reaches_the_kernels_environment_unless_it_is_set(monkeypatch, env):
+    """``[coda] b2_c_stages`` > 0 sets the cute kernels' C-stage variable (``cute/stages.py`` reads it at
+    each call); an explicit environment variable wins; 0 leaves quack's base."""
+    from types import SimpleNamespace
+
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+
+    from coda_titan.kernels import EPI_C_STAGES_ENV
+    from coda_titan.titan.parallelize import parallelize_coda
+
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
+                           dp_replicate_enabled=False)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict()
+    for base, want in ((0, env), (2, env or "2")):
+        if env is None:
+            monkeypatch.delenv(EPI_C_STAGES_ENV, raising=False)
+        else:
+            monkeypatch.setenv(EPI_C_STAGES_ENV, env)
+        job = SimpleNamespace(coda=Coda(b2_c_stages=base), compile=Compile(enable=False),
+                              activation_checkpoint=ActivationCheckpoint(mode="none"))
+        parallelize_coda(model, dims, job)
+        assert os.environ.get(EPI_C_STAGES_ENV) == want, (base, env)
 
 
 @pytest.mark.gpu

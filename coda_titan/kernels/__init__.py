@@ -218,6 +218,8 @@ def resolve_backend(requested: str) -> str:
 
 
 _cute: dict[bool, Backend] = {}
+# the base of B2's epilogue C-load stages the cute kernels compile with (``cute/stages.py``; ``[coda] b2_c_stages``)
+EPI_C_STAGES_ENV = "CODA_TITAN_EPI_C_STAGES"
 
 
 def get_backend(name: str, traced: bool = True) -> Backend:

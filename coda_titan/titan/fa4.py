@@ -134,11 +134,19 @@ def _(q, k, v, scale, causal):
 
 @flash_attn_bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, scale, causal):
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv) -> None:
+    """FA4's backward into dq, dk, dv. It accumulates dQ (and, with GQA, dK and dV) across thread blocks
+    in arrival order unless asked to be deterministic: under ``torch.use_deterministic_algorithms``
+    (TorchTitan's ``debug.deterministic``) it is, at some speed."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal, dq=dq, dk=dk, dv=dv)
-    return dq, dk, dv
+    _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal, dq=dq, dk=dk, dv=dv,
+                    deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _setup_context(ctx, inputs, output):
@@ -215,12 +223,10 @@ def _(qkv, seqlen, n_heads, n_kv_heads, scale, causal):
 
 @flash_attn_packed_bwd.register_kernel("cuda")
 def _(dout, qkv, out, lse, seqlen, n_heads, n_kv_heads, scale, causal):
-    from flash_attn.cute.interface import _flash_attn_bwd
-
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = split_packed(dqkv, seqlen, n_heads, n_kv_heads)
     q, k, v = split_packed(qkv, seqlen, n_heads, n_kv_heads)
-    _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal, dq=dq, dk=dk, dv=dv)
+    _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
     return dqkv
 
 

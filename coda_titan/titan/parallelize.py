@@ -13,11 +13,14 @@ Tensor, context and pipeline parallelism are refused with one line that says wha
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ac, apply_compile, apply_ddp
 from torchtitan.tools.logging import logger
 
+from ..kernels import EPI_C_STAGES_ENV as STAGES_ENV
 from . import opt_stream
 
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
@@ -39,6 +42,7 @@ def parallelize_coda(model, parallel_dims, job_config):
     if graphs:
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
     opt_stream.check(job_config, parallel_dims)
+    _stage_budget(getattr(job_config, "coda", None))
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept
     # the outputs of CODA's programs (custom ops): on 8B with compile, full AC recomputed nothing
@@ -77,6 +81,15 @@ def parallelize_coda(model, parallel_dims, job_config):
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=model_compile)
         logger.info("Applied DDP to the model")
     return model
+
+
+def _stage_budget(coda) -> None:
+    """``[coda] b2_c_stages`` > 0 asks the cute kernels for that C-stage base (``kernels/cute/stages.py``)
+    through their environment variable; one already set in the environment wins."""
+    base = getattr(coda, "b2_c_stages", 0)
+    if base:
+        value = os.environ.setdefault(STAGES_ENV, str(base))
+        logger.info(f"B2's epilogue C-stage base: {value}" + ("" if value == str(base) else f" ({STAGES_ENV})"))
 
 
 def _check_cuda_graphs(model_compile: bool, job_config, parallel_dims) -> None:

@@ -25,11 +25,12 @@ import contextlib
 import contextvars
 import os
 
+from .. import EPI_C_STAGES_ENV
 from .patches import add_post_init_attrs
 
 ATTR = "_coda_epi_c_stage_base"
 TILE_ATTR = "_coda_epi_tile"
-ENV = "CODA_TITAN_EPI_C_STAGES"
+ENV = EPI_C_STAGES_ENV  # (``[coda] b2_c_stages`` sets it: titan/parallelize.py)
 _BASE = contextvars.ContextVar("coda_epi_c_stage_base", default=None)
 _TILE = contextvars.ContextVar("coda_epi_tile", default=None)
 

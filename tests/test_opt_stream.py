@@ -202,5 +202,6 @@ def _five_steps(on: bool, seqlen: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.float().item())  # (the next step's batch follows a synchronizing read, as in TorchTitan)
+    model.state_dict()  # (its pre-hook orders the main stream after the last step, as a checkpoint's does)
     state = [v.clone() for o in opt.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     return losses, [p.detach().clone() for p in model.parameters()], state

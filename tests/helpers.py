@@ -271,10 +271,11 @@ def torchao_linear_error(n_input, w, exact):
         return rel(lin(n_input), exact)
 
 
-def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2):
+def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2, fa4: bool = False):
     """A CODA model of the 1B's width with ``n_layers`` layers on the GPU, in bf16, initialized from seed 0
     and parallelized as the Trainer does on one GPU with compiled blocks (inductor, no activation
-    checkpointing): what the GPU tests of whole training steps run."""
+    checkpointing): what the GPU tests of whole training steps run. ``fa4``: FA4 attention (the
+    configs' ``fa4`` converter) instead of SDPA."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -291,6 +292,10 @@ def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2):
         with torch.no_grad():
             model.init_weights()
     model = model.to(torch.bfloat16)
+    if fa4:
+        from coda_titan.titan.fa4 import swap_attention
+
+        swap_attention(model)
     job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
                           activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,

@@ -165,12 +165,13 @@ def test_the_knob_outside_one_gpu_is_refused_in_one_line(case):
 
 @pytest.mark.gpu
 def test_training_with_the_step_on_its_own_stream_equals_training_without_it():
-    """cute fp8, two 1B-width layers, compiled blocks, the fp8 weight pass prefetched by the step's
+    """cute fp8, two 1B-width layers, compiled blocks, FA4, the fp8 weight pass prefetched by the step's
     post-hook: five steps with ``[coda] optimizer_stream`` give, bit for bit, the losses and the final
     parameters and optimizer state of five steps without it (the same kernels in the same order on
     the same values; a forward or a weight pass that read a parameter before its update shows)."""
     seqlen = 1024
-    # (FA4's backward sums dQ, and with GQA dK and dV, in arrival order unless asked to be deterministic)
+    # (FA4 as in the configs: its backward sums dQ, and with GQA dK and dV, in arrival order unless asked to be
+    # deterministic; SDPA's cuDNN backward stays non-deterministic under warn_only)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -191,7 +192,7 @@ def _five_steps(on: bool, seqlen: int):
     from .helpers import compiled_1b_width_model
 
     torch._dynamo.reset()
-    model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen)
+    model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen, fa4=True)
     opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
     g = torch.Generator(device="cuda").manual_seed(1)
     losses = []

@@ -57,8 +57,7 @@ class Coda:
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
     optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's host "
                                          "work; one GPU")
-    b2_c_stages: int = knob(2, "cute: base of B2's epilogue C-load stages (0: quack's, 4); lower leaves wide tiles "
-                               "more A/B stages", low=0, high=4)
+    b2_c_stages: int = knob(2, "cute: B2's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
     )

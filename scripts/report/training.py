@@ -285,12 +285,21 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _floor_of(device: str, date: str) -> dict | None:
-    """The complete floor file (``scripts.bench.floor``) of this device and day, if one was measured."""
-    from scripts.compare.common import RESULTS
-    from scripts.compare.run import floor_files
+def _floor_of(profile: dict) -> dict | None:
+    """The complete floor file (``scripts.bench.floor``) of this profile's device and day: the one measured
+    on its host (machine and boot) if kept, here or archived under another name, else the day's."""
+    import json
 
-    return next((doc for _, doc in floor_files(device, date, (RESULTS,)) if doc.get("complete")), None)
+    from scripts.compare.common import RESULTS
+    from scripts.compare.run import _slug, floor_files
+
+    docs = [doc for _, doc in floor_files(profile["device"], profile["date"], (RESULTS,)) if doc.get("complete")]
+    for p in sorted((RESULTS / "archive").glob(f"floor_*{_slug(profile['device'])}_{profile['date'][:10]}.json")):
+        doc = json.loads(p.read_text())
+        if doc.get("complete") and doc["device"] == profile["device"]:
+            docs.append(doc)
+    same_host = [d for d in docs if profile.get("host") and d.get("host") == profile["host"]]
+    return (same_host or docs or [None])[0]
 
 
 def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:
@@ -376,7 +385,7 @@ def section() -> str:
 
     every = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("profile_*.json"))]  # (older days keep their floor)
     for coda, stock in family_pairs(every):
-        parts += [family_table(coda, stock, _floor_of(coda["device"], coda["date"])), ""]
+        parts += [family_table(coda, stock, _floor_of(coda)), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]
     for p in [p for n in (2, 4, 8) for p in _latest(f"fsdp{n}_profile")]:  # sharded steps (rank 0), apart

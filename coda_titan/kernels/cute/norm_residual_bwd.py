@@ -6,8 +6,9 @@ norm_residual_bwd_fp8  the same epilogue on e5m2 da x e4m3 W^T; s_da * s_w rides
                        vector and multiplies the dgamma partials once, after their reduction
 
 With ``CODA_TITAN_EPI_C_STAGES`` set (``stages``: a lower base for the epilogue's C-load stages, so
-that wide tiles keep their mainloop stages; unmeasured, so off unless asked for), both run the same
-math as our own epilogues (``epilogues.norm_residual_bwd_epi``) with that base in their compile key.
+that wide tiles keep their mainloop stages; ``[coda] b2_c_stages`` sets it, 2 by default, measured in
+docs/cute_backend.md), both run the same math as our own epilogues (``epilogues.norm_residual_bwd_epi``)
+with that base in their compile key.
 """
 
 from __future__ import annotations

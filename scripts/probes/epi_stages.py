@@ -9,7 +9,8 @@ times B2 of the QKV dgrad (K = 3072) and of W13's (K = 16384), bf16 and fp8 (e5m
 cute op as training calls it (autotuned, quack's base against ``--base``), the pinned 256 x 128
 cooperative tile with each base (whose outputs must agree bit for bit: the stage count does not change
 the arithmetic), and the bare GEMM (cuBLAS; ``torch._scaled_mm`` for fp8). Median of CUDA-event timings
-of 20 calls after 3 warm-up calls (the first compiles and autotunes). Writes
+of 20 calls after 3 warm-up calls (the first compiles and autotunes), each call synced (its host time
+counts), and ``*_streamed_ms``: 20 calls enqueued back to back (the GPU's time alone). Writes
 ``$OUT/probe_epi_stages_<gpu>.json`` after every row.
 """
 
@@ -48,6 +49,22 @@ def _operands(m: int, k: int, fp8: bool, g, last: bool):
     return call, bare, (daq, wq, norm)
 
 
+def _streamed(fn, reps: int = 20) -> float:
+    """ms per call of ``reps`` calls enqueued back to back between two events (after 3 warm-up calls):
+    the GPU time of a call once the host runs ahead of the GPU, as in training. ``_time`` syncs after
+    each call, so there a call's host time counts too."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def _pinned(base, fp8, ops):
     """The pinned 256 x 128 cooperative tile with C-stage ``base`` (None: quack's): call and its outputs."""
     from coda_titan.kernels.cute import epilogues, stages
@@ -78,7 +95,8 @@ def main() -> int:
     from coda_titan.kernels.cute import stages
 
     doc = {**header(), "kind": "probe_epi_stages", "M": M, "d": D, "base": args.base,
-           "timing": "median of 20 CUDA-event timings after 3 warm-up calls (the first autotunes)", "rows": []}
+           "timing": "median of 20 CUDA-event timings after 3 warm-up calls (the first autotunes), each synced; "
+                     "*_streamed_ms: 20 calls back to back between two events, per call", "rows": []}
     path = out_json("probe_epi_stages")
     keep = []  # (quack's eager call cache keys a pinned config by its id)
     for name, m, k, precisions in SHAPES:
@@ -89,14 +107,17 @@ def main() -> int:
                 row["bare_ms"] = _time(bare)
                 os.environ.pop(stages.ENV, None)
                 row["tuned_quack_base_ms"] = _time(call)
+                row["tuned_quack_base_streamed_ms"] = _streamed(call)
                 os.environ[stages.ENV] = str(args.base)
                 row["tuned_base_ms"] = _time(call)
+                row["tuned_base_streamed_ms"] = _streamed(call)
                 os.environ.pop(stages.ENV, None)
                 outs = {}
                 for base in (None, args.base):
                     run, got, cfg = _pinned(base, fp8, ops)
                     keep.append(cfg)
                     row[f"pinned_256x128_base_{base or 'quack'}_ms"] = _time(run)
+                    row[f"pinned_256x128_base_{base or 'quack'}_streamed_ms"] = _streamed(run)
                     outs[base] = got()
                 row["pinned_bits_equal"] = all(torch.equal(a, b) for a, b in zip(outs[None], outs[args.base]))
             except Exception as e:  # noqa: BLE001 - record the failure and go on with the next shape

@@ -17,16 +17,20 @@ BF = torch.bfloat16
 
 
 def header() -> dict:
-    """device, host (``host_id``: which lease), date and versions: the first keys of every kernel result file."""
-    import quack
-
+    """device, host (``host_id``: which lease), date and versions: the first keys of every kernel result file
+    (quack's version None where it is not installed: a probe of torch kernels alone)."""
     from scripts.compare.common import host_id
 
+    try:
+        import quack
+    except ImportError:
+        quack = None
     return {
         "device": torch.cuda.get_device_name(),
         "host": host_id(),
         "date": datetime.date.today().isoformat(),
-        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?"), "cuda": torch.version.cuda},
+        "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?") if quack else None,
+                     "cuda": torch.version.cuda},
     }
 
 

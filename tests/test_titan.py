@@ -520,9 +520,10 @@ def test_cuda_graphs_outside_what_they_hold_is_refused_in_one_line(case):
 
 
 @pytest.mark.parametrize("env", [None, "3"])
-def test_b2_c_stages_reaches_the_kernels_environment_unless_it_is_set(monkeypatch, env):
+@pytest.mark.parametrize("backend", ["cute", "torch"])
+def test_b2_c_stages_reaches_the_kernels_environment_unless_it_is_set(monkeypatch, env, backend):
     """``[coda] b2_c_stages`` > 0 sets the cute kernels' C-stage variable (``cute/stages.py`` reads it at
-    each call); an explicit environment variable wins; 0 leaves quack's base."""
+    each call) where the model runs them; an explicit environment variable wins; 0 leaves quack's base."""
     from types import SimpleNamespace
 
     from torchtitan.config.job_config import ActivationCheckpoint, Compile
@@ -533,8 +534,8 @@ def test_b2_c_stages_reaches_the_kernels_environment_unless_it_is_set(monkeypatc
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
                            dp_replicate_enabled=False)
     model = torch.nn.Module()
-    model.layers = torch.nn.ModuleDict()
-    for base, want in ((0, env), (2, env or "2")):
+    model.layers, model.backend_name = torch.nn.ModuleDict(), backend
+    for base, want in ((0, env), (2, env or ("2" if backend == "cute" else None))):
         if env is None:
             monkeypatch.delenv(EPI_C_STAGES_ENV, raising=False)
         else:

@@ -42,7 +42,7 @@ def parallelize_coda(model, parallel_dims, job_config):
     if graphs:
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
     opt_stream.check(job_config, parallel_dims)
-    _stage_budget(getattr(job_config, "coda", None))
+    _stage_budget(model, getattr(job_config, "coda", None))
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept
     # the outputs of CODA's programs (custom ops): on 8B with compile, full AC recomputed nothing
@@ -83,11 +83,11 @@ def parallelize_coda(model, parallel_dims, job_config):
     return model
 
 
-def _stage_budget(coda) -> None:
+def _stage_budget(model, coda) -> None:
     """``[coda] b2_c_stages`` > 0 asks the cute kernels for that C-stage base (``kernels/cute/stages.py``)
-    through their environment variable; one already set in the environment wins."""
+    through their environment variable, where the model runs them; one already set in the environment wins."""
     base = getattr(coda, "b2_c_stages", 0)
-    if base:
+    if base and getattr(model, "backend_name", None) == "cute":
         value = os.environ.setdefault(STAGES_ENV, str(base))
         logger.info(f"B2's epilogue C-stage base: {value}" + ("" if value == str(base) else f" ({STAGES_ENV})"))
 

@@ -183,12 +183,20 @@ def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path
     floor = {"device": "GPU X", "date": "2026-01-02", "n_layers": 2, "complete": True, "gemms": gemms}
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    table = training.family_table(coda, stock, training._floor_of("GPU X", coda["date"]))
+    table = training.family_table(coda, stock, training._floor_of(coda))
     assert "| qkv fwd | 1.00 | 0.50 | 0.50 | 0.25 | 2.00x |" in table  # floor: 2 layers x 0.25 ms (bf16 run)
     assert "| lm_head fwd+dgrad+wgrad | 6.00 | 6.00 | 0.75 | 0.75 | 8.00x |" in table  # the head once, not per layer
     assert "| **all** | 18.00 | 12.00 | 6.75 | 3.75 | 2.67x |" in table
     assert "floor bf16" in training.family_table(coda, None, None) and "| qkv fwd | 1.00 | n/a | n/a | n/a | n/a |" in \
         training.family_table(coda, None, None)
+    # a profile is set against the floor measured on its own host (machine and boot), archived under another name
+    # if a later floor of that day took the file's name; a floor of another host only where none of its own is kept
+    (tmp_path / "archive").mkdir()
+    own = {**floor, "host": "h1", "gemms": [{**g, "best_ms": 2 * g["best_ms"]} for g in gemms]}
+    (tmp_path / "archive" / "floor_families_GPU_X_2026-01-02.json").write_text(json.dumps(own))
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({**floor, "host": "h2"}))
+    assert training._floor_of({**coda, "host": "h1"})["host"] == "h1"
+    assert training._floor_of({**coda, "host": "h3"})["host"] == "h2"
 
 
 def test_compare_table_sets_coda_against_stock_compiled_by_an_override():

@@ -232,7 +232,8 @@ def test_first_call_gives_the_autotune_memory_back_once_per_shape(monkeypatch, r
 @pytest.mark.parametrize("inv", [None, 8.0])
 def test_quantize_delayed_and_fp8_weights(inv):
     """y to e4m3 with its site's delayed scale (None: the current amax) and its amax; the weight pass
-    of one kind: per layer the tensorwise e4m3 weight and its scale, as ``quantize_tensorwise``."""
+    of one kind: per layer the tensorwise e4m3 weight and its scale, as ``quantize_tensorwise``, and
+    with ``transposed`` the same codes transposed (W2^T for B3's fp8 GEMM)."""
     from coda_titan.kernels import TORCH
     from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3
 
@@ -247,12 +248,15 @@ def test_quantize_delayed_and_fp8_weights(inv):
         assert q.float().abs().max() == E4M3_MAX
     opcheck(torch.ops.coda.quantize_delayed.default, (t, inv_t), test_utils=("test_faketensor",))
     ws = [torch.randn(16, 8, generator=gen) * (i + 1) for i in range(3)]
-    qs, scales = TORCH.fp8_weights(ws=ws)
-    assert scales.shape == (3,)
-    for w, wq, sc in zip(ws, qs, scales):
+    qs, scales, none = TORCH.fp8_weights(ws=ws)
+    qs2, scales2, qts = TORCH.fp8_weights(ws=ws, transposed=True)
+    assert scales.shape == (3,) and none == [] and len(qts) == 3 and torch.equal(scales, scales2)
+    for w, wq, wq2, wqt, sc in zip(ws, qs, qs2, qts, scales):
         want, s = TORCH.quantize_tensorwise(w=w)
-        assert torch.equal(wq.float(), want.float()) and sc == s
-    opcheck(torch.ops.coda.fp8_weights.default, (ws,), test_utils=("test_faketensor",))
+        assert torch.equal(wq.float(), want.float()) and torch.equal(wq2.float(), want.float()) and sc == s
+        assert wqt.is_contiguous() and torch.equal(wqt.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    for transposed in (False, True):
+        opcheck(torch.ops.coda.fp8_weights.default, (ws, transposed), test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
@@ -271,8 +275,10 @@ def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
         examples = [(t[i, j].item(), q[i, j].item(), q0[i, j].item()) for i, j in diff[:4].tolist()]
         assert len(diff) == 0, f"inv {inv}: {len(diff)} codes differ; (t, got, want): {examples}"
     ws = [torch.randn(2048, 8192, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
-    (qs, s), (qs0, s0) = cute.fp8_weights(ws=ws), TORCH.fp8_weights(ws=ws)
-    assert torch.equal(s, s0) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs, qs0))
+    for transposed in (False, True):
+        (qs, s, qts), (qs0, s0, qts0) = cute.fp8_weights(ws=ws, transposed=transposed), TORCH.fp8_weights(ws=ws, transposed=transposed)
+        assert torch.equal(s, s0) and len(qts) == len(qts0)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs + qts, qs0 + qts0))
 
 
 def _step(t: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:

@@ -123,7 +123,7 @@ def _b3_q_operands(gen, m, d, f, device="cpu"):
     a = torch.randn(m, 2 * f, generator=gen, device=device) * 2
     rstd = torch.rand(m, generator=gen, device=device) + 0.5
     dq, s_d = TORCH.quantize_grad(t=dout)
-    (w2q_t,), (s_w,) = TORCH.fp8_weights(ws=[w2.t().contiguous()])
+    (w2q_t,), (s_w,), _ = TORCH.fp8_weights(ws=[w2.t().contiguous()])
     return dout, w2, a, rstd, dq, s_d, w2q_t, s_w
 
 
@@ -523,7 +523,7 @@ def test_cute_b3_transposed_on_an_fp8_gemm_is_the_fp8_b3_less_da():
 
     cute, gen, (m, d, ff), b3 = _cuda_b3(16)
     dq, s_d = cute.quantize_grad(t=b3["dout"])
-    (w2q_t,), (s_w,) = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
+    (w2q_t,), (s_w,), _ = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
     q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), a=b3["a"], rstd=b3["rstd"])
     amax0 = cute.swiglu_bwd_q_fp8(**q, inv_scale=torch.tensor(1.0, device="cuda"))[4]
     inv_g = inv_scale_from_amax(amax0 / 2, E5M2_MAX)  # a stale amax: the top saturates
@@ -566,7 +566,7 @@ def test_cute_b3_with_overlapped_epilogues_writes_the_same_bits(monkeypatch, fp8
     inv_g, inv_y = torch.tensor(2.0**10, device="cuda"), torch.tensor(30.0, device="cuda")
     if fp8_gemm:
         dq, s_d = cute.quantize_grad(t=b3["dout"])
-        (w2q_t,), (s_w,) = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
+        (w2q_t,), (s_w,), _ = cute.fp8_weights(ws=[b3["w_down"].t().contiguous()])
         args = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w).reshape(()), a=b3["a"], rstd=b3["rstd"])
         run = cute.swiglu_bwd_e5m2_t_q
     else:
@@ -602,7 +602,7 @@ def test_cute_b3_on_an_fp8_gemm_matches_reference():
     dq, s_d = cute.quantize_grad(t=dout)
     dq_r, s_d_r = TORCH.quantize_grad(t=dout)
     assert torch.equal(dq.view(torch.uint8), dq_r.view(torch.uint8)) and torch.equal(s_d, s_d_r)
-    (w2q_t,), (s_w,) = cute.fp8_weights(ws=[w2.t().contiguous()])
+    (w2q_t,), (s_w,), _ = cute.fp8_weights(ws=[w2.t().contiguous()])
     da_bf, _, _, _, _ = TORCH.swiglu_bwd_fp8(dout=dout, w_down=w2, a=a, rstd=rstd, inv_scale=None)
     inv_g = inv_scale_from_amax(da_bf.float().abs().amax() / 2, E5M2_MAX)  # a stale amax: the top saturates
     kw = dict(doutq=dq, w_down_tq=w2q_t, scale=s_d * s_w, a=a, rstd=rstd, inv_scale=inv_g)

@@ -83,11 +83,14 @@ def fp8_layer_weights(
             transposed(w13, w13_t), transposed(qkv, wqkv_t))
 
 
-def fp8_weights(*, ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(e4m3 W per layer, their dequantization scales (L,)): the weight pass of one weight kind
-    (tensorwise, current amax), e.g. every layer's W2 for ``fp8_down_proj``."""
+def fp8_weights(*, ws: list[torch.Tensor], transposed: bool = False
+                ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """(e4m3 W per layer, their dequantization scales (L,), e4m3 W^T per layer if ``transposed`` else []):
+    the weight pass of one weight kind (tensorwise, current amax), e.g. every layer's W2 for
+    ``fp8_down_proj`` and, transposed, for B3's fp8 GEMM (``fp8_down_dgrad``)."""
     pairs = [quantize_tensorwise(w=w) for w in ws]
-    return [q for q, _ in pairs], torch.stack([s for _, s in pairs]) if pairs else torch.empty(0)
+    return ([q for q, _ in pairs], torch.stack([s for _, s in pairs]) if pairs else torch.empty(0),
+            [q.t().contiguous() for q, _ in pairs] if transposed else [])
 
 
 def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,14 +247,16 @@ def _(w1, w3, wq, wk, wv, w13_t, wqkv_t):
 
 
 @program_op("fp8_weights")
-def fp8_weights_op(ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    return fp8_weights(ws=ws)
+def fp8_weights_op(ws: list[torch.Tensor], transposed: bool = False
+                   ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    return fp8_weights(ws=ws, transposed=transposed)
 
 
 @fp8_weights_op.register_fake
-def _(ws):
-    return [w.new_empty(w.shape, dtype=E4M3) for w in ws], torch.empty(len(ws), dtype=acc_dtype(ws[0]) if ws else torch.float32,
-                                                                       device=ws[0].device if ws else None)
+def _(ws, transposed=False):
+    return ([w.new_empty(w.shape, dtype=E4M3) for w in ws],
+            torch.empty(len(ws), dtype=acc_dtype(ws[0]) if ws else torch.float32, device=ws[0].device if ws else None),
+            [w.new_empty((w.shape[1], w.shape[0]), dtype=E4M3) for w in ws] if transposed else [])
 
 
 @program_op("quantize_delayed")

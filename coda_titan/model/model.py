@@ -284,13 +284,12 @@ class CodaTransformer(Transformer):
                 wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                 wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
             )
-            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks]) for site in sites}
-            w2_t = None
-            if down_dgrad:  # W2 quantized (fp8_down_proj's if it is on) and transposed: B3's K-major operand
-                w2q, s_w2 = fp8_in.get("down") or cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks])
-                w2_t = ([q.t().contiguous() for q in w2q], aligned_unbind(s_w2))
+            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks], transposed=down_dgrad and site == "down")
+                      for site in sites}  # (with down_dgrad, W2^T too in the same pass: B3's K-major operand)
+            down = fp8_in.get("down") or down_dgrad and cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks], transposed=True)
+            w2_t = (down[2], aligned_unbind(down[1])) if down_dgrad else None
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws  # each layer's scale 16-byte aligned (``aligned_unbind``)
-            fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc) in fp8_in.items()}
+            fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc, _) in fp8_in.items()}
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
     def prefetch_fp8_weights(self) -> bool:

@@ -177,7 +177,7 @@ def swiglu_bwd_e5m2_t_q(s: Setup):
     model runs it (``quantize_grad``: amax, then the cast): coda_bf16 is the B3 it would replace
     (``swiglu_bwd_e5m2_t``, bf16 GEMM); bare_gemm the fp8 GEMM alone."""
     b3, _, _, inv_g = s.b3
-    (w2q_t,), (s_w,) = s.be.fp8_weights(ws=[s.w2.t().contiguous()])
+    (w2q_t,), (s_w,), _ = s.be.fp8_weights(ws=[s.w2.t().contiguous()])
     dq = s.be.quantize_grad(t=b3["dout"])[0]
     ops = dict(a=b3["a"], rstd=b3["rstd"], inv_scale=inv_g)
 

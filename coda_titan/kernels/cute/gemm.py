@@ -5,7 +5,7 @@ wgrad / dgrad        cuBLAS with fp32 accumulation: every backward program alrea
 quantize_tensorwise  amax reduction + saturated cast, inductor-fused
 fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
-fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``)
+fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``; W2^T for B3's fp8 GEMM)
 quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
                      inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
 quantize_grad        a gradient's amax and power-of-two e5m2 scale (eager), its e5m2 cast inductor-fused
@@ -75,8 +75,8 @@ def _fp8_layer_weights(w1, w3, wq, wk, wv, w13_t, wqkv_t):
 
 
 @torch.library.register_kernel("coda::fp8_weights", "cuda")
-def _fp8_weights(ws):
-    return fused("fp8_weights", lambda ts: ref.fp8_weights(ws=ts))(list(ws))
+def _fp8_weights(ws, transposed=False):
+    return fused(f"fp8_weights_{transposed:d}", lambda ts: ref.fp8_weights(ws=ts, transposed=transposed))(list(ws))
 
 
 def _fused_cast(quantize, t, inv):

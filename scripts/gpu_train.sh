@@ -51,6 +51,7 @@
 #                  kernels, e.g. plain_fp8 c_only_fp8 b3_nt_q b3_t_q: the split of B3's time)
 #     tstore       probe: B3's transposed 8-bit stores through stmatrix.trans against quack's universal copy (bits
 #                  after de-interleaving the tokens, and time; scripts/probes/fp8_trans_store.py)
+#     fp8transpose probe: the weight pass's transposed e4m3 copies, aten's against inductor's (scripts/probes/fp8_transpose.py)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -291,6 +292,9 @@ for phase in "$@"; do
       ;;
     tstore)
       python3 -m scripts.probes.fp8_trans_store
+      ;;
+    fp8transpose)
+      python3 -m scripts.probes.fp8_transpose
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

@@ -10,7 +10,7 @@ cute op as training calls it (autotuned, quack's base against ``--base``), the p
 cooperative tile with each base (whose outputs must agree bit for bit: the stage count does not change
 the arithmetic), and the bare GEMM (cuBLAS; ``torch._scaled_mm`` for fp8). Median of CUDA-event timings
 of 20 calls after 3 warm-up calls (the first compiles and autotunes), each call synced (its host time
-counts), and ``*_streamed_ms``: 20 calls enqueued back to back (the GPU's time alone). Writes
+counts), and ``*_streamed``: 20 calls enqueued back to back (the GPU's time and the host's, per call). Writes
 ``$OUT/probe_epi_stages_<gpu>.json`` after every row.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -49,20 +50,22 @@ def _operands(m: int, k: int, fp8: bool, g, last: bool):
     return call, bare, (daq, wq, norm)
 
 
-def _streamed(fn, reps: int = 20) -> float:
-    """ms per call of ``reps`` calls enqueued back to back between two events (after 3 warm-up calls):
-    the GPU time of a call once the host runs ahead of the GPU, as in training. ``_time`` syncs after
-    each call, so there a call's host time counts too."""
+def _streamed(fn, reps: int = 20) -> dict:
+    """Per call, of ``reps`` calls enqueued back to back (after 3 warm-up calls): the GPU's ms between two
+    events (a call's GPU time once the host runs ahead, as in training; ``_time`` syncs after each
+    call, so there its host time counts too) and the host's ms to enqueue them (``time.perf_counter``)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    t0 = time.perf_counter()
     for _ in range(reps):
         fn()
+    host = (time.perf_counter() - t0) * 1e3 / reps
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / reps
+    return {"gpu_ms": a.elapsed_time(b) / reps, "host_ms": host}
 
 
 def _pinned(base, fp8, ops):
@@ -96,7 +99,7 @@ def main() -> int:
 
     doc = {**header(), "kind": "probe_epi_stages", "M": M, "d": D, "base": args.base,
            "timing": "median of 20 CUDA-event timings after 3 warm-up calls (the first autotunes), each synced; "
-                     "*_streamed_ms: 20 calls back to back between two events, per call", "rows": []}
+                     "*_streamed: 20 calls back to back, per call: GPU ms between two events, host ms to enqueue", "rows": []}
     path = out_json("probe_epi_stages")
     keep = []  # (quack's eager call cache keys a pinned config by its id)
     for name, m, k, precisions in SHAPES:
@@ -107,17 +110,17 @@ def main() -> int:
                 row["bare_ms"] = _time(bare)
                 os.environ.pop(stages.ENV, None)
                 row["tuned_quack_base_ms"] = _time(call)
-                row["tuned_quack_base_streamed_ms"] = _streamed(call)
+                row["tuned_quack_base_streamed"] = _streamed(call)
                 os.environ[stages.ENV] = str(args.base)
                 row["tuned_base_ms"] = _time(call)
-                row["tuned_base_streamed_ms"] = _streamed(call)
+                row["tuned_base_streamed"] = _streamed(call)
                 os.environ.pop(stages.ENV, None)
                 outs = {}
                 for base in (None, args.base):
                     run, got, cfg = _pinned(base, fp8, ops)
                     keep.append(cfg)
                     row[f"pinned_256x128_base_{base or 'quack'}_ms"] = _time(run)
-                    row[f"pinned_256x128_base_{base or 'quack'}_streamed_ms"] = _streamed(run)
+                    row[f"pinned_256x128_base_{base or 'quack'}_streamed"] = _streamed(run)
                     outs[base] = got()
                 row["pinned_bits_equal"] = all(torch.equal(a, b) for a, b in zip(outs[None], outs[args.base]))
             except Exception as e:  # noqa: BLE001 - record the failure and go on with the next shape

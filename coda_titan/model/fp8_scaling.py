@@ -108,21 +108,21 @@ class Fp8Scaling(nn.Module):
         """Forget every history (``init_weights``)."""
         if device is not None:
             self.activation_history = torch.zeros_like(self.activation_history, device=device)
-            self.gradient_history = torch.zeros_like(self.gradient_history, device=device)
-            self.qkv_gradient_history = torch.zeros_like(self.qkv_gradient_history, device=device)
+            for name in GRADIENT_SITES.values():
+                setattr(self, f"{name}_history", torch.zeros_like(getattr(self, f"{name}_history"), device=device))
             for site in INPUT_SITES:
                 setattr(self, f"{site}_history", torch.zeros_like(self.input_history(site), device=device))
             self.saturation = torch.zeros_like(self.saturation, device=device)
         else:
             self.activation_history.zero_()
-            self.gradient_history.zero_()
-            self.qkv_gradient_history.zero_()
+            for site in GRADIENT_SITES:
+                self._gradient_history(site).zero_()
             for site in INPUT_SITES:
                 self.input_history(site).zero_()
             self.saturation.zero_()
         self.activations_calibrated = False
-        self.gradients_calibrated = False
-        self.qkv_gradients_calibrated = False
+        for site in GRADIENT_SITES:
+            setattr(self, _calibrated_attr(site), False)
         self.input_calibrated = {site: False for site in INPUT_SITES}
         self.sink: GradAmaxSink | None = None
         self.sink_sites: tuple[str, ...] = ()  # the gradient sites the sink's forward took
@@ -138,12 +138,11 @@ class Fp8Scaling(nn.Module):
                     if self._calibrated(site):
                         self._count_saturation(GRADIENT_SITES[site], history, new, self.grad_headroom)
                     _push(history, new)
-            self.gradients_calibrated |= "mlp" in self.sink_sites
-            self.qkv_gradients_calibrated |= "qkv" in self.sink_sites
+                    setattr(self, _calibrated_attr(site), True)
         self.sink, self.sink_sites = None, ()
 
     def _calibrated(self, site: str) -> bool:
-        return self.gradients_calibrated if site == "mlp" else self.qkv_gradients_calibrated
+        return getattr(self, _calibrated_attr(site))
 
     def _gradient_history(self, site: str) -> torch.Tensor:
         return getattr(self, f"{GRADIENT_SITES[site]}_history")
@@ -270,6 +269,11 @@ class Fp8Scaling(nn.Module):
             return [None] * h.shape[0]
         return self._memo(f"gradient_{site}", h, True,
                           lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.grad_headroom, E5M2_MAX)))
+
+
+def _calibrated_attr(site: str) -> str:
+    """The flag of a gradient site's history (``gradients_calibrated``, ``qkv_gradients_calibrated``)."""
+    return f"{GRADIENT_SITES[site]}s_calibrated"
 
 
 def _push(history: torch.Tensor, new: torch.Tensor) -> None:

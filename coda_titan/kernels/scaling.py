@@ -31,6 +31,12 @@ def inv_scale_from_amax(amax: torch.Tensor, fmax: float = E4M3_MAX) -> torch.Ten
     return fmax / amax.to(dt).clamp(min=AMAX_EPS)
 
 
+def amax_abs(t: torch.Tensor) -> torch.Tensor:
+    """max |t| in ``t``'s dtype (NaN if any element is NaN), as ``t.abs().amax()`` but in one reduction
+    that reads ``t`` once and stores no ``|t|``: the eager amax of a gradient before its cast."""
+    return torch.linalg.vector_norm(t, float("inf"))
+
+
 def pow2_floor(inv_scale: torch.Tensor) -> torch.Tensor:
     """The largest power of two <= ``inv_scale`` (torchao's ``round_scales_to_power_of_2``). Scaling
     by a power of two is exact, so an element's fp8 rounding no longer depends on the amax: it is

@@ -8,7 +8,8 @@ fp8_layer_weights    every layer's weight pass in one compiled call: per weight 
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``; W2^T for B3's fp8 GEMM)
 quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
                      inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
-quantize_grad        a gradient's amax and power-of-two e5m2 scale (eager), its e5m2 cast inductor-fused
+quantize_grad        a gradient's amax (one eager reduction) and power-of-two e5m2 scale, its e5m2 cast
+                     inductor-fused
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from .. import gemm as ref
-from ..scaling import E4M3, E5M2, E5M2_MAX, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3, quantize_e5m2
+from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
+                       quantize_e5m2)
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
 
 
@@ -88,7 +90,7 @@ def _fused_cast(quantize, t, inv):
 
 @torch.library.register_kernel("coda::quantize_delayed", "cuda")
 def _quantize_delayed(t, inv_scale):
-    amax = t.abs().amax().to(compute_dtype(t.dtype))
+    amax = amax_abs(t).to(compute_dtype(t.dtype))
     return _fused_cast(quantize_e4m3, t, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
 
 
@@ -101,7 +103,7 @@ def quantize_delayed_traced(*, t, inv_scale):
 
 @torch.library.register_kernel("coda::quantize_grad", "cuda")
 def _quantize_grad(t):
-    inv = pow2_floor(inv_scale_from_amax(t.abs().amax().to(compute_dtype(t.dtype)), E5M2_MAX))
+    inv = pow2_floor(inv_scale_from_amax(amax_abs(t).to(compute_dtype(t.dtype)), E5M2_MAX))
     return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
 
 

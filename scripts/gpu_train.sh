@@ -26,6 +26,8 @@
 #     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
 #     optstreambf16 stock + compile vs CODA bf16 compiled with [coda] optimizer_stream on / off
+#     fusedclip    the compiled baseline vs CODA compiled with [coda] fused_clip on / off (PREC=fp8 (default) or bf16)
+#     fusedclipparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fused_clip, and without
 #     downdgradov  CODA fp8 compiled with fp8_down_dgrad (B3 on fp8, overlapped epilogues) against its defaults
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
@@ -426,6 +428,13 @@ for phase in "$@"; do
       a=$(variant da_y_t "fp8_down_wgrad = true" "fp8_mlp_da_t = true") &&
         b=$(variant da_y_copy "fp8_down_wgrad = true" "fp8_mlp_da_t = false") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
+      ;;
+    fusedclip)
+      # the clip's scale inside fused AdamW (grad_scale) against TorchTitan's clip pass
+      ab fused_clip clip_fused clip_pass fused_clip
+      ;;
+    fusedclipparity)
+      curves fused_clip clip_fused "fused_clip = true"
       ;;
     optstreambf16)
       # [coda] optimizer_stream on / off on the compiled CODA bf16 config, against stock + compile

@@ -7,6 +7,7 @@ One module-scoped set of runs (about two minutes on 2 cores):
   D  CODA      resumed from B's (baseline) step-10 checkpoint
   E  baseline  resumed from A's (CODA) step-10 checkpoint
   F  CODA      3 steps with full activation checkpointing
+  G  CODA      20 steps with [coda] fused_clip (as A otherwise)
 Losses come from each run's offline W&B history (full precision).
 """
 
@@ -56,6 +57,7 @@ def runs(tmp_path_factory, cache_dir):
     r["E"] = _train("E", "debug_cpu_baseline.toml", work, cache_dir, *cross, str(r["A"]["dir"] / "checkpoint" / "step-10"))
     r["F"] = _train("F", "debug_cpu_coda.toml", work, cache_dir, "--training.steps", "3",
                     "--activation_checkpoint.mode", "full")
+    r["G"] = _train("G", "debug_cpu_coda.toml", work, cache_dir, "--coda.fused_clip")
     return r
 
 
@@ -92,6 +94,17 @@ def test_baseline_loss_curve_matches_within_fp32_reassociation(runs):
     assert sorted(b) == list(range(1, STEPS + 1))
     worst = max(range(1, STEPS + 1), key=lambda s: _rel(a[s], b[s]))
     assert _rel(a[worst], b[worst]) <= CODA_VS_STOCK, f"step {worst}: coda {a[worst]} vs baseline {b[worst]}"
+
+
+def test_fused_clip_trains_as_the_clip_pass_does(runs):
+    """``[coda] fused_clip`` in the real trainer: the fused path runs (it says so), and where it clips the
+    gradients the step reads differ from the clip pass's by a few fp32 roundings (tests/test_fused_clip.py),
+    which moves the parameters by lr times the normalized update's O(u) difference, as CODA_VS_STOCK's."""
+    a, g = runs["A"]["losses"], runs["G"]["losses"]
+    assert "[coda] fused_clip: the gradient clip's scale is applied inside the fused AdamW step" in runs["G"]["out"]
+    assert sorted(g) == list(range(1, STEPS + 1)) and g[1] == a[1]  # (step 1's loss comes before any step)
+    worst = max(range(1, STEPS + 1), key=lambda s: _rel(g[s], a[s]))
+    assert _rel(g[worst], a[worst]) <= CODA_VS_STOCK, f"step {worst}: fused_clip {g[worst]} vs {a[worst]}"
 
 
 def test_save_and_resume_equals_uninterrupted(runs):

@@ -26,17 +26,17 @@ def knob(default, doc: str, *, choices: Optional[tuple] = None, low: Optional[in
 @dataclass
 class Coda:
     backend: str = knob(
-        "auto", "programs: `cute` = fused SM90 kernels (H100/H200 + the gpu extra), `torch` = the reference "
-        "in plain PyTorch (any device), `auto` = cute where it can run, else torch",
+        "auto", "`cute` = fused SM90 kernels (H100/H200 + the gpu extra), `torch` = the plain-PyTorch "
+        "reference (any device), `auto` = cute where it can run",
         choices=("auto", "torch", "cute"),
     )
     tile_n: int = knob(128, "column-tile width of the partial RMS sums S (reference programs)", low=1)
     ce_chunk_rows: int = knob(
-        4096, "token rows per chunk of the LM head + cross-entropy: logits held at once = rows x vocab", low=1
+        4096, "token rows per chunk of the LM head + CE: logits held at once = rows x vocab", low=1
     )
     precision: str = knob(
-        "bf16", "GEMM operands: `fp8` = e4m3 / e5m2 with tensorwise scales (which GEMMs: docs/fp8.md); "
-        "parameters and checkpoints stay bf16/fp32 either way",
+        "bf16", "GEMM operands: `fp8` = e4m3 / e5m2, tensorwise scales (docs/fp8.md); parameters and "
+        "checkpoints stay bf16/fp32",
         choices=("bf16", "fp8"),
     )
     fp8_amax_history: int = knob(16, "fp8: steps of per-site amax history behind the delayed scales", low=1)
@@ -51,12 +51,13 @@ class Coda:
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
-    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (measured 1% slower)")
+    fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
     trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph (less memory)")
     prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side stream")
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
-    optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's host "
-                                         "work; one GPU")
+    optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's "
+                                         "host work")
+    fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW (no pass of its own); one device")
     b2_c_stages: int = knob(2, "cute: B2's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24

@@ -21,7 +21,7 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_
 from torchtitan.tools.logging import logger
 
 from ..kernels import EPI_C_STAGES_ENV as STAGES_ENV
-from . import opt_stream
+from . import fused_clip, opt_stream
 
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
              "activation checkpointing and compile")
@@ -42,6 +42,7 @@ def parallelize_coda(model, parallel_dims, job_config):
     if graphs:
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
     opt_stream.check(job_config, parallel_dims)
+    fused_clip.check(job_config, parallel_dims)
     _stage_budget(model, getattr(job_config, "coda", None))
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept

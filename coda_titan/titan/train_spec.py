@@ -27,7 +27,7 @@ from torchtitan.tools.logging import logger
 
 from ..model.args import coda_llama3_args
 from ..model.model import CodaTransformer
-from . import opt_stream
+from . import fused_clip, opt_stream
 from .parallelize import parallelize_coda
 
 NAME = "coda_llama3"
@@ -56,12 +56,15 @@ def build_coda_dataloader(**kwargs):
 
 def build_coda_optimizers(model_parts, *args, **kwargs):
     """TorchTitan's optimizers, with a post-step hook that issues each CODA model's next fp8 weight
-    pass (``CodaTransformer.prefetch_fp8_weights``; a no-op unless precision = "fp8"), and with
-    ``[coda] optimizer_stream`` the step on a stream of its own (``opt_stream``; its hooks go last)."""
+    pass (``CodaTransformer.prefetch_fp8_weights``; a no-op unless precision = "fp8"), with ``[coda]
+    fused_clip`` the clip's scale applied in the step (``fused_clip``), and with ``[coda]
+    optimizer_stream`` the step on a stream of its own (``opt_stream``; its hooks go last)."""
     optimizers = build_optimizers(model_parts, *args, **kwargs)
     parts = [m for m in model_parts if isinstance(m, CodaTransformer)]
     if parts:
         optimizers.register_step_post_hook(lambda *_: [m.prefetch_fp8_weights() for m in parts])
+    if parts and all(m.model_args.coda.fused_clip for m in parts):
+        fused_clip.install(optimizers, model_parts)
     if parts and all(m.model_args.coda.optimizer_stream for m in parts):
         opt_stream.install(optimizers, model_parts)
     return optimizers

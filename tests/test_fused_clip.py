@@ -25,16 +25,15 @@ from coda_titan.titan.job_config import ConfigError
 LR = 1e-2
 
 
-def _model(dtype, seed=0):
+def _model(dtype, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(dtype)
-    return m
+    return torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device, dtype)
 
 
 def _grads(model, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale).to(p.dtype)
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale).to(p.device, p.dtype)
 
 
 def _container(model):
@@ -50,10 +49,10 @@ def restore_clip():
     fused_clip._ACTIVE, fused_clip._ORIGINAL = None, None
 
 
-def _run(dtype, max_norm, steps, fused: bool):
+def _run(dtype, max_norm, steps, fused: bool, device="cpu"):
     """``steps`` steps of TorchTitan's clip + optimizer step (fused or not) on the same gradients:
     (parameters, gradients after the last step, the norms the clip returned)."""
-    model = _model(dtype)
+    model = _model(dtype, device=device)
     opts = _container(model)
     if fused:
         fused_clip.install(opts, [model])
@@ -66,18 +65,30 @@ def _run(dtype, max_norm, steps, fused: bool):
     return [p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()], norms
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _needs(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_without_clipping_the_fused_step_is_the_same_bits(dtype, restore_clip):
-    want = _run(dtype, 1e6, 3, fused=False)
-    got = _run(dtype, 1e6, 3, fused=True)
+def test_without_clipping_the_fused_step_is_the_same_bits(dtype, device, restore_clip):
+    _needs(device)
+    want = _run(dtype, 1e6, 3, fused=False, device=device)
+    got = _run(dtype, 1e6, 3, fused=True, device=device)
     for w, g in zip(want[0] + want[1] + want[2], got[0] + got[1] + got[2]):
         assert torch.equal(w, g)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_with_clipping_the_fused_step_is_within_a_rounding(dtype, restore_clip):
-    want_p, want_g, want_n = _run(dtype, 0.25, 1, fused=False)
-    got_p, got_g, got_n = _run(dtype, 0.25, 1, fused=True)
+def test_with_clipping_the_fused_step_is_within_a_rounding(dtype, device, restore_clip):
+    _needs(device)
+    want_p, want_g, want_n = _run(dtype, 0.25, 1, fused=False, device=device)
+    got_p, got_g, got_n = _run(dtype, 0.25, 1, fused=True, device=device)
     assert torch.equal(want_n[0], got_n[0]) and want_n[0] > 1.0  # (the norm is TorchTitan's; it clips)
     u = torch.finfo(dtype).eps / 2
     for w, g in zip(want_g, got_g):  # the clipped gradients the two steps read (written back by both)

@@ -431,7 +431,7 @@ for phase in "$@"; do
       ;;
     fusedclip)
       # the clip's scale inside fused AdamW (grad_scale) against TorchTitan's clip pass
-      ab fused_clip clip_fused clip_pass fused_clip
+      ab "fused_clip_${PREC:-fp8}" clip_fused clip_pass fused_clip
       ;;
     fusedclipparity)
       curves fused_clip clip_fused "fused_clip = true"

@@ -105,6 +105,29 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
     assert same_lease_floor(doc, tmp_path) is None  # a floor file from before hosts were recorded
 
 
+def test_the_report_gives_a_comparison_run_after_the_floor_its_hosts_floor(tmp_path, monkeypatch):
+    """A comparison that ran in a later call on the same warm host as the floor (its own ``$OUT`` had no
+    floor file) gets that floor when the report refreshes it from benchmarks/results; another host's
+    floor of the same GPU and day is not used, and a comparison without one keeps no floor field."""
+    import scripts.compare.common as common
+    import scripts.compare.run as run_mod
+    from scripts.report.training import refresh
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_mod, "RESULTS", tmp_path)
+    floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2,
+             "totals": {"bf16": {"floor_ms": 40.0}, "fp8": {"floor_ms": 30.0}}}
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
+    run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": 50.0, "peak_gib": 1.0,
+           "mfu": 1.0, "loss": [1.0], "precision": "bf16", "seq_len": 8, "local_batch_size": 2}
+    doc = {"kind": "compare", "device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:05:00Z", "versions": {},
+           "steps": 1, "warmup": 1, "runs": [run], "floor": None}
+    assert refresh(dict(doc))["floor"] == {"file": "floor_GPU_X_2026-01-02.json", "host": "h1/boot-a", "bf16": 40.0,
+                                           "fp8": 30.0}
+    other = {k: v for k, v in {**doc, "host": "h2/boot-a"}.items() if k != "floor"}
+    assert "floor" not in refresh(other)
+
+
 def test_host_id_names_the_machine_and_its_boot(monkeypatch):
     """``host_id`` is the hostname and the kernel's boot id (a fresh device host reuses hostnames such
     as "vm", never a boot id); without a boot id it still names the host."""

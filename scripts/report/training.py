@@ -394,8 +394,17 @@ def section() -> str:
 
 
 def refresh(doc: dict) -> dict:
-    """Recompute the derived fields (targets, parity) of a result from its raw per-step values."""
+    """Recompute the derived fields (targets, parity) of a result from its raw per-step values; a comparison
+    that ran in a call of its own after the floor, on the same host (one lease), gets that floor from
+    benchmarks/results (``same_lease_floor``: the same host and shape, never another host's)."""
     if doc["kind"] == "compare":
+        if not doc.get("floor"):
+            from scripts.compare.common import RESULTS
+            from scripts.compare.run import same_lease_floor
+
+            found = same_lease_floor(doc, RESULTS)
+            if found:
+                doc["floor"] = found
         doc["targets"] = targets(doc)
     elif doc["kind"] == "loss_curve":
         ref = doc["runs"][0]

@@ -59,6 +59,7 @@
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
+#                  (INTERLEAVE=N: then N alternations of the tuned op and the pinned tile)
 #     epibase      [coda] b2_c_stages = 2 against quack's base: the compiled baseline, CODA compiled with it, as configured (PREC)
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
@@ -324,7 +325,7 @@ for phase in "$@"; do
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_residual_bwd.py -k c_stage_base -rfE --tb=short \
         -W ignore::DeprecationWarning > "$logs/pytest_epistages.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_epistages.txt" | tail -8
-      python3 -m scripts.probes.epi_stages --base "${BASE:-2}" > "$logs/epi_stages.log" 2>&1
+      python3 -m scripts.probes.epi_stages --base "${BASE:-2}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} > "$logs/epi_stages.log" 2>&1
       echo "epistages rc=$?"; grep -E '^\{|wrote|Error' "$logs/epi_stages.log" | tail -6
       ;;
     epibase)

@@ -90,9 +90,33 @@ def _pinned(base, fp8, ops):
     return call, lambda: [out["D"].clone(), keep["r"]["dw"].clone()], cfg
 
 
+def _interleaved(call, pinned, base: int, rounds: int, keep: list) -> dict:
+    """``rounds`` alternations of the tuned op and the pinned tile, both with C-stage ``base``: GPU ms per
+    call of each (``_streamed``), in the order they ran, and the output bits of the two against each other."""
+    from coda_titan.kernels.cute import stages
+
+    run, got, cfg = pinned
+    keep.append(cfg)
+    os.environ[stages.ENV] = str(base)
+    try:
+        out = {"tuned_gpu_ms": [], "pinned_gpu_ms": []}
+        for _ in range(rounds):
+            out["tuned_gpu_ms"].append(_streamed(call)["gpu_ms"])
+            out["pinned_gpu_ms"].append(_streamed(run)["gpu_ms"])
+        tuned_d = call()
+        run()
+        out["bits_equal"] = bool(torch.equal(tuned_d[0], got()[0]))
+    finally:
+        os.environ.pop(stages.ENV, None)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.epi_stages", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=int, default=2)
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="then N rounds, per row, of the tuned op and the pinned tile (both with --base) timed back to "
+                         "back in turn: is a gap between them the kernels' or the order's (clocks, power)?")
     args = ap.parse_args()
     import coda_titan.kernels.cute  # noqa: F401  (installs the hooks)
     from coda_titan.kernels.cute import stages
@@ -123,6 +147,8 @@ def main() -> int:
                     row[f"pinned_256x128_base_{base or 'quack'}_streamed"] = _streamed(run)
                     outs[base] = got()
                 row["pinned_bits_equal"] = all(torch.equal(a, b) for a, b in zip(outs[None], outs[args.base]))
+                if args.interleave:
+                    row["interleaved"] = _interleaved(call, _pinned(args.base, fp8, ops), args.base, args.interleave, keep)
             except Exception as e:  # noqa: BLE001 - record the failure and go on with the next shape
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             finally:

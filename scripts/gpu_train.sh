@@ -54,6 +54,7 @@
 #     tstore       probe: B3's transposed 8-bit stores through stmatrix.trans against quack's universal copy (bits
 #                  after de-interleaving the tokens, and time; scripts/probes/fp8_trans_store.py)
 #     fp8transpose probe: the weight pass's transposed e4m3 copies, aten's against inductor's (scripts/probes/fp8_transpose.py)
+#     ropebwd      probe: B1 (the RoPE backward pass) as shipped against rewrites of the same arithmetic (scripts/probes/rope_bwd.py)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -298,6 +299,9 @@ for phase in "$@"; do
       ;;
     fp8transpose)
       python3 -m scripts.probes.fp8_transpose
+      ;;
+    ropebwd)
+      python3 -m scripts.probes.rope_bwd
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

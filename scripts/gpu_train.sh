@@ -55,6 +55,9 @@
 #                  after de-interleaving the tokens, and time; scripts/probes/fp8_trans_store.py)
 #     fp8transpose probe: the weight pass's transposed e4m3 copies, aten's against inductor's (scripts/probes/fp8_transpose.py)
 #     ropebwd      probe: B1 (the RoPE backward pass) as shipped against rewrites of the same arithmetic (scripts/probes/rope_bwd.py)
+#     b1pass       B1 as one Triton pass (the default) against the inductor program (CODA_TITAN_B1_PASS=inductor): the compiled
+#                  baseline, CODA compiled and (fp8) its fp8_dgrad arm with the pass, then CODA compiled with the program,
+#                  PREC=fp8 (default) or bf16 (two tables: b1_triton_PREC, b1_inductor_PREC)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -302,6 +305,14 @@ for phase in "$@"; do
       ;;
     ropebwd)
       python3 -m scripts.probes.rope_bwd
+      ;;
+    b1pass)
+      p=${PREC:-fp8}; arm=()
+      [ "$p" = fp8 ] && { arm=("$(variant qkv_dgrad "fp8_dgrad = true")") || exit 2; }
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "${arm[@]}" \
+        --steps "${STEPS:-40}" --warmup 10 --tag "b1_triton_$p"
+      CODA_TITAN_B1_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --tag "b1_inductor_$p"
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

@@ -2,6 +2,7 @@
 against an fp64 emulation, the ops, and the cute kernels against the reference (GPU)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,25 @@ def test_cute_fp8_qkv_dgrad_matches_reference():
         print(f"B2 fp8 (residual {dresidual is not None}): kernel vs reference {rel(out, out_r):.3g} / dgamma "
               f"{rel(dg, dg_r):.3g}; fp8 effect {effect:.3g}")
         assert out.isfinite().all() and rel(out, out_r) < 0.1 * effect and rel(dg, dg_r) < 0.1 * max(rel(dg_r, bf_dg), 1e-3)
+
+
+def test_b1_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():
+    """B1's one-pass Triton kernel (the cute backend's, ``kernels/cute/rope_bwd_pass.py``) run by Triton's
+    CPU interpreter (``tests/b1_interpreter_check.py``, a subprocess: TRITON_INTERPRET is read at import)
+    against the fp32 arithmetic of the inductor program it replaces. The interpreter rounds fp32 to bf16
+    by truncation, so da must equal the reference truncated, bit for bit (the GPU rounds to nearest:
+    the GPU tests); zdz differs only by the row sum's order: at most 2 (q - 1) fp32 units of the sum of
+    its terms' magnitudes (two orders, each within (q - 1) u of the exact sum); the fp8 pass's amax is the reference's exactly (a max). Its e5m2 codes are
+    checked on the GPU only (``test_cute_fp8_qkv_dgrad_matches_reference``): the interpreter's fp32 to
+    e5m2 conversion is its own (1.93 became 1.0), not the hardware's round to nearest."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("b1_interpreter_check.py"))],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["da_dtype"] == "torch.bfloat16" and got["da_bits_apart"] == 0, got
+    assert got["zdz_err_over_bound"] <= 1.0 and got["zdz_fp8_same"], got
+    assert got["daq_is_e5m2"] and got["amax_equal"] and got["amax_shape"] == [], got

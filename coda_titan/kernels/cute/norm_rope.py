@@ -3,19 +3,25 @@
 norm_rope      quack's ``rstd_rope_posfreq_epi``: r * acc, then rotation by +theta with the angle
                pos * freq formed in-kernel as a float-float (v columns: zero frequency)
 norm_rope_fp8  the same epilogue on e4m3 Hq and W_qkv,q; s_a * s_w rides the rstd column vector
-rope_bwd       one inductor-fused elementwise + row-reduction pass (no GEMM involved)
-rope_bwd_fp8   the same pass that also casts da to e5m2 (delayed scale, else the current amax's) and
-               reduces amax |da|
+rope_bwd       one Triton pass over the rows (``rope_bwd_pass``; no GEMM involved), or the inductor
+               program of the same arithmetic (``CODA_TITAN_B1_PASS=inductor``)
+rope_bwd_fp8   the same pass that also casts da to e5m2 (delayed scale; calibrating, the current amax's,
+               in the inductor program) and reduces amax |da|
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
 
 from .. import norm_rope as ref
 from ..scaling import quantize_e5m2_site
+from . import rope_bwd_pass  # noqa: F401  (registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
+
+B1_PASS_ENV = "CODA_TITAN_B1_PASS"  # "inductor": B1 as the inductor program instead of the Triton pass (A/B)
 
 
 def _rope_tables(freqs, m: int, seqlen: int, rot: int, q: int, head_dim: int, dev):
@@ -104,16 +110,30 @@ def _cos_sin_tables(freqs, seqlen):
     return cos.clone(), sin.clone()  # an op's outputs are its caller's to reuse
 
 
+def _one_pass(dy, scale) -> bool:
+    """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns, bf16 or with a
+    delayed e5m2 scale (calibrating, the scale waits for the whole tensor's amax: the inductor program),
+    unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the A/B's other arm)."""
+    return (os.environ.get(B1_PASS_ENV, "triton") != "inductor" and dy.dtype == torch.bfloat16
+            and dy.shape[1] <= 8192 and not (scale and scale[0] is None))
+
+
 def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale):
     """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math, ``scale`` = the latter's inv_scale) as one
-    inductor program."""
+    Triton pass (``_one_pass``) or one inductor program."""
     why = _rope_bwd_unsupported(dy, y, seqlen, head_dim)
     if why:
         return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale)
     cos, sin = _cos_sin(freqs, seqlen)
     name = math.__name__.strip("_").removesuffix("_math")
     with first_call(name, dy):
+        if _one_pass(dy, scale):
+            return _one_pass_op(scale)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, *scale)
         return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scale)
+
+
+def _one_pass_op(scale):
+    return torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
 
 
 @torch.library.register_kernel("coda::rope_bwd", "cuda")
@@ -136,7 +156,10 @@ def _traced_rope_bwd(op, math):
         if _rope_bwd_unsupported(dy, y, seqlen, head_dim):
             return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale.values())  # the op says why, once
         cos, sin = torch.ops.coda.rope_tables(freqs, seqlen)
-        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scale.values())
+        scales = tuple(scale.values())
+        if _one_pass(dy, scales):
+            return _one_pass_op(scales)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, *scales)
+        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scales)
 
     return program
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
+from scripts.probes.epi_stages import _streamed
 
 M, SEQ, H, HKV, HD = 16384, 8192, 16, 4, 128
 ROT = (H + HKV) * HD
@@ -83,19 +84,6 @@ def _variants():
     return out
 
 
-def _streamed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def main() -> int:
     doc = {**header(), "kind": "probe_rope_bwd", "shape": {"tokens": M, "seq": SEQ, "q_heads": H, "kv_heads": HKV,
                                                            "head_dim": HD},
@@ -115,7 +103,7 @@ def main() -> int:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():
-            times[k].append(_streamed(lambda f=f, a=args[k]: f(*a)))
+            times[k].append(_streamed(lambda f=f, a=args[k]: f(*a))["gpu_ms"])
     for k, f in fns.items():
         got = f(*args[k])
         same = all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)

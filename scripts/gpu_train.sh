@@ -67,6 +67,7 @@
 #     epibase      [coda] b2_c_stages = 2 against quack's base: the compiled baseline, CODA compiled with it, as configured (PREC)
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
+#     qkvdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_dgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
 #                  (the clamp counts of each run in $OUT/clamped.txt)
 #     fp8sites     300-step loss curves: float8 + compile, CODA fp8 eager with its backward in bf16 and with the W2 / W_o
@@ -358,6 +359,9 @@ for phase in "$@"; do
       ;;
     qkvwgradparity)
       curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"
+      ;;
+    qkvdgradparity)
+      curves fp8_dgrad qkv_dgrad "fp8_dgrad = true"
       ;;
     actmargin)
       # 300-step loss curves: float8 + compile, CODA fp8 eager as configured (fp8_act_margin = 1 since the

@@ -127,13 +127,16 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
     cos, sin = _cos_sin(freqs, seqlen)
     name = math.__name__.strip("_").removesuffix("_math")
     with first_call(name, dy):
-        if _one_pass(dy, scale):
-            return _one_pass_op(scale)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, *scale)
-        return fused(name, math)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scale)
+        return _b1(fused(name, math), dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, scale)
 
 
-def _one_pass_op(scale):
-    return torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
+def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
+    """B1's outputs: the Triton pass where it applies (``_one_pass``), else ``math`` (eager: its
+    inductor program; traced: the code itself)."""
+    if _one_pass(dy, scale):
+        op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
+        return op(dy, y, rstd.float(), cos, sin, rot, *scale)
+    return math(dy, y, rstd.float(), cos, sin, rot, head_dim, *scale)
 
 
 @torch.library.register_kernel("coda::rope_bwd", "cuda")
@@ -156,10 +159,7 @@ def _traced_rope_bwd(op, math):
         if _rope_bwd_unsupported(dy, y, seqlen, head_dim):
             return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale.values())  # the op says why, once
         cos, sin = torch.ops.coda.rope_tables(freqs, seqlen)
-        scales = tuple(scale.values())
-        if _one_pass(dy, scales):
-            return _one_pass_op(scales)(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, *scales)
-        return math(dy, y, rstd.float(), cos, sin, n_rope_heads * head_dim, head_dim, *scales)
+        return _b1(math, dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, tuple(scale.values()))
 
     return program
 

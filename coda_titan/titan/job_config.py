@@ -40,7 +40,7 @@ class Coda:
         choices=("bf16", "fp8"),
     )
     fp8_amax_history: int = knob(16, "fp8: steps of per-site amax history behind the delayed scales", low=1)
-    fp8_dgrad: bool = knob(False, "fp8: QKV dgrad on B1's delayed e5m2 da; off pending its parity run")
+    fp8_dgrad: bool = knob(True, "fp8: QKV dgrad on B1's delayed e5m2 da (a delayed scale)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
     fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
     fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8: dW13 reads B3's e5m2 da; no bf16 da is written")

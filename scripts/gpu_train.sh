@@ -58,6 +58,9 @@
 #     b1pass       B1 as one Triton pass (the default) against the inductor program (CODA_TITAN_B1_PASS=inductor): the compiled
 #                  baseline, CODA compiled and (fp8) its fp8_dgrad arm with the pass, then CODA compiled with the program,
 #                  PREC=fp8 (default) or bf16 (two tables: b1_triton_PREC, b1_inductor_PREC)
+#     cepass       F4's gradient pass in place (Triton, the last dW GEMM writing bf16; the default) against the previous
+#                  program (CODA_TITAN_CE_PASS=inductor): the compiled baseline and CODA compiled with the pass, then CODA
+#                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -314,6 +317,13 @@ for phase in "$@"; do
         --steps "${STEPS:-40}" --warmup 10 --tag "b1_triton_$p"
       CODA_TITAN_B1_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
         --tag "b1_inductor_$p"
+      ;;
+    cepass)
+      p=${PREC:-fp8}
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag "ce_triton_$p"
+      CODA_TITAN_CE_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --tag "ce_inductor_$p"
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

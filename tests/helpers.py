@@ -175,7 +175,7 @@ def to64(kw):
     return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
 
 
-def check_cute_matches_reference(name: str, d: int) -> None:
+def check_cute_matches_reference(name: str, d: int, **overrides) -> None:
     """The cute kernel of program ``name`` against the reference evaluated in fp64 on the same bf16
     inputs. Free allocator blocks are NaN-filled first, so an unwritten output shows as NaN.
 
@@ -188,12 +188,13 @@ def check_cute_matches_reference(name: str, d: int) -> None:
     norm-wise statistic concentrates, and a factor 2 covers a worse order. ``2**-24`` (one fp32
     rounding) keeps the bound meaningful where the reference happens to be exact. Each check is
     appended to ``$CODA_BOUNDS_LOG`` (jsonl) when set, so the GPU run reports measured against bound.
+    ``overrides`` replace inputs of ``gpu_inputs`` (e.g. another ``chunk_rows``).
     """
     from coda_titan.kernels import get_backend
 
     ref_be, cute_be = get_backend("torch"), get_backend("cute")
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}:{d}".encode()))  # (hash() is salted per process)
-    kw = gpu_inputs(name, d, gen)
+    kw = {**gpu_inputs(name, d, gen), **overrides}
     ref64 = as_list(getattr(ref_be, name)(**to64(kw)))
     bf = as_list(getattr(ref_be, name)(**kw))
     poison()
@@ -208,7 +209,7 @@ def check_cute_matches_reference(name: str, d: int) -> None:
         assert not o.isnan().any(), f"{name} output {i}: NaN (unwritten or invalid)"
         err, err_ref = rel(o, r64), rel(b, r64)
         bound = 2 * err_ref + 2.0**-24
-        log_bound(f"{name}[{i}] d={d}", dtype=str(o.dtype), err=err, err_ref=err_ref, bound=bound)
+        log_bound(f"{name}[{i}] d={d}" + "".join(f" {k}={v}" for k, v in overrides.items()), dtype=str(o.dtype), err=err, err_ref=err_ref, bound=bound)
         assert err <= bound, f"{name} d={d} output {i} ({o.dtype}): rel err {err:.3e} > 2 x reference {err_ref:.3e} + 2^-24"
 
 

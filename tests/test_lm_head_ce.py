@@ -53,3 +53,38 @@ def test_opcheck_loss_only():
 @pytest.mark.parametrize("name", ['lm_head_ce'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm", ["one_chunk", "inductor"])
+def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
+    """The paths ``test_cute_matches_reference`` (several chunks, the in-place Triton pass, the last
+    chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum), and
+    the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast)."""
+    if arm == "inductor":
+        monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
+    check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm == "one_chunk" else {}))
+
+
+def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():
+    """F4's in-place gradient pass (``kernels/cute/ce_grad_pass.py``) run by Triton's CPU interpreter
+    (``tests/ce_interpreter_check.py``, a subprocess: TRITON_INTERPRET is read at import) against the
+    fp32 arithmetic of the inductor program it replaces, on rows of two column blocks (the second one
+    masked), targets in either block, at the last column and ignored. da is written over the logits
+    buffer; each element is within one bf16 step of the fp32 value (the interpreter truncates, the GPU
+    rounds to nearest: the GPU tests) plus 4 fp32 units for exp's own rounding; an ignored row is all
+    zero with zdz 0; zdz differs only by the row sum's order: at most 2 (V - 1) fp32 units of the sum of
+    its terms' magnitudes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("ce_interpreter_check.py"))],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["in_place"] and got["da_dtype"] == "torch.bfloat16", got
+    assert got["da_err_over_bound"] <= 1.0 and got["ignored_row_zero"], got
+    assert got["zdz_err_over_bound"] <= 1.0, got

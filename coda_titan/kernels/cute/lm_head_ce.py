@@ -1,22 +1,30 @@
 """CUDA kernel of F4 (``coda_titan.kernels.lm_head_ce``).
 
 Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) and
-the target logit in the epilogue); one inductor-fused pass makes da = r * (softmax - onehot) and
-zdz; then B2 (``rms_bwd_apply_last_epi``; with ``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s)
-and the dW_out GEMM, accumulated over chunks.
+the target logit in the epilogue); one Triton pass (``ce_grad_pass``) turns the logits into da = r *
+(softmax - onehot) in place and reduces zdz; then B2 (``rms_bwd_apply_last_epi``; with
+``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s) and the dW_out GEMM, accumulated over
+chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass).
+``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
+pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from quack.gemm_interface import gemm as quack_gemm
-from quack.gemm_interface import gemm_add_inplace
+from quack.gemm_interface import gemm_add, gemm_add_inplace
 
 from .. import lm_head_ce as ref
 from . import stages
+from .ce_grad_pass import ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported
 from .epilogues import rstd_lse_target_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
+
+CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -41,10 +49,11 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     loss = torch.zeros((), device=h.device, dtype=torch.float32)
     rstd = rstd.float()
     gamma32 = gamma.float()
+    in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
     if compute_grad:
         dx = torch.empty_like(x)
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
-        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32)
+        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
@@ -58,15 +67,21 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         loss = loss + torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0).sum()
         if not compute_grad:
             continue
-        da, zdz = grad_fn(logits, lse, tl, t, r)
+        if in_place:
+            da, zdz = ce_grad_inplace(logits, lse, tl, t, r, ref.IGNORE_INDEX)
+        else:
+            da, zdz = grad_fn(logits, lse, tl, t, r)
         corr = -(r * r / d) * zdz
         with stages.capped(base):
             out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
         dgamma += out["dw"]
-        if i == 0:
+        if in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
+            dw = (quack_gemm(da.t(), hc, out_dtype=weight.dtype, tuned=TUNE) if dw is None
+                  else gemm_add(da.t(), hc, dw, out_dtype=weight.dtype, tuned=TUNE))
+        elif i == 0:
             quack_gemm(da.t(), hc, out=dw, tuned=TUNE)
         else:
             gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
-    return loss, dx, dgamma, dw.to(weight.dtype)
+    return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)

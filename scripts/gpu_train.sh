@@ -61,6 +61,8 @@
 #     cepass       F4's gradient pass in place (Triton, the last dW GEMM writing bf16; the default) against the previous
 #                  program (CODA_TITAN_CE_PASS=inductor): the compiled baseline and CODA compiled with the pass, then CODA
 #                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
+#     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
+#                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -324,6 +326,9 @@ for phase in "$@"; do
         --steps "${STEPS:-40}" --warmup 10 --tag "ce_triton_$p"
       CODA_TITAN_CE_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
         --tag "ce_inductor_$p"
+      ;;
+    cepassprobe)
+      python3 -m scripts.probes.ce_pass
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

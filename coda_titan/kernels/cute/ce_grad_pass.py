@@ -39,13 +39,15 @@ def _kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, zdz_ptr, V, I
 
 
 def ce_grad_inplace(logits: torch.Tensor, lse: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
-                    rstd: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    rstd: torch.Tensor, ignore_index: int, block: int = 4096,
+                    num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, zdz): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
-    lse, tgt_logit, rstd (rows,) fp32, targets (rows,) integer."""
+    lse, tgt_logit, rstd (rows,) fp32, targets (rows,) integer. ``block`` columns per step of a row's
+    program, ``num_warps`` per program (``scripts/probes/ce_pass.py`` times the choices)."""
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the in-place CE gradient takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
     zdz = torch.empty(rows, device=logits.device, dtype=torch.float32)
     _kernel[(rows,)](logits, lse.float(), tgt_logit.float(), targets, rstd.float(), zdz, vocab, IGNORE=ignore_index,
-                     BLOCK=4096, num_warps=8)
+                     BLOCK=block, num_warps=num_warps)
     return logits, zdz

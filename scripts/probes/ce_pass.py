@@ -1,0 +1,106 @@
+"""Probe (GPU): F4's gradient pass and dW tail (``kernels/cute/lm_head_ce.py``), the in-place Triton pass
+(``kernels/cute/ce_grad_pass.py``) in several block / warp shapes against the inductor program it replaced,
+and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
+
+At the 1B shape (a 2048-row chunk of 128256 logits, d = 2048): the pass reads the chunk's bf16 logits
+and writes da (1.05 GB moved: about 0.31 ms at the H100's 3.35 TB/s). Each variant's da and zdz are
+compared with the inductor program's (da: elements that differ and the largest difference; zdz: the
+largest relative difference). Timing: 20 calls enqueued back to back after 3 warm-up calls, GPU ms per
+call, in 5 alternations of the variants (``epi_stages``' timer). The in-place variants overwrite their
+input each call; the arithmetic and the bytes moved do not depend on the values. Writes
+``$OUT/probe_ce_pass_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scripts.bench.common import header, log_row, out_json
+from scripts.probes.epi_stages import _streamed
+
+ROWS, VOCAB, D = 2048, 128256, 2048
+SHAPES = ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (16384, 16))
+
+
+def _inputs(g):
+    logits = (torch.randn(ROWS, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (ROWS,), device="cuda", generator=g)
+    targets[::7] = -100
+    lf = logits.float()
+    lse = torch.logsumexp(lf, -1)
+    tgt_logit = lf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    rstd = torch.rand(ROWS, device="cuda", generator=g) + 0.5
+    return logits, lse, tgt_logit, targets, rstd
+
+
+def _pass_rows(doc, path):
+    from coda_titan.kernels.cute.ce_grad_pass import ce_grad_inplace
+    from coda_titan.kernels.cute.lm_head_ce import _ce_grad_math
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits, lse, tl, targets, rstd = _inputs(g)
+    inductor = torch.compile(_ce_grad_math, dynamic=False, fullgraph=True)
+    da_ref, zdz_ref = inductor(logits, lse, tl, targets, rstd)
+    buf = logits.clone()
+    fns = {"inductor": lambda: inductor(logits, lse, tl, targets, rstd)}
+    for b, w in SHAPES:
+        fns[f"triton_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(buf, lse, tl, targets, rstd, -100, b, w)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(5):
+        for k, f in fns.items():
+            times[k].append(_streamed(f)["gpu_ms"])
+    for k in fns:
+        row = {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2]}
+        if k != "inductor":
+            b, w = (int(x[1:]) for x in k.split("_")[1:])
+            buf.copy_(logits)
+            da, zdz = ce_grad_inplace(buf, lse, tl, targets, rstd, -100, b, w)
+            diff = (da.float() - da_ref.float()).abs()
+            row.update(da_elements_differ=int((da != da_ref).sum()), da_max_abs_diff=float(diff.max()),
+                       zdz_max_rel_diff=float(((zdz - zdz_ref).abs() / zdz_ref.abs().clamp(min=1e-30)).max()))
+        log_row(doc, "pass", row, path)
+
+
+def _tail_rows(doc, path):
+    from quack.gemm_interface import gemm_add, gemm_add_inplace
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    da = (torch.randn(ROWS, VOCAB, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+    h = torch.randn(ROWS, D, device="cuda", generator=g).to(torch.bfloat16)
+    dw32 = torch.randn(VOCAB, D, device="cuda", generator=g) * 1e-2
+
+    def cast():
+        acc = dw32.clone()
+        gemm_add_inplace(da.t(), h, acc)
+        return acc.to(torch.bfloat16)
+
+    def fused():
+        dw32.clone()  # (the same clone as ``cast``: equal bytes moved besides the tail itself)
+        return gemm_add(da.t(), h, dw32, out_dtype=torch.bfloat16)
+
+    fns = {"fp32_then_cast": cast, "gemm_add_bf16_out": fused}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(5):
+        for k, f in fns.items():
+            times[k].append(_streamed(f)["gpu_ms"])
+    same = torch.equal(cast(), fused())
+    for k in fns:
+        log_row(doc, "tail", {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2],
+                              "bits_equal": same}, path)
+
+
+def main() -> int:
+    doc = {**header(), "kind": "probe_ce_pass", "shape": {"rows": ROWS, "vocab": VOCAB, "d": D},
+           "timing": "GPU ms per call of 20 enqueued back to back after 3 warm-up calls, in 5 alternations of the variants",
+           "pass": [], "tail": []}
+    path = out_json("probe_ce_pass")
+    _pass_rows(doc, path)
+    _tail_rows(doc, path)
+    print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -547,6 +547,13 @@ def test_qkv_gradient_scales_come_from_their_own_history(mlp):
     assert not sc.qkv_gradients_calibrated and (sc.qkv_gradient_history == 0).all()
     sc.load_checkpoint_state(state)
     assert sc.qkv_gradients_calibrated and torch.equal(sc.qkv_gradient_history, state["qkv_gradient_history"])
+    # as TorchTitan's checkpointer (DCP) restores: into the very tensors checkpoint_state handed out, in place
+    sc.load_checkpoint_state({k: v for k, v in state.items() if not k.startswith("qkv")})
+    live = sc.checkpoint_state()
+    for k, v in live.items():
+        v.copy_(state[k])
+    sc.load_checkpoint_state(live)
+    assert sc.qkv_gradients_calibrated and torch.equal(sc.qkv_gradient_history, state["qkv_gradient_history"])
 
 
 def _mlp_dgrad_error(margin: int, grown: float) -> float:

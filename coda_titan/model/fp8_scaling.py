@@ -171,11 +171,14 @@ class Fp8Scaling(nn.Module):
             else:
                 self.input_history(site).zero_()
                 self.input_calibrated[site] = False
-        self.qkv_gradient_history.zero_()  # (likewise the QKV gradient site)
         self.qkv_gradients_calibrated = "qkv_gradient_history" in state_dict and bool(
             state_dict["qkv_gradient_calibrated"].item())
+        # (likewise the QKV gradient site; the checkpointer may have loaded into this very tensor, which
+        # ``checkpoint_state`` handed it: zeroed only where it is not restored)
         if self.qkv_gradients_calibrated:
             self.qkv_gradient_history.copy_(state_dict["qkv_gradient_history"])
+        else:
+            self.qkv_gradient_history.zero_()
         self.sink, self.sink_sites = None, ()
 
     def _memo(self, name: str, history: torch.Tensor, calibrated: bool, make):

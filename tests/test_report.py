@@ -72,10 +72,12 @@ def test_a_part_replaces_only_the_programs_it_measured(tmp_path, monkeypatch):
     assert merged["runs"] == ["d64: new", "d64: old"]
 
 
-def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
+def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch):
     """compare embeds the floor measured in its own lease (same host and boot, device, day, seq x batch)
     and the table divides each FA4 run's step by the floor of its precision; another day's floor, and a
-    floor of the same GPU and day from another host (or one that names no host) are not used."""
+    floor of the same GPU and day from another host (or one that names no host) are not used. A floor
+    archived under a session's name (a later floor of that day took the file's name) is still found,
+    cited as ``archive/<name>``."""
     from scripts.bench.floor import totals
     from scripts.compare.run import same_lease_floor
     from scripts.report.training import compare_table
@@ -103,6 +105,12 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path):
         assert same_lease_floor({**doc, "host": host}, tmp_path) is None, host
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({k: v for k, v in floor.items() if k != "host"}))
     assert same_lease_floor(doc, tmp_path) is None  # a floor file from before hosts were recorded
+    from scripts.compare import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "floor_tenth_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
+    assert same_lease_floor(doc, tmp_path)["file"] == "archive/floor_tenth_GPU_X_2026-01-02.json"
 
 
 def test_the_report_gives_a_comparison_run_after_the_floor_its_hosts_floor(tmp_path, monkeypatch):

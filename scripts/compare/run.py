@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.compare import common
 from scripts.compare.common import RESULTS, ROOT, _attention_of, _header, _load_toml, _out_path, _say, _slug, dump_toml, with_attention
 
 
@@ -188,27 +189,37 @@ def peak_active(wandb: dict, warmup: int) -> dict:
     return {"peak_active_gib": max(timed), "peak_active_gib_warmup": max(first) if first else None} if timed else {}
 
 
-def floor_files(device: str, date: str, dirs) -> list[tuple[Path, dict]]:
+def floor_files(device: str, date: str, dirs, archived: bool = False) -> list[tuple[Path, dict]]:
     """(path, doc) of every floor file (``scripts.bench.floor``) of this device and day in ``dirs``,
-    in that order, the newest name first within a folder."""
+    in that order, the newest name first within a folder; with ``archived``, then those kept in
+    benchmarks/results/archive under a session's name (``floor_<session>_<gpu>_<day>.json``)."""
+    name = f"{_slug(device)}_{date[:10]}.json"
+    archive = common.RESULTS / "archive"  # (read at the call: the tests point it elsewhere)
+    globs = [(Path(d), f"floor_{name}") for d in dirs] + ([(archive, f"floor_*{name}")] if archived else [])
     out = []
-    for d in dirs:
-        for p in sorted(Path(d).glob(f"floor_{_slug(device)}_{date[:10]}.json"), reverse=True):
+    for d, pattern in globs:
+        for p in sorted(d.glob(pattern), reverse=True):
             f = json.loads(p.read_text())
             if f["device"] == device:
                 out.append((p, f))
     return out
 
 
+def _floor_name(p: Path) -> str:
+    """A floor file's name as the tables cite it: ``archive/<name>`` for an archived one."""
+    return f"archive/{p.name}" if p.parent == common.RESULTS / "archive" else p.name
+
+
 def same_lease_floor(doc: dict, out: Path) -> dict | None:
     """The step floor (``scripts.bench.floor``) measured in this lease (the same ``host_id``: machine and
-    boot) for this model shape, before this run, found in ``out`` or benchmarks/results: its file and its
+    boot) for this model shape, before this run, found in ``out`` or benchmarks/results (or its archive,
+    once a later floor of that day took the name): its file and its
     floor ms per precision, or None (the tables then say n/a). A floor of the same GPU and day from
     another host is not this lease's: hosts differ by several percent."""
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
-    for p, f in floor_files(doc["device"], doc["date"], (out, RESULTS)):
+    for p, f in floor_files(doc["device"], doc["date"], (out, RESULTS), archived=True):
         if doc.get("host") and f.get("host") == doc["host"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
-            return {"file": p.name, "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()}}
+            return {"file": _floor_name(p), "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()}}
     return None
 
 

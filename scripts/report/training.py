@@ -288,16 +288,10 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
 def _floor_of(profile: dict) -> dict | None:
     """The complete floor file (``scripts.bench.floor``) of this profile's device and day: the one measured
     on its host (machine and boot) if kept, here or archived under another name, else the day's."""
-    import json
-
     from scripts.compare.common import RESULTS
-    from scripts.compare.run import _slug, floor_files
+    from scripts.compare.run import floor_files
 
-    docs = [doc for _, doc in floor_files(profile["device"], profile["date"], (RESULTS,)) if doc.get("complete")]
-    for p in sorted((RESULTS / "archive").glob(f"floor_*{_slug(profile['device'])}_{profile['date'][:10]}.json")):
-        doc = json.loads(p.read_text())
-        if doc.get("complete") and doc["device"] == profile["device"]:
-            docs.append(doc)
+    docs = [doc for _, doc in floor_files(profile["device"], profile["date"], (RESULTS,), archived=True) if doc.get("complete")]
     same_host = [d for d in docs if profile.get("host") and d.get("host") == profile["host"]]
     return (same_host or docs or [None])[0]
 

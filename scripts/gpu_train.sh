@@ -63,6 +63,8 @@
 #                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
+#     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
+#                  and CODA fp8 compiled, then CODA fp8 compiled recasting (tables dw2_reuse, dw2_recast)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -329,6 +331,12 @@ for phase in "$@"; do
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
+      ;;
+    dw2reuse)
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml \
+        --steps "${STEPS:-40}" --warmup 10 --tag dw2_reuse
+      CODA_TITAN_DW2_RECAST=1 $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --tag dw2_recast
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

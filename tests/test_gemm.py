@@ -355,6 +355,14 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     kw = dict(gradq=gq_t.t(), grad_scale=1 / inv, inpq=xq_t.t(), inp_scale=1 / inv_x, out_dtype=bf)
     gemm_check("wgrad_fp8_q", compiled("wgrad_fp8_q")(**kw), cute.wgrad_fp8_q(**kw),
                gq8.double().t() / inv.double(), xq8.double() / inv_x.double())
+    # dW2 on B3's e5m2 D (the model's default): quantize_grad's codes and scale are wgrad_fp8_e4m3's own cast
+    # of the gradient (the same amax, power-of-two scale and codes), so the traced GEMM on them is that op's
+    dq, s_d = cute.quantize_grad(t=g)
+    assert torch.equal(dq.view(torch.uint8), gq.view(torch.uint8)) and torch.equal(s_d.float(), s_g.float())
+    kw = dict(gradq=dq, grad_scale=s_d, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf)
+    gemm_check("wgrad_fp8_q on quantize_grad", compiled("wgrad_fp8_q")(**kw),
+               cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf),
+               gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
 
     # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
     # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides

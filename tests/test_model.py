@@ -1054,6 +1054,35 @@ def test_fp8_down_dgrad_with_da_t_runs_the_transposed_b3_on_its_fp8_gemm(down_wg
             assert torch.equal(g_on[k], g_off[k]), k
 
 
+def test_dw2_reuses_b3s_e5m2_d_bit_for_bit(monkeypatch):
+    """With ``fp8_down_dgrad`` and ``fp8_down_wgrad`` (the defaults), dW2 takes the e5m2 D that B3's fp8
+    GEMM was given (``quantize_grad``: the current amax's scale rounded down to a power of two) instead
+    of casting D again: ``wgrad_fp8_e4m3``'s own cast of D is that same cast (the same amax, scale and
+    codes), so every gradient is bit for bit the recasting model's (``CODA_TITAN_DW2_RECAST=1``), with
+    one cast of D per layer instead of two."""
+    kw = dict(**_MLP, fp8_down_dgrad=True, fp8_mlp_da_t=True, fp8_down_wgrad=True)
+    _, reuse = _models(**kw)
+    _, recast = _models(**kw)
+    names = ("wgrad_fp8_q", "wgrad_fp8_e4m3", "quantize_grad")
+    calls, calls_recast = _spy(reuse, names), _spy(recast, names)
+    tokens, labels = _batch(reuse.model_args.vocab_size)
+    n = len(reuse.layers)
+    for step in range(2):  # calibration (no y scale yet: dW2 in bf16), then the delayed scales
+        calls.clear(), calls_recast.clear()
+        for m, env in ((reuse, None), (recast, "1")):
+            if env:
+                monkeypatch.setenv("CODA_TITAN_DW2_RECAST", env)
+            else:
+                monkeypatch.delenv("CODA_TITAN_DW2_RECAST", raising=False)
+            m.zero_grad()
+            m(tokens, labels=labels).backward()
+        if step:
+            assert sorted(calls) == sorted(["quantize_grad", "wgrad_fp8_q"] * n), calls
+            assert sorted(calls_recast) == sorted(["quantize_grad", "wgrad_fp8_e4m3"] * n), calls_recast
+    g, g_recast = _grads(reuse), _grads(recast)
+    assert all(torch.equal(g[k], g_recast[k]) for k in g)
+
+
 def _saved_bytes(models: dict, tokens, labels) -> dict:
     """Bytes each model's forward saves for its backward (every saved tensor, by the autograd hooks); the
     backward runs too."""

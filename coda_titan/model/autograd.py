@@ -23,6 +23,7 @@ returns name their gradients (``_grads``); nothing counts positions.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from ..kernels import Backend
 from ..kernels._common import deinterleave_rows, interleave_rows
 from ..kernels.scaling import E4M3, E5M2_MAX, dequant_scale, inv_scale_from_amax
+
+DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
-        daq_t = None
+        daq_t = dq = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
             q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd, inv_scale=grad_inv_scale)
@@ -289,7 +292,11 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   **norm)
         else:
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
-        if y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
+        if y.dtype == E4M3 and dq is not None and os.environ.get(DW2_RECAST_ENV) != "1":  # and on B3's e5m2 D:
+            # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
+            dw2 = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y if daq_t is None else y.t(),
+                                 inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
+        elif y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
             dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),
                                     inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         else:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from scripts.compare import common
-from scripts.compare.common import RESULTS, ROOT, _attention_of, _header, _load_toml, _out_path, _say, _slug, dump_toml, with_attention
+from scripts.compare.common import ROOT, _attention_of, _header, _load_toml, _out_path, _say, _slug, dump_toml, with_attention
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -217,7 +217,7 @@ def same_lease_floor(doc: dict, out: Path) -> dict | None:
     floor ms per precision, or None (the tables then say n/a). A floor of the same GPU and day from
     another host is not this lease's: hosts differ by several percent."""
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
-    for p, f in floor_files(doc["device"], doc["date"], (out, RESULTS), archived=True):
+    for p, f in floor_files(doc["device"], doc["date"], (out, common.RESULTS), archived=True):
         if doc.get("host") and f.get("host") == doc["host"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
             return {"file": _floor_name(p), "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()}}
     return None

@@ -118,11 +118,9 @@ def test_the_report_gives_a_comparison_run_after_the_floor_its_hosts_floor(tmp_p
     floor file) gets that floor when the report refreshes it from benchmarks/results; another host's
     floor of the same GPU and day is not used, and a comparison without one keeps no floor field."""
     import scripts.compare.common as common
-    import scripts.compare.run as run_mod
     from scripts.report.training import refresh
 
-    monkeypatch.setattr(common, "RESULTS", tmp_path)
-    monkeypatch.setattr(run_mod, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)  # (the one results folder every lookup reads)
     floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2,
              "totals": {"bf16": {"floor_ms": 40.0}, "fp8": {"floor_ms": 30.0}}}
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))

@@ -4,27 +4,16 @@ arithmetic of the inductor program it replaces (``kernels/cute/norm_rope._rope_b
 JSON line of measurements; the test judges them. (``coda_titan.kernels.cute`` imports quack, which a CPU
 install lacks: its package is stood in for, so that only the Triton module and the reference load.)"""
 
-import importlib
 import json
-import pathlib
-import sys
-import types
 
 import torch
+from interpreter_stub import cute_function, cute_module
 
-import coda_titan.kernels as kernels
-
-cute_dir = pathlib.Path(kernels.__file__).parent / "cute"
-pkg = types.ModuleType("coda_titan.kernels.cute")
-pkg.__path__ = [str(cute_dir)]
-sys.modules["coda_titan.kernels.cute"] = pkg
-importlib.import_module("coda_titan.kernels.cute.rope_bwd_pass")
+cute_module("rope_bwd_pass")
 from coda_titan.kernels import norm_rope as ref  # noqa: E402
 from coda_titan.kernels.scaling import E5M2, quantize_e5m2_site  # noqa: E402
 
-src = (cute_dir / "norm_rope.py").read_text()
-ns = {"torch": torch}
-exec(src[src.index("def _rope_bwd_f32"):src.index("def _rope_bwd_math")], ns)  # (the function alone)
+rope_bwd_f32 = cute_function("norm_rope.py", "def _rope_bwd_f32", "def _rope_bwd_math", {"torch": torch})
 
 torch.manual_seed(0)
 seq, bs, hd, nq, nkv = 16, 2, 16, 4, 2
@@ -34,7 +23,7 @@ dy[5, 3] = 0.0
 rstd = torch.rand(m) + 0.5
 cos, sin = ref.rope_cos_sin(1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)), seq, torch.float32)
 da, zdz = torch.ops.coda.rope_bwd_pass(dy, y, rstd, cos, sin, rot)
-da_f, zdz_f = ns["_rope_bwd_f32"](dy, y, rstd, cos, sin, rot, hd)
+da_f, zdz_f = rope_bwd_f32(dy, y, rstd, cos, sin, rot, hd)
 rtz = (da_f.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)  # (the interpreter truncates)
 inv = torch.tensor(2.0**14)
 _, zdz8, daq, amax = torch.ops.coda.rope_bwd_fp8_pass(dy, y, rstd, cos, sin, rot, inv)

@@ -4,26 +4,16 @@ against the arithmetic of the inductor program it replaces (``kernels/cute/lm_he
 Prints one JSON line of measurements; the test judges them. (``coda_titan.kernels.cute`` imports quack,
 which a CPU install lacks: its package is stood in for, so that only the Triton module loads.)"""
 
-import importlib
 import json
-import pathlib
-import sys
-import types
 
 import torch
+from interpreter_stub import cute_function, cute_module
 
-import coda_titan.kernels as kernels
 from coda_titan.kernels import lm_head_ce as ref
 
-cute_dir = pathlib.Path(kernels.__file__).parent / "cute"
-pkg = types.ModuleType("coda_titan.kernels.cute")
-pkg.__path__ = [str(cute_dir)]
-sys.modules["coda_titan.kernels.cute"] = pkg
-ce_pass = importlib.import_module("coda_titan.kernels.cute.ce_grad_pass")
-
-src = (cute_dir / "lm_head_ce.py").read_text()
-ns = {"torch": torch, "ref": ref}
-exec(src[src.index("def _ce_grad_math"):src.index("@torch.library.register_kernel")], ns)  # (the function alone)
+ce_pass = cute_module("ce_grad_pass")
+ce_grad_math = cute_function("lm_head_ce.py", "def _ce_grad_math", "@torch.library.register_kernel",
+                             {"torch": torch, "ref": ref})
 
 torch.manual_seed(0)
 rows, vocab = 6, 5000  # two blocks of 4096 columns, the second one partly masked
@@ -33,7 +23,7 @@ rstd = torch.rand(rows) + 0.5
 lf = logits.float()
 lse = torch.logsumexp(lf, -1)
 tgt_logit = lf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-da_r, zdz_r = ns["_ce_grad_math"](logits, lse, tgt_logit, targets, rstd)
+da_r, zdz_r = ce_grad_math(logits, lse, tgt_logit, targets, rstd)
 p = torch.exp(lf - lse[:, None])
 onehot = torch.arange(vocab)[None, :] == targets[:, None]
 da_f = (p - onehot.float()) * torch.where(targets != ref.IGNORE_INDEX, rstd, 0.0)[:, None]  # before the bf16 rounding

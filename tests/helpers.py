@@ -303,3 +303,17 @@ def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2, fa4: bool = Fa
                            dp_replicate_enabled=False)
     parallelize_coda(model, dims, job)
     return model
+
+
+def run_interpreter_check(script: str) -> dict:
+    """Run ``tests/<script>`` (a ``*_interpreter_check.py``) in a subprocess with TRITON_INTERPRET=1 (read when
+    triton is imported, hence a process of its own) and return the JSON line of measurements it prints."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,7 +8,7 @@ from torch.library import opcheck
 from coda_titan.kernels.lm_head_ce import IGNORE_INDEX
 from coda_titan.model.autograd import LMHeadCE
 
-from .helpers import CFG, D, DIMS, EPS, M, V, check_cute_matches_reference, deferred_norm, op_cases, rand64
+from .helpers import CFG, D, DIMS, EPS, M, V, check_cute_matches_reference, deferred_norm, op_cases, rand64, run_interpreter_check
 
 
 def test_lm_head_ce_backward():
@@ -75,16 +75,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     rounds to nearest: the GPU tests) plus 4 fp32 units for exp's own rounding; an ignored row is all
     zero with zdz 0; zdz differs only by the row sum's order: at most 2 (V - 1) fp32 units of the sum of
     its terms' magnitudes."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("ce_interpreter_check.py"))],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreter_check("ce_interpreter_check.py")
     assert got["in_place"] and got["da_dtype"] == "torch.bfloat16", got
     assert got["da_err_over_bound"] <= 1.0 and got["ignored_row_zero"], got
     assert got["zdz_err_over_bound"] <= 1.0, got

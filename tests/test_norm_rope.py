@@ -2,7 +2,6 @@
 against an fp64 emulation, the ops, and the cute kernels against the reference (GPU)."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from coda_titan.model.autograd import NormRoPE
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .helpers import BF, CFG, D, DIMS, HD, HKV, HQ, M, SEQ, TORCH, check_cute_matches_reference, deferred_norm, fp8_operands, op_cases, rand64, rel
+from .helpers import BF, CFG, D, DIMS, HD, HKV, HQ, M, SEQ, TORCH, check_cute_matches_reference, deferred_norm, fp8_operands, op_cases, rand64, rel, run_interpreter_check
 
 
 def test_norm_rope_backward():
@@ -179,14 +178,7 @@ def test_b1_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     its terms' magnitudes (two orders, each within (q - 1) u of the exact sum); the fp8 pass's amax is the reference's exactly (a max). Its e5m2 codes are
     checked on the GPU only (``test_cute_fp8_qkv_dgrad_matches_reference``): the interpreter's fp32 to
     e5m2 conversion is its own (1.93 became 1.0), not the hardware's round to nearest."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("b1_interpreter_check.py"))],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreter_check("b1_interpreter_check.py")
     assert got["da_dtype"] == "torch.bfloat16" and got["da_bits_apart"] == 0, got
     assert got["zdz_err_over_bound"] <= 1.0 and got["zdz_fp8_same"], got
     assert got["daq_is_e5m2"] and got["amax_equal"] and got["amax_shape"] == [], got

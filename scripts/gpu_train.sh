@@ -56,8 +56,9 @@
 #     fp8transpose probe: the weight pass's transposed e4m3 copies, aten's against inductor's (scripts/probes/fp8_transpose.py)
 #     ropebwd      probe: B1 (the RoPE backward pass) as shipped against rewrites of the same arithmetic (scripts/probes/rope_bwd.py)
 #     b1pass       B1 as one Triton pass (the default) against the inductor program (CODA_TITAN_B1_PASS=inductor): the compiled
-#                  baseline, CODA compiled and (fp8) its fp8_dgrad arm with the pass, then CODA compiled with the program,
-#                  PREC=fp8 (default) or bf16 (two tables: b1_triton_PREC, b1_inductor_PREC)
+#                  baseline and CODA compiled with the pass, then CODA compiled with the program (fp8_dgrad is on by
+#                  default since the twenty-fifth session: its own arm is gone), PREC=fp8 (default) or bf16
+#                  (two tables: b1_triton_PREC, b1_inductor_PREC)
 #     cepass       F4's gradient pass in place (Triton, the last dW GEMM writing bf16; the default) against the previous
 #                  program (CODA_TITAN_CE_PASS=inductor): the compiled baseline and CODA compiled with the pass, then CODA
 #                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
@@ -154,6 +155,14 @@ curves() {
   a=$(variant "$@") || exit 2
   $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
     --steps "${PARITY_STEPS:-300}" --tag "$tag"
+}
+# envab ON OFF VAR=VALUE: an A/B of an environment switch (PREC=fp8 or bf16): the compiled baseline and the
+# compiled CODA config as they are (tag ON), then the compiled CODA config under VAR=VALUE (tag OFF), one after the other
+envab() {
+  local p=${PREC:-fp8}
+  $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml \
+    --steps "${STEPS:-40}" --warmup 10 --tag "$1"
+  env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 --tag "$2"
 }
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
@@ -315,28 +324,16 @@ for phase in "$@"; do
       python3 -m scripts.probes.rope_bwd
       ;;
     b1pass)
-      p=${PREC:-fp8}; arm=()
-      [ "$p" = fp8 ] && { arm=("$(variant qkv_dgrad "fp8_dgrad = true")") || exit 2; }
-      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "${arm[@]}" \
-        --steps "${STEPS:-40}" --warmup 10 --tag "b1_triton_$p"
-      CODA_TITAN_B1_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
-        --tag "b1_inductor_$p"
+      envab "b1_triton_${PREC:-fp8}" "b1_inductor_${PREC:-fp8}" CODA_TITAN_B1_PASS=inductor
       ;;
     cepass)
-      p=${PREC:-fp8}
-      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag "ce_triton_$p"
-      CODA_TITAN_CE_PASS=inductor $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
-        --tag "ce_inductor_$p"
+      envab "ce_triton_${PREC:-fp8}" "ce_inductor_${PREC:-fp8}" CODA_TITAN_CE_PASS=inductor
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
       ;;
     dw2reuse)
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag dw2_reuse
-      CODA_TITAN_DW2_RECAST=1 $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
-        --tag dw2_recast
+      PREC=fp8 envab dw2_reuse dw2_recast CODA_TITAN_DW2_RECAST=1
       ;;
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass

@@ -66,6 +66,9 @@
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
 #                  and CODA fp8 compiled, then CODA fp8 compiled recasting (tables dw2_reuse, dw2_recast)
+#     stepchunks   the compiled baseline, CODA compiled as configured, and with [coda] step_chunk_layers = C (the optimizer
+#                  step on its stream in layer chunks; each block of the next forward waits for its own) for C in CHUNKS
+#                  (default "4 1"), PREC=fp8 (default) or bf16 (table step_chunks_PREC)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
@@ -331,6 +334,16 @@ for phase in "$@"; do
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
+      ;;
+    stepchunks)
+      # [coda] step_chunk_layers: the compiled baseline, the compiled CODA config as configured, and with the
+      # optimizer step on its stream in chunks of C layers for each C of CHUNKS (default "4 1"), PREC=fp8 or bf16
+      p=${PREC:-fp8}; vs=()
+      for c in ${CHUNKS:-4 1}; do
+        v=$(PREC=$p variant "chunks$c" "optimizer_stream = true" "step_chunk_layers = $c") || exit 2; vs+=("$v")
+      done
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "${vs[@]}" \
+        --steps "${STEPS:-40}" --warmup 10 --tag "step_chunks_$p"
       ;;
     dw2reuse)
       PREC=fp8 envab dw2_reuse dw2_recast CODA_TITAN_DW2_RECAST=1

@@ -1200,11 +1200,11 @@ def test_prefetched_weight_pass_on_a_side_stream_is_the_forwards_own():
     loss = model(tokens, labels=labels)
     loss.backward()
     opt.step()  # the hook: the next forward's pass, queued on the side stream behind the sleep
-    assert model._prefetched is not None and model._prefetched[2] is not None
-    flags, pre = model._prefetched[0], model._prefetched[3]
+    assert len(model._prefetched) == 1 and model._prefetched[0].done is not None
+    flags, pre = model._prefetched[0].flags, model._prefetched[0].ws
     state = {k: v.clone() for k, v in model.fp8_scaling.checkpoint_state().items()}
     loss_pre = model(tokens, labels=labels).float().item()  # (with grad: the pass the training forward takes)
-    assert model._prefetched is None
+    assert model._prefetched == []
     model.fp8_scaling.load_checkpoint_state(state)
     model.model_args.coda = dataclasses.replace(model.model_args.coda, prefetch_weights=False)
     loss_own = model(tokens, labels=labels).float().item()

@@ -91,6 +91,83 @@ def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_fo
     assert rec.log == [("wait_event", "main", "side_done", 2)] and hooks.held == []
 
 
+def test_a_chunked_step_is_waited_for_per_block_and_its_gradients_held_until_the_whole_step(fake_cuda):
+    """``[coda] step_chunk_layers``: each chunk's event is waited for by the first block that needs it
+    (the forward's start for the embedding and norms), once; a block whose chunk is in waits for nothing;
+    the LM head (``None``) waits for the rest; the gradients go only after the whole step."""
+    rec = fake_cuda
+    params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(2)]
+    hooks = rec.hooks = opt_stream.OptimizerStream(params)
+    hooks.chunked, hooks.first = True, False
+    hooks.before_step()
+    for first in (-1, 0, 2, 4):  # (the embedding and norms, layers 0-1, layers 2-3, the LM head)
+        hooks.chunk_done(first)
+    hooks.after_step()
+    assert [e for e in rec.log if e[0] == "record_event"] == [("record_event", "side")] * 5
+    rec.log.clear()
+    for layer in (-1, 0, 1, 2, 3):
+        hooks.wait_for(layer)
+        assert len(hooks.held) == 2
+    assert [e[0] for e in rec.log] == ["wait_event"] * 3  # (-1, 0 and 2: layers 1 and 3 are in)
+    hooks.wait_for(None)
+    assert [e[0] for e in rec.log] == ["wait_event"] * 4 and hooks.held == [] and hooks.pending == []
+    hooks.wait_for(None)
+    assert len(rec.log) == 4
+
+
+def test_the_chunk_plan_covers_every_parameter_once_in_the_order_the_forward_reads_them():
+    model = _tiny(Coda(optimizer_stream=True, step_chunk_layers=1))
+    plan = opt_stream.chunk_plan(model, 1)
+    ids = [i for chunk, _, _ in plan for i in chunk]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
+    assert [(first, span) for _, first, span in plan] == [(-1, None), (0, (0, 1)), (1, (1, 2)), (2, None)]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[i] for i in plan[0][0]} == {"tok_embeddings.weight", "norm.weight", "layers.0.attention_norm.weight",
+                                               "layers.0.ffn_norm.weight", "layers.1.attention_norm.weight",
+                                               "layers.1.ffn_norm.weight"}
+    assert {names[i] for i in plan[-1][0]} == {"output.weight"}
+    assert all(names[i].startswith("layers.1.") for i in plan[2][0])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_cpu_training_run_with_the_step_in_chunks_is_the_run_without(precision):
+    """The chunked step is the same per-parameter update (bit for bit, three steps); every chunk steps
+    its own parameters once; with fp8 each layer chunk's weight pass is issued after its update and every
+    forward after the first takes the chunks' passes."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    tokens = torch.randint(0, 2000, (2, 64), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for per_chunk in (0, 1):
+        model = _tiny(Coda(precision=precision, optimizer_stream=True, step_chunk_layers=per_chunk))
+        opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+        inner, stepped = opt.optimizers[0], []
+        real = type(inner).step
+        type(inner).step = lambda self, *a, **k: stepped.append(len(self.param_groups[0]["params"])) or real(self, *a, **k)
+        taken, take = [], model._take_prefetched
+        model._take_prefetched = lambda *a: taken.append(take(*a)) or taken[-1]
+        try:
+            losses = []
+            for _ in range(3):
+                loss = model(tokens, labels=tokens)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            type(inner).step = real
+        spans = [(p.start, p.stop) for p in model._prefetched or []]
+        runs[per_chunk] = (losses, [p.detach().clone() for p in model.parameters()], stepped, spans, taken)
+    (l0, p0, s0, _, _), (l1, p1, s1, spans, taken) = runs[0], runs[1]
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+    n = len(list(_tiny(Coda()).parameters()))
+    assert s0 == [n] * 3 and len(s1) == 12 and sum(s1[:4]) == n and s1[:4] == s1[4:8]
+    if precision == "fp8":
+        assert spans == [(0, 1), (1, 2)] and [t is not None for t in taken] == [False, True, True]
+
+
 def test_without_a_cuda_parameter_the_hooks_do_nothing(fake_cuda):
     hooks = opt_stream.OptimizerStream([SimpleNamespace(is_cuda=False, device="cpu", grad=None)])
     hooks.before_step()
@@ -163,27 +240,41 @@ def test_the_knob_outside_one_gpu_is_refused_in_one_line(case):
     opt_stream.check(SimpleNamespace(coda=Coda()), dims)  # (off: nothing to check)
 
 
+def test_a_chunked_step_without_the_side_stream_is_refused_in_one_line():
+    from coda_titan.titan.job_config import ConfigError
+
+    dims = SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False)
+    with pytest.raises(ConfigError) as err:
+        opt_stream.check(SimpleNamespace(coda=Coda(step_chunk_layers=4)), dims)
+    assert "\n" not in str(err.value) and "needs [coda] optimizer_stream = true" in str(err.value)
+    opt_stream.check(SimpleNamespace(coda=Coda(step_chunk_layers=4, optimizer_stream=True)), dims)
+
+
 @pytest.mark.gpu
 def test_training_with_the_step_on_its_own_stream_equals_training_without_it():
     """cute fp8, two 1B-width layers, compiled blocks, FA4, the fp8 weight pass prefetched by the step's
-    post-hook: five steps with ``[coda] optimizer_stream`` give, bit for bit, the losses and the final
-    parameters and optimizer state of five steps without it (the same kernels in the same order on
-    the same values; a forward or a weight pass that read a parameter before its update shows)."""
+    post-hook: five steps with ``[coda] optimizer_stream``, and with it in chunks of one layer (``[coda]
+    step_chunk_layers``: each block waits for its own chunk and weight pass), give, bit for bit, the
+    losses and the final parameters and optimizer state of five steps without it (the same kernels in
+    the same order on the same values; a forward or a weight pass that read a parameter before its
+    update shows)."""
     seqlen = 1024
     # (FA4 as in the configs: its backward sums dQ, and with GQA dK and dV, in arrival order unless asked to be
     # deterministic; SDPA's cuDNN backward stays non-deterministic under warn_only)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        result = {on: _five_steps(on, seqlen) for on in (False, True)}
+        result = {on: _five_steps(on, seqlen) for on in (False, True, "chunked")}
     finally:
         torch.use_deterministic_algorithms(was)
-    (l0, p0, s0), (l1, p1, s1) = result[False], result[True]
-    assert l0 == l1, (l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(s0, s1))
+    l0, p0, s0 = result[False]
+    for on in (True, "chunked"):
+        l1, p1, s1 = result[on]
+        assert l0 == l1, (on, l0, l1)
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(s0, s1)), on
 
 
-def _five_steps(on: bool, seqlen: int):
+def _five_steps(on, seqlen: int):
     """Five training steps of the test above: (losses, parameters, optimizer state)."""
     from torchtitan.config import Optimizer as OptimizerConfig
 
@@ -192,8 +283,18 @@ def _five_steps(on: bool, seqlen: int):
     from .helpers import compiled_1b_width_model
 
     torch._dynamo.reset()
-    model = compiled_1b_width_model(Coda(backend="cute", precision="fp8", optimizer_stream=on), seqlen, fa4=True)
+    coda = Coda(backend="cute", precision="fp8", optimizer_stream=bool(on), step_chunk_layers=int(on == "chunked"))
+    model = compiled_1b_width_model(coda, seqlen, fa4=True)
     opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    if on == "chunked":  # each chunk's end held back on the step's stream: a block that did not wait for its
+        hooks, real = model.optimizer_stream, model.optimizer_stream.chunk_done  # chunk reads stale weights
+
+        def slow(first):
+            if hooks.main is not None:
+                torch.cuda._sleep(20_000_000)
+            real(first)
+
+        hooks.chunk_done = slow
     g = torch.Generator(device="cuda").manual_seed(1)
     losses = []
     for _ in range(5):

@@ -23,7 +23,6 @@ epilogue needs to write H.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +35,10 @@ from ..titan.fa4 import attention_on_packed
 from ..titan.job_config import validate
 from .args import CodaModelArgs
 from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
+from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .rope import rope_freqs
+from .weight_prefetch import is_sharded as _is_sharded
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,8 @@ class CodaTransformerBlock(TransformerBlock):
         return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o
 
 
-def _param_versions(layers) -> tuple:
-    """Each layer parameter's identity and in-place version: what a prefetched weight pass read."""
-    return tuple((id(p), p._version) for layer in layers for p in layer.parameters())
-
-
-def _is_sharded(block: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(block, FSDPModule)
+def _no_wait(layer: int | None) -> None:
+    """Without ``[coda] optimizer_stream`` the step is ordered before the forward on one stream."""
 
 
 def _attention_gammas(layers: list[torch.nn.Module], dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -223,8 +217,9 @@ class CodaTransformer(Transformer):
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         if attention_masks is not None or positions is not None:
             raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
-        if getattr(self, "optimizer_stream", None) is not None:  # ([coda] optimizer_stream: the last step's)
-            self.optimizer_stream.wait()
+        # ([coda] optimizer_stream: the last step, on its stream; with step_chunk_layers each block waits for its own chunk)
+        step_wait = getattr(getattr(self, "optimizer_stream", None), "wait_for", _no_wait)
+        step_wait(-1)  # (the embedding and the norms)
         cfg = self.program_config()
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
@@ -242,11 +237,13 @@ class CodaTransformer(Transformer):
                 h, s = cfg.backend.rms_partial(x=x, gamma=gamma0, tile_n=cfg.tile_n)
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
         if fp8:
-            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks)
+            x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks, step_wait)
         else:
             for i, block in enumerate(blocks):
                 gamma_next = gammas[i + 1] if i + 1 < len(layers) else self.norm.weight
+                step_wait(i)
                 x, h, rstd = block(x, h, rstd, freqs, seqlen, gamma_next, cfg)
+        step_wait(None)  # (the LM head: the whole step, and the backward after it)
         if labels is None:
             return self.output(h, rstd).to(h.dtype).view(bs, seqlen, -1)
         return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
@@ -292,48 +289,16 @@ class CodaTransformer(Transformer):
             fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc, _) in fp8_in.items()}
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
-    def prefetch_fp8_weights(self) -> bool:
-        """Issue the next training forward's fp8 weight pass and delayed scales now (an optimizer step
-        post-hook, ``titan.train_spec``): at a step's end the host is ahead of the GPU, at the next
-        one's start it has just waited for it (TorchTitan's batch copy synchronizes). On CUDA the pass
-        runs on a side stream that waits for the optimizer; the forward waits for it, and uses it only if
-        every layer parameter is the same tensor at the same version and the same weights are needed
-        (else it computes its own). Returns whether a pass was issued (docs/fp8.md)."""
-        self._prefetched = None
-        layers = list(self.layers.values())
-        coda = self.model_args.coda
-        if coda.precision != "fp8" or not coda.prefetch_weights or not layers or not self.training or _is_sharded(layers[0]):
-            return False
-        cfg, flags = self.program_config(), self._weight_pass_flags(True)
-        with torch.no_grad():  # the scales: pure functions of the histories until the next forward records
-            self.fp8_scaling.prepare(list(flags[3]))
-        device = layers[0].attention.wq.weight.device
-        side = None
-        if device.type == "cuda":
-            if getattr(self, "_side_stream", None) is None or self._side_stream.device != device:
-                self._side_stream = torch.cuda.Stream(device)
-            side = self._side_stream
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            ws = self._weight_pass(layers, cfg, flags)
-            done = (device, side.record_event()) if side is not None else None
-        self._prefetched = (flags, _param_versions(layers), done, ws)
-        return True
+    def prefetch_fp8_weights(self, start: int = 0, stop: int | None = None) -> bool:
+        """Issue the next training forward's fp8 weight pass over ``layers[start:stop]`` now (an
+        optimizer-step hook, ``titan.train_spec``; ``weight_prefetch``)."""
+        return weight_prefetch.issue(self, start, stop)
 
     def _take_prefetched(self, layers, flags: tuple):
-        """The prefetched weight pass if it holds for this forward (else None), once."""
-        pre = getattr(self, "_prefetched", None)
-        if pre is None or pre[0] != flags:
-            return None
-        self._prefetched = None
-        if pre[1] != _param_versions(layers):
-            return None
-        if pre[2] is not None:  # the side stream's pass, before this stream's first use of it
-            torch.cuda.current_stream(pre[2][0]).wait_event(pre[2][1])
-        return pre[3]  # (memory: the side stream's next pass waits for this stream's optimizer step,
-        # which follows every use of these tensors, so the allocator may hand their blocks back to it)
+        """``layer -> (weight-pass tuple, index)`` over the prefetched passes if they hold for this forward (else None), once."""
+        return weight_prefetch.take(self, layers, flags)
 
-    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks):
+    def _fp8_layers(self, x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks, step_wait):
         """The layer chain with e4m3 F2/F3 operands (and the F1s of W2 / W_o with ``fp8_down_proj`` /
         ``fp8_out_proj``). Site 2i is layer i's attention input, 2i + 1 its MLP input (and the input
         sites "down" / "out" i its SwiGLU / attention output); a training forward records each site's
@@ -348,10 +313,14 @@ class CodaTransformer(Transformer):
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)
 
-        # one batched pass over every layer (issued by the last optimizer step if it still holds, see
-        # prefetch_fp8_weights); under FSDP2 each block's own, once its weights are gathered
+        # batched passes over every layer (issued by the last optimizer step, whole or per chunk, if they still
+        # hold: weight_prefetch), else one of its own; under FSDP2 each block's own, once its weights are gathered
         sharded = _is_sharded(layers[0])
-        batched = None if sharded else (self._take_prefetched(layers, flags) or weight_pass(layers))
+        batched = None if sharded else self._take_prefetched(layers, flags)
+        if batched is None and not sharded:  # (its own pass reads every layer's weights: after the whole step)
+            step_wait(None)
+            ws_all = weight_pass(layers)
+            batched = lambda i: (ws_all, i)  # noqa: E731
 
         def layer_weights(i, layer):
             """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None, {site: (e4m3 weight, its
@@ -360,7 +329,7 @@ class CodaTransformer(Transformer):
                 layer.unshard()  # asynchronously: it runs beside this block's compute, as FSDP's prefetch does
                 if i + 1 < len(layers):
                     layers[i + 1].unshard(async_op=True)
-            ws, j = (weight_pass([layer]), 0) if sharded else (batched, i)
+            ws, j = (weight_pass([layer]), 0) if sharded else batched(i)
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, fp8_in, w2_t = ws
             return (w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None,
                     {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()},
@@ -386,6 +355,7 @@ class CodaTransformer(Transformer):
                 down=f1_in.get("down"), out=f1_in.get("out"),
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], mlp_h_t=h_t,
             )
+            step_wait(i)
             x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
             for site, amax in (("down", amax_y), ("out", amax_o)):

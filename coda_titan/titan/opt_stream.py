@@ -32,6 +32,8 @@ What keeps it correct, on one GPU (``check``):
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 
@@ -42,9 +44,10 @@ class OptimizerStream:
         self.params = params
         self.stream: torch.cuda.Stream | None = None
         self.main: torch.cuda.Stream | None = None
-        self.done: torch.cuda.Event | None = None
+        self.pending: list = []  # (the first layer that needs it, event) in step order: what the forward still waits for
         self.first = True
-        self.held: list[torch.Tensor] = []  # the gradients the last step read, until the forward's wait
+        self.chunked = False  # (step_chunk_layers: chunk_done marks each chunk, the forward's blocks wait per chunk)
+        self.held: list[torch.Tensor] = []  # the gradients the last step read, until the forward's last wait
 
     def _device(self):
         for p in self.params:
@@ -65,30 +68,93 @@ class OptimizerStream:
             self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(main)
         self.held = [p.grad for p in self.params if p.grad is not None]
+        self.pending = []  # (a step no forward waited for: this one's events follow its own on the stream)
         self.main = main
         torch.cuda.set_stream(self.stream)
+
+    def chunk_done(self, layer: int) -> None:
+        """A chunk of the step is enqueued; the forward's block ``layer`` (-1: its start) is the first to need it."""
+        if self.main is not None:
+            self.pending.append((layer, self.stream.record_event()))
 
     def after_step(self, *_) -> None:
         """Record the step's end and make the main stream current again (the last post-hook)."""
         if self.main is None:
             return
-        self.done = self.stream.record_event()
+        self.chunk_done(float("inf") if self.chunked else -1)  # (unchunked: the forward's start waits for it all)
         torch.cuda.set_stream(self.main)
         self.main = None
 
-    def wait(self, *_) -> None:
-        """The current stream waits (on the GPU) for the last step, then lets its gradients go; once per step."""
-        if self.done is not None:
-            torch.cuda.current_stream(self.done.device).wait_event(self.done)
-            self.done = None
+    def wait_for(self, layer: int | None) -> None:
+        """The current stream waits (on the GPU) for the step's chunks that block ``layer`` needs (None: the
+        whole step), each once; after the whole step it lets the step's gradients go."""
+        ready = [event for first, event in self.pending if layer is None or first <= layer]
+        if ready:  # (events of one stream, in order: the last one implies the others)
+            torch.cuda.current_stream(ready[-1].device).wait_event(ready[-1])
+            self.pending = self.pending[len(ready):]
+        if not self.pending:
             self.held = []  # (freed now, their blocks are reused only by work ordered after the step)
 
+    def wait(self, *_) -> None:
+        """``wait_for(None)``, as a ``state_dict`` pre-hook."""
+        self.wait_for(None)
 
-def install(optimizers, model_parts: list[torch.nn.Module]) -> OptimizerStream:
+
+def chunk_plan(model, per_chunk: int) -> list[tuple[frozenset, int, tuple[int, int] | None]]:
+    """``[coda] step_chunk_layers``: the step's parameters in the order the forward reads them, as
+    (parameter ids, the first block that needs them (-1: the forward's start), its layer span or None):
+    the embedding and every norm; then the layers, ``per_chunk`` at a time; then the LM head."""
+    n = len(model.layers)
+    keys: dict[int, list] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers" and p.dim() >= 2:
+            key = int(parts[1]) // per_chunk * per_chunk
+        else:
+            key = n if parts[0] == "output" else -1
+        keys.setdefault(key, []).append(id(p))
+    return [(frozenset(ids), key, (key, min(key + per_chunk, n)) if 0 <= key < n else None)
+            for key, ids in sorted(keys.items())]
+
+
+def chunked_step(opt, hooks: OptimizerStream, plan, on_layers) -> None:
+    """Make ``opt.step()`` step ``plan``'s chunks one after another (the same per-parameter update: each
+    chunk is the same groups restricted to its parameters), each followed by ``on_layers(start, stop)``
+    for a layer chunk (the fp8 weight pass) and a stream event the forward's blocks wait for."""
+    cls = type(opt)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("[coda] step_chunk_layers: an optimizer step with a closure is not supported")
+        groups = self.param_groups
+        try:
+            for ids, first, span in plan:
+                self.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in groups]
+                cls.step(self)
+                if span is not None:
+                    on_layers(*span)
+                hooks.chunk_done(first)
+        finally:
+            self.param_groups = groups
+
+    opt.step = types.MethodType(step, opt)  # (bound: an LR scheduler wraps it as it wraps the class's)
+
+
+def install(optimizers, model_parts: list[torch.nn.Module], per_chunk: int = 0) -> OptimizerStream:
     """Put ``optimizers``' steps on a side stream; call after every other post-hook is registered (the
     fp8 weight pass must run on the step's stream). Each model part waits for the step at its forward
-    (``optimizer_stream`` attribute) and at its ``state_dict``, each optimizer at its ``state_dict``."""
+    (``optimizer_stream`` attribute) and at its ``state_dict``, each optimizer at its ``state_dict``.
+    With ``per_chunk`` layers a chunk (one model part, one optimizer) the step runs in chunks
+    (``chunked_step``) and each of the forward's blocks waits only for its own."""
     hooks = OptimizerStream([p for m in model_parts for p in m.parameters()])
+    if per_chunk:
+        opts = list(getattr(optimizers, "optimizers", [optimizers]))
+        if len(model_parts) != 1 or len(opts) != 1:
+            raise ValueError(f"[coda] step_chunk_layers needs one model part and one optimizer, got "
+                             f"{len(model_parts)} and {len(opts)}")
+        part = model_parts[0]
+        chunked_step(opts[0], hooks, chunk_plan(part, per_chunk), part.prefetch_fp8_weights)
+        hooks.chunked = True
     optimizers.register_step_pre_hook(hooks.before_step)
     optimizers.register_step_post_hook(hooks.after_step)
     for m in model_parts:
@@ -106,6 +172,9 @@ def check(job_config, parallel_dims) -> None:
     from .job_config import ConfigError
 
     coda = getattr(job_config, "coda", None)
+    if getattr(coda, "step_chunk_layers", 0) and not getattr(coda, "optimizer_stream", False):
+        raise ConfigError("[coda] step_chunk_layers > 0 needs [coda] optimizer_stream = true"
+                          " (or leave it at 0: --coda.step_chunk_layers 0)")
     if not getattr(coda, "optimizer_stream", False):
         return
     why = [(parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled, "a single GPU (no FSDP2 / DDP)"),

@@ -58,15 +58,18 @@ def build_coda_optimizers(model_parts, *args, **kwargs):
     """TorchTitan's optimizers, with a post-step hook that issues each CODA model's next fp8 weight
     pass (``CodaTransformer.prefetch_fp8_weights``; a no-op unless precision = "fp8"), with ``[coda]
     fused_clip`` the clip's scale applied in the step (``fused_clip``), and with ``[coda]
-    optimizer_stream`` the step on a stream of its own (``opt_stream``; its hooks go last)."""
+    optimizer_stream`` the step on a stream of its own (``opt_stream``; its hooks go last), in layer chunks
+    with ``[coda] step_chunk_layers`` (each chunk's weight pass issued after its update)."""
     optimizers = build_optimizers(model_parts, *args, **kwargs)
     parts = [m for m in model_parts if isinstance(m, CodaTransformer)]
-    if parts:
+    streamed = bool(parts) and all(m.model_args.coda.optimizer_stream for m in parts)
+    per_chunk = parts[0].model_args.coda.step_chunk_layers if streamed else 0
+    if parts and not per_chunk:  # (chunked, the step issues each chunk's pass itself)
         optimizers.register_step_post_hook(lambda *_: [m.prefetch_fp8_weights() for m in parts])
     if parts and all(m.model_args.coda.fused_clip for m in parts):
         fused_clip.install(optimizers, model_parts)
-    if parts and all(m.model_args.coda.optimizer_stream for m in parts):
-        opt_stream.install(optimizers, model_parts)
+    if streamed:
+        opt_stream.install(optimizers, model_parts, per_chunk)
     return optimizers
 
 

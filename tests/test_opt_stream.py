@@ -168,6 +168,28 @@ def test_a_cpu_training_run_with_the_step_in_chunks_is_the_run_without(precision
         assert spans == [(0, 1), (1, 2)] and [t is not None for t in taken] == [False, True, True]
 
 
+def test_the_chunked_step_takes_the_fp8_scales_before_it_marks_any_chunk_done():
+    """The forward's prologue reads the delayed scales after waiting only for the first chunk (the
+    embedding and norms): the step must take them before that chunk's event, and issue each layer chunk's
+    weight pass after its update and before its event."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from coda_titan.titan.train_spec import build_coda_optimizers
+
+    model = _tiny(Coda(precision="fp8", optimizer_stream=True, step_chunk_layers=1))
+    opt = build_coda_optimizers([model], OptimizerConfig(name="AdamW", lr=1e-3), parallel_dims=None)
+    order, hooks = [], model.optimizer_stream
+    prepare, issue, done = model.fp8_scaling.prepare, model._weight_pass, hooks.chunk_done
+    model.fp8_scaling.prepare = lambda *a: order.append("scales") or prepare(*a)
+    model._weight_pass = lambda blocks, *a: order.append(("pass", len(blocks))) or issue(blocks, *a)
+    hooks.chunk_done = lambda first: order.append(("done", first)) or done(first)
+    tokens = torch.randint(0, 2000, (2, 64), generator=torch.Generator().manual_seed(1))
+    model(tokens, labels=tokens).backward()
+    order.clear()
+    opt.step()
+    assert order == ["scales", ("done", -1), ("pass", 1), ("done", 0), ("pass", 1), ("done", 1), ("done", 2)], order
+
+
 def test_without_a_cuda_parameter_the_hooks_do_nothing(fake_cuda):
     hooks = opt_stream.OptimizerStream([SimpleNamespace(is_cuda=False, device="cpu", grad=None)])
     hooks.before_step()

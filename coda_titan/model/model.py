@@ -289,10 +289,18 @@ class CodaTransformer(Transformer):
             fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc, _) in fp8_in.items()}
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
-    def prefetch_fp8_weights(self, start: int = 0, stop: int | None = None) -> bool:
-        """Issue the next training forward's fp8 weight pass over ``layers[start:stop]`` now (an
-        optimizer-step hook, ``titan.train_spec``; ``weight_prefetch``)."""
-        return weight_prefetch.issue(self, start, stop)
+    def prefetch_fp8_weights(self) -> bool:
+        """Issue the next training forward's delayed scales and fp8 weight pass now (an optimizer-step
+        post-hook, ``titan.train_spec``; ``weight_prefetch``). Returns whether a pass was issued."""
+        return weight_prefetch.begin(self) and weight_prefetch.issue(self)
+
+    def prefetch_fp8_chunk(self, start: int | None = None, stop: int | None = None) -> None:
+        """The chunked step's (``titan.opt_stream.chunked_step``): ``start`` None takes the scales at the step's
+        start, else the pass over ``layers[start:stop]`` after their update."""
+        if start is None:
+            weight_prefetch.begin(self)
+        else:
+            weight_prefetch.issue(self, start, stop)
 
     def _take_prefetched(self, layers, flags: tuple):
         """``layer -> (weight-pass tuple, index)`` over the prefetched passes if they hold for this forward (else None), once."""

@@ -47,20 +47,31 @@ def _side_stream(model, device: torch.device) -> torch.cuda.Stream:
     return model._side_stream
 
 
+def _on(model, layers) -> bool:
+    coda = model.model_args.coda
+    return coda.precision == "fp8" and coda.prefetch_weights and bool(layers) and model.training and not is_sharded(layers[0])
+
+
+def begin(model) -> bool:
+    """Begin a step's set: take the delayed scales the next forward reads (on the current stream, before any
+    chunk of the step is marked done: the forward's prologue reads them). Returns whether passes will be issued."""
+    model._prefetched = []
+    layers = list(model.layers.values())
+    if not _on(model, layers):
+        return False
+    with torch.no_grad():  # the scales: pure functions of the histories until the next forward records
+        model.fp8_scaling.prepare(list(model._weight_pass_flags(True)[3]))
+    return True
+
+
 def issue(model, start: int = 0, stop: int | None = None) -> bool:
-    """Issue the next training forward's pass over ``layers[start:stop]`` (all by default); ``start = 0``
-    begins a new step's set and takes the delayed scales. Returns whether a pass was issued."""
+    """Issue the next training forward's pass over ``layers[start:stop]`` (all by default), after ``begin``.
+    Returns whether a pass was issued."""
     layers = list(model.layers.values())
     stop = len(layers) if stop is None else stop
-    if start == 0:
-        model._prefetched = []
-    coda = model.model_args.coda
-    if coda.precision != "fp8" or not coda.prefetch_weights or not layers or not model.training or is_sharded(layers[0]):
+    if not _on(model, layers):
         return False
     cfg, flags = model.program_config(), model._weight_pass_flags(True)
-    if start == 0:
-        with torch.no_grad():  # the scales: pure functions of the histories until the next forward records
-            model.fp8_scaling.prepare(list(flags[3]))
     device = layers[0].attention.wq.weight.device
     side = None
     if device.type == "cuda":

@@ -119,14 +119,16 @@ def chunk_plan(model, per_chunk: int) -> list[tuple[frozenset, int, tuple[int, i
 
 def chunked_step(opt, hooks: OptimizerStream, plan, on_layers) -> None:
     """Make ``opt.step()`` step ``plan``'s chunks one after another (the same per-parameter update: each
-    chunk is the same groups restricted to its parameters), each followed by ``on_layers(start, stop)``
-    for a layer chunk (the fp8 weight pass) and a stream event the forward's blocks wait for."""
+    chunk is the same groups restricted to its parameters), after ``on_layers()`` (the fp8 scales the
+    forward's start reads), each followed by ``on_layers(start, stop)`` for a layer chunk (its fp8 weight
+    pass) and a stream event the forward's blocks wait for."""
     cls = type(opt)
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("[coda] step_chunk_layers: an optimizer step with a closure is not supported")
         groups = self.param_groups
+        on_layers()
         try:
             for ids, first, span in plan:
                 self.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in groups]
@@ -153,7 +155,7 @@ def install(optimizers, model_parts: list[torch.nn.Module], per_chunk: int = 0) 
             raise ValueError(f"[coda] step_chunk_layers needs one model part and one optimizer, got "
                              f"{len(model_parts)} and {len(opts)}")
         part = model_parts[0]
-        chunked_step(opts[0], hooks, chunk_plan(part, per_chunk), part.prefetch_fp8_weights)
+        chunked_step(opts[0], hooks, chunk_plan(part, per_chunk), part.prefetch_fp8_chunk)
         hooks.chunked = True
     optimizers.register_step_pre_hook(hooks.before_step)
     optimizers.register_step_post_hook(hooks.after_step)

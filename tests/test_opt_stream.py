@@ -77,7 +77,7 @@ def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_fo
     hooks.before_step()
     assert rec.log == [("wait_stream", "side", "main"), ("set_stream", "side")]
     assert rec.current == "side"  # (what the step and the post-hooks before after_step enqueue goes there)
-    assert hooks.held == [params[0].grad, params[1].grad]  # the step's gradients, kept past zero_grad
+    assert [g for _, g in hooks.held] == [params[0].grad, params[1].grad]  # the step's gradients, kept past zero_grad
     rec.log.clear()
     hooks.after_step()
     assert rec.log == [("record_event", "side"), ("set_stream", "main")] and rec.current == "main"
@@ -96,18 +96,19 @@ def test_a_chunked_step_is_waited_for_per_block_and_its_gradients_held_until_the
     (the forward's start for the embedding and norms), once; a block whose chunk is in waits for nothing;
     the LM head (``None``) waits for the rest; the gradients go only after the whole step."""
     rec = fake_cuda
-    params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(2)]
+    params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(4)]
     hooks = rec.hooks = opt_stream.OptimizerStream(params)
     hooks.chunked, hooks.first = True, False
+    hooks.first_of = {id(p): first for p, first in zip(params, (-1, 0, 2, 4))}  # (a gradient per chunk)
     hooks.before_step()
     for first in (-1, 0, 2, 4):  # (the embedding and norms, layers 0-1, layers 2-3, the LM head)
         hooks.chunk_done(first)
     hooks.after_step()
     assert [e for e in rec.log if e[0] == "record_event"] == [("record_event", "side")] * 5
     rec.log.clear()
-    for layer in (-1, 0, 1, 2, 3):
-        hooks.wait_for(layer)
-        assert len(hooks.held) == 2
+    for layer, kept in ((-1, 3), (0, 2), (1, 2), (2, 1), (3, 1)):
+        hooks.wait_for(layer)  # (each chunk's gradient goes once the main stream waited for that chunk)
+        assert [g for _, g in hooks.held] == [p.grad for p in params[4 - kept:]], layer
     assert [e[0] for e in rec.log] == ["wait_event"] * 3  # (-1, 0 and 2: layers 1 and 3 are in)
     hooks.wait_for(None)
     assert [e[0] for e in rec.log] == ["wait_event"] * 4 and hooks.held == [] and hooks.pending == []
@@ -327,5 +328,6 @@ def _five_steps(on, seqlen: int):
         opt.zero_grad()
         losses.append(loss.float().item())  # (the next step's batch follows a synchronizing read, as in TorchTitan)
     model.state_dict()  # (its pre-hook orders the main stream after the last step, as a checkpoint's does)
-    state = [v.clone() for o in opt.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    # (in the parameters' order: a chunked first step creates the state in the chunks' order)
+    state = [v.clone() for o in opt.optimizers for p in model.parameters() for v in o.state[p].values() if torch.is_tensor(v)]
     return losses, [p.detach().clone() for p in model.parameters()], state

@@ -47,7 +47,8 @@ class OptimizerStream:
         self.pending: list = []  # (the first layer that needs it, event) in step order: what the forward still waits for
         self.first = True
         self.chunked = False  # (step_chunk_layers: chunk_done marks each chunk, the forward's blocks wait per chunk)
-        self.held: list[torch.Tensor] = []  # the gradients the last step read, until the forward's last wait
+        self.held: list = []  # (the first block that needs its chunk, gradient) of the last step, until its wait
+        self.first_of: dict[int, int] = {}  # parameter id -> the first block that needs its chunk (chunked)
 
     def _device(self):
         for p in self.params:
@@ -67,7 +68,7 @@ class OptimizerStream:
         if self.stream is None:
             self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(main)
-        self.held = [p.grad for p in self.params if p.grad is not None]
+        self.held = [(self.first_of.get(id(p), -1), p.grad) for p in self.params if p.grad is not None]
         self.pending = []  # (a step no forward waited for: this one's events follow its own on the stream)
         self.main = main
         torch.cuda.set_stream(self.stream)
@@ -87,13 +88,16 @@ class OptimizerStream:
 
     def wait_for(self, layer: int | None) -> None:
         """The current stream waits (on the GPU) for the step's chunks that block ``layer`` needs (None: the
-        whole step), each once; after the whole step it lets the step's gradients go."""
+        whole step), each once, and lets the gradients those chunks read go (freed now, their blocks are
+        reused only by work ordered after their chunk)."""
         ready = [event for first, event in self.pending if layer is None or first <= layer]
         if ready:  # (events of one stream, in order: the last one implies the others)
             torch.cuda.current_stream(ready[-1].device).wait_event(ready[-1])
             self.pending = self.pending[len(ready):]
         if not self.pending:
-            self.held = []  # (freed now, their blocks are reused only by work ordered after the step)
+            self.held = []
+        elif ready:
+            self.held = [(first, g) for first, g in self.held if first > layer]
 
     def wait(self, *_) -> None:
         """``wait_for(None)``, as a ``state_dict`` pre-hook."""
@@ -155,8 +159,9 @@ def install(optimizers, model_parts: list[torch.nn.Module], per_chunk: int = 0) 
             raise ValueError(f"[coda] step_chunk_layers needs one model part and one optimizer, got "
                              f"{len(model_parts)} and {len(opts)}")
         part = model_parts[0]
-        chunked_step(opts[0], hooks, chunk_plan(part, per_chunk), part.prefetch_fp8_chunk)
-        hooks.chunked = True
+        plan = chunk_plan(part, per_chunk)
+        chunked_step(opts[0], hooks, plan, part.prefetch_fp8_chunk)
+        hooks.chunked, hooks.first_of = True, {i: first for ids, first, _ in plan for i in ids}
     optimizers.register_step_pre_hook(hooks.before_step)
     optimizers.register_step_post_hook(hooks.after_step)
     for m in model_parts:

@@ -16,7 +16,7 @@ from coda_titan.kernels.scaling import E5M2, quantize_e5m2_site  # noqa: E402
 rope_bwd_f32 = cute_function("norm_rope.py", "def _rope_bwd_f32", "def _rope_bwd_math", {"torch": torch})
 
 torch.manual_seed(0)
-seq, bs, hd, nq, nkv = 16, 2, 16, 4, 2
+seq, bs, hd, nq, nkv = 16, 2, 16, 8, 2  # (12 heads: the pass runs three blocks of 4, the last one half rotated)
 m, q, rot = seq * bs, (nq + 2 * nkv) * hd, (nq + nkv) * hd
 dy, y = (torch.randn(m, q) * 1e-3).bfloat16(), torch.randn(m, q).bfloat16()
 dy[5, 3] = 0.0

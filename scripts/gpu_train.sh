@@ -62,8 +62,8 @@
 #     cepass       F4's gradient pass in place (Triton, the last dW GEMM writing bf16; the default) against the previous
 #                  program (CODA_TITAN_CE_PASS=inductor): the compiled baseline and CODA compiled with the pass, then CODA
 #                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
-#     b1probe      scripts/probes/b1_pass.py: B1's Triton pass over blocks of heads (2, 4, 8 warps) against the row pass it
-#                  replaced, bf16 and fp8, bits and GPU ms beside the memory time
+#     b1probe      scripts/probes/b1_pass.py: B1's Triton pass (a program per row) against a rewrite over blocks of heads
+#                  (2, 4, 8 warps; dropped), bf16 and fp8, bits and GPU ms beside the memory time
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile

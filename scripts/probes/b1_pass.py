@@ -1,12 +1,13 @@
-"""Probe (GPU): B1's Triton pass (``kernels/cute/rope_bwd_pass.py``) as it is now, a program per token row over
-blocks of whole heads (each pair split from its partner in registers, the cos / sin table row loaded once
-and shared by every head), against the twenty-fourth session's pass that it replaced (a program per row
-over one power-of-two block of the row, each element's partner loaded again and the tables gathered per
-element; copied here as ``_row_kernel``), at the 1B shape, bf16 and fp8 (the e5m2 codes and row amax).
+"""Probe (GPU): B1's Triton pass (``kernels/cute/rope_bwd_pass.py``: a program per token row over one
+power-of-two block of the row, each element's pair partner loaded again, the cos / sin tables gathered per
+element) against a rewrite tried and dropped in the twenty-sixth session (kept here, ``_heads_kernel``): a
+program per row over blocks of whole heads, each pair split from its partner in registers, the table row
+loaded once and shared by every head, with 2, 4 or 8 warps. The 1B shape, bf16 and fp8 (the e5m2 codes
+and row amax).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.b1_pass        (gpu_train.sh b1probe)
 
-Each variant's da, codes and amax are compared bit for bit with the row kernel's, zdz by its largest
+Each variant's da, codes and amax are compared bit for bit with the shipped pass's, zdz by its largest
 relative difference (another summation order). Timing: 20 calls enqueued back to back after 3 warm-up
 calls, GPU ms per call, in 5 alternations of the variants (``epi_stages._streamed``), beside the time
 reading dy and y and writing da (and the codes) would take at ``BANDWIDTH_TBS``. Writes
@@ -28,45 +29,56 @@ BANDWIDTH_TBS = 3.35  # (the H100 SXM's HBM3, its data sheet's figure)
 
 
 @triton.jit
-def _row_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen,
-            Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+def _heads_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen,
+            Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, FP8: tl.constexpr,
             FMAX: tl.constexpr):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < Q
     base = row.to(tl.int64) * Q
-    dy = tl.load(dy_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + base + cols, mask=inside, other=0.0).to(tl.float32)
-    zdz = tl.sum(y * dy, axis=0)
-    partner = tl.load(dy_ptr + base + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
-    rope = inside & (cols < ROT)
-    pair = (cols % (2 * HALF)) // 2
     pos = row % seqlen
-    c = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
-    s = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
-    # (x0 c + x1 s, x1 c - x0 s) for the pair (x0, x1): the element is x0 at even columns, x1 at odd
-    back = tl.where((cols % 2) == 0, dy * c + partner * s, dy * c - partner * s)
-    da = tl.where(rope, back, dy) * tl.load(rstd_ptr + row)
-    tl.store(da_ptr + base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
-    tl.store(zdz_ptr + row, zdz)
+    pair = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * HALF + pair)[None, :]  # (one table row, shared by every head)
+    s = tl.load(sin_ptr + pos * HALF + pair)[None, :]
+    r = tl.load(rstd_ptr + row)
+    head = tl.arange(0, HEADS)
+    # the element (head, pair, e) of a block of HEADS heads sits at column head 2 HALF + 2 pair + e
+    offs = head[:, None, None] * (2 * HALF) + pair[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    zdz = tl.zeros([HEADS, HALF, 2], tl.float32)
+    amax = tl.zeros([HEADS, HALF, 2], tl.float32)
+    for b in tl.static_range(Q // (2 * HALF * HEADS)):
+        cols = base + b * (2 * HALF * HEADS) + offs
+        dy = tl.load(dy_ptr + cols).to(tl.float32)
+        zdz += tl.load(y_ptr + cols).to(tl.float32) * dy
+        x0, x1 = tl.split(dy)  # (the pair (x0, x1) rotated back: (x0 c + x1 s, x1 c - x0 s); v heads pass through)
+        rope = (b * HEADS + head)[:, None] < ROT // (2 * HALF)
+        da = tl.join(tl.where(rope, x0 * c + x1 * s, x0), tl.where(rope, x1 * c - x0 * s, x1)) * r
+        tl.store(da_ptr + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+        if FP8:
+            amax = tl.maximum(amax, tl.abs(da))
+            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+            tl.store(daq_ptr + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"))
+    tl.store(zdz_ptr + row, tl.sum(tl.reshape(zdz, [2 * HALF * HEADS]), axis=0))
     if FP8:
-        tl.store(amax_ptr + row, tl.max(tl.where(inside, tl.abs(da), 0.0), axis=0))
-        q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
-        tl.store(daq_ptr + base + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
+        tl.store(amax_ptr + row, tl.max(tl.reshape(amax, [2 * HALF * HEADS]), axis=0))
 
 
-def _row_launch(dy, y, rstd, cos, sin, rot: int, inv):
+def heads_per_block(q: int, half: int) -> int:
+    """Heads per block of the pass: the largest power of two (at most 8) that divides the row's head count."""
+    heads = q // (2 * half)
+    return min(heads & -heads, 8)
+
+
+def _heads_launch(dy, y, rstd, cos, sin, rot: int, inv, num_warps: int = 4):
     m, q = dy.shape
     da = torch.empty_like(dy)
     zdz = torch.empty(m, device=dy.device, dtype=torch.float32)
     fp8 = inv is not None
     daq = torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2)
     amax = torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32)
-    _row_kernel[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                                Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8,
-                                FMAX=E5M2_MAX, num_warps=8)
+    half = cos.shape[1]
+    _heads_kernel[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
+                                Q=q, ROT=rot, HALF=half, HEADS=heads_per_block(q, half), FP8=fp8,
+                                FMAX=E5M2_MAX, num_warps=num_warps)
     return da, zdz, daq, amax
-
 
 
 def _variants(inv):
@@ -76,9 +88,9 @@ def _variants(inv):
     for fp8 in (False, True):
         sfx = "_fp8" if fp8 else ""
         scale = inv if fp8 else None
-        out[f"row{sfx}"] = lambda dy, y, r, c, s, scale=scale: _row_launch(dy, y, r, c, s, ROT, scale)
+        out[f"row{sfx}"] = lambda dy, y, r, c, s, scale=scale: _launch(dy, y, r, c, s, ROT, scale)
         for w in (2, 4, 8):
-            out[f"heads_w{w}{sfx}"] = lambda dy, y, r, c, s, scale=scale, w=w: _launch(dy, y, r, c, s, ROT, scale, w)
+            out[f"heads_w{w}{sfx}"] = lambda dy, y, r, c, s, scale=scale, w=w: _heads_launch(dy, y, r, c, s, ROT, scale, w)
     return out
 
 

@@ -110,13 +110,12 @@ def _cos_sin_tables(freqs, seqlen):
     return cos.clone(), sin.clone()  # an op's outputs are its caller's to reuse
 
 
-def _one_pass(dy, head_dim: int, scale) -> bool:
-    """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns and a power-of-two
-    head dimension, bf16 or with a delayed e5m2 scale (calibrating, the scale waits for the whole tensor's
-    amax: the inductor program), unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the
-    A/B's other arm)."""
+def _one_pass(dy, scale) -> bool:
+    """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns, bf16 or with a
+    delayed e5m2 scale (calibrating, the scale waits for the whole tensor's amax: the inductor program),
+    unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the A/B's other arm)."""
     return (os.environ.get(B1_PASS_ENV, "triton") != "inductor" and dy.dtype == torch.bfloat16
-            and dy.shape[1] <= 8192 and head_dim & (head_dim - 1) == 0 and not (scale and scale[0] is None))
+            and dy.shape[1] <= 8192 and not (scale and scale[0] is None))
 
 
 def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale):
@@ -134,7 +133,7 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
     """B1's outputs: the Triton pass where it applies (``_one_pass``), else ``math`` (eager: its
     inductor program; traced: the code itself)."""
-    if _one_pass(dy, head_dim, scale):
+    if _one_pass(dy, scale):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale)
     return math(dy, y, rstd.float(), cos, sin, rot, head_dim, *scale)

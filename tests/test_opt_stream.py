@@ -249,18 +249,33 @@ def test_a_cpu_training_step_with_the_knob_is_the_step_without_it():
     assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
 
 
-@pytest.mark.parametrize("case", ["fsdp", "ddp", "graphs"])
-def test_the_knob_outside_one_gpu_is_refused_in_one_line(case):
+def test_with_cuda_graphs_the_knob_is_refused_in_one_line():
     from coda_titan.titan.job_config import ConfigError
 
-    job = SimpleNamespace(coda=Coda(optimizer_stream=True, cuda_graphs=case == "graphs"))
-    dims = SimpleNamespace(fsdp_enabled=case == "fsdp", dp_replicate_enabled=case == "ddp")
+    job = SimpleNamespace(coda=Coda(optimizer_stream=True, cuda_graphs=True))
+    dims = SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False)
     with pytest.raises(ConfigError) as err:
         opt_stream.check(job, dims)
     msg = str(err.value)
-    expect = "[coda] cuda_graphs = false" if case == "graphs" else "a single GPU"
-    assert "\n" not in msg and msg.startswith("[coda] optimizer_stream = true needs") and expect in msg, msg
+    assert "\n" not in msg and msg.startswith("[coda] optimizer_stream = true needs [coda] cuda_graphs = false"), msg
     opt_stream.check(SimpleNamespace(coda=Coda()), dims)  # (off: nothing to check)
+
+
+@pytest.mark.parametrize("case", ["fsdp", "ddp"])
+def test_under_fsdp_or_ddp_the_knob_is_turned_off_in_the_job_and_the_model_with_one_log_line(case, caplog):
+    """A config tuned on one GPU runs sharded as it is: the step stays on the main stream (the forward's
+    per-block waits need it there), in the job's [coda] and in the model's copy, which the optimizers read."""
+    import logging
+
+    job = SimpleNamespace(coda=Coda(optimizer_stream=True, step_chunk_layers=4))
+    model = _tiny(Coda(optimizer_stream=True, step_chunk_layers=4))
+    dims = SimpleNamespace(fsdp_enabled=case == "fsdp", dp_replicate_enabled=case == "ddp")
+    with caplog.at_level(logging.INFO):
+        opt_stream.check(job, dims, model)
+    for coda in (job.coda, model.model_args.coda):
+        assert (coda.optimizer_stream, coda.step_chunk_layers) == (False, 0)
+    lines = [r.getMessage() for r in caplog.records if "optimizer_stream" in r.getMessage()]
+    assert len(lines) == 1 and "off under FSDP2 / DDP" in lines[0], lines
 
 
 def test_a_chunked_step_without_the_side_stream_is_refused_in_one_line():

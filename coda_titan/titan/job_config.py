@@ -57,8 +57,7 @@ class Coda:
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
     optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's "
                                          "host work")
-    step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of this many layers, each block of the next "
-                                     "forward waiting only for its own (0: the whole step first)", low=0)
+    step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers; each block waits for its own", low=0)
     fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW (no pass of its own); one device")
     b2_c_stages: int = knob(2, "cute: B2's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(

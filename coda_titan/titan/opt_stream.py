@@ -172,10 +172,11 @@ def install(optimizers, model_parts: list[torch.nn.Module], per_chunk: int = 0) 
     return hooks
 
 
-def check(job_config, parallel_dims) -> None:
-    """``[coda] optimizer_stream`` runs on one GPU, without ``cuda_graphs``; anything else is refused
-    with one line (under FSDP2 or DDP, their own streams would read the parameters before the
-    forward's wait)."""
+def check(job_config, parallel_dims, model=None) -> None:
+    """``[coda] optimizer_stream`` (with ``step_chunk_layers``) is a one-GPU knob: under FSDP2 or DDP, whose
+    own streams would read the parameters before the forward's wait, it is turned off with one log line
+    (so that a config tuned on one GPU runs sharded as it is); with ``cuda_graphs``, and
+    ``step_chunk_layers`` without it, are refused with one line."""
     from .job_config import ConfigError
 
     coda = getattr(job_config, "coda", None)
@@ -184,9 +185,13 @@ def check(job_config, parallel_dims) -> None:
                           " (or leave it at 0: --coda.step_chunk_layers 0)")
     if not getattr(coda, "optimizer_stream", False):
         return
-    why = [(parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled, "a single GPU (no FSDP2 / DDP)"),
-           (getattr(coda, "cuda_graphs", False), "[coda] cuda_graphs = false")]
-    missing = [need for bad, need in why if bad]
-    if missing:
-        raise ConfigError(f"[coda] optimizer_stream = true needs {'; '.join(missing)}"
+    if getattr(coda, "cuda_graphs", False):
+        raise ConfigError("[coda] optimizer_stream = true needs [coda] cuda_graphs = false"
                           " (or turn it off: --coda.no_optimizer_stream)")
+    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+        from torchtitan.tools.logging import logger
+
+        logger.info("coda_titan: [coda] optimizer_stream runs on one GPU only: off under FSDP2 / DDP")
+        for c in (coda, getattr(getattr(model, "model_args", None), "coda", None)):
+            if c is not None:
+                c.optimizer_stream, c.step_chunk_layers = False, 0

@@ -41,7 +41,7 @@ def parallelize_coda(model, parallel_dims, job_config):
     graphs = getattr(getattr(job_config, "coda", None), "cuda_graphs", False)
     if graphs:
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
-    opt_stream.check(job_config, parallel_dims)
+    opt_stream.check(job_config, parallel_dims, model)
     fused_clip.check(job_config, parallel_dims)
     _stage_budget(model, getattr(job_config, "coda", None))
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled

@@ -27,7 +27,10 @@ What keeps it correct, on one GPU (``check``):
 * everything that reads the parameters or the optimizer state after a step waits for it first: the
   model's forward (``CodaTransformer.forward``), its ``state_dict`` and each optimizer's (checkpoints),
   and the fp8 weight pass the step's post-hook issues (``prefetch_fp8_weights``), which runs while the
-  side stream is still the current one, so its own stream is ordered after the step.
+  side stream is still the current one, so its own stream is ordered after the step;
+* with ``step_chunk_layers`` (``chunked_step``) the same per chunk: each chunk's weight pass is issued
+  after its update, each block of the forward waits for its own chunk (``wait_for``), the LM head for
+  the whole step, and a chunk's gradients go once the main stream has waited for it.
 """
 
 from __future__ import annotations

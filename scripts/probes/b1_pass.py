@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coda_titan.kernels.scaling import E5M2, E5M2_MAX
+from coda_titan.kernels.scaling import E5M2_MAX
 from scripts.bench.common import header, log_row, out_json
 from scripts.probes.epi_stages import _streamed
 from scripts.probes.rope_bwd import HD, HKV, M, ROT, H, _tables
@@ -68,12 +68,11 @@ def heads_per_block(q: int, half: int) -> int:
 
 
 def _heads_launch(dy, y, rstd, cos, sin, rot: int, inv, num_warps: int = 4):
+    from coda_titan.kernels.cute.rope_bwd_pass import outputs
+
     m, q = dy.shape
-    da = torch.empty_like(dy)
-    zdz = torch.empty(m, device=dy.device, dtype=torch.float32)
     fp8 = inv is not None
-    daq = torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2)
-    amax = torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32)
+    da, zdz, daq, amax = outputs(dy, fp8)
     half = cos.shape[1]
     _heads_kernel[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
                                 Q=q, ROT=rot, HALF=half, HEADS=heads_per_block(q, half), FP8=fp8,

@@ -52,13 +52,18 @@ def _kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr,
         tl.store(daq_ptr + base + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
 
 
+def outputs(dy, fp8: bool) -> tuple:
+    """What a pass over ``dy``'s rows writes: da, zdz and (fp8, else empty) the e5m2 codes and row amax."""
+    m, q = dy.shape
+    return (torch.empty_like(dy), torch.empty(m, device=dy.device, dtype=torch.float32),
+            torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2),
+            torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32))
+
+
 def _launch(dy, y, rstd, cos, sin, rot: int, inv):
     m, q = dy.shape
-    da = torch.empty_like(dy)
-    zdz = torch.empty(m, device=dy.device, dtype=torch.float32)
     fp8 = inv is not None
-    daq = torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2)
-    amax = torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32)
+    da, zdz, daq, amax = outputs(dy, fp8)
     wrap_triton(_kernel)[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
                                 Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8,
                                 FMAX=E5M2_MAX, num_warps=8)

@@ -16,6 +16,10 @@ run that far ahead. With host-bound idle X in the forward, a sleep S >= X length
 only; so X = S - (step(S) - step(0)). Each forward also records host and GPU (CUDA event) time from
 its start (after the sleep) to the LM head's entry: the blocks' host time against their GPU span.
 
+Each forward also counts the allocator's cudaMalloc / cudaFree calls and retries inside it
+(``torch.cuda.memory_stats``), and with ``--sync-debug`` the synchronizing calls torch warns of, by
+their innermost frame outside torch: what can make the host wait for the GPU inside a forward.
+
 Writes ``$OUT/probe_host_slack_<gpu>.json`` (benchmarks/results without $OUT): per arm the median
 step, the estimate X, and the per-step host / GPU forward times.
 """
@@ -33,6 +37,8 @@ from pathlib import Path
 ENV_SLEEP = "CODA_TITAN_PROBE_SLEEP_MS"
 ENV_LOG = "CODA_TITAN_PROBE_LOG"
 ENV_CPROFILE = "CODA_TITAN_PROBE_CPROFILE_FORWARD"  # the training forward (1-based) whose host time cProfile splits
+ENV_SYNC_DEBUG = "CODA_TITAN_PROBE_SYNC_DEBUG"  # "1": torch's sync debug mode; each forward counts the syncs it warns of
+ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")  # (torch.cuda.memory_stats, per forward)
 
 
 def _cprofile_rows(prof, top: int = 40) -> dict:
@@ -47,7 +53,31 @@ def _cprofile_rows(prof, top: int = 40) -> dict:
             "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
 
-def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
+def _sync_sources(state: dict) -> None:
+    """Count, per forward, the synchronizing calls torch's sync debug mode warns of, by their innermost
+    frame outside torch (``state["syncs"]``, filled only while a forward is open)."""
+    import traceback
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        if state["open"] is not None and "head_event" not in state["open"]:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and Path(f.filename).name != "warnings.py"]
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            state["syncs"][where] = state["syncs"].get(where, 0) + 1
+
+    warnings.showwarning = show
+    warnings.simplefilter("always", UserWarning)
+
+
+def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0, sync_debug: bool = False) -> None:
     """Wrap the CODA model's forward and its LM head's (the child process)."""
     import cProfile
 
@@ -55,7 +85,13 @@ def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
 
     from coda_titan.model import model as m
 
-    state = {"cycles_per_ms": None, "open": None, "rows": [], "forwards": 0, "prof": None}
+    state = {"cycles_per_ms": None, "open": None, "rows": [], "forwards": 0, "prof": None, "syncs": {}}
+    if sync_debug:
+        _sync_sources(state)
+
+    def alloc_stats() -> dict:
+        stats = torch.cuda.memory_stats()
+        return {k: stats.get(k, 0) for k in ALLOC_STATS}
 
     def cycles_per_ms() -> float:
         if state["cycles_per_ms"] is None:
@@ -75,7 +111,10 @@ def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
             return
         state["open"] = None
         row = {"host_fwd_ms": 1e3 * (pending["head_t"] - pending["t0"]),
-               "gpu_fwd_ms": pending["event"].elapsed_time(pending["head_event"])}
+               "gpu_fwd_ms": pending["event"].elapsed_time(pending["head_event"]),
+               **{k: pending["head_alloc"][k] - pending["alloc"][k] for k in ALLOC_STATS}}
+        if sync_debug:
+            row["syncs"], state["syncs"] = state["syncs"], {}
         state["rows"].append(row)
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -93,13 +132,14 @@ def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
                 torch.cuda._sleep(int(sleep_ms * cycles_per_ms()))
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            state["open"] = {"t0": time.perf_counter(), "event": ev}
+            state["open"] = {"t0": time.perf_counter(), "event": ev, "alloc": alloc_stats()}
         return model_forward(self, tokens, *args, **kwargs)
 
     def head(self, *args, **kwargs):
         pending = state["open"]
         if pending is not None and "head_event" not in pending:
             pending["head_t"] = time.perf_counter()
+            pending["head_alloc"] = alloc_stats()
             pending["head_event"] = torch.cuda.Event(enable_timing=True)
             pending["head_event"].record()
             if state["prof"] is not None:
@@ -113,7 +153,8 @@ def _install(sleep_ms: float, log_path: str, cprofile_forward: int = 0) -> None:
 
 def child(argv: list[str]) -> int:
     """``train CONFIG OVERRIDES`` as ``coda_titan.cli`` takes them, with the probe's wrappers installed."""
-    _install(float(os.environ.get(ENV_SLEEP, "0")), os.environ[ENV_LOG], int(os.environ.get(ENV_CPROFILE, "0")))
+    _install(float(os.environ.get(ENV_SLEEP, "0")), os.environ[ENV_LOG], int(os.environ.get(ENV_CPROFILE, "0")),
+             os.environ.get(ENV_SYNC_DEBUG) == "1")
     from coda_titan.cli import main as cli_main
 
     return cli_main(argv)
@@ -129,7 +170,8 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
     cprofile_forward = args.cprofile_forward if sleep_ms == 0 and not sets else 0
     r = run_config(Path(args.config), steps=args.steps, workdir=workdir / label, attention="config", sets=sets,
                    timeout=args.timeout, entry=("-m", "scripts.probes.host_slack", "child"),
-                   env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log), ENV_CPROFILE: str(cprofile_forward)})
+                   env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log), ENV_CPROFILE: str(cprofile_forward),
+                              ENV_SYNC_DEBUG: "1" if args.sync_debug else "0"})
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     timed = [r for i, r in enumerate(rows) if i >= args.warmup and i + 1 != cprofile_forward]
     out = {"label": label, "sleep_ms": sleep_ms, "sets": sets, "returncode": r["returncode"], "error": r.get("error")}
@@ -140,6 +182,13 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
         out["host_fwd_ms"] = statistics.median(x["host_fwd_ms"] for x in timed)
         out["gpu_fwd_ms"] = statistics.median(x["gpu_fwd_ms"] for x in timed)
         out["fwd_raw"] = timed
+        out["in_forwards"] = {k: sum(x.get(k, 0) for x in timed) for k in ALLOC_STATS}  # (cudaMalloc / cudaFree / retries)
+        if args.sync_debug:
+            syncs: dict[str, int] = {}
+            for x in timed:
+                for where, n in x.get("syncs", {}).items():
+                    syncs[where] = syncs.get(where, 0) + n
+            out["in_forwards"]["syncs"] = syncs
     if prof.exists():  # (that forward ran slower, under cProfile: its row is left out of the medians above)
         out["cprofile_forward"] = {"forward": cprofile_forward, **json.loads(prof.read_text())}
     return out
@@ -154,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sleep-ms", type=float, nargs="+", default=[0.0, 30.0])
     ap.add_argument("--set", action="append", default=[], help="an extra arm: KEY=VALUE overrides (sleep 0), e.g. "
                     "coda.cuda_graphs=true; comma-separate several")
+    ap.add_argument("--sync-debug", action="store_true", help="torch's sync debug mode in every arm: each forward's "
+                    "row counts the synchronizing calls inside it, by source")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=240)

@@ -121,12 +121,15 @@ def test_cli_trains_sharded_and_resumes_across_world_sizes(tmp_path, cache_dir):
               "--metrics.disable_color_printing"]
     env = {"CODA_TITAN_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"}
     two = tmp_path / "two"
+    # (with the one-GPU knobs of the 1B bf16 configs: a config tuned on one GPU runs sharded as it is, the step on
+    # the main stream, said in one line)
     proc = _torchrun(["-m", "coda_titan.cli", "train", str(CONFIGS / "debug_cpu_coda.toml"), "--job.dump_folder",
                       str(two), "--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full",
-                      *common], cwd=tmp_path, env_extra=env)
+                      "--coda.optimizer_stream", "--coda.step_chunk_layers", "1", *common], cwd=tmp_path, env_extra=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, _tracebacks(out)
     assert "Applied FSDP to the model" in out and sorted(logged_losses(out)) == [1, 2, 3, 4]
+    assert "[coda] optimizer_stream runs on one GPU only: off under FSDP2 / DDP" in out
     assert sum(line.startswith("coda-titan: done:") for line in proc.stdout.splitlines()) == 1  # said once, by rank 0
     # 2 ranks -> 1 process: TorchTitan cannot reshard the data loaders' positions; said before any work
     one = tmp_path / "one"

@@ -91,14 +91,14 @@ def test_the_step_runs_on_the_side_stream_after_the_main_streams_work_and_the_fo
     assert rec.log == [("wait_event", "main", "side_done", 2)] and hooks.held == []
 
 
-def test_a_chunked_step_is_waited_for_per_block_and_its_gradients_held_until_the_whole_step(fake_cuda):
+def test_a_chunked_step_is_waited_for_per_block_and_each_chunks_gradients_go_at_its_wait(fake_cuda):
     """``[coda] step_chunk_layers``: each chunk's event is waited for by the first block that needs it
     (the forward's start for the embedding and norms), once; a block whose chunk is in waits for nothing;
-    the LM head (``None``) waits for the rest; the gradients go only after the whole step."""
+    the LM head (``None``) waits for the rest; each chunk's gradients go once its event is waited for."""
     rec = fake_cuda
     params = [SimpleNamespace(is_cuda=True, device="cuda:0", grad=_Grad(rec, i)) for i in range(4)]
     hooks = rec.hooks = opt_stream.OptimizerStream(params)
-    hooks.chunked, hooks.first = True, False
+    hooks.first = False
     hooks.first_of = {id(p): first for p, first in zip(params, (-1, 0, 2, 4))}  # (a gradient per chunk)
     hooks.before_step()
     for first in (-1, 0, 2, 4):  # (the embedding and norms, layers 0-1, layers 2-3, the LM head)

@@ -49,9 +49,8 @@ class OptimizerStream:
         self.main: torch.cuda.Stream | None = None
         self.pending: list = []  # (the first layer that needs it, event) in step order: what the forward still waits for
         self.first = True
-        self.chunked = False  # (step_chunk_layers: chunk_done marks each chunk, the forward's blocks wait per chunk)
         self.held: list = []  # (the first block that needs its chunk, gradient) of the last step, until its wait
-        self.first_of: dict[int, int] = {}  # parameter id -> the first block that needs its chunk (chunked)
+        self.first_of: dict[int, int] = {}  # parameter id -> the first block that needs its chunk (empty: unchunked)
 
     def _device(self):
         for p in self.params:
@@ -85,7 +84,7 @@ class OptimizerStream:
         """Record the step's end and make the main stream current again (the last post-hook)."""
         if self.main is None:
             return
-        self.chunk_done(float("inf") if self.chunked else -1)  # (unchunked: the forward's start waits for it all)
+        self.chunk_done(float("inf") if self.first_of else -1)  # (unchunked: the forward's start waits for it all)
         torch.cuda.set_stream(self.main)
         self.main = None
 
@@ -164,7 +163,7 @@ def install(optimizers, model_parts: list[torch.nn.Module], per_chunk: int = 0) 
         part = model_parts[0]
         plan = chunk_plan(part, per_chunk)
         chunked_step(opts[0], hooks, plan, part.prefetch_fp8_chunk)
-        hooks.chunked, hooks.first_of = True, {i: first for ids, first, _ in plan for i in ids}
+        hooks.first_of = {i: first for ids, first, _ in plan for i in ids}
     optimizers.register_step_pre_hook(hooks.before_step)
     optimizers.register_step_post_hook(hooks.after_step)
     for m in model_parts:

@@ -365,6 +365,13 @@ for phase in "$@"; do
       # dW_qkv on fp8 from F3's e4m3 H (kept instead of the bf16 H) against the bf16 dW_qkv
       ab fp8_qkv_wgrad qkv_fp8 qkv_bf16 fp8_qkv_wgrad
       ;;
+    hts)
+      # dW_qkv (fp8_qkv_wgrad: B1's e5m2 da, the down-projection F1's Hq^T) and dW13 (fp8_mlp_h_t: the
+      # out-projection F1's Hq^T) on their producers' codes, each and both, against the configured fp8 config
+      a=$(variant qkv_h_t "fp8_qkv_wgrad = true") && b=$(variant mlp_h_t "fp8_mlp_h_t = true") &&
+        c=$(variant both_h_t "fp8_qkv_wgrad = true" "fp8_mlp_h_t = true") || exit 2
+      $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" "$c" --steps "${STEPS:-30}" --warmup 10 --tag h_t
+      ;;
     qkvdgrad)
       # fp8_dgrad (B1 casts F3's da to e5m2 with the QKV gradient site's delayed scale, B2 on fp8): its GPU
       # tests (B1 -> B2 against the reference, the traced B1 against its op), then the A/B against the defaults

@@ -21,6 +21,7 @@ from coda_titan import kernels
 from coda_titan.kernels import TRACEABLE, BackendUnavailable, get_backend, op_backend, resolve_backend
 from coda_titan.model.args import CodaModelArgs, coda_llama3_args
 from coda_titan.model.model import CodaTransformer
+from coda_titan.kernels.scaling import E5M2
 from coda_titan.titan.fa4 import swap_attention
 from coda_titan.titan.job_config import Coda
 
@@ -252,11 +253,11 @@ def test_cute_refused_without_gpu():
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
      ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
-     ("traced", "sdpa", "fp8_qkv_wgrad")],
+     ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
-    # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj
+    # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj; fp8_qkv_h_t: fp8_qkv_wgrad with fp8_dgrad and fp8_down_proj
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
@@ -265,11 +266,12 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     mlp = precision in ("fp8_mlp_dgrad", "fp8_down_dgrad", "fp8_mlp_e5m2", "fp8_down_wgrad", "fp8_mlp_da_t",
                         "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t", "fp8_mlp_h_t")
     da_t = precision in ("fp8_mlp_da_t", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t", "fp8_mlp_h_t")
-    coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad",
+    qkv_h_t = precision == "fp8_qkv_h_t"
+    coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad" or qkv_h_t,
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision.startswith("fp8_down_dgrad"),
-                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
+                fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t") or qkv_h_t,
                 fp8_out_proj=precision in ("fp8_down", "fp8_mlp_h_t"), fp8_mlp_h_t=precision == "fp8_mlp_h_t",
-                fp8_qkv_wgrad=precision == "fp8_qkv_wgrad",
+                fp8_qkv_wgrad=precision in ("fp8_qkv_wgrad", "fp8_qkv_h_t"),
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
@@ -1139,6 +1141,36 @@ def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
         calls.clear()
         saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
     assert sorted(c for c in calls if c[0] == "wgrad_fp8_e4m3") == [("wgrad_fp8_e4m3", (tokens.numel(), dim))] * n
+    h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
+    assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
+    _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))
+
+
+def test_fp8_qkv_wgrad_on_b1s_codes_and_the_down_projections_h_t_casts_nothing():
+    """``fp8_qkv_wgrad`` with ``fp8_dgrad`` and ``fp8_down_proj``: dW_qkv is one fp8 GEMM (``wgrad_fp8_q``)
+    of the e5m2 da B1 wrote for the dgrad and of Hq^T, the codes F3 multiplied, written transposed by the
+    previous layer's down-projection F1 (``residual_rms_q_fp8_t``; layer 0's copied from the prologue's
+    codes): no cast of either operand, and the QKV Function keeps Hq^T instead of the bf16 H. Against
+    the model without it only dW_q, dW_k, dW_v move; it tracks the bf16 model."""
+    kw = dict(fp8_dgrad=True, fp8_down_proj=True)
+    bf16, off = _models(**kw)
+    _, on = _models(**kw, fp8_qkv_wgrad=True)
+    names = ("residual_rms_q_fp8_t", "residual_rms_q_fp8", "norm_rope_fp8", "wgrad_fp8_q", "wgrad_fp8_e4m3")
+    calls = _spy(on, names, lambda name, k: (name, k.get("hq", k.get("inpq")), k.get("gradq")))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, dim = len(on.layers), on.model_args.dim
+    for _ in range(2):  # the calibration step (current scales), then the delayed scales
+        calls.clear()
+        saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
+        counts = {name: sum(c[0] == name for c in calls) for name in names}
+        assert counts == {"residual_rms_q_fp8_t": n - 1, "residual_rms_q_fp8": 0, "norm_rope_fp8": n,
+                          "wgrad_fp8_q": n, "wgrad_fp8_e4m3": 0}, counts
+    f3 = [c[1] for c in calls if c[0] == "norm_rope_fp8"]
+    wg = [c for c in calls if c[0] == "wgrad_fp8_q"][::-1]  # (the backward runs the layers last first)
+    for hq, (_, inpq, gradq) in zip(f3, wg):
+        assert not inpq.is_contiguous() and inpq.t().is_contiguous()  # a token-major buffer, as written
+        assert torch.equal(inpq.view(torch.uint8), hq.view(torch.uint8))  # the very codes F3 multiplied
+        assert gradq.dtype == E5M2
     h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
     _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))

@@ -52,7 +52,7 @@ class ProgramConfig:
 class QuantizeH:
     """F1 also writes its H as e4m3 for the next consumer, with ``inv_scale`` (the site's delayed
     scale; None = the current amax, the calibration step), and reports amax |H|; with ``transposed``
-    (an F1 on an fp8 mainloop only; ``fp8_mlp_h_t``) also Hq^T, (d, M) token-major."""
+    (an F1 on an fp8 mainloop only; ``fp8_mlp_h_t``, ``fp8_qkv_wgrad``) also Hq^T, (d, M) token-major."""
 
     inv_scale: torch.Tensor | None
     transposed: bool = False
@@ -71,6 +71,7 @@ class Fp8Operands:
     s_w: torch.Tensor
     w_t: torch.Tensor | None = None
     grad_inv: torch.Tensor | None = None
+    hq_t: torch.Tensor | None = None  # F3's: ``hq`` transposed, (d, M), as its producer wrote it (``fp8_qkv_wgrad``)
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,9 @@ NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqle
 class NormRoPE(torch.autograd.Function):
     """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
     zdz, which also casts da to e5m2 with ``fp8.grad_inv`` when ``fp8.w_t`` is given, returning amax
-    |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8: da
-    cast, times the e4m3 H F3 read, kept instead of the bf16 H)."""
+    |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8, on
+    the e4m3 H F3 read, kept instead of the bf16 H (its producer's H^T if given), times B1's e5m2 da
+    where B1 wrote it, else da cast with its current scale)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
@@ -188,7 +190,8 @@ class NormRoPE(torch.autograd.Function):
             qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
                                             out_dtype=h.dtype, **rope)
         w_t, s_w, inv_g = (None,) * 3 if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w, fp8.grad_inv)
-        hq, inv_h = (fp8.hq, fp8.inv_a) if fp8 is not None and cfg.fp8_qkv_wgrad else (None, None)
+        hq, inv_h = (None, None) if fp8 is None or not cfg.fp8_qkv_wgrad else (
+            fp8.hq if fp8.hq_t is None else fp8.hq_t.t(), fp8.inv_a)
         ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h,
                               inv_g)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
@@ -201,7 +204,7 @@ class NormRoPE(torch.autograd.Function):
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
         w = torch.cat([wq, wk, wv])
-        sink = None
+        sink = daq = None
         if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2 (delayed scale), B2 runs on it and W_qkv,q^T
             da, zdz, daq, amax = be.rope_bwd_fp8(**rope, inv_scale=inv_g)
             inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g
@@ -210,7 +213,10 @@ class NormRoPE(torch.autograd.Function):
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
-        if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, the gradient cast and the forward's e4m3 input
+        if hq is not None and daq is not None:  # fp8_qkv_wgrad on B1's codes: no cast of either operand
+            dw = be.wgrad_fp8_q(gradq=daq, grad_scale=inv.reciprocal(), inpq=hq, inp_scale=inv_h.reciprocal(),
+                                out_dtype=w.dtype)
+        elif hq is not None:  # fp8_qkv_wgrad: torchao's recipe, the gradient cast and the forward's e4m3 input
             dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None, inpq=hq, inp_scale=inv_h.reciprocal(), out_dtype=w.dtype)
         else:
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)

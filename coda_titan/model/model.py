@@ -65,16 +65,17 @@ class LayerFp8:
     s_w2: torch.Tensor | None = None
     mlp_h_t: bool = False  # the out-projection's F1 also writes Hq^T, dW13's input (fp8_mlp_h_t)
     qkv_grad_sink: torch.Tensor | None = None  # F3's gradient site's amax sink (fp8_dgrad; its scale: attn.grad_inv)
+    qkv_h_t: bool = False  # the down-projection's F1 also writes Hq^T, the next layer's dW_qkv input (fp8_qkv_wgrad)
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8: LayerFp8 | None = None):
-        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o): the
-        e4m3 H of the next layer, the amaxes of this layer's MLP input, of the next layer's input and
-        (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs (hq_next and
-        amax_next None on the last layer)."""
+        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next):
+        the e4m3 H of the next layer, the amaxes of this layer's MLP input, of the next layer's input and
+        (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs, and with
+        ``fp8.qkv_h_t`` the next layer's Hq^T (hq_next, amax_next and hq_t_next None on the last layer)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
@@ -96,7 +97,7 @@ class CodaTransformerBlock(TransformerBlock):
         inv_ffn = inv_scale_from_amax(amax_ffn) if fp8.inv_ffn is None else fp8.inv_ffn  # calibration: current
         mlp = MlpFp8(
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
-            quantize_next=None if fp8.last else QuantizeH(fp8.inv_next),
+            quantize_next=None if fp8.last else QuantizeH(fp8.inv_next, fp8.qkv_h_t),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
             w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t,
         )
@@ -104,8 +105,9 @@ class CodaTransformerBlock(TransformerBlock):
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if fp8.last else out[3:5]
         amax_y = out[-1] if fp8.down is not None else None
+        hq_t_next = out[5] if fp8.qkv_h_t and not fp8.last else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o
+        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next
 
 
 def _no_wait(layer: int | None) -> None:
@@ -317,6 +319,8 @@ class CodaTransformer(Transformer):
         flags = self._weight_pass_flags(grad)
         mlp_dgrad, mlp_wgrad, inputs = flags[0], coda.fp8_mlp_wgrad and grad, flags[3]
         h_t = coda.fp8_mlp_h_t and mlp_dgrad and mlp_wgrad and coda.fp8_mlp_wgrad_e5m2 and "out" in inputs  # (dW13's)
+        qkv_h_t = coda.fp8_qkv_wgrad and grad and "down" in inputs  # (dW_qkv's; layer 0's from the prologue's codes)
+        hq_t = hq.t().contiguous() if qkv_h_t else None
 
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)
@@ -356,7 +360,8 @@ class CodaTransformer(Transformer):
             # calibration step: the producer quantized with the current amax, and so must the consumer
             inv_attn = inv_scale_from_amax(amaxes[-1]) if inv[2 * i] is None else inv[2 * i]
             fp8 = LayerFp8(
-                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t, grad_inv=inv_q[i]), qkv_grad_sink=sinks_q[i],
+                attn=Fp8Operands(hq=hq, inv_a=inv_attn, w=wqkv, s_w=s_qkv, w_t=wqkv_t, grad_inv=inv_q[i], hq_t=hq_t),
+                qkv_grad_sink=sinks_q[i], qkv_h_t=qkv_h_t,
                 inv_ffn=inv[2 * i + 1], inv_next=None if last else inv[2 * i + 2], last=last,
                 w13=w13, s_13=s_13, w13_t=w13_t,
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
@@ -364,7 +369,7 @@ class CodaTransformer(Transformer):
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], mlp_h_t=h_t,
             )
             step_wait(i)
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o, hq_t = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
             for site, amax in (("down", amax_y), ("out", amax_o)):
                 if site in inputs:

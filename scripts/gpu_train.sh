@@ -372,6 +372,9 @@ for phase in "$@"; do
         c=$(variant both_h_t "fp8_qkv_wgrad = true" "fp8_mlp_h_t = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" "$c" --steps "${STEPS:-30}" --warmup 10 --tag h_t
       ;;
+    htprobe)
+      python3 -m scripts.probes.h_t
+      ;;
     qkvdgrad)
       # fp8_dgrad (B1 casts F3's da to e5m2 with the QKV gradient site's delayed scale, B2 on fp8): its GPU
       # tests (B1 -> B2 against the reference, the traced B1 against its op), then the A/B against the defaults

@@ -372,6 +372,12 @@ for phase in "$@"; do
         c=$(variant both_h_t "fp8_qkv_wgrad = true" "fp8_mlp_h_t = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" "$c" --steps "${STEPS:-30}" --warmup 10 --tag h_t
       ;;
+    outbwd)
+      # fp8_out_bwd (W_o's dgrad and wgrad on one e5m2 cast of dX, the e4m3 o kept) between two runs of the
+      # configured fp8 config (the second a same-settings variant: the drift between runs of one config)
+      a=$(variant out_bwd "fp8_out_bwd = true") && b=$(variant configured_again "fp8_out_bwd = false") || exit 2
+      $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_out_bwd
+      ;;
     htprobe)
       python3 -m scripts.probes.h_t
       ;;

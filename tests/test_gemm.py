@@ -156,6 +156,29 @@ def test_wgrad_fp8_q_is_the_weight_gradient_of_two_given_fp8_operands():
                                                  (1 / inv_x).float(), torch.float32), test_utils=("test_faketensor",))
 
 
+def test_dgrad_fp8_q_is_the_input_gradient_of_an_e5m2_gradient_and_the_e4m3_transposed_weight():
+    """``dgrad_fp8_q`` (the W_o dgrad with ``fp8_out_bwd``): dX = (s_g gq) @ (s_w Wq) with the weight given
+    as its e4m3 transpose, codes taken as they are; in fp64 the exact product of the decoded operands."""
+    from coda_titan.kernels.scaling import E5M2, quantize_e4m3, quantize_e5m2
+
+    gen = torch.Generator().manual_seed(25)
+    m, n, k = 96, 32, 48  # grad (m, n) = dX (m, k) @ W^T, W (n, k)
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * 1e-3
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64) * 0.05
+    inv_g, inv_w = torch.tensor(2.0**24, dtype=torch.float64), torch.tensor(3000.0, dtype=torch.float64)
+    gq, wq_t = quantize_e5m2(g, inv_g), quantize_e4m3(w.t().contiguous(), inv_w)
+    dx = TORCH.dgrad_fp8_q(gradq=gq, grad_scale=1 / inv_g, weight_tq=wq_t, w_scale=1 / inv_w, out_dtype=torch.float64)
+    assert dx.shape == (m, k) and rel(dx, (gq.double() / inv_g) @ (wq_t.double().t() / inv_w)) < 1e-12
+    assert 1e-4 < rel(dx, TORCH.dgrad(grad=g, weight=w, out_dtype=torch.float64)) < 0.2
+    with pytest.raises(TypeError, match="e5m2 gradient and an e4m3 weight"):
+        TORCH.dgrad_fp8_q(gradq=wq_t, grad_scale=1 / inv_g, weight_tq=wq_t, w_scale=1 / inv_w, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="against W"):
+        TORCH.dgrad_fp8_q(gradq=gq, grad_scale=1 / inv_g, weight_tq=wq_t.t().contiguous(), w_scale=1 / inv_w,
+                          out_dtype=torch.float64)
+    opcheck(torch.ops.coda.dgrad_fp8_q.default, (gq.float().to(E5M2), (1 / inv_g).float(), wq_t.float().to(wq_t.dtype),
+                                                 (1 / inv_w).float(), torch.float32), test_utils=("test_faketensor",))
+
+
 def test_wgrad_fp8_rounding_does_not_move_with_the_amax():
     """Two runs whose amaxes differ by a few percent (an outlier element computed slightly apart)
     cast every other element identically: the power-of-two scale keeps each element's rounding its
@@ -355,6 +378,14 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     kw = dict(gradq=gq_t.t(), grad_scale=1 / inv, inpq=xq_t.t(), inp_scale=1 / inv_x, out_dtype=bf)
     gemm_check("wgrad_fp8_q", compiled("wgrad_fp8_q")(**kw), cute.wgrad_fp8_q(**kw),
                gq8.double().t() / inv.double(), xq8.double() / inv_x.double())
+    # dgrad_fp8_q (fp8_out_bwd): the gradient's codes and W^T's (K-major, as the weight pass writes it), traced
+    # against the op and the op against the exact product of the decoded operands (rounded once to bf16)
+    wq_t8 = quantize_e4m3(w.float().t().contiguous(), 300 / w.float().abs().amax())
+    s_w = w.float().abs().amax() / 300
+    kw = dict(gradq=gq8, grad_scale=1 / inv, weight_tq=wq_t8, w_scale=s_w, out_dtype=bf)
+    a, b = gq8.double() / inv.double(), wq_t8.double().t() * s_w.double()
+    gemm_check("dgrad_fp8_q", compiled("dgrad_fp8_q")(**kw), cute.dgrad_fp8_q(**kw), a, b)
+    gemm_check("dgrad_fp8_q vs exact", cute.dgrad_fp8_q(**kw), (a @ b).to(bf), a, b)
     # dW2 on B3's e5m2 D (the model's default): quantize_grad's codes and scale are wgrad_fp8_e4m3's own cast
     # of the gradient (the same amax, power-of-two scale and codes), so the traced GEMM on them is that op's
     dq, s_d = cute.quantize_grad(t=g)

@@ -21,7 +21,7 @@ from coda_titan import kernels
 from coda_titan.kernels import TRACEABLE, BackendUnavailable, get_backend, op_backend, resolve_backend
 from coda_titan.model.args import CodaModelArgs, coda_llama3_args
 from coda_titan.model.model import CodaTransformer
-from coda_titan.kernels.scaling import E5M2
+from coda_titan.kernels.scaling import E4M3, E5M2
 from coda_titan.titan.fa4 import swap_attention
 from coda_titan.titan.job_config import Coda
 
@@ -253,11 +253,13 @@ def test_cute_refused_without_gpu():
      ("traced", "sdpa", "fp8_dgrad"), ("custom_ops", "sdpa", "fp8_mlp_e5m2"), ("traced", "sdpa", "fp8_mlp_e5m2"),
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
      ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
-     ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t")],
+     ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t"), ("traced", "sdpa", "fp8_out_bwd"),
+     ("custom_ops", "sdpa", "fp8_out_bwd")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
-    # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj; fp8_qkv_h_t: fp8_qkv_wgrad with fp8_dgrad and fp8_down_proj
+    # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj; fp8_qkv_h_t: fp8_qkv_wgrad with fp8_dgrad and fp8_down_proj;
+    # fp8_out_bwd: with fp8_out_proj
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
@@ -270,7 +272,8 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
     coda = Coda(backend="torch", tile_n=32, precision=precision.split("_")[0], fp8_dgrad=precision == "fp8_dgrad" or qkv_h_t,
                 fp8_mlp_dgrad=mlp, fp8_mlp_wgrad=mlp, fp8_down_dgrad=precision.startswith("fp8_down_dgrad"),
                 fp8_down_proj=precision in ("fp8_down", "fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t") or qkv_h_t,
-                fp8_out_proj=precision in ("fp8_down", "fp8_mlp_h_t"), fp8_mlp_h_t=precision == "fp8_mlp_h_t",
+                fp8_out_proj=precision in ("fp8_down", "fp8_mlp_h_t", "fp8_out_bwd"), fp8_mlp_h_t=precision == "fp8_mlp_h_t",
+                fp8_out_bwd=precision == "fp8_out_bwd",
                 fp8_qkv_wgrad=precision in ("fp8_qkv_wgrad", "fp8_qkv_h_t"),
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
@@ -332,7 +335,7 @@ def _models(**kw):
         fp8_down_dgrad=kw.get("fp8_down_dgrad", False), fp8_layer_wgrads=kw.get("fp8_layer_wgrads", False),
         fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
-        fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False),
+        fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False), fp8_out_bwd=kw.get("fp8_out_bwd", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
         fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
@@ -824,9 +827,10 @@ def test_whole_1b_model_cute_matches_torch_backend():
                           (True, True, False, False, True), (True, True, False, False, False),
                           (True, False, True, False, True), (True, False, False, True, True),
                           (True, True, False, False, "da_t"), (True, True, True, False, "da_t"),
-                          (True, True, False, False, "h_t"), (True, True, False, False, "qkv_wgrad")])
-# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad, "h_t" / "qkv_wgrad":
-# and fp8_mlp_h_t / fp8_qkv_wgrad)
+                          (True, True, False, False, "h_t"), (True, True, False, False, "qkv_wgrad"),
+                          (True, True, True, False, "out_bwd")])
+# (down_proj: also out_proj; e5m2: fp8_mlp_wgrad_e5m2, "da_t": and fp8_mlp_da_t with fp8_down_wgrad, "h_t" / "qkv_wgrad" /
+# "out_bwd": and fp8_mlp_h_t / fp8_qkv_wgrad / fp8_out_bwd)
 def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, down_dgrad, layer_wgrads, e5m2):  # and fp8_mlp_wgrad (the defaults)
     """The 1B model, fp8, cute vs torch backend, per parameter gradient: dev = ||g_cute - g_torch||,
     in units of what fp8 itself moves it (||g_bf16 - g_torch||, the bf16 model on the same weights).
@@ -844,16 +848,16 @@ def test_whole_1b_fp8_model_cute_matches_torch_backend(mlp_dgrad, down_proj, dow
     from scripts.probes.fp8_model_grads import grad_ratios, summary
 
     res = grad_ratios(mlp_dgrad, mlp_dgrad, down_proj=down_proj, out_proj=down_proj, down_dgrad=down_dgrad,
-                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 in ("da_t", "h_t", "qkv_wgrad"),
-                      down_wgrad=e5m2 in ("da_t", "h_t", "qkv_wgrad"), h_t=e5m2 == "h_t",
-                      qkv_wgrad=e5m2 == "qkv_wgrad")  # (down_proj: both F1 input sites)
+                      layer_wgrads=layer_wgrads, wgrad_e5m2=bool(e5m2), da_t=e5m2 in ("da_t", "h_t", "qkv_wgrad", "out_bwd"),
+                      down_wgrad=e5m2 in ("da_t", "h_t", "qkv_wgrad", "out_bwd"), h_t=e5m2 == "h_t",
+                      qkv_wgrad=e5m2 == "qkv_wgrad", out_bwd=e5m2 == "out_bwd")  # (down_proj: both F1 input sites)
     losses, s = res["losses"], summary(res)
     bound = 2 * s["worst_order_ratio"]
     print(f"model (mlp_dgrad {mlp_dgrad}, down_proj {down_proj}): loss cute {losses['cute']:.6f} torch {losses['torch']:.6f} "
           f"reordered {losses['reordered']:.6f} bf16 {losses['bf16']:.6f}; worst gradient deviation / fp8 effect "
           f"{s['worst_ratio']:.3f} at {s['worst']}, reordered sums {s['worst_order_ratio']:.3f} at {s['worst_order']}")
     log_bound(f"whole-1B fp8 (mlp_dgrad {mlp_dgrad}{', down_proj' if down_proj else ''}{', down_dgrad' if down_dgrad else ''}"
-              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', ' + e5m2 if e5m2 in ('da_t', 'h_t', 'qkv_wgrad') else ''}) "
+              f"{', layer_wgrads' if layer_wgrads else ''}{'' if e5m2 else ', bf16 da'}{', ' + e5m2 if e5m2 in ('da_t', 'h_t', 'qkv_wgrad', 'out_bwd') else ''}) "
               "worst dev / fp8 effect", err=s["worst_ratio"], bound=bound,
               worst=s["worst"], worst_order=s["worst_order"], losses=losses)
     assert abs(losses["cute"] - losses["torch"]) <= 0.25 * abs(losses["bf16"] - losses["torch"]) + 1e-3 * abs(losses["torch"])
@@ -1174,6 +1178,38 @@ def test_fp8_qkv_wgrad_on_b1s_codes_and_the_down_projections_h_t_casts_nothing()
     h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
     _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))
+
+
+def test_fp8_out_bwd_runs_the_w_o_backward_on_one_e5m2_cast_and_keeps_the_e4m3_o():
+    """``fp8_out_bwd``: the out-projection's backward casts its gradient once (``quantize_grad``), and
+    both GEMMs read those codes: the dgrad with the weight pass's e4m3 W_o^T (``dgrad_fp8_q``), dW_o with
+    the e4m3 o the forward multiplied (``wgrad_fp8_q``), which the Function keeps instead of o. The
+    forward is bit for bit the model's without it; W_o's gradient moves (and, through dX, every one
+    computed after it); the model tracks the bf16 model."""
+    kw = dict(fp8_out_proj=True)
+    bf16, off = _models(**kw)
+    _, on = _models(**kw, fp8_out_bwd=True)
+    names = ("quantize_grad", "dgrad_fp8_q", "wgrad_fp8_q", "dgrad")
+    calls = _spy(on, names, lambda name, k: (name, k.get("weight_tq", k.get("inpq"))))
+    tokens, labels = _batch(on.model_args.vocab_size)
+    n, dim = len(on.layers), on.model_args.dim
+    for _ in range(2):  # the calibration step (the out site's current amax), then its delayed scale
+        calls.clear()
+        saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
+        counts = {name: sum(c[0] == name for c in calls) for name in names}
+        assert counts == {"quantize_grad": n, "dgrad_fp8_q": n, "wgrad_fp8_q": n, "dgrad": 0}, counts
+    for name, t in calls:
+        if name == "dgrad_fp8_q":  # W_o^T from the weight pass, K-major
+            assert t.dtype == E4M3 and t.shape == (dim, dim) and t.is_contiguous()
+        elif name == "wgrad_fp8_q":  # o's codes as F1's GEMM read them
+            assert t.dtype == E4M3 and t.shape == (tokens.numel(), dim)
+    # o (default-dtype elements) is kept as its e4m3 codes, and W_o^T (e4m3) with two 0-dim scales besides
+    o_bytes = tokens.numel() * dim * torch.empty(()).element_size()
+    assert saved["off"] - saved["on"] == n * (o_bytes - tokens.numel() * dim - dim * dim - 8), saved
+    assert torch.equal(on(tokens, labels=labels), off(tokens, labels=labels))
+    g_off, g_on = _grads(off), _grads(on)
+    assert all(not torch.equal(g_on[k], g_off[k]) for k in g_on if k.endswith("attention.wo.weight"))
+    _assert_tracks(bf16(tokens, labels=labels), on(tokens, labels=labels), _grads(bf16), g_on)
 
 
 def test_fp8_down_wgrad_takes_dw2_from_b3s_e4m3_y_once_the_down_site_has_its_scale():

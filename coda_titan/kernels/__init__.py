@@ -81,6 +81,7 @@ class Backend:
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
     wgrad_fp8_e4m3: Callable  # dW2 on B3's e4m3 y (fp8_down_wgrad)
     wgrad_fp8_q: Callable  # dW13 on B3's e5m2 da and F1's e4m3 H^T (fp8_mlp_h_t)
+    dgrad_fp8_q: Callable  # the W_o dgrad on an e5m2 gradient and the e4m3 W_o^T (fp8_out_bwd)
 
 
 PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if f.name != "name")
@@ -88,7 +89,7 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
 TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
-                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "quantize_delayed")
+                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "dgrad_fp8_q", "quantize_delayed")
 
 TORCH = Backend(
     name="torch",
@@ -127,6 +128,7 @@ TORCH = Backend(
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
     wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3,
     wgrad_fp8_q=gemm.wgrad_fp8_q,
+    dgrad_fp8_q=gemm.dgrad_fp8_q,
 )
 
 
@@ -171,6 +173,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
         wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3_op,
         wgrad_fp8_q=gemm.wgrad_fp8_q_op,
+        dgrad_fp8_q=gemm.dgrad_fp8_q_op,
     )
     if set(traced or ()) - set(TRACEABLE):
         raise ValueError(f"only {TRACEABLE} can be traced, not {sorted(set(traced) - set(TRACEABLE))}")

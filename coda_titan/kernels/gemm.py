@@ -24,6 +24,8 @@ FP8 (precision = "fp8"):
                          it): no cast of the gradient, only its token-major copy.
     wgrad_fp8_e4m3       the same with the input already e4m3 (B3's y, with the down-projection input
                          site's delayed scale; ``inp_scale`` = 1 / inv) and the gradient cast.
+    dgrad_fp8_q          dX = grad @ W on an e5m2 gradient and the e4m3 W^T, both with their scales
+                         (``fp8_out_bwd``: the W_o dgrad on the cast dW_o reads too).
 """
 
 from __future__ import annotations
@@ -193,6 +195,21 @@ def wgrad_fp8_q(
     return _scaled_product(gradq, grad_scale, inpq, inp_scale, out_dtype)
 
 
+def dgrad_fp8_q(
+    *, gradq: torch.Tensor, grad_scale: torch.Tensor, weight_tq: torch.Tensor, w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dX = (grad_scale * gradq) @ (w_scale * Wq): a dgrad on an e5m2 gradient and the e4m3 weight given
+    transposed (``weight_tq`` = Wq^T, (in, out): K-major for the fp8 MMA), no cast of either
+    (``fp8_out_bwd``: the W_o dgrad on the gradient's one cast, which dW_o reads too)."""
+    if gradq.dtype != E5M2 or weight_tq.dtype != E4M3:
+        raise TypeError(f"dgrad_fp8_q takes an e5m2 gradient and an e4m3 weight, got {gradq.dtype} and {weight_tq.dtype}")
+    if gradq.shape[1] != weight_tq.shape[1]:
+        raise ValueError(f"dgrad_fp8_q: gradient {tuple(gradq.shape)} against W^T {tuple(weight_tq.shape)}")
+    ct = compute_dtype(out_dtype)
+    return ((gradq.to(ct) @ weight_tq.to(ct).t()) * (grad_scale.to(ct) * w_scale.to(ct))).to(out_dtype)
+
+
 # --- custom ops ------------------------------------------------------------------------------------
 
 
@@ -328,3 +345,16 @@ def wgrad_fp8_q_op(
 @wgrad_fp8_q_op.register_fake
 def _(gradq, grad_scale, inpq, inp_scale, out_dtype):
     return inpq.new_empty((gradq.shape[1], inpq.shape[1]), dtype=out_dtype)
+
+
+@program_op("dgrad_fp8_q")
+def dgrad_fp8_q_op(
+    gradq: torch.Tensor, grad_scale: torch.Tensor, weight_tq: torch.Tensor, w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return dgrad_fp8_q(gradq=gradq, grad_scale=grad_scale, weight_tq=weight_tq, w_scale=w_scale, out_dtype=out_dtype)
+
+
+@dgrad_fp8_q_op.register_fake
+def _(gradq, grad_scale, weight_tq, w_scale, out_dtype):
+    return gradq.new_empty((gradq.shape[0], weight_tq.shape[0]), dtype=out_dtype)

@@ -46,6 +46,7 @@ class ProgramConfig:
     fp8_y_wgrad: bool = False  # with it and the down site calibrated: dW2 on B3's e4m3 y (``fp8_down_wgrad``)
     fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
+    fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,12 @@ class Fp8Input:
     """An F1 on an fp8 mainloop (``fp8_down_proj``: W2; ``fp8_out_proj``: W_o): its input is cast to
     e4m3 with the site's delayed scale ``inv`` (None = the current amax, the calibration step) and F1
     multiplies it by the layer's e4m3 weight ``w`` (scale ``s_w``). The backward keeps the bf16
-    weight (straight through)."""
+    weight (straight through), except with ``w_t`` (that weight's e4m3 transpose, ``fp8_out_bwd``)."""
 
     w: torch.Tensor
     s_w: torch.Tensor
     inv: torch.Tensor | None
+    w_t: torch.Tensor | None = None
 
 
 def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
@@ -149,23 +151,37 @@ RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize
 class ResidualRMS(torch.autograd.Function):
     """F1: X = y @ W^T + residual; H = X * gamma_next; S partials (with ``quantize``: also e4m3 H and
     amax |H|; with ``fp8_in``: the GEMM on e4m3 y, and amax |y| last). Backward: dgrad (bf16) +
-    wgrad (bf16, or on fp8 with ``cfg.fp8_wgrads``)."""
+    wgrad (bf16, or on fp8 with ``cfg.fp8_wgrads``); with ``cfg.fp8_out_bwd`` and ``fp8_in.w_t``, both
+    on fp8: dX cast once to e5m2 (current power-of-two scale) times W^T's and the forward's e4m3 y,
+    kept instead of y."""
 
     @staticmethod
     def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None,
                 fp8_in: Fp8Input | None = None):
-        outs = _f1(cfg.backend, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
+        be, saved = cfg.backend, (y, weight, None, None, None)
+        if cfg.fp8_out_bwd and fp8_in is not None and fp8_in.w_t is not None:  # (the same cast _f1 makes)
+            yq, amax_y = be.quantize_delayed(t=y, inv_scale=fp8_in.inv)
+            outs = _f1(be, yq, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in, amax_y)
+            inv_y = inv_scale_from_amax(amax_y) if fp8_in.inv is None else fp8_in.inv
+            saved = (yq, weight, fp8_in.w_t, fp8_in.s_w, inv_y)
+        else:
+            outs = _f1(be, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
         ctx.mark_non_differentiable(*outs[1:])
-        ctx.save_for_backward(y, weight)
+        ctx.save_for_backward(*saved)
         ctx.cfg = cfg
         return outs
 
     @staticmethod
     def backward(ctx, dx, *_):
-        y, weight = ctx.saved_tensors
+        y, weight, w_t, s_w, inv_y = ctx.saved_tensors
         be = ctx.cfg.backend
-        dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
-        dw = _wgrad(be, ctx.cfg.fp8_wgrads, dx, y, weight.dtype)
+        if w_t is not None:  # fp8_out_bwd: one cast of dX for both GEMMs
+            dq, s_d = be.quantize_grad(t=dx)
+            dy = be.dgrad_fp8_q(gradq=dq, grad_scale=s_d, weight_tq=w_t, w_scale=s_w, out_dtype=dx.dtype)
+            dw = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y, inp_scale=inv_y.reciprocal(), out_dtype=weight.dtype)
+        else:
+            dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
+            dw = _wgrad(be, ctx.cfg.fp8_wgrads, dx, y, weight.dtype)
         return _grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
 
 

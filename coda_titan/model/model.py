@@ -205,7 +205,8 @@ class CodaTransformer(Transformer):
             backend=get_backend(self.backend_name, traced=a.coda.trace_passes), tile_n=a.coda.tile_n, eps=a.norm_eps,
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
-            fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad)
+            fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad,
+            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""
@@ -264,31 +265,33 @@ class CodaTransformer(Transformer):
 
     def _weight_pass_flags(self, grad: bool) -> tuple:
         """What the fp8 weight pass makes: (W13^T for B2's fp8 dgrad, W_qkv^T for F3's, W2^T for B3's,
-        the F1 input sites on an fp8 mainloop). The transposed weights serve the backward only."""
+        the F1 input sites on an fp8 mainloop, W_o^T for its fp8 backward). The transposed weights serve
+        the backward only."""
         coda = self.model_args.coda
         mlp_dgrad = coda.fp8_mlp_dgrad and grad
         down_dgrad = coda.fp8_down_dgrad and mlp_dgrad  # B3 on fp8 needs the e5m2 B3 (its gradient site)
         sites = tuple(site for site, on in (("down", coda.fp8_down_proj), ("out", coda.fp8_out_proj)) if on)
-        return mlp_dgrad, coda.fp8_dgrad and grad, down_dgrad, sites
+        return mlp_dgrad, coda.fp8_dgrad and grad, down_dgrad, sites, coda.fp8_out_bwd and grad and "out" in sites
 
     @staticmethod
     def _weight_pass(blocks, cfg: ProgramConfig, flags: tuple) -> tuple:
         """Every e4m3 weight the forward (and, transposed, the backward) of ``blocks`` reads:
         straight-through, the backward's own GEMMs use the bf16 weights. Scales come one 0-dim tensor per layer."""
-        mlp_dgrad, qkv_dgrad, down_dgrad, sites = flags
+        mlp_dgrad, qkv_dgrad, down_dgrad, sites, out_bwd = flags
         weight = {"down": lambda l: l.feed_forward.w2.weight, "out": lambda l: l.attention.wo.weight}
+        transposed = {"down": down_dgrad, "out": out_bwd}  # (W2^T: B3's K-major operand; W_o^T: its fp8 dgrad's)
         with torch.no_grad():
             ws = cfg.backend.fp8_layer_weights(
                 w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
                 wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
                 wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
             )
-            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks], transposed=down_dgrad and site == "down")
-                      for site in sites}  # (with down_dgrad, W2^T too in the same pass: B3's K-major operand)
+            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks], transposed=transposed[site])
+                      for site in sites}
             down = fp8_in.get("down") or down_dgrad and cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks], transposed=True)
             w2_t = (down[2], aligned_unbind(down[1])) if down_dgrad else None
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws  # each layer's scale 16-byte aligned (``aligned_unbind``)
-            fp8_in = {site: (q, aligned_unbind(sc)) for site, (q, sc, _) in fp8_in.items()}
+            fp8_in = {site: (q, aligned_unbind(sc), q_t if site == "out" else []) for site, (q, sc, q_t) in fp8_in.items()}
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
     def prefetch_fp8_weights(self) -> bool:
@@ -336,7 +339,7 @@ class CodaTransformer(Transformer):
 
         def layer_weights(i, layer):
             """(W13q, s_13, W_qkv,q, s_qkv, W13q^T or None, W_qkv,q^T or None, {site: (e4m3 weight, its
-            scale)} of the F1 input sites on, (W2q^T, s_w2) or None) of layer i."""
+            scale, its transpose or None)} of the F1 input sites on, (W2q^T, s_w2) or None) of layer i."""
             if sharded:  # the block's own gather (at i > 0 issued at block i - 1), then the next block's,
                 layer.unshard()  # asynchronously: it runs beside this block's compute, as FSDP's prefetch does
                 if i + 1 < len(layers):
@@ -344,7 +347,7 @@ class CodaTransformer(Transformer):
             ws, j = (weight_pass([layer]), 0) if sharded else batched(i)
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, fp8_in, w2_t = ws
             return (w13[j], s_13[j], wqkv[j], s_qkv[j], w13_t[j] if w13_t else None, wqkv_t[j] if wqkv_t else None,
-                    {site: (q[j], sc[j]) for site, (q, sc) in fp8_in.items()},
+                    {site: (q[j], sc[j], q_t[j] if q_t else None) for site, (q, sc, q_t) in fp8_in.items()},
                     None if w2_t is None else (w2_t[0][j], w2_t[1][j]))
 
         with torch.no_grad():  # B3 writes e5m2 da (and B1 F3's with fp8_dgrad)
@@ -354,7 +357,7 @@ class CodaTransformer(Transformer):
         amaxes_in = {site: [] for site in inputs}
         for i, layer in enumerate(layers):
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in, w2_t = layer_weights(i, layer)
-            f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i]) for site, (w, sc) in w_in.items()}
+            f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i], w_t=w_t) for site, (w, sc, w_t) in w_in.items()}
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else gammas[i + 1]
             # calibration step: the producer quantized with the current amax, and so must the consumer

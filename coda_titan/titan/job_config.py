@@ -42,7 +42,7 @@ class Coda:
     fp8_amax_history: int = knob(16, "fp8: steps of per-site amax history behind the delayed scales", low=1)
     fp8_dgrad: bool = knob(True, "fp8: QKV dgrad on B1's delayed e5m2 da (a delayed scale)")
     fp8_mlp_dgrad: bool = knob(True, "fp8: the W13 dgrad on an e5m2 gradient with a delayed scale")
-    fp8_mlp_wgrad: bool = knob(True, "fp8: W13's weight gradient on fp8 (torchao's recipe, power-of-two scales)")
+    fp8_mlp_wgrad: bool = knob(True, "fp8: dW13 on fp8 (torchao's recipe, power-of-two scales)")
     fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8: dW13 reads B3's e5m2 da; no bf16 da is written")
     fp8_down_proj: bool = knob(True, "fp8: the W2 forward on fp8, F2 writing e4m3 y (delayed scale)")
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
@@ -50,15 +50,15 @@ class Coda:
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
+    fp8_out_bwd: bool = knob(False, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
-    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph (less memory)")
-    prefetch_weights: bool = knob(True, "fp8: the next step's weight pass issued at the optimizer step, on a side stream")
+    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph")
+    prefetch_weights: bool = knob(True, "fp8: the next weight pass issued at the optimizer step, on a side stream")
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
-    optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream, beside the next forward's "
-                                         "host work")
-    step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers; each block waits for its own", low=0)
-    fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW (no pass of its own); one device")
+    optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream (one GPU)")
+    step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers, each awaited by its blocks", low=0)
+    fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW; one device")
     b2_c_stages: int = knob(2, "cute: B2's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24
@@ -138,6 +138,7 @@ def validate(coda: Coda) -> Coda:
 NEEDS = {
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
     "fp8_qkv_wgrad": ({"precision": "fp8"}, "it runs dW_qkv on fp8"),
+    "fp8_out_bwd": ({"precision": "fp8", "fp8_out_proj": True}, "dW_o reads the e4m3 o the W_o forward multiplied"),
     "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
                      "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
 }

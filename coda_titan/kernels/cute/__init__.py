@@ -63,5 +63,6 @@ TRACED = {
     "wgrad_fp8_e5m2": gemm.wgrad_fp8_e5m2_traced,
     "wgrad_fp8_e4m3": gemm.wgrad_fp8_e4m3_traced,
     "wgrad_fp8_q": gemm.wgrad_fp8_q_traced,
+    "dgrad_fp8_q": gemm.dgrad_fp8_q_traced,
     "quantize_delayed": gemm.quantize_delayed_traced,
 }

@@ -17,6 +17,7 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
 wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
 wgrad_fp8_e4m3       the same on B3's e4m3 y: its token-major copy, the gradient's cast-and-transpose
 wgrad_fp8_q          the same on two fp8 operands with their scales, no cast (B3's da^T, F1's H^T)
+dgrad_fp8_q          cuBLAS ``_scaled_mm`` of an e5m2 gradient and the e4m3 W^T (K-major as given)
 """
 
 from __future__ import annotations
@@ -233,3 +234,33 @@ def wgrad_fp8_q_traced(*, gradq, grad_scale, inpq, inp_scale, out_dtype):
     if _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype):
         return ref.wgrad_fp8_q_op(gradq, grad_scale, inpq, inp_scale, out_dtype)  # the op says why, once
     return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale), out_dtype)
+
+
+def _dgrad_fp8_q_unsupported(gradq, weight_tq, out_dtype) -> str | None:
+    why = unsupported_fp8(gradq, dtypes=(E5M2,)) or unsupported_fp8(weight_tq)
+    if why is None and (gradq.shape[1] != weight_tq.shape[1] or gradq.shape[1] % 16 or weight_tq.shape[0] % 16):
+        why = f"shapes {tuple(gradq.shape)} / W^T {tuple(weight_tq.shape)} (need equal K, all % 16)"
+    if why is None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        why = f"out dtype {out_dtype}"
+    return why
+
+
+def _scaled_dgrad(gradq, grad_scale, weight_tq, w_scale, out_dtype):
+    return torch._scaled_mm(gradq, weight_tq.t(), scale_a=grad_scale.float().reshape(()),
+                            scale_b=w_scale.float().reshape(()), out_dtype=out_dtype, use_fast_accum=False)
+
+
+@torch.library.register_kernel("coda::dgrad_fp8_q", "cuda")
+def _dgrad_fp8_q(gradq, grad_scale, weight_tq, w_scale, out_dtype):
+    why = _dgrad_fp8_q_unsupported(gradq, weight_tq, out_dtype)
+    if why:
+        return fallback(ref.dgrad_fp8_q_op, why, gradq, grad_scale, weight_tq, w_scale, out_dtype)
+    with first_call("dgrad_fp8_q", gradq, weight_tq):
+        return _scaled_dgrad(gradq, grad_scale, weight_tq, w_scale, out_dtype)
+
+
+def dgrad_fp8_q_traced(*, gradq, grad_scale, weight_tq, w_scale, out_dtype):
+    """``coda::dgrad_fp8_q`` as code a compiled caller traces (``TRACED``)."""
+    if _dgrad_fp8_q_unsupported(gradq, weight_tq, out_dtype):
+        return ref.dgrad_fp8_q_op(gradq, grad_scale, weight_tq, w_scale, out_dtype)  # the op says why, once
+    return _scaled_dgrad(gradq, grad_scale, weight_tq, w_scale, out_dtype)

@@ -378,6 +378,9 @@ for phase in "$@"; do
       a=$(variant out_bwd "fp8_out_bwd = true") && b=$(variant configured_again "fp8_out_bwd = false") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_out_bwd
       ;;
+    outbwdparity)
+      curves fp8_out_bwd out_bwd "fp8_out_bwd = true"
+      ;;
     htprobe)
       python3 -m scripts.probes.h_t
       ;;

@@ -345,8 +345,9 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
         return torch.compile(lambda **kw: cute_pkg.TRACED[name](**kw), fullgraph=True, dynamic=False)
 
     def gemm_check(name, got, want, a, b):  # got, want = a @ b in two orders, each rounded once to got's dtype
+        dtype = got.dtype  # (the output rounding's step is of that dtype, not of the fp64 copies compared)
         got, want, sab = got.double(), want.double(), a.double().abs() @ b.double().abs()
-        assert_codes_within(f"traced {name} vs op", got, want, _step(torch.maximum(got.abs(), want.abs()), got.dtype),
+        assert_codes_within(f"traced {name} vs op", got, want, _step(torch.maximum(got.abs(), want.abs()), dtype),
                             2 * a.shape[1] * u * sab)
 
     g, x, w = r(m, q, scale=1e-2), r(m, d), r(q, d, scale=d**-0.5)

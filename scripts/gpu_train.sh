@@ -256,7 +256,7 @@ for phase in "$@"; do
       ;;
     fp8compare)
       $cmp ${FP8_CONFIGS:-configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml} --steps "${STEPS:-40}" --warmup 10 --tag fp8_coda
+        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml} --steps "${STEPS:-40}" --warmup 10 --tag "${TAG:-fp8_coda}"
       ;;
     fp8mlp)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml configs/llama3_1b_fp8_coda_compile.toml \

@@ -46,11 +46,11 @@ class Coda:
     fp8_mlp_wgrad_e5m2: bool = knob(True, "fp8: dW13 reads B3's e5m2 da; no bf16 da is written")
     fp8_down_proj: bool = knob(True, "fp8: the W2 forward on fp8, F2 writing e4m3 y (delayed scale)")
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
-    fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (y^T with fp8_down_wgrad): no copy for dW13 (dW2)")
+    fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (and y^T): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
-    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on F3's e4m3 H (kept instead of H); measured slower")
-    fp8_out_bwd: bool = knob(False, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
+    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on B1's e5m2 da and e4m3 H (not bf16 H); measured slower")
+    fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
     trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph")
@@ -134,11 +134,10 @@ def validate(coda: Coda) -> Coda:
 
 # The off-by-default knobs and the settings they act through: without them each would do nothing, so
 # a run that sets it is refused before it starts. (The on-by-default variants, fp8_mlp_wgrad_e5m2,
-# fp8_mlp_da_t, fp8_down_wgrad and fp8_down_dgrad, are ignored where what they vary does not run.)
+# fp8_mlp_da_t, fp8_down_wgrad, fp8_down_dgrad and fp8_out_bwd, are ignored where what they vary does not run.)
 NEEDS = {
     "fp8_layer_wgrads": ({"precision": "fp8"}, "it runs weight gradients on fp8"),
     "fp8_qkv_wgrad": ({"precision": "fp8"}, "it runs dW_qkv on fp8"),
-    "fp8_out_bwd": ({"precision": "fp8", "fp8_out_proj": True}, "dW_o reads the e4m3 o the W_o forward multiplied"),
     "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
                      "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
 }

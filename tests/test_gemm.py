@@ -395,6 +395,10 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     gemm_check("wgrad_fp8_q on quantize_grad", compiled("wgrad_fp8_q")(**kw),
                cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf),
                gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
+    # and the eager op on those row-major codes (dW_o with fp8_out_bwd: both operands row-major), whose
+    # token-major copies inductor makes, against the traced program
+    gemm_check("wgrad_fp8_q op on row-major codes", cute.wgrad_fp8_q(**kw), compiled("wgrad_fp8_q")(**kw),
+               gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
 
     # quantize_delayed: the amax is a max, exact in any order. With a delayed scale both paths round the
     # same fp32 product t * inv once to e4m3: codes bit for bit. Calibrating (no scale), each path divides

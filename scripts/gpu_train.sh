@@ -378,6 +378,16 @@ for phase in "$@"; do
       a=$(variant out_bwd "fp8_out_bwd = true") && b=$(variant configured_again "fp8_out_bwd = false") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_out_bwd
       ;;
+    eagerfp8)
+      # the eager fp8 config with fp8_out_bwd on (its default) and off, after the GPU check of wgrad_fp8_q's eager
+      # op on row-major codes (their token-major copies by inductor): the twenty-seventh session's unrun check
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemm.py -k traced_programs -rfE --tb=short \
+        -W ignore::DeprecationWarning > "$logs/pytest_eagerfp8.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_eagerfp8.txt" | tail -8
+      b=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant out_bwd_off "fp8_out_bwd = false") || exit 2
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$b" --steps "${STEPS:-40}" \
+        --warmup 10 --tag fp8_out_bwd_eager
+      ;;
     outbwdparity)
       curves fp8_out_bwd out_bwd "fp8_out_bwd = true"
       ;;

@@ -391,6 +391,18 @@ for phase in "$@"; do
     outbwdparity)
       curves fp8_out_bwd out_bwd "fp8_out_bwd = true"
       ;;
+    ncu)
+      # Nsight Compute on one call of each program of NCU_PROGRAMS (scripts/probes/ncu_driver.py): speed of light,
+      # memory, warp states, scheduler, occupancy; the CSV of each under $out (clocks left alone, as METHOD.md asks)
+      n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      [ -n "$n" ] || { echo "ncu not found"; exit 2; }
+      for p in ${NCU_PROGRAMS:-b3 f1_down f1_down_t dgrad_fp8_q}; do
+        "$n" --clock-control none --nvtx --nvtx-include "measure/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --csv --page details \
+          python3 -m scripts.probes.ncu_driver --program "$p" > "$out/ncu_$p.csv" 2> "$logs/ncu_$p.err"
+        echo "ncu $p rc=$? ($(wc -l < "$out/ncu_$p.csv") lines)"; grep -E "Duration|Throughput" "$out/ncu_$p.csv" | head -6
+      done
+      ;;
     htprobe)
       python3 -m scripts.probes.h_t
       ;;

@@ -26,20 +26,10 @@ import statistics
 
 import torch
 
+from scripts.probes.epi_stages import _streamed
 from scripts.probes.fp8_configs import D, F, M, _meta
 
 ROUNDS, REPS = 5, 20
-
-
-def _stream_ms(fn) -> float:
-    """ms per call of ``fn`` over REPS calls back to back (CUDA events around the batch)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(REPS):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / REPS
 
 
 def _row(name: str, variants: dict) -> dict:
@@ -51,7 +41,7 @@ def _row(name: str, variants: dict) -> dict:
     rounds = {k: [] for k in variants}
     for _ in range(ROUNDS):
         for k, fn in variants.items():
-            rounds[k].append(_stream_ms(fn))
+            rounds[k].append(_streamed(fn, REPS)["gpu_ms"])
     row = {"row": name, "median_ms": {k: statistics.median(v) for k, v in rounds.items()}, "rounds_ms": rounds}
     print(json.dumps({"row": name, **{k: round(v, 4) for k, v in row["median_ms"].items()}}), flush=True)
     return row

@@ -29,6 +29,7 @@
 #     fusedclip    the compiled baseline vs CODA compiled with [coda] fused_clip on / off (PREC=fp8 (default) or bf16)
 #     fusedclipparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fused_clip, and without
 #     downdgradov  CODA fp8 compiled with fp8_down_dgrad (B3 on fp8, overlapped epilogues) against its defaults
+#     ncustalls   Nsight Compute on one call of B3 (NCU_PROGRAMS): its warp-state counters and per-SASS stall samples
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
@@ -79,6 +80,9 @@
 #                  (INTERLEAVE=N: then N alternations of the tuned op and the pinned tile)
 #     epibase      [coda] b2_c_stages = 2 against quack's base: the compiled baseline, CODA compiled with it, as configured (PREC)
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
+#     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
+#     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
+#     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     qkvdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_dgrad, and without
 #     actmargin    300-step loss curves: float8 + compile, CODA fp8 eager as configured and with fp8_act_margin = 0
@@ -403,6 +407,23 @@ for phase in "$@"; do
         echo "ncu $p rc=$? ($(wc -l < "$out/ncu_$p.csv") lines)"; grep -E "Duration|Throughput" "$out/ncu_$p.csv" | head -6
       done
       ;;
+    ncustalls)
+      # where the warps of one program of NCU_PROGRAMS (default b3) wait: Nsight Compute's warp-state
+      # counters (raw page) and its per-instruction SASS samples (source page), CSVs under $out
+      n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      [ -n "$n" ] || { echo "ncu not found"; exit 2; }
+      for p in ${NCU_PROGRAMS:-b3}; do
+        "$n" --clock-control none --nvtx --nvtx-include "measure/" -k regex:kernel_cutlass --section WarpStateStats \
+          --section SourceCounters --page raw --csv python3 -m scripts.probes.ncu_driver --program "$p" \
+          > "$out/ncu_raw_$p.csv" 2> "$logs/ncu_raw_$p.err"
+        echo "ncu raw $p rc=$? ($(wc -l < "$out/ncu_raw_$p.csv") lines)"
+        "$n" --clock-control none --nvtx --nvtx-include "measure/" -k regex:kernel_cutlass --section SourceCounters \
+          --page source --print-source sass --csv python3 -m scripts.probes.ncu_driver --program "$p" \
+          > "$out/ncu_sass_$p.csv" 2> "$logs/ncu_sass_$p.err"
+        echo "ncu sass $p rc=$? ($(wc -l < "$out/ncu_sass_$p.csv") lines)"; tail -3 "$logs/ncu_sass_$p.err"
+        gzip -f "$out/ncu_sass_$p.csv"
+      done
+      ;;
     htprobe)
       python3 -m scripts.probes.h_t
       ;;
@@ -435,6 +456,22 @@ for phase in "$@"; do
       # where fp8_dgrad's time goes (measured slower than the defaults): one profiled step of that arm, beside
       # the defaults' profile (fp8profile SKIP_BASELINE=1)
       a=$(variant qkv_dgrad "fp8_dgrad = true") || exit 2
+      $cmp --profile "$a" --steps 15 $keep
+      ;;
+    t8probe)
+      python3 -m scripts.probes.transpose_8bit
+      ;;
+    t8ab)
+      # fp8_qkv_wgrad with transpose_8bit's token-major copy of B1's codes against the configured fp8 config
+      # (its arm's 2.8 ms loss was inductor's 0.347 ms copy a layer: the twenty-eighth session's htprofile)
+      a=$(variant qkv_wgrad_t8 "fp8_qkv_wgrad = true") || exit 2
+      $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" --steps "${STEPS:-30}" --warmup 10 --tag qkv_wgrad_t8
+      ;;
+    htprofile)
+      # where fp8_qkv_wgrad's 2.8 ms go (measured slower, its kernels faster: probe_h_t_…json): one profiled step
+      # of the fp8 defaults and of that arm, in one lease (the GEMM families and top kernels side by side)
+      a=$(variant qkv_h_t "fp8_qkv_wgrad = true") || exit 2
+      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15 $keep
       $cmp --profile "$a" --steps 15 $keep
       ;;
     qkvwgradparity)

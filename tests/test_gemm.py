@@ -10,7 +10,7 @@ from torch.library import opcheck
 
 from coda_titan.kernels.scaling import E4M3, E4M3_MAX
 
-from .helpers import TORCH, op_cases, rel
+from .helpers import TORCH, op_cases, rel, run_interpreter_check
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -311,6 +311,38 @@ def _step(t: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     return 2 * fi.eps * t.abs() + fi.smallest_normal * fi.eps
 
 
+def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
+    """The 8-bit transpose pass (``kernels/cute/transpose_8bit.py``, the token-major copy a weight gradient
+    takes of a row-major fp8 operand) run by Triton's CPU interpreter (``tests/transpose_interpreter_check.py``,
+    a subprocess) against ``x.t().contiguous()``: every byte the same (NaN codes included: nothing may
+    convert them), on whole and partial tiles, both fp8 dtypes kept; a transposed view of a token-major
+    buffer is that buffer (no copy), and a strided input is refused."""
+    got = run_interpreter_check("transpose_interpreter_check.py")
+    for key, case in got.items():
+        if isinstance(case, dict):
+            m, k = (int(n) for n in key.rsplit("_", 1)[1].split("x"))
+            assert case["bytes_apart"] == 0 and case["shape"] == [k, m] and case["contiguous"], (key, case)
+            assert case["dtype"] == key.rsplit("_", 1)[0], (key, case)
+    assert got["token_major_of_a_view_is_the_buffer"] and got["refuses_a_strided_input"], got
+
+
+@pytest.mark.gpu
+def test_cute_transpose_8bit_moves_the_bytes():
+    """The 8-bit transpose pass on the GPU at B1's codes' shape (16384 tokens x 3072, e5m2) and o's (e4m3),
+    eager and inside a compiled caller (inductor launches the Triton kernel of the ``triton_op``): the bytes
+    of ``x.t().contiguous()``, every one."""
+    from coda_titan.kernels.cute.transpose_8bit import token_major
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    compiled = torch.compile(lambda t: token_major(t), fullgraph=True, dynamic=False)
+    for dtype, (m, k) in ((torch.float8_e5m2, (16384, 3072)), (torch.float8_e4m3fn, (16384, 2048))):
+        x = torch.randint(0, 256, (m, k), generator=gen, device="cuda", dtype=torch.uint8).view(dtype)
+        want = x.t().contiguous().view(torch.uint8)
+        for how, y in (("eager", token_major(x)), ("compiled", compiled(x))):
+            assert y.dtype == dtype and y.shape == (k, m) and y.is_contiguous(), (how, y.dtype, y.shape)
+            assert torch.equal(y.view(torch.uint8), want), f"{how} transpose_8bit of {dtype} {(m, k)}"
+
+
 @pytest.mark.gpu
 def test_cute_traced_programs_under_compile_equal_their_ops():
     """The cute backend's TRACED programs as the compiled model runs them (traced, inductor-fused)
@@ -396,7 +428,7 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
                cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf),
                gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
     # and the eager op on those row-major codes (dW_o with fp8_out_bwd: both operands row-major), whose
-    # token-major copies inductor makes, against the traced program
+    # token-major copies transpose_8bit makes, against the traced program
     gemm_check("wgrad_fp8_q op on row-major codes", cute.wgrad_fp8_q(**kw), compiled("wgrad_fp8_q")(**kw),
                gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
 

@@ -205,6 +205,12 @@ PROGRAMS = {
     "b3_t_q_overlap_epi64x64": lambda: _b3_epi_tile((64, 64), overlapped=True),
     "b3_t_q_epi128x32": lambda: _b3_epi_tile((128, 32)),
     "b3_t_q_epi64x64_c2": lambda: _b3_epi_tile((64, 64), base=2),
+    "b3_t_q_overlap_epi64x16": lambda: _b3_epi_tile((64, 16), overlapped=True),
+    "b3_t_q_overlap_epi64x16_c2": lambda: _b3_epi_tile((64, 16), overlapped=True, base=2),
+    "b3_t_q_overlap_epi64x16_c6": lambda: _b3_epi_tile((64, 16), overlapped=True, base=6),
+    "b3_t_q_overlap_c2": lambda: _b3_epi_tile(None, overlapped=True, base=2),
+    "b3_t_q_overlap_c6": lambda: _b3_epi_tile(None, overlapped=True, base=6),
+    "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),
     "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
 }

@@ -15,7 +15,8 @@ At the 1B shapes (M = 16384 tokens, d = 2048, F = 8192) it times, for each pinne
   overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``), their outputs checked bit for
   bit against the plain ones'; ``b3_t_e64`` / ``b3_t_q_e64`` with a 64 x 64 epilogue subtile instead of
   quack's 64 x 32 (``stages.epi_tile``: half the subtile rounds, 3 A/B stages instead of 5) and
-  ``b3_t_q_e64_c2`` with the C-stage base at 2 too (4 A/B stages), bits checked likewise; ``--b3``
+  ``b3_t_q_e64_c2`` with the C-stage base at 2 too (4 A/B stages), bits checked likewise; ``OV_VARIANTS``
+  the overlapped ``b3_t_q`` (the defaults' B3) with a 64 x 16 subtile and / or another C-stage base; ``--b3``
   picks them. One of quack's candidate configs of ``b3_fp8`` never finished on the H200, so every
   B3 config runs in a child process with a timeout; a hang is recorded as such.
 
@@ -137,8 +138,13 @@ def _diag_epis():
     return c_only_epi, nt_q_epi
 
 
+# the defaults' B3 (b3_t_q_ov: overlapped epilogues on the fp8 GEMM) with a narrower epilogue subtile and / or another
+# C-stage base (``stages``): (epi tile, C base) of each; the overlapped epilogues' smem then leaves the mainloop more
+# A/B stages (the twenty-eighth session's Nsight Compute profile: its warps wait on A/B data 56% of the mainloop)
+OV_VARIANTS = {"b3_t_q_ov_e16": ((64, 16), None), "b3_t_q_ov_e16_c2": ((64, 16), 2), "b3_t_q_ov_c2": (None, 2),
+               "b3_t_q_ov_e16_c6": ((64, 16), 6)}
 B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q", "b3_t_ov", "b3_t_q_ov",
-              "b3_t_e64", "b3_t_q_e64", "b3_t_q_e64_c2")
+              "b3_t_e64", "b3_t_q_e64", "b3_t_q_e64_c2", *OV_VARIANTS)
 
 
 def _b3_child(idx: int, kernels) -> dict:
@@ -194,10 +200,13 @@ def _b3_child(idx: int, kernels) -> dict:
         runs[f"b3_{k}"] = _epi_tiled(lambda k=k, q=q, cfg_e=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
             f"probe_b3_{k}", y_t["t_q" if q else "t"], *((doutq, w2q_kn) if q else (t["dout"], t["w2"])), t["a"], r, inv,
             inv_y, config=cfg_e, **({"scale": one} if q else {})), (64, 64), tile_base)
+    for k, (tile, base) in OV_VARIANTS.items():
+        runs[k] = _overlapped(_epi_tiled(lambda k=k, cfg_v=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
+            f"probe_{k}", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg_v, scale=one), tile, base))
     row = {k: _time(runs[k]) for k in kernels}
     plain = {}  # (each plain kernel's outputs, computed once for all its variants)
     for k, other in (("b3_t", "b3_t_ov"), ("b3_t_q", "b3_t_q_ov"), ("b3_t", "b3_t_e64"), ("b3_t_q", "b3_t_q_e64"),
-                     ("b3_t_q", "b3_t_q_e64_c2")):  # the variant's outputs are the plain kernel's, bit for bit
+                     ("b3_t_q", "b3_t_q_e64_c2"), *(("b3_t_q", k) for k in OV_VARIANTS)):  # the variant's outputs are the plain kernel's, bit for bit
         if other in kernels:
             if k not in plain:
                 plain[k] = [x.clone() for x in runs[k]()]

@@ -16,7 +16,8 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
                      operands only, and a weight gradient contracts over the tokens
 wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
 wgrad_fp8_e4m3       the same on B3's e4m3 y: its token-major copy, the gradient's cast-and-transpose
-wgrad_fp8_q          the same on two fp8 operands with their scales, no cast (B3's da^T, F1's H^T)
+wgrad_fp8_q          the same on two fp8 operands with their scales, no cast (B3's da^T, F1's H^T); a
+                     row-major operand (B1's da, dX's and o's codes) copied by ``transpose_8bit``
 dgrad_fp8_q          cuBLAS ``_scaled_mm`` of an e5m2 gradient and the e4m3 W^T (K-major as given)
 """
 
@@ -28,6 +29,7 @@ from .. import gemm as ref
 from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
                        quantize_e5m2)
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
+from .transpose_8bit import token_major
 
 
 def _mm(a, b, out_dtype):
@@ -211,8 +213,9 @@ def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
 
 def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale):
     """(``_scaled_wgrad``'s operands): both fp8 operands' token-major copies (none where they are the
-    transposed views of token-major buffers, as B3's da^T and F1's H^T) with their given scales."""
-    return gradq.t().contiguous(), grad_scale.float().reshape(()), inpq.t().contiguous(), inp_scale.float().reshape(())
+    transposed views of token-major buffers, as B3's da^T and F1's H^T; else ``transpose_8bit``'s pass)
+    with their given scales."""
+    return token_major(gradq), grad_scale.float().reshape(()), token_major(inpq), inp_scale.float().reshape(())
 
 
 def _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype) -> str | None:
@@ -225,13 +228,8 @@ def _wgrad_fp8_q(gradq, grad_scale, inpq, inp_scale, out_dtype):
     why = _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype)
     if why:
         return fallback(ref.wgrad_fp8_q_op, why, gradq, grad_scale, inpq, inp_scale, out_dtype)
-    # an operand given row-major (quantize_grad's dX for dW2 and dW_o, o's codes) takes inductor's token-major
-    # copy: PyTorch's own copy of transposed 8-bit codes is slow (0.50 against 0.20 ms for dW_qkv's shapes with
-    # the copy, probe_h_t_*.json)
-    token_major = gradq.t().is_contiguous() and inpq.t().is_contiguous()
-    fn = _wgrad_fp8_q_operands_t if token_major else fused("wgrad_fp8_q_operands", _wgrad_fp8_q_operands_t)
     with first_call("wgrad_fp8_q", gradq, inpq):
-        return _scaled_wgrad(*fn(gradq, grad_scale, inpq, inp_scale), out_dtype)
+        return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale), out_dtype)
 
 
 def wgrad_fp8_q_traced(*, gradq, grad_scale, inpq, inp_scale, out_dtype):

@@ -1,0 +1,57 @@
+"""The token-major copy of 8-bit codes: a Triton kernel that transposes an (M, K) row-major e4m3 / e5m2
+tensor into a (K, M) contiguous one, tile by tile, bytes moved as they are.
+
+A weight gradient's fp8 GEMM takes both operands token-major (K = tokens contiguous). Where an operand
+arrives row-major (B1's e5m2 da for dW_qkv, ``quantize_grad``'s dX and o's codes for dW_o), its copy
+was ``.t().contiguous()``: PyTorch's eager 8-bit copy runs 0.357 ms for B1's 50 MB (``probe_h_t_…json``),
+and inside a compiled backward inductor fused B1's copy with the scales' reciprocals into a kernel of
+0.347 ms a layer (the twenty-eighth session's profile of ``fp8_qkv_wgrad``, 5.6 ms a step), where moving
+100 MB takes about 0.04. Here each program loads a BLOCK x BLOCK tile along its rows and stores it
+transposed along the output's rows, in the codes' own dtype: no arithmetic touches them.
+
+``transpose_8bit`` is a ``torch.library.triton_op``: a compiled caller traces into it and inductor launches
+the kernel itself, with nothing fused into it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK = 64  # (a 64 x 64 byte tile per program; scripts/probes/transpose_8bit.py times the choices)
+
+
+@triton.jit
+def _kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask)
+    tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
+    """``out`` (K, M) = x (M, K) transposed, both contiguous, 1-byte (the probe's entry: tile sizes)."""
+    m, k = x.shape
+    wrap_triton(_kernel)[(triton.cdiv(m, block), triton.cdiv(k, block))](x, out, m, k, BM=block, BK=block,
+                                                                           num_warps=num_warps)
+    return out
+
+
+@triton_op("coda::transpose_8bit", mutates_args={})
+def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) row-major, a 1-byte dtype -> (K, M) contiguous, the same bytes (x.t().contiguous())."""
+    if x.dim() != 2 or x.element_size() != 1 or not x.is_contiguous():
+        raise ValueError(f"transpose_8bit takes a contiguous 2-d tensor of a 1-byte dtype, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    out = x.new_empty((x.shape[1], x.shape[0]))
+    launch(x, out)
+    return out
+
+
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """The (K, M) contiguous copy of an (M, K) 8-bit operand: the tensor itself where ``t`` is the
+    transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass."""
+    return t.t() if t.t().is_contiguous() else transpose_8bit(t)

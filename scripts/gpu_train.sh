@@ -82,6 +82,7 @@
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
+#     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
 #     qkvdgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_dgrad, and without
@@ -466,6 +467,12 @@ for phase in "$@"; do
       # (its arm's 2.8 ms loss was inductor's 0.347 ms copy a layer: the twenty-eighth session's htprofile)
       a=$(variant qkv_wgrad_t8 "fp8_qkv_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" --steps "${STEPS:-30}" --warmup 10 --tag qkv_wgrad_t8
+      ;;
+    t8parity)
+      # 300-step loss curves of float8 + compile and fp8_qkv_wgrad (B1's codes through transpose_8bit), no
+      # configured arm (it does not fit the call beside them; earlier sessions' curves hold it)
+      a=$(variant qkv_wgrad_t8 "fp8_qkv_wgrad = true") || exit 2
+      $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${PARITY_STEPS:-300}" --tag qkv_wgrad_t8
       ;;
     htprofile)
       # where fp8_qkv_wgrad's 2.8 ms go (measured slower, its kernels faster: probe_h_t_…json): one profiled step

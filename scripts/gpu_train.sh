@@ -82,6 +82,7 @@
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
+#     gmemb3       B3 with `a` read by GmemTileLoad (global memory into registers, no C stages): GPU test, probe
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
@@ -467,6 +468,14 @@ for phase in "$@"; do
       # (its arm's 2.8 ms loss was inductor's 0.347 ms copy a layer: the twenty-eighth session's htprofile)
       a=$(variant qkv_wgrad_t8 "fp8_qkv_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" --steps "${STEPS:-30}" --warmup 10 --tag qkv_wgrad_t8
+      ;;
+    gmemb3)
+      # B3 with `a` read by GmemTileLoad (no C stages) against the defaults' B3: the GPU test (same bits, plain and
+      # overlapped), then the probe at the 1B shapes (time, and bits against the C path)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_swiglu.py -k global_memory -rfE --tb=short \
+        -W ignore::DeprecationWarning > "$logs/pytest_gmemb3.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb3.txt" | tail -8
+      python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 ${B3:-b3_t_q b3_t_q_ov b3_t_q_gc b3_t_q_gc_ov} --configs 0
       ;;
     t8parity)
       # 300-step loss curves of float8 + compile and fp8_qkv_wgrad (B1's codes through transpose_8bit), no

@@ -76,6 +76,27 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
         rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
 
 
+def _b3_t_q_gc(config=None, m=512, d=256, f=512):
+    """B3 on the fp8 GEMM with ``a`` read by ``GmemTileLoad`` (no C operand, no C stages)."""
+    import torch
+
+    from coda_titan.kernels.cute import epilogues as ep
+    from coda_titan.kernels.scaling import E4M3, E5M2
+    from quack.gemm_config import GemmConfig
+
+    cfg = config or GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+                               is_dynamic_persistent=False, device_capacity=9)
+    _KEEP.append(cfg)
+    a = torch.zeros(m, 2 * f, dtype=torch.bfloat16)
+    dout, w = torch.zeros(m, d, dtype=E5M2), torch.zeros(f, d, dtype=E4M3).t()
+    daq_t = torch.empty(2 * f, m, dtype=E5M2)
+    out = {"postact": torch.empty(f, m, dtype=E4M3).t(), "daq": torch.empty(m, f, dtype=torch.float16),
+           "dagt": daq_t[:f].t(), "daut": daq_t[f:].t()}
+    ep.dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi(dout, w, None, out=out, store_d=False, tuned=False, config=cfg,
+                                              a32=a.view(torch.float32), rstd=torch.ones(m), inv_scale=torch.ones(1),
+                                              scale=torch.ones(1), inv_y=torch.ones(1))
+
+
 def _f1(config=None, m=512, k=256, d=256):
     """F1 (bf16): quack's ``rms_partial_epi`` as ``coda::residual_rms`` calls it, on a pinned config."""
     import torch
@@ -209,6 +230,8 @@ PROGRAMS = {
     "b3_t_q_overlap_epi64x16_c2": lambda: _b3_epi_tile((64, 16), overlapped=True, base=2),
     "b3_t_q_overlap_epi64x16_c6": lambda: _b3_epi_tile((64, 16), overlapped=True, base=6),
     "b3_t_q_overlap_c2": lambda: _b3_epi_tile(None, overlapped=True, base=2),
+    "b3_t_q_gc": lambda: _b3_t_q_gc(),
+    "b3_t_q_gc_overlap": lambda: _overlapped(_b3_t_q_gc),
     "b3_t_q_overlap_c6": lambda: _b3_epi_tile(None, overlapped=True, base=6),
     "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),

@@ -18,6 +18,7 @@ from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLS
                                 TileStore, setup_epi_tensor)
 
 from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through stmatrix.trans
+from .gmem_tile import GmemTileLoad  # a tile input read into registers, no shared memory
 
 
 _target_idx = ColVecLoad("target")
@@ -316,5 +317,20 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""
     out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+    out["postact"] = out["postact"] * inv_y
+    return out
+
+
+@gemm_epilogue(
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
+    ops={"a32": GmemTileLoad("a32"), "rstd": ColVecLoad("rstd"), "scale": Scalar("scale"),
+         "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi(acc, a32, rstd, scale, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_yq_q_epi`` with ``a`` read by ``GmemTileLoad`` (global memory into
+    registers, one subtile ahead) instead of as the GEMM's C through shared-memory stages: the same
+    arithmetic on the same words, so the same bits; the stages C held go to the mainloop."""
+    out = _dswiglu_e5m2_words(a32, rstd, acc * scale, inv_scale, transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out

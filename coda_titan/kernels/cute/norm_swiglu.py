@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 
 import torch
 from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_epi
@@ -163,6 +164,11 @@ def _b3_overlap_config(device):
     return None if base is None else dataclasses.replace(base)
 
 
+# ``CODA_TITAN_B3_GMEM_A=1``: the fp8 B3 with y^T (the defaults') reads ``a`` through ``GmemTileLoad`` (no C
+# stages; docs/fp8.md, "B3's time, profiled"), for the step A/B (``gpu_train.sh gmemab``); off until measured
+B3_GMEM_A_ENV = "CODA_TITAN_B3_GMEM_A"
+
+
 def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, gmem_a=False, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
     tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
@@ -219,7 +225,8 @@ def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None
     if why:
         return fallback(ref.swiglu_bwd_e5m2_t_q_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y)
     return _b3_e5m2_t("swiglu_bwd_e5m2_t_q", (dswiglu_rstd_preact_e5m2_t_q_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi),
-                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale))
+                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale),
+                      gmem_a=inv_y is not None and os.environ.get(B3_GMEM_A_ENV) == "1")
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")

@@ -12,9 +12,9 @@ loads its own fragment of the subtile (the accumulator's layout, 8-byte pairs of
 with plain global loads into registers, and issues the next subtile's loads before the current one's
 arithmetic, into a second register buffer, so each subtile's data has had the previous subtile's
 epilogue to arrive. A tile's first subtile is loaded when its epilogue begins. The fragment is the one
-quack's own C path hands the epilogue (``epilog_smem_load_and_partition`` with the same copy atom, a
-universal copy for 32-bit elements), read from the tile in global memory instead of a stage, so the
-epilogue function sees the same values in the same order.
+quack's own C path hands the epilogue (``epilog_smem_load_and_partition``: the same tiled copy over the
+accumulator's copy atom, its universal copy widened to 64 bits), read from the tile in global memory
+instead of a stage, so the epilogue function sees the same values in the same order.
 
 Host side it is a ``TileLoad`` (the same argument schema: an (m, n) tile of the GEMM's output shape);
 it declares no shared memory, no TMA atom and no load-pipeline stage.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 from quack.epilogue.ops import EpiSmemBytes, TileLoad

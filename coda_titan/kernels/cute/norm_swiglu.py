@@ -175,7 +175,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, g
     Without ``config``, on the fp8 GEMM (``scale`` given), its two pingpong warpgroups' epilogues overlap
     (``overlap``: 5% faster at the 1B shapes, the same bits; on the bf16 GEMM 8% slower, so only with
     ``CODA_TITAN_OVERLAP_EPILOGUES=1``; ``gpu_train.sh overlap``). ``gmem_a`` (the fp8 GEMM with y^T only;
-    the probe's, not yet a program's): ``a`` read by ``GmemTileLoad`` instead of as C, no C stages."""
+    ``swiglu_bwd_e5m2_t_q`` under ``B3_GMEM_A_ENV``): ``a`` read by ``GmemTileLoad`` instead of as C, no C stages."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-BLOCK = 64  # (a 64 x 64 byte tile per program; scripts/probes/transpose_8bit.py times the choices)
+BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
 
 
 @triton.jit

@@ -83,6 +83,7 @@
 #     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     gmemb3       B3 with `a` read by GmemTileLoad (global memory into registers, no C stages): GPU test, probe
+#     gmemb2       B2 with its tiles read by GmemTileLoad: GPU test, then its step A/B (CODA_TITAN_B2_GMEM=1, PREC)
 #     gmemab       float8 + compile, CODA fp8 compiled, then the same with CODA_TITAN_B3_GMEM_A=1 (B3's a via GmemTileLoad)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
@@ -477,6 +478,15 @@ for phase in "$@"; do
         -W ignore::DeprecationWarning > "$logs/pytest_gmemb3.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb3.txt" | tail -8
       python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 ${B3:-b3_t_q b3_t_q_ov b3_t_q_gc b3_t_q_gc_ov} --configs 0
+      ;;
+    gmemb2)
+      # B2 with its residual gradient and X read by GmemTileLoad (no C stages): the GPU test (same bits on pinned
+      # tiles; the autotuned op against the reference), then the compiled baseline and CODA compiled as configured
+      # and under CODA_TITAN_B2_GMEM=1 (PREC=fp8 (default) or bf16)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_residual_bwd.py -k global_memory -rfE --tb=short \
+        -W ignore::DeprecationWarning > "$logs/pytest_gmemb2.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb2.txt" | tail -8
+      envab "b2_c_ring_${PREC:-fp8}" "b2_gmem_${PREC:-fp8}" CODA_TITAN_B2_GMEM=1
       ;;
     gmemab)
       # the compiled baseline and CODA fp8 compiled as configured, then with B3 reading `a` through GmemTileLoad

@@ -114,3 +114,51 @@ def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch)
             monkeypatch.setenv(stages.ENV, bad)
             with pytest.raises(ValueError, match=stages.ENV):
                 stages.requested_base()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cute_b2_reading_its_tiles_from_global_memory_gives_the_same_bits(fp8, monkeypatch):
+    """``GmemTileLoad`` (``kernels/cute/gmem_tile.py``) reads B2's residual gradient and X from global memory
+    into registers instead of through shared-memory stages: on the same pinned tiles (256 x 128
+    cooperative and 128 x 128 pingpong), with and without the residual gradient, D and the dgamma partials
+    are the C path's bits (the same values into the same arithmetic). The op under ``CODA_TITAN_B2_GMEM=1``
+    (autotuned) passes the reference check of every B2."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels.cute import epilogues
+    from coda_titan.kernels.cute.norm_residual_bwd import B2_GMEM_ENV
+    from quack.gemm_config import GemmConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    m, k, d = 2048, 1024, 512
+    bf = torch.bfloat16
+    da = (torch.randn(m, k, generator=gen, device="cuda") * 1e-2).to(bf)
+    w = (torch.randn(k, d, generator=gen, device="cuda") * k**-0.5).to(bf)
+    x, dres = torch.randn(m, d, generator=gen, device="cuda").to(bf), torch.randn(m, d, generator=gen, device="cuda").to(bf)
+    gamma, rstd = 1 + 0.1 * torch.randn(d, generator=gen, device="cuda"), torch.rand(m, generator=gen, device="cuda") + 0.5
+    corr = -(rstd**2 / d) * (torch.randn(m, generator=gen, device="cuda") * 1e-3)
+    if fp8:
+        be = get_backend("cute")
+        a = be.quantize_grad(t=da)[0]
+        b_kn = be.quantize_tensorwise(w=w.t().contiguous())[0].t()
+    else:
+        a, b_kn = da, w
+    keep = []
+    for tile in ((256, 128, False), (128, 128, True)):
+        for last in (False, True):
+            outs = []
+            for epi, tiles, c in ((epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi,
+                                   {"y": x}, None if last else dres),
+                                  (epilogues.norm_residual_bwd_last_gc_epi if last else epilogues.norm_residual_bwd_gc_epi,
+                                   {"y": x} if last else {"dres": dres, "y": x}, None)):
+                cfg = GemmConfig(tile_m=tile[0], tile_n=tile[1], pingpong=tile[2], cluster_m=1, cluster_n=2,
+                                 is_dynamic_persistent=False, device_capacity=9)
+                keep.append(cfg)  # (quack's eager call cache keys a pinned config by its id)
+                out = {"D": torch.empty_like(x)}
+                r = epi(a, b_kn, c, out=out, tuned=False, config=cfg, w=gamma, corr=corr, **tiles)
+                outs.append((out["D"], r["dw"]))
+            assert all(torch.equal(p, q) for p, q in zip(*outs)), (tile, last)
+    if not fp8:
+        monkeypatch.setenv(B2_GMEM_ENV, "1")
+        check_cute_matches_reference("norm_residual_bwd", DIMS[0])

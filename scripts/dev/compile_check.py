@@ -157,6 +157,27 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
         epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
+def _b2_gc(config=None, fp8=False, m=512, k=512, d=256, last=False):
+    """B2 with the residual gradient and X read by ``GmemTileLoad`` (no C stages), on a 256 x 128 cooperative
+    tile unless ``config`` is given."""
+    import torch
+
+    from coda_titan.kernels.cute import epilogues as ep
+    from coda_titan.kernels.scaling import E4M3, E5M2
+    from quack.gemm_config import GemmConfig
+
+    cfg = config or GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2,
+                               is_dynamic_persistent=False, device_capacity=9)
+    _KEEP.append(cfg)
+    da = torch.zeros(m, k, dtype=E5M2 if fp8 else torch.bfloat16)
+    w = torch.zeros(d, k, dtype=E4M3).t() if fp8 else torch.zeros(k, d, dtype=torch.bfloat16)
+    x = torch.zeros(m, d, dtype=torch.bfloat16)
+    epi, tiles = ((ep.norm_residual_bwd_last_gc_epi, {"y": x}) if last
+                  else (ep.norm_residual_bwd_gc_epi, {"dres": torch.zeros_like(x), "y": x}))
+    epi(da, w, None, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, w=torch.ones(d), corr=torch.zeros(m),
+        **tiles)
+
+
 def _report_stages():
     """Print each compiled kernel's (A/B, D, C) stage counts (the C-stage base's effect)."""
     from quack.gemm_sm90 import GemmSm90
@@ -230,6 +251,10 @@ PROGRAMS = {
     "b3_t_q_overlap_epi64x16_c2": lambda: _b3_epi_tile((64, 16), overlapped=True, base=2),
     "b3_t_q_overlap_epi64x16_c6": lambda: _b3_epi_tile((64, 16), overlapped=True, base=6),
     "b3_t_q_overlap_c2": lambda: _b3_epi_tile(None, overlapped=True, base=2),
+    "b2_gc_wide": lambda: _b2_gc(),
+    "b2_gc_wide_fp8": lambda: _b2_gc(fp8=True),
+    "b2_gc_last_wide": lambda: _b2_gc(last=True),
+    "b2_gc_pingpong": lambda: _b2_gc(config=_pingpong()),
     "b3_t_q_gc": lambda: _b3_t_q_gc(),
     "b3_t_q_gc_overlap": lambda: _overlapped(_b3_t_q_gc),
     "b3_t_q_overlap_c6": lambda: _b3_epi_tile(None, overlapped=True, base=6),

@@ -48,6 +48,22 @@ def norm_residual_bwd_epi(acc, c, y, w, corr):
     return {"D": acc * w + c + y * corr, "dw": (acc, y)}
 
 
+@gemm_epilogue(ops={"dres": GmemTileLoad("dres"), "y": GmemTileLoad("y"), "w": RowVecLoad("w"),
+                   "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
+def norm_residual_bwd_gc_epi(acc, dres, y, w, corr):
+    """``norm_residual_bwd_epi`` with the residual gradient and X read by ``GmemTileLoad`` (global memory
+    into registers, one subtile ahead) instead of through shared-memory stages (C and a ``TileLoad``):
+    the same math on the same values; the stages go to the mainloop."""
+    return {"D": acc * w + dres + y * corr, "dw": (acc, y)}
+
+
+@gemm_epilogue(ops={"y": GmemTileLoad("y"), "w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
+               reduces={"dw": RowVecReduce("dw", scaled=True)})
+def norm_residual_bwd_last_gc_epi(acc, y, w, corr):
+    """``norm_residual_bwd_last_epi`` with X read by ``GmemTileLoad``."""
+    return {"D": acc * w + y * corr, "dw": (acc, y)}
+
+
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
 def norm_residual_bwd_last_epi(acc, y, w, corr):
     """``norm_residual_bwd_epi`` without the residual gradient C (quack's ``rms_bwd_apply_last_epi``)."""

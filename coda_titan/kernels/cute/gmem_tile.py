@@ -8,7 +8,8 @@ its samples (docs/fp8.md, "B3's time, profiled"); giving C's stages to the mainl
 because C's loads then arrive late (``probe_fp8_configs_b3_stages_…json``).
 
 ``GmemTileLoad`` takes C's place as a named epilogue operand with no shared memory at all: each thread
-loads its own fragment of the subtile (the accumulator's layout, 8-byte pairs of adjacent columns)
+loads its own fragment of the subtile (the accumulator's layout, pairs of adjacent columns: 8 bytes of
+fp32, 4 of bf16)
 with plain global loads into registers, and issues the next subtile's loads before the current one's
 arithmetic, into a second register buffer, so each subtile's data has had the previous subtile's
 epilogue to arrive. A tile's first subtile is loaded when its epilogue begins. The fragment is the one
@@ -38,16 +39,17 @@ class _State(NamedTuple):
 
 
 class GmemTileLoad(TileLoad):
-    """An (m, n) tile input of 32-bit elements (``a``'s float32 view) loaded from global memory into
-    registers, one subtile ahead; the epilogue function receives it per element as it would ``c``."""
+    """An (m, n) tile input of 16- or 32-bit elements (``a``'s float32 view for B3, B2's bf16 residual
+    gradient and X) loaded from global memory into registers, one subtile ahead; the epilogue function
+    receives it per element as it would ``c`` (widened to fp32)."""
 
     def param_fields(self):
         return [(self.name, object, None)]
 
     def to_params(self, gemm, args):
         tensor = getattr(args, self.name)
-        if tensor.element_type.width != 32:
-            raise ValueError(f"GmemTileLoad {self.name!r}: 32-bit elements only, got {tensor.element_type}")
+        if tensor.element_type.width not in (16, 32):
+            raise ValueError(f"GmemTileLoad {self.name!r}: 16- or 32-bit elements, got {tensor.element_type}")
         return {self.name: tensor}
 
     def is_tile_load(self):
@@ -76,7 +78,9 @@ class GmemTileLoad(TileLoad):
         m_tensor = param if const_expr(cute.rank(param) == 2) else param[None, None, ctx.batch_idx]
         g_tile = cute.local_tile(m_tensor, tile_mn, (ctx.tile_coord_mnkl[0], ctx.tile_coord_mnkl[1]))
         g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)  # (epi_M, epi_N, rest_M, rest_N)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), param.element_type, num_bits_per_copy=64)
+        # (one load per column pair of the fragment: 64 bits of f32, 32 of bf16)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), param.element_type,
+                                   num_bits_per_copy=2 * param.element_type.width)
         tiled_copy = cute.make_tiled_copy_S(atom, gemm.epilog_smem_copy_atom(gemm.tiled_mma))
         thr_copy = tiled_copy.get_slice(ctx.tidx)
         tSR_g = thr_copy.partition_S(g_subtiles)

@@ -71,19 +71,12 @@ def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch):
-    """``CODA_TITAN_EPI_C_STAGES`` (``coda_titan.kernels.cute.stages``) changes only how B2's shared memory
-    is split into pipeline stages: on the same tile config (256 x 128 cooperative, where it moves stages
-    from the epilogue's C loads to the mainloop) D and the dgamma partials are bit for bit quack's. The
-    op with it set (autotuned, our own copy of the epilogue) passes the reference check of every B2."""
-    import coda_titan.kernels.cute  # noqa: F401
+def _b2_operands(seed, fp8):
+    """B2's operands on the GPU (2048 tokens, K 1024, d 512): (a, b_kn, X, dres, gamma, corr); ``fp8``: a and
+    b_kn as the fp8 B2 takes them (e5m2 da, e4m3 W^T as a K-major view)."""
     from coda_titan.kernels import get_backend
-    from coda_titan.kernels.cute import epilogues, stages
-    from quack.gemm_config import GemmConfig
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     m, k, d = 2048, 1024, 512
     bf = torch.bfloat16
     da = (torch.randn(m, k, generator=gen, device="cuda") * 1e-2).to(bf)
@@ -97,6 +90,21 @@ def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch)
         b_kn = be.quantize_tensorwise(w=w.t().contiguous())[0].t()
     else:
         a, b_kn = da, w
+    return a, b_kn, x, dres, gamma, corr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch):
+    """``CODA_TITAN_EPI_C_STAGES`` (``coda_titan.kernels.cute.stages``) changes only how B2's shared memory
+    is split into pipeline stages: on the same tile config (256 x 128 cooperative, where it moves stages
+    from the epilogue's C loads to the mainloop) D and the dgamma partials are bit for bit quack's. The
+    op with it set (autotuned, our own copy of the epilogue) passes the reference check of every B2."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.cute import epilogues, stages
+    from quack.gemm_config import GemmConfig
+
+    a, b_kn, x, dres, gamma, corr = _b2_operands(5, fp8)
     keep, outs = [], {}
     for base in (None, 2):
         cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
@@ -125,25 +133,11 @@ def test_cute_b2_reading_its_tiles_from_global_memory_gives_the_same_bits(fp8, m
     are the C path's bits (the same values into the same arithmetic). The op under ``CODA_TITAN_B2_GMEM=1``
     (autotuned) passes the reference check of every B2."""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels import get_backend
     from coda_titan.kernels.cute import epilogues
     from coda_titan.kernels.cute.norm_residual_bwd import B2_GMEM_ENV
     from quack.gemm_config import GemmConfig
 
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    m, k, d = 2048, 1024, 512
-    bf = torch.bfloat16
-    da = (torch.randn(m, k, generator=gen, device="cuda") * 1e-2).to(bf)
-    w = (torch.randn(k, d, generator=gen, device="cuda") * k**-0.5).to(bf)
-    x, dres = torch.randn(m, d, generator=gen, device="cuda").to(bf), torch.randn(m, d, generator=gen, device="cuda").to(bf)
-    gamma, rstd = 1 + 0.1 * torch.randn(d, generator=gen, device="cuda"), torch.rand(m, generator=gen, device="cuda") + 0.5
-    corr = -(rstd**2 / d) * (torch.randn(m, generator=gen, device="cuda") * 1e-3)
-    if fp8:
-        be = get_backend("cute")
-        a = be.quantize_grad(t=da)[0]
-        b_kn = be.quantize_tensorwise(w=w.t().contiguous())[0].t()
-    else:
-        a, b_kn = da, w
+    a, b_kn, x, dres, gamma, corr = _b2_operands(7, fp8)
     keep = []
     for tile in ((256, 128, False), (128, 128, True)):
         for last in (False, True):

@@ -84,6 +84,7 @@
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     gmemb3       B3 with `a` read by GmemTileLoad (global memory into registers, no C stages): GPU test, probe
 #     gmemb2       B2 with its tiles read by GmemTileLoad: GPU test, then its step A/B (CODA_TITAN_B2_GMEM=1, PREC)
+#     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     gmemab       float8 + compile, CODA fp8 compiled, then the same with CODA_TITAN_B3_GMEM_A=1 (B3's a via GmemTileLoad)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
@@ -487,6 +488,12 @@ for phase in "$@"; do
         -W ignore::DeprecationWarning > "$logs/pytest_gmemb2.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb2.txt" | tail -8
       envab "b2_c_ring_${PREC:-fp8}" "b2_gmem_${PREC:-fp8}" CODA_TITAN_B2_GMEM=1
+      ;;
+    t8mem)
+      # the fp8 defaults' dW_o operands copied token-major by transpose_8bit (as configured) and by inductor's
+      # .t().contiguous() (CODA_TITAN_T8=inductor): reserved and live peaks, step time; no baseline
+      $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_triton
+      CODA_TITAN_T8=inductor $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_inductor
       ;;
     gmemab)
       # the compiled baseline and CODA fp8 compiled as configured, then with B3 reading `a` through GmemTileLoad

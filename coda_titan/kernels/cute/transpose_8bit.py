@@ -15,11 +15,14 @@ the kernel itself, with nothing fused into it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+T8_ENV = "CODA_TITAN_T8"  # "inductor": token_major takes .t().contiguous() instead (an A/B switch)
 BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
 
 
@@ -54,4 +57,6 @@ def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
 def token_major(t: torch.Tensor) -> torch.Tensor:
     """The (K, M) contiguous copy of an (M, K) 8-bit operand: the tensor itself where ``t`` is the
     transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass."""
-    return t.t() if t.t().is_contiguous() else transpose_8bit(t)
+    if t.t().is_contiguous():
+        return t.t()
+    return t.t().contiguous() if os.environ.get(T8_ENV) == "inductor" else transpose_8bit(t)

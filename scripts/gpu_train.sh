@@ -85,6 +85,7 @@
 #     gmemb3       B3 with `a` read by GmemTileLoad (global memory into registers, no C stages): GPU test, probe
 #     gmemb2       B2 with its tiles read by GmemTileLoad: GPU test, then its step A/B (CODA_TITAN_B2_GMEM=1, PREC)
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
+#     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     gmemab       float8 + compile, CODA fp8 compiled, then the same with CODA_TITAN_B3_GMEM_A=1 (B3's a via GmemTileLoad)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
@@ -494,6 +495,11 @@ for phase in "$@"; do
       # .t().contiguous() (CODA_TITAN_T8=inductor): reserved and live peaks, step time; no baseline
       $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_triton
       CODA_TITAN_T8=inductor $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_inductor
+      ;;
+    t8env)
+      # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call
+      CODA_TITAN_T8=${T8:-inductor} $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --tag "t8_${T8:-inductor}_env"
       ;;
     gmemab)
       # the compiled baseline and CODA fp8 compiled as configured, then with B3 reading `a` through GmemTileLoad

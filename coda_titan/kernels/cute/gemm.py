@@ -211,11 +211,12 @@ def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
     return _scaled_wgrad(*_wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale), out_dtype)
 
 
-def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale):
+def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale, traced=False):
     """(``_scaled_wgrad``'s operands): both fp8 operands' token-major copies (none where they are the
-    transposed views of token-major buffers, as B3's da^T and F1's H^T; else ``transpose_8bit``'s pass)
-    with their given scales."""
-    return token_major(gradq), grad_scale.float().reshape(()), token_major(inpq), inp_scale.float().reshape(())
+    transposed views of token-major buffers, as B3's da^T and F1's H^T; else ``transpose_8bit``'s pass,
+    or for a traced caller's saved input inductor's copy) with their given scales."""
+    return (token_major(gradq), grad_scale.float().reshape(()), token_major(inpq, saved=traced),
+            inp_scale.float().reshape(()))
 
 
 def _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype) -> str | None:
@@ -236,7 +237,7 @@ def wgrad_fp8_q_traced(*, gradq, grad_scale, inpq, inp_scale, out_dtype):
     """``coda::wgrad_fp8_q`` as code a compiled caller traces (``TRACED``)."""
     if _wgrad_fp8_q_unsupported(gradq, inpq, out_dtype):
         return ref.wgrad_fp8_q_op(gradq, grad_scale, inpq, inp_scale, out_dtype)  # the op says why, once
-    return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale), out_dtype)
+    return _scaled_wgrad(*_wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale, traced=True), out_dtype)
 
 
 def _dgrad_fp8_q_unsupported(gradq, weight_tq, out_dtype) -> str | None:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-T8_ENV = "CODA_TITAN_T8"  # "inductor": token_major takes .t().contiguous() instead (an A/B switch)
+T8_ENV = "CODA_TITAN_T8"  # A/B switch: "inductor" (every copy .t().contiguous()), "triton" (every copy this pass)
 BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
 
 
@@ -54,9 +54,13 @@ def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def token_major(t: torch.Tensor) -> torch.Tensor:
+def token_major(t: torch.Tensor, saved: bool = False) -> torch.Tensor:
     """The (K, M) contiguous copy of an (M, K) 8-bit operand: the tensor itself where ``t`` is the
-    transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass."""
+    transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass; ``saved``
+    (a compiled backward's operand that its forward saved, o's codes for dW_o): ``.t().contiguous()``,
+    which inductor's partitioner may move into the forward. Through this pass, o's codes cost the fp8
+    defaults 0.5 GiB of live peak (``compare_t8_{triton,inductor}_…json``)."""
     if t.t().is_contiguous():
         return t.t()
-    return t.t().contiguous() if os.environ.get(T8_ENV) == "inductor" else transpose_8bit(t)
+    mode = os.environ.get(T8_ENV) or ("inductor" if saved else "triton")
+    return t.t().contiguous() if mode == "inductor" else transpose_8bit(t)

@@ -82,11 +82,8 @@
 #     qkvdgradprofile one profiled step of CODA fp8 compiled with fp8_dgrad (against fp8profile's of the defaults)
 #     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
-#     gmemb3       B3 with `a` read by GmemTileLoad (global memory into registers, no C stages): GPU test, probe
-#     gmemb2       B2 with its tiles read by GmemTileLoad: GPU test, then its step A/B (CODA_TITAN_B2_GMEM=1, PREC)
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
-#     gmemab       float8 + compile, CODA fp8 compiled, then the same with CODA_TITAN_B3_GMEM_A=1 (B3's a via GmemTileLoad)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
 #     qkvwgradparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_qkv_wgrad, and without
@@ -473,23 +470,6 @@ for phase in "$@"; do
       a=$(variant qkv_wgrad_t8 "fp8_qkv_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" --steps "${STEPS:-30}" --warmup 10 --tag qkv_wgrad_t8
       ;;
-    gmemb3)
-      # B3 with `a` read by GmemTileLoad (no C stages) against the defaults' B3: the GPU test (same bits, plain and
-      # overlapped), then the probe at the 1B shapes (time, and bits against the C path)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_swiglu.py -k global_memory -rfE --tb=short \
-        -W ignore::DeprecationWarning > "$logs/pytest_gmemb3.txt" 2>&1
-      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb3.txt" | tail -8
-      python3 -m scripts.probes.fp8_configs --skip b2 cublas --b3 ${B3:-b3_t_q b3_t_q_ov b3_t_q_gc b3_t_q_gc_ov} --configs 0
-      ;;
-    gmemb2)
-      # B2 with its residual gradient and X read by GmemTileLoad (no C stages): the GPU test (same bits on pinned
-      # tiles; the autotuned op against the reference), then the compiled baseline and CODA compiled as configured
-      # and under CODA_TITAN_B2_GMEM=1 (PREC=fp8 (default) or bf16)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_residual_bwd.py -k global_memory -rfE --tb=short \
-        -W ignore::DeprecationWarning > "$logs/pytest_gmemb2.txt" 2>&1
-      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_gmemb2.txt" | tail -8
-      envab "b2_c_ring_${PREC:-fp8}" "b2_gmem_${PREC:-fp8}" CODA_TITAN_B2_GMEM=1
-      ;;
     t8mem)
       # the fp8 defaults' dW_o operands copied token-major by transpose_8bit (as configured) and by inductor's
       # .t().contiguous() (CODA_TITAN_T8=inductor): reserved and live peaks, step time; no baseline
@@ -500,10 +480,6 @@ for phase in "$@"; do
       # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call
       CODA_TITAN_T8=${T8:-inductor} $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
         --tag "t8_${T8:-inductor}_env"
-      ;;
-    gmemab)
-      # the compiled baseline and CODA fp8 compiled as configured, then with B3 reading `a` through GmemTileLoad
-      envab b3_c_ring b3_gmem_a CODA_TITAN_B3_GMEM_A=1
       ;;
     t8parity)
       # 300-step loss curves of float8 + compile and fp8_qkv_wgrad (B1's codes through transpose_8bit), no

@@ -122,37 +122,3 @@ def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch)
             monkeypatch.setenv(stages.ENV, bad)
             with pytest.raises(ValueError, match=stages.ENV):
                 stages.requested_base()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_cute_b2_reading_its_tiles_from_global_memory_gives_the_same_bits(fp8, monkeypatch):
-    """``GmemTileLoad`` (``kernels/cute/gmem_tile.py``) reads B2's residual gradient and X from global memory
-    into registers instead of through shared-memory stages: on the same pinned tiles (256 x 128
-    cooperative and 128 x 128 pingpong), with and without the residual gradient, D and the dgamma partials
-    are the C path's bits (the same values into the same arithmetic). The op under ``CODA_TITAN_B2_GMEM=1``
-    (autotuned) passes the reference check of every B2."""
-    import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.cute import epilogues
-    from coda_titan.kernels.cute.norm_residual_bwd import B2_GMEM_ENV
-    from quack.gemm_config import GemmConfig
-
-    a, b_kn, x, dres, gamma, corr = _b2_operands(7, fp8)
-    keep = []
-    for tile in ((256, 128, False), (128, 128, True)):
-        for last in (False, True):
-            outs = []
-            for epi, tiles, c in ((epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi,
-                                   {"y": x}, None if last else dres),
-                                  (epilogues.norm_residual_bwd_last_gc_epi if last else epilogues.norm_residual_bwd_gc_epi,
-                                   {"y": x} if last else {"dres": dres, "y": x}, None)):
-                cfg = GemmConfig(tile_m=tile[0], tile_n=tile[1], pingpong=tile[2], cluster_m=1, cluster_n=2,
-                                 is_dynamic_persistent=False, device_capacity=9)
-                keep.append(cfg)  # (quack's eager call cache keys a pinned config by its id)
-                out = {"D": torch.empty_like(x)}
-                r = epi(a, b_kn, c, out=out, tuned=False, config=cfg, w=gamma, corr=corr, **tiles)
-                outs.append((out["D"], r["dw"]))
-            assert all(torch.equal(p, q) for p, q in zip(*outs)), (tile, last)
-    if not fp8:
-        monkeypatch.setenv(B2_GMEM_ENV, "1")
-        check_cute_matches_reference("norm_residual_bwd", DIMS[0])

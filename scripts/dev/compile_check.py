@@ -46,9 +46,8 @@ def _patch_quack_for_cpu():
     return launched
 
 
-def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512, gmem_a=False):
-    """B3 writing e5m2 da, da^T and (inv_y) e4m3 y^T: ``coda::swiglu_bwd_e5m2_t``'s quack call (``gmem_a``: on
-    the fp8 GEMM with y^T, ``a`` read by ``GmemTileLoad``, no C operand)."""
+def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
+    """B3 writing e5m2 da, da^T and (inv_y) e4m3 y^T: ``coda::swiglu_bwd_e5m2_t``'s quack call."""
     import torch
 
     from coda_titan.kernels.cute import epilogues as ep
@@ -73,11 +72,7 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512, gmem_a=F
     if inv_y:
         ops["inv_y"] = torch.ones(1)
     out = {"postact": y, "daq": daq, "dagt": daq_t[:f].t(), "daut": daq_t[f:].t()}
-    c = a.view(torch.float32)
-    if gmem_a:
-        assert fp8_gemm and inv_y
-        epi, c, ops = ep.dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi, None, {**ops, "a32": c}
-    epi(dout, w, c, out=out, store_d=False, tuned=False, config=cfg,
+    epi(dout, w, a.view(torch.float32), out=out, store_d=False, tuned=False, config=cfg,
         rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
 
 
@@ -119,11 +114,10 @@ def _b2(config=None, m=512, k=512, d=256):
                       w=torch.ones(d), corr=torch.zeros(m))
 
 
-def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False, gmem=False):
+def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
     """B2 as ``coda::norm_residual_bwd`` (``fp8``: ``_fp8``) calls it with ``CODA_TITAN_EPI_C_STAGES`` = ``base``:
     our own copy of the epilogue, the C-stage base in its compile key (``stages.capped``), on a 256 x 128
-    cooperative tile unless ``config`` is given (the tile the base is for); ``gmem``: as under
-    ``CODA_TITAN_B2_GMEM=1`` instead (the residual gradient and X read by ``GmemTileLoad``, no C stages)."""
+    cooperative tile unless ``config`` is given (the tile the base is for)."""
     import torch
 
     from coda_titan.kernels.cute import epilogues as ep
@@ -137,14 +131,9 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False, 
     da = torch.zeros(m, k, dtype=E5M2 if fp8 else torch.bfloat16)
     w = torch.zeros(d, k, dtype=E4M3).t() if fp8 else torch.zeros(k, d, dtype=torch.bfloat16)
     x = torch.zeros(m, d, dtype=torch.bfloat16)
-    epi, c, tiles = ((ep.norm_residual_bwd_last_epi, None, {"y": x}) if last
-                     else (ep.norm_residual_bwd_epi, torch.zeros_like(x), {"y": x}))
-    if gmem:
-        epi = ep.norm_residual_bwd_last_gc_epi if last else ep.norm_residual_bwd_gc_epi
-        c, tiles = None, (tiles if last else {"dres": c, "y": x})
+    epi, c = (ep.norm_residual_bwd_last_epi, None) if last else (ep.norm_residual_bwd_epi, torch.zeros_like(x))
     with stages.capped(base):
-        epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, w=torch.ones(d), corr=torch.zeros(m),
-            **tiles)
+        epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
 def _report_stages():
@@ -220,12 +209,6 @@ PROGRAMS = {
     "b3_t_q_overlap_epi64x16_c2": lambda: _b3_epi_tile((64, 16), overlapped=True, base=2),
     "b3_t_q_overlap_epi64x16_c6": lambda: _b3_epi_tile((64, 16), overlapped=True, base=6),
     "b3_t_q_overlap_c2": lambda: _b3_epi_tile(None, overlapped=True, base=2),
-    "b2_gc_wide": lambda: _b2_capped(base=None, gmem=True),
-    "b2_gc_wide_fp8": lambda: _b2_capped(base=None, fp8=True, gmem=True),
-    "b2_gc_last_wide": lambda: _b2_capped(base=None, last=True, gmem=True),
-    "b2_gc_pingpong": lambda: _b2_capped(base=None, config=_pingpong(), gmem=True),
-    "b3_t_q_gc": lambda: _b3_t(fp8_gemm=True, gmem_a=True),
-    "b3_t_q_gc_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True, gmem_a=True)),
     "b3_t_q_overlap_c6": lambda: _b3_epi_tile(None, overlapped=True, base=6),
     "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),

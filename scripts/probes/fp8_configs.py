@@ -144,7 +144,7 @@ def _diag_epis():
 OV_VARIANTS = {"b3_t_q_ov_e16": ((64, 16), None), "b3_t_q_ov_e16_c2": ((64, 16), 2), "b3_t_q_ov_c2": (None, 2),
                "b3_t_q_ov_e16_c6": ((64, 16), 6)}
 B3_KERNELS = ("b3_bf16", "b3_fp8", "plain_fp8", "b3_t", "b3_t_q", "c_only_fp8", "b3_nt_q", "b3_t_ov", "b3_t_q_ov",
-              "b3_t_e64", "b3_t_q_e64", "b3_t_q_e64_c2", *OV_VARIANTS, "b3_t_q_gc", "b3_t_q_gc_ov")
+              "b3_t_e64", "b3_t_q_e64", "b3_t_q_e64_c2", *OV_VARIANTS)
 
 
 def _b3_child(idx: int, kernels) -> dict:
@@ -200,20 +200,14 @@ def _b3_child(idx: int, kernels) -> dict:
         runs[f"b3_{k}"] = _epi_tiled(lambda k=k, q=q, cfg_e=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
             f"probe_b3_{k}", y_t["t_q" if q else "t"], *((doutq, w2q_kn) if q else (t["dout"], t["w2"])), t["a"], r, inv,
             inv_y, config=cfg_e, **({"scale": one} if q else {})), (64, 64), tile_base)
-    # the defaults' B3 with ``a`` read by GmemTileLoad (global memory into registers, one subtile ahead; no C
-    # stages, so 5 A/B stages overlapped, 6 plain), overlapped as the defaults and not
-    runs["b3_t_q_gc"] = lambda cfg_g=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
-        "probe_b3_t_q_gc", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg_g, scale=one, gmem_a=True)
-    runs["b3_t_q_gc_ov"] = _overlapped(lambda cfg_g=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
-        "probe_b3_t_q_gc_ov", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg_g, scale=one, gmem_a=True))
     for k, (tile, base) in OV_VARIANTS.items():
         runs[k] = _overlapped(_epi_tiled(lambda k=k, cfg_v=_cfg(CONFIGS[idx]): NS._b3_e5m2_t(
             f"probe_{k}", y_t["t_q"], doutq, w2q_kn, t["a"], r, inv, inv_y, config=cfg_v, scale=one), tile, base))
     row = {k: _time(runs[k]) for k in kernels}
     plain = {}  # (each plain kernel's outputs, computed once for all its variants)
     for k, other in (("b3_t", "b3_t_ov"), ("b3_t_q", "b3_t_q_ov"), ("b3_t", "b3_t_e64"), ("b3_t_q", "b3_t_q_e64"),
-                     ("b3_t_q", "b3_t_q_e64_c2"), *(("b3_t_q", k) for k in OV_VARIANTS), ("b3_t_q", "b3_t_q_gc"),
-                     ("b3_t_q", "b3_t_q_gc_ov")):  # the variant's outputs are the plain kernel's, bit for bit
+                     ("b3_t_q", "b3_t_q_e64_c2"), *(("b3_t_q", k) for k in OV_VARIANTS)):
+        # (the variant's outputs are the plain kernel's, bit for bit)
         if other in kernels:
             if k not in plain:
                 plain[k] = [x.clone() for x in runs[k]()]

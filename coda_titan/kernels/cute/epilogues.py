@@ -18,7 +18,6 @@ from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLS
                                 TileStore, setup_epi_tensor)
 
 from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through stmatrix.trans
-from .gmem_tile import GmemTileLoad  # a tile input read into registers, no shared memory
 
 
 _target_idx = ColVecLoad("target")
@@ -46,22 +45,6 @@ def norm_residual_bwd_epi(acc, c, y, w, corr):
     the dgamma partials, defined here so that a kernel of it can carry ``stages.ATTR``: quack's compile
     workers re-mint it by importing this module, which installs the patch."""
     return {"D": acc * w + c + y * corr, "dw": (acc, y)}
-
-
-@gemm_epilogue(ops={"dres": GmemTileLoad("dres"), "y": GmemTileLoad("y"), "w": RowVecLoad("w"),
-                   "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
-def norm_residual_bwd_gc_epi(acc, dres, y, w, corr):
-    """``norm_residual_bwd_epi`` with the residual gradient and X read by ``GmemTileLoad`` (global memory
-    into registers, one subtile ahead) instead of through shared-memory stages (C and a ``TileLoad``):
-    the same math on the same values; the stages go to the mainloop."""
-    return {"D": acc * w + dres + y * corr, "dw": (acc, y)}
-
-
-@gemm_epilogue(ops={"y": GmemTileLoad("y"), "w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
-               reduces={"dw": RowVecReduce("dw", scaled=True)})
-def norm_residual_bwd_last_gc_epi(acc, y, w, corr):
-    """``norm_residual_bwd_last_epi`` with X read by ``GmemTileLoad``."""
-    return {"D": acc * w + y * corr, "dw": (acc, y)}
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
@@ -333,20 +316,5 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""
     out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
-    out["postact"] = out["postact"] * inv_y
-    return out
-
-
-@gemm_epilogue(
-    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
-    ops={"a32": GmemTileLoad("a32"), "rstd": ColVecLoad("rstd"), "scale": Scalar("scale"),
-         "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
-)
-def dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi(acc, a32, rstd, scale, inv_scale, inv_y):
-    """``dswiglu_rstd_preact_e5m2_t_yq_q_epi`` with ``a`` read by ``GmemTileLoad`` (global memory into
-    registers, one subtile ahead) instead of as the GEMM's C through shared-memory stages: the same
-    arithmetic on the same words, so the same bits; the stages C held go to the mainloop."""
-    out = _dswiglu_e5m2_words(a32, rstd, acc * scale, inv_scale, transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out

@@ -56,7 +56,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     grad_fn = fused("ce_grad", _ce_grad_math)
-    b2, base, _ = b2_epilogue(last=True)  # (its tile, X, goes by name either way)
+    b2, base = b2_epilogue(last=True)
     for i, start in enumerate(range(0, m, chunk_rows)):
         stop = min(start + chunk_rows, m)
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]

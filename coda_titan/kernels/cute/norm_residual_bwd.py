@@ -13,8 +13,6 @@ with that base in their compile key.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from quack.epilogue.library import rms_bwd_apply_epi, rms_bwd_apply_last_epi
 
@@ -24,22 +22,14 @@ from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 
 
-# ``CODA_TITAN_B2_GMEM=1``: B2 reads the residual gradient and X through ``GmemTileLoad`` (global memory into
-# registers, no C stages: the mainloop keeps them), for the A/B of the next GPU session; off until measured
-B2_GMEM_ENV = "CODA_TITAN_B2_GMEM"
-
-
 def epilogue(last: bool):
-    """(B2's epilogue, the C-stage base to compile it with, whether its tiles come by ``GmemTileLoad``):
-    quack's own epilogue and base, unless ``CODA_TITAN_EPI_C_STAGES`` asks for a base (``stages``; our
-    copy of the epilogue then) or ``B2_GMEM_ENV`` for no C stages. ``last``: without the residual
-    gradient C (the LM head's dgrad, or a B2 with nothing below it)."""
-    if os.environ.get(B2_GMEM_ENV) == "1":
-        return (epilogues.norm_residual_bwd_last_gc_epi if last else epilogues.norm_residual_bwd_gc_epi), None, True
+    """(B2's epilogue, the C-stage base to compile it with): quack's own epilogue and base, unless
+    ``CODA_TITAN_EPI_C_STAGES`` asks for a base (``stages``; our copy of the epilogue then). ``last``:
+    without the residual gradient C (the LM head's dgrad, or a B2 with nothing below it)."""
     base = stages.requested_base()
     if base is None:
-        return (rms_bwd_apply_last_epi if last else rms_bwd_apply_epi), None, False
-    return (epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi), base, False
+        return (rms_bwd_apply_last_epi if last else rms_bwd_apply_epi), None
+    return (epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi), base
 
 
 def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
@@ -48,12 +38,9 @@ def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
     r = rstd.float()
     corr = -(r * r / d) * zdz.float()
     out = torch.empty_like(x)
-    epi, base, gmem_tiles = epilogue(last=dresidual is None)
-    c, tiles = dresidual, {"y": x}
-    if gmem_tiles and dresidual is not None:
-        c, tiles = None, {"dres": dresidual, "y": x}
+    epi, base = epilogue(last=dresidual is None)
     with first_call(name, a, b_kn), stages.capped(base):
-        res = gemm(epi, a, b_kn, c, {"D": out}, w=w, corr=corr, **tiles)
+        res = gemm(epi, a, b_kn, dresidual, {"D": out}, y=x, w=w, corr=corr)
     return out, res["dw"]
 
 

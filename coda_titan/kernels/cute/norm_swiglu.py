@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
 import torch
 from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_epi
@@ -37,7 +36,6 @@ from . import overlap
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
-                        dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
 
@@ -164,18 +162,12 @@ def _b3_overlap_config(device):
     return None if base is None else dataclasses.replace(base)
 
 
-# ``CODA_TITAN_B3_GMEM_A=1``: the fp8 B3 with y^T (the defaults') reads ``a`` through ``GmemTileLoad`` (no C
-# stages; docs/fp8.md, "B3's time, profiled"), for the step A/B (``gpu_train.sh gmemab``); off until measured
-B3_GMEM_A_ENV = "CODA_TITAN_B3_GMEM_A"
-
-
-def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, gmem_a=False, **ops):
+def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
     tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
     Without ``config``, on the fp8 GEMM (``scale`` given), its two pingpong warpgroups' epilogues overlap
     (``overlap``: 5% faster at the 1B shapes, the same bits; on the bf16 GEMM 8% slower, so only with
-    ``CODA_TITAN_OVERLAP_EPILOGUES=1``; ``gpu_train.sh overlap``). ``gmem_a`` (the fp8 GEMM with y^T only;
-    ``swiglu_bwd_e5m2_t_q`` under ``B3_GMEM_A_ENV``): ``a`` read by ``GmemTileLoad`` instead of as C, no C stages."""
+    ``CODA_TITAN_OVERLAP_EPILOGUES=1``; ``gpu_train.sh overlap``)."""
     r = rstd.float()
     m, f2 = a.shape
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
@@ -190,13 +182,8 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, g
     overlapped = config is None and overlap.enabled("scale" in ops) and _b3_overlap_config(a.device) is not None
     if config is None:
         config = _b3_overlap_config(a.device) if overlapped else _b3_fp8_config(a.device)
-    c = a.view(torch.float32)
-    if gmem_a:
-        if inv_y is None or "scale" not in ops:
-            raise ValueError("gmem_a: B3 on the fp8 GEMM with an e4m3 y^T only")
-        epi, c, ops = dswiglu_rstd_preact_e5m2_t_yq_q_gc_epi, None, {**ops, "a32": c}
     with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):
-        res = epi(a_op, b_kn, c, out=out, store_d=False, tuned=False, config=config, rstd=r,
+        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config, rstd=r,
                   inv_scale=scalar32(inv_scale), **ops)
     return y, res["dsum"] * r, daq.view(E5M2), daq_t, res["amax"].amax()
 
@@ -225,8 +212,7 @@ def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None
     if why:
         return fallback(ref.swiglu_bwd_e5m2_t_q_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y)
     return _b3_e5m2_t("swiglu_bwd_e5m2_t_q", (dswiglu_rstd_preact_e5m2_t_q_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi),
-                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale),
-                      gmem_a=inv_y is not None and os.environ.get(B3_GMEM_A_ENV) == "1")
+                      doutq, w_down_tq.t(), a, rstd, inv_scale, inv_y, scale=scalar32(scale))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_q_fp8", "cuda")

@@ -195,7 +195,7 @@ def setup_attributes(original):
             epi2, c2 = min(epi2 + extra, most), c2 - c2 % 2
             if d_dtype is not None:
                 epi2 -= epi2 % 2
-            if ab2 < 2 or (c > 0 and c2 < 2) or epi2 < (4 if d_dtype is not None else 1):
+            if ab2 < 2 or c2 < 2 or epi2 < (4 if d_dtype is not None else 1):
                 raise ValueError(f"overlapped epilogues do not fit: {ab2} A/B, {epi2} store, {c2} C stages")
             return ab2, epi2, c2
 
@@ -213,24 +213,13 @@ def epilogue(original):
         wg = _warp_group()
         subtiles = cute.size(self.epi_tile_shape)
         half = self.epi_c_stage // 2
-        kwargs["epilogue_barrier"] = NamedBarrier(
-            barrier_id=Int32(int(_epi_wg0())) + wg, num_threads=WG_THREADS
-        )
-        if half == 0:  # no C ring (an epilogue without tile loads, e.g. GmemTileLoad's): the pingpong
-            # scheduler's count is 2j + wg at this warpgroup's j-th tile
-            executed = (kwargs["tile_scheduler"].num_tiles_executed - wg) // 2
-            kwargs["tile_scheduler"] = SimpleNamespace(num_tiles_executed=executed)
-            stages = {}
-            if self.d_dtype is not None:
-                stages["epi_stage"] = self.epi_stage // 2
-                _half_d_ring(self, kwargs, wg, self.epi_stage)
-            with _temporarily(self, **stages):
-                return original(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, epi_read_state,
-                                epi_producer_state, epi_tile, load_acc_subtile, *args, **kwargs)
         local = (epi_read_state.count - wg * subtiles) // 2  # this warpgroup's tiles so far x subtiles
         lap = (local // half) % 2
         read = _HalfRingState(half, local, local % half, lap, wg * half)
         produce = _HalfRingState(half, local, local % half, lap ^ 1, wg * half)
+        kwargs["epilogue_barrier"] = NamedBarrier(
+            barrier_id=Int32(int(_epi_wg0())) + wg, num_threads=WG_THREADS
+        )
         kwargs["tile_scheduler"] = SimpleNamespace(num_tiles_executed=local // subtiles)
         stages = {"epi_c_stage": half}  # (the epilogue's C prefetch depth: this warpgroup's half)
         if self.d_dtype is not None:  # D's ring: this warpgroup's half of the staged buffers

@@ -356,18 +356,7 @@ class LMHeadCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
-        """Scales the forward's gradients by dloss, in place unless the graph is kept (``retain_graph``,
-        gradcheck): the same products as ``dw * g`` with no second copy of dW (vocabulary x d, 0.5 GB at 1B)
-        beside the saved one at the backward's start."""
         dx, dgamma, dw = ctx.saved_tensors
         g = dloss.to(dgamma.dtype)
-        scale = torch.mul if _graph_kept() else torch.Tensor.mul_
-        return _grads(LM_HEAD_CE_INPUTS, x=scale(dx, g.to(dx.dtype)), gamma=(dgamma * g).to(ctx.gamma_dtype),
-                      weight=scale(dw, g.to(dw.dtype)))
-
-
-def _graph_kept() -> bool:
-    """Whether the running backward keeps its graph (its saved tensors must then stay as they are); True
-    where this torch cannot tell."""
-    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if kept is None else bool(kept())
+        return _grads(LM_HEAD_CE_INPUTS, x=dx * g.to(dx.dtype), gamma=(dgamma * g).to(ctx.gamma_dtype),
+                      weight=dw * g.to(dw.dtype))

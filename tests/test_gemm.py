@@ -316,14 +316,22 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     takes of a row-major fp8 operand) run by Triton's CPU interpreter (``tests/transpose_interpreter_check.py``,
     a subprocess) against ``x.t().contiguous()``: every byte the same (NaN codes included: nothing may
     convert them), on whole and partial tiles, both fp8 dtypes kept; a transposed view of a token-major
-    buffer is that buffer (no copy), and a strided input is refused."""
+    buffer is that buffer (no copy), and a strided input is refused; ``token_major`` takes the pass or
+    inductor's copy as its operand and ``CODA_TITAN_T8`` say, the same bytes either way."""
     got = run_interpreter_check("transpose_interpreter_check.py")
     for key, case in got.items():
-        if isinstance(case, dict):
+        if key.startswith("torch.float8"):
             m, k = (int(n) for n in key.rsplit("_", 1)[1].split("x"))
             assert case["bytes_apart"] == 0 and case["shape"] == [k, m] and case["contiguous"], (key, case)
             assert case["dtype"] == key.rsplit("_", 1)[0], (key, case)
     assert got["token_major_of_a_view_is_the_buffer"] and got["refuses_a_strided_input"], got
+    # which copy token_major takes: the pass for a gradient, inductor's for a traced input (o's codes:
+    # the pass cost 0.5 GiB there), CODA_TITAN_T8 one of them for both; every way the same bytes
+    want = {"None_0": True, "None_1": False, "inductor_0": False, "inductor_1": False, "triton_0": True,
+            "triton_1": True}
+    for mode, through_the_pass in want.items():
+        case = got[f"token_major_{mode}"]
+        assert case["same"] and case["pass"] is through_the_pass, (mode, case)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ Prints one JSON line of measurements; the test judges them. (``coda_titan.kernel
 which a CPU install lacks: its package is stood in for, so that only the Triton module loads.)"""
 
 import json
+import os
 
 import torch
 from interpreter_stub import cute_module
@@ -24,6 +25,18 @@ for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         }
 x = torch.zeros(64, 64, dtype=torch.uint8).view(torch.float8_e5m2)
 got["token_major_of_a_view_is_the_buffer"] = tr.token_major(x.t()).data_ptr() == x.data_ptr()
+calls, the_pass = [], tr.transpose_8bit
+tr.transpose_8bit = lambda t: calls.append(1) or the_pass(t)  # (token_major calls it through the module)
+x = torch.randint(0, 256, (96, 64), dtype=torch.uint8).view(torch.float8_e5m2)
+for env in (None, "inductor", "triton"):
+    for traced_input in (False, True):
+        os.environ.pop(tr.T8_ENV, None) if env is None else os.environ.__setitem__(tr.T8_ENV, env)
+        calls.clear()
+        y = tr.token_major(x, traced_input=traced_input)
+        got[f"token_major_{env}_{traced_input:d}"] = {
+            "pass": bool(calls), "same": bool(torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8)))}
+os.environ.pop(tr.T8_ENV, None)
+tr.transpose_8bit = the_pass
 try:
     tr.transpose_8bit(x.t())
     got["refuses_a_strided_input"] = False

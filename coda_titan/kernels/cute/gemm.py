@@ -214,8 +214,8 @@ def wgrad_fp8_e4m3_traced(*, grad, grad_amax, inpq, inp_scale, out_dtype):
 def _wgrad_fp8_q_operands_t(gradq, grad_scale, inpq, inp_scale, traced=False):
     """(``_scaled_wgrad``'s operands): both fp8 operands' token-major copies (none where they are the
     transposed views of token-major buffers, as B3's da^T and F1's H^T; else ``transpose_8bit``'s pass,
-    or for a traced caller's saved input inductor's copy) with their given scales."""
-    return (token_major(gradq), grad_scale.float().reshape(()), token_major(inpq, saved=traced),
+    or for a traced caller's input operand inductor's copy) with their given scales."""
+    return (token_major(gradq), grad_scale.float().reshape(()), token_major(inpq, traced_input=traced),
             inp_scale.float().reshape(()))
 
 

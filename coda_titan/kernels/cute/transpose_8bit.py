@@ -54,13 +54,13 @@ def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def token_major(t: torch.Tensor, saved: bool = False) -> torch.Tensor:
+def token_major(t: torch.Tensor, traced_input: bool = False) -> torch.Tensor:
     """The (K, M) contiguous copy of an (M, K) 8-bit operand: the tensor itself where ``t`` is the
-    transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass; ``saved``
-    (a compiled backward's operand that its forward saved, o's codes for dW_o): ``.t().contiguous()``,
-    which inductor's partitioner may move into the forward. Through this pass, o's codes cost the fp8
-    defaults 0.5 GiB of live peak (``compare_t8_{triton,inductor}_…json``)."""
+    transposed view of a token-major buffer (B3's da^T, F1's Hq^T), else this file's pass;
+    ``traced_input`` (a compiled backward's input operand, o's codes for dW_o): ``.t().contiguous()``,
+    inductor's copy, which its partitioner may move into the forward. Through this pass o's codes cost
+    the fp8 defaults 0.5 GiB of live peak (``compare_t8_{triton,inductor}_…json``)."""
     if t.t().is_contiguous():
         return t.t()
-    mode = os.environ.get(T8_ENV) or ("inductor" if saved else "triton")
+    mode = os.environ.get(T8_ENV) or ("inductor" if traced_input else "triton")
     return t.t().contiguous() if mode == "inductor" else transpose_8bit(t)

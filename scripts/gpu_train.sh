@@ -83,6 +83,7 @@
 #     t8probe      probe: the 8-bit token-major copy (transpose_8bit's Triton pass per tile, eager torch, inductor)
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
+#     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
@@ -475,6 +476,11 @@ for phase in "$@"; do
       # .t().contiguous() (CODA_TITAN_T8=inductor): reserved and live peaks, step time; no baseline
       $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_triton
       CODA_TITAN_T8=inductor $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag t8_inductor
+      ;;
+    lmheaddw)
+      # the LM head's dW at the 1B shape: CODA's chunks (quack, fp32 sum) against cuBLAS chunks and one GEMM,
+      # on cross-entropy-like and random operands (scripts/probes/lm_head_dw.py)
+      python3 -m scripts.probes.lm_head_dw
       ;;
     t8env)
       # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call

@@ -1,0 +1,125 @@
+"""Probe (GPU): the LM head's weight gradient at the 1B shape, CODA's chunked way against one GEMM, on
+quack and on cuBLAS, with operands shaped like a cross-entropy gradient and with random ones.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.lm_head_dw        (gpu_train.sh lmheaddw)
+
+Why: in the twenty-sixth session's profiles stock's cuBLAS LM-head wgrad ran 10.17 ms in its step, CODA's
+dW (8 chunks of 2048 rows, quack, the sum in fp32 in global memory, the last chunk writing bf16) 11.47,
+and the floor script's isolated wgrad 11.58 (random operands, back to back; docs/fp8.md). This probe
+times, over all 16384 token rows (vocabulary 128256, d = 2048):
+
+- ``quack_chunks<R>``: CODA's program (``kernels/cute/lm_head_ce.py``) with R rows a chunk;
+- ``cublas_chunks<R>``: the same sum on cuBLAS (``torch.mm`` / ``torch.addmm`` with ``out_dtype=float32``),
+  then one cast to bf16;
+- ``quack_full`` / ``cublas_full``: one GEMM over all rows (stock's way; it needs every chunk's da at once);
+
+each on ``ce`` operands (da = r (softmax - onehot) of random logits, as F4's pass writes it) and on
+``randn`` operands (the floor script's kind), to see how much of the floor's gap is the data. Timing: GPU
+ms per whole dW (the probes' back-to-back event timer, 5 calls after 3 warm-up calls) in 3 alternations.
+Accuracy: each variant's largest difference from cuBLAS's fp32-accumulated full GEMM, relative to that
+GEMM's largest |element|. Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scripts.bench.common import header, log_row, out_json
+from scripts.probes.epi_stages import _streamed
+
+TOKENS, VOCAB, D = 16384, 128256, 2048
+CHUNK_ROWS = (2048, 4096)
+BF = torch.bfloat16
+
+
+def _operands(kind: str, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da (TOKENS, VOCAB), h (TOKENS, D)), bf16: ``ce`` da = r (softmax(z) - onehot) row chunk by row chunk
+    (z random, scale 3; r in [0.5, 1.5)), ``randn`` da standard normal."""
+    h = torch.randn(TOKENS, D, device="cuda", generator=g).to(BF)
+    if kind == "randn":
+        return torch.randn(TOKENS, VOCAB, device="cuda", generator=g).to(BF), h
+    da = torch.empty(TOKENS, VOCAB, device="cuda", dtype=BF)
+    for s in range(0, TOKENS, 2048):
+        p = torch.softmax(torch.randn(2048, VOCAB, device="cuda", generator=g) * 3, dim=-1)
+        p[torch.arange(2048, device="cuda"), torch.randint(0, VOCAB, (2048,), device="cuda", generator=g)] -= 1
+        da[s:s + 2048] = (p * (torch.rand(2048, 1, device="cuda", generator=g) + 0.5)).to(BF)
+    return da, h
+
+
+def _variants(da: torch.Tensor, h: torch.Tensor) -> dict:
+    from quack.gemm_interface import gemm as quack_gemm
+    from quack.gemm_interface import gemm_add, gemm_add_inplace
+
+    from coda_titan.kernels.cute._dispatch import TUNE
+
+    def quack_chunks(rows):
+        def run():
+            acc = torch.empty(VOCAB, D, device="cuda", dtype=torch.float32)
+            for i, s in enumerate(range(0, TOKENS, rows)):
+                a, b = da[s:s + rows].t(), h[s:s + rows]
+                if s + rows >= TOKENS:  # the last chunk writes the sum in bf16 (the program's tail)
+                    return gemm_add(a, b, acc, out_dtype=BF, tuned=TUNE)
+                if i == 0:
+                    quack_gemm(a, b, out=acc, tuned=TUNE)
+                else:
+                    gemm_add_inplace(a, b, acc, tuned=TUNE)
+        return run
+
+    def cublas_chunks(rows):
+        def run():
+            acc = None
+            for s in range(0, TOKENS, rows):
+                a, b = da[s:s + rows].t(), h[s:s + rows]
+                acc = (torch.mm(a, b, out_dtype=torch.float32) if acc is None
+                       else torch.addmm(acc, a, b, out_dtype=torch.float32))
+            return acc.to(BF)
+        return run
+
+    fns = {f"quack_chunks{r}": quack_chunks(r) for r in CHUNK_ROWS}
+    fns |= {f"cublas_chunks{r}": cublas_chunks(r) for r in CHUNK_ROWS}
+    fns["quack_full"] = lambda: quack_gemm(da.t(), h, out_dtype=BF, tuned=TUNE)
+    fns["cublas_full"] = lambda: torch.mm(da.t(), h)
+    return fns
+
+
+def _rows(doc, path, kind: str, g) -> None:
+    da, h = _operands(kind, g)
+    ref = torch.mm(da.t(), h, out_dtype=torch.float32)
+    scale = float(ref.abs().max())
+    fns = _variants(da, h)
+    ok, times = {}, {k: [] for k in fns}
+    for k, f in fns.items():  # (one untimed call each: quack's first call of a shape autotunes)
+        try:
+            out = f()
+            ok[k] = {"max_abs_diff_rel": float((out.float() - ref).abs().max()) / scale}
+        except Exception as e:  # noqa: BLE001 - a variant this torch or quack cannot run is recorded as such
+            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.cuda.synchronize()
+    for _ in range(3):
+        for k, f in fns.items():
+            if "error" not in ok[k]:
+                times[k].append(_streamed(f, reps=5)["gpu_ms"])
+    for k in fns:
+        row = {"operands": kind, "variant": k, **ok[k]}
+        if times[k]:
+            row.update(gpu_ms=times[k], median_ms=sorted(times[k])[1])
+        log_row(doc, "rows", row, path)
+    del da, h, ref
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    doc = {**header(), "kind": "probe_lm_head_dw",
+           "shape": {"tokens": TOKENS, "vocab": VOCAB, "d": D, "chunk_rows": list(CHUNK_ROWS)},
+           "timing": "GPU ms per whole dW, 5 calls enqueued back to back after 3 warm-up calls, in 3 alternations",
+           "rows": []}
+    path = out_json("probe_lm_head_dw")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for kind in ("ce", "randn"):
+        _rows(doc, path, kind, g)
+    print("wrote", path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,8 @@ times, over all 16384 token rows (vocabulary 128256, d = 2048):
 
 - ``quack_chunks<R>``: CODA's program (``kernels/cute/lm_head_ce.py``) with R rows a chunk;
 - ``cublas_chunks<R>``: the same sum on cuBLAS (``torch.mm`` / ``torch.addmm`` with ``out_dtype=float32``),
-  then one cast to bf16;
+  then one cast to bf16; ``_in_place`` the sum written over itself (``out=``), ``_bf16_tail`` also the last
+  chunk's GEMM writing bf16 from the fp32 sum (recorded as an error where torch or cuBLAS refuses it);
 - ``quack_full`` / ``cublas_full``: one GEMM over all rows (stock's way; it needs every chunk's da at once);
 
 each on ``ce`` operands (da = r (softmax - onehot) of random logits, as F4's pass writes it) and on
@@ -65,18 +66,24 @@ def _variants(da: torch.Tensor, h: torch.Tensor) -> dict:
                     gemm_add_inplace(a, b, acc, tuned=TUNE)
         return run
 
-    def cublas_chunks(rows):
+    def cublas_chunks(rows, in_place=False, bf16_tail=False):
         def run():
-            acc = None
-            for s in range(0, TOKENS, rows):
+            acc = torch.empty(VOCAB, D, device="cuda", dtype=torch.float32) if in_place else None
+            for i, s in enumerate(range(0, TOKENS, rows)):
                 a, b = da[s:s + rows].t(), h[s:s + rows]
-                acc = (torch.mm(a, b, out_dtype=torch.float32) if acc is None
-                       else torch.addmm(acc, a, b, out_dtype=torch.float32))
+                if bf16_tail and s + rows >= TOKENS:  # fp32 C in, bf16 D out, if cuBLAS through torch takes it
+                    return torch.addmm(acc, a, b, out_dtype=BF)
+                if i == 0:
+                    acc = torch.mm(a, b, out_dtype=torch.float32, **({"out": acc} if in_place else {}))
+                else:
+                    acc = torch.addmm(acc, a, b, out_dtype=torch.float32, **({"out": acc} if in_place else {}))
             return acc.to(BF)
         return run
 
     fns = {f"quack_chunks{r}": quack_chunks(r) for r in CHUNK_ROWS}
     fns |= {f"cublas_chunks{r}": cublas_chunks(r) for r in CHUNK_ROWS}
+    fns |= {f"cublas_chunks{r}_in_place": cublas_chunks(r, in_place=True) for r in CHUNK_ROWS}
+    fns |= {f"cublas_chunks{r}_bf16_tail": cublas_chunks(r, in_place=True, bf16_tail=True) for r in CHUNK_ROWS}
     fns["quack_full"] = lambda: quack_gemm(da.t(), h, out_dtype=BF, tuned=TUNE)
     fns["cublas_full"] = lambda: torch.mm(da.t(), h)
     return fns

@@ -332,6 +332,7 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     for mode, through_the_pass in want.items():
         case = got[f"token_major_{mode}"]
         assert case["same"] and case["pass"] is through_the_pass, (mode, case)
+    assert got["token_major_refuses_an_unknown_mode"], got
 
 
 @pytest.mark.gpu

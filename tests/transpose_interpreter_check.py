@@ -35,6 +35,12 @@ for env in (None, "inductor", "triton"):
         y = tr.token_major(x, traced_input=traced_input)
         got[f"token_major_{env}_{traced_input:d}"] = {
             "pass": bool(calls), "same": bool(torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8)))}
+os.environ[tr.T8_ENV] = "Triton"
+try:
+    tr.token_major(x)
+    got["token_major_refuses_an_unknown_mode"] = False
+except ValueError as e:
+    got["token_major_refuses_an_unknown_mode"] = tr.T8_ENV in str(e)
 os.environ.pop(tr.T8_ENV, None)
 tr.transpose_8bit = the_pass
 try:

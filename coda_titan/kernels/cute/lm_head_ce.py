@@ -53,7 +53,10 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     rstd = rstd.float()
     gamma32 = gamma.float()
     in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
-    cublas_dw = os.environ.get(DW_ENV) == "cublas"
+    dw_sum = os.environ.get(DW_ENV, "quack")
+    if dw_sum not in ("quack", "cublas"):
+        raise ValueError(f"{DW_ENV}={dw_sum!r}: 'quack' (the default) or 'cublas'")
+    cublas_dw = dw_sum == "cublas"
     if compute_grad:
         dx = torch.empty_like(x)
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)

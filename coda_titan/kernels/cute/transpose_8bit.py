@@ -63,4 +63,7 @@ def token_major(t: torch.Tensor, traced_input: bool = False) -> torch.Tensor:
     if t.t().is_contiguous():
         return t.t()
     mode = os.environ.get(T8_ENV) or ("inductor" if traced_input else "triton")
+    if mode not in ("inductor", "triton"):
+        raise ValueError(f"{T8_ENV}={mode!r}: 'inductor' or 'triton' (or unset: the pass for a gradient, "
+                         "inductor's copy for a traced input)")
     return t.t().contiguous() if mode == "inductor" else transpose_8bit(t)

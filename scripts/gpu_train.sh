@@ -48,7 +48,8 @@
 #     cechunks     probe: the LM head + CE program per ce_chunk_rows against the full head's bare GEMMs
 #     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 (CE_ROWS="2048 ...": those) against the
 #                  configs' 4096, with the compiled baseline (PREC=fp8 (default) or bf16); 2048 trades time for memory
-#     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major)
+#     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major,
+#                  q apart from a k v buffer), then F3 on all of W_qkv against F3 as two or three calls on its row slices
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
 #                  the bare fp8 GEMM (CONFIGS="i ..." picks configs of scripts/probes/fp8_configs.py; B3="k ..." the
 #                  kernels, e.g. plain_fp8 c_only_fp8 b3_nt_q b3_t_q: the split of B3's time)
@@ -311,7 +312,8 @@ for phase in "$@"; do
         --steps "${STEPS:-40}" --warmup 10 --tag ce_chunk_rows_${PREC:-fp8}
       ;;
     fa4layouts)
-      # probe: FA4 fwd / bwd per q/k/v layout (stock's contiguous tensors against CODA's packed slices)
+      # probe: FA4 fwd / bwd per q/k/v layout (stock's contiguous tensors against CODA's packed slices, and q apart
+      # from a k v buffer), then F3 whole against F3 on row slices of W_qkv (bf16 and fp8; new shapes autotune)
       python3 -m scripts.probes.fa4_layouts 2>&1 | tail -8
       ;;
     overlap)

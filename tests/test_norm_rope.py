@@ -118,6 +118,33 @@ def test_rope_tables_op_is_rope_cos_sin():
     opcheck(torch.ops.coda.rope_tables.default, (freqs, 8))
 
 
+def test_f3_on_row_slices_of_w_qkv_is_the_packed_program():
+    """The probe's F3 splits (``scripts/probes/fa4_layouts.py``: q then k v, or q, k, v apart, each call
+    rotating its leading heads) give the packed program's columns, bf16 and fp8 alike. Integer-valued
+    operands: every sum is exact in any order, so the reference's outputs must be equal bit for bit."""
+    from scripts.probes.fa4_layouts import f3_calls, f3_splits
+
+    from coda_titan.kernels.scaling import E4M3
+
+    n_q, n_kv, hd, seqlen, m, d = 4, 2, 16, 6, 12, 32
+    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs())
+    g = torch.Generator().manual_seed(0)
+    h = torch.randint(-3, 4, (m, d), generator=g).double()
+    w = torch.randint(-3, 4, ((n_q + 2 * n_kv) * hd, d), generator=g).double()
+    rstd = torch.rand(m, dtype=torch.float64, generator=g) + 0.5
+    cases = {"fp64": (h, w, None), "fp8": (h.to(E4M3), w.to(E4M3), torch.tensor(0.25))}
+    splits = f3_splits(n_q, n_kv, hd)
+    assert [sum(rows for _, rows, _ in s) for s in splits.values()] == [(n_q + 2 * n_kv) * hd] * 3
+    for prec, (a, b, scale) in cases.items():
+        outs = {name: torch.cat(f3_calls(split, a, rstd, b, freqs, seqlen, hd, scale)(), dim=1)
+                for name, split in splits.items()}
+        for name, got in outs.items():
+            assert torch.equal(got, outs["packed"]), (prec, name)
+        v = outs["packed"][:, (n_q + n_kv) * hd:]  # v is not rotated: the plain GEMM's columns times r
+        plain = (a.double() @ b.double().t())[:, (n_q + n_kv) * hd:] * rstd[:, None]
+        assert torch.equal(v.double(), (plain * (1 if scale is None else scale.double())).to(v.dtype).double()), prec
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("name", ['norm_rope', 'rope_bwd'])

@@ -14,7 +14,8 @@ output. This times (median of triton's do_bench after one untimed call), per lay
 * ``q_kv``: q contiguous, k and v slices of one (tokens, 2 hkv hd) buffer (F3 as two GEMMs: q, then k v);
 
 and for the backward also dq, dk, dv written as slices of one packed buffer (``_packed_grads``), the
-layout F3's backward reads, against three contiguous tensors.
+layout F3's backward reads, and as dq apart from one dk dv buffer (``_q_kv_grads``), against three
+contiguous tensors.
 
 Then F3 itself (``--f3``, on by default): the program (``coda::norm_rope`` / ``norm_rope_fp8``, the
 cute kernels, autotuned) on all of W_qkv against the same program on row slices of it (``f3_splits``:
@@ -76,6 +77,14 @@ def _packed_grads(q, k, v):
     return tuple(t.view(bs, s, -1, hd) for t in buf.split([hq * hd, hkv * hd, hkv * hd], dim=1))
 
 
+def _q_kv_grads(q, k, v):
+    """dq contiguous, dk and dv as slices of one (tokens, 2 hkv hd) buffer (the ``q_kv`` layout's)."""
+    bs, s, hkv, hd = k.shape
+    dkv = torch.empty(bs * s, 2 * hkv * hd, device="cuda", dtype=q.dtype)
+    return (torch.empty(q.shape, device="cuda", dtype=q.dtype),
+            *(t.view(bs, s, -1, hd) for t in dkv.split([hkv * hd, hkv * hd], dim=1)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.fa4_layouts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bs", type=int, default=2)
@@ -100,7 +109,7 @@ def main(argv=None) -> int:
         fwd = bench(lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True))
         row = {"layout": name, "strides": [list(t.stride()) for t in (q, k, v)], "fwd_ms": fwd}
         for grads, (dq, dk, dv) in (("separate", tuple(torch.empty(t.shape, dtype=BF, device="cuda") for t in (q, k, v))),
-                                    ("packed", _packed_grads(q, k, v))):
+                                    ("packed", _packed_grads(q, k, v)), ("q_kv", _q_kv_grads(q, k, v))):
             row[f"bwd_ms_grads_{grads}"] = bench(
                 lambda dq=dq, dk=dk, dv=dv: _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv))
         if name == "packed_kv":  # the two copies this layout costs (from the packed slices)

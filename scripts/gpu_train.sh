@@ -48,6 +48,7 @@
 #     cechunks     probe: the LM head + CE program per ce_chunk_rows against the full head's bare GEMMs
 #     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 (CE_ROWS="2048 ...": those) against the
 #                  configs' 4096, with the compiled baseline (PREC=fp8 (default) or bf16); 2048 trades time for memory
+#     qkvwgradcause 300-step curves: fp8_qkv_wgrad with a current-scaled gradient cast (fp8_dgrad off), float8, configured
 #     qapart       q_apart: its GPU tests, then the A/B (PREC=fp8 default, or bf16) against the compiled baseline
 #     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major,
 #                  q apart from a k v buffer), then F3 on all of W_qkv against F3 as two or three calls on its row slices
@@ -519,6 +520,12 @@ for phase in "$@"; do
       ;;
     qkvwgradparity)
       curves fp8_qkv_wgrad qkv_fp8 "fp8_qkv_wgrad = true"
+      ;;
+    qkvwgradcause)
+      # fp8_qkv_wgrad's parity miss (mean abs. 0.80% against the configured arm's 0.48%): the same dW_qkv on fp8
+      # with its gradient cast at the current amax (torchao's recipe: fp8_dgrad off, so B1 writes no delayed codes);
+      # near the configured arm's curve, B1's delayed e5m2 codes were the cause; near 0.80%, fp8 dW_qkv itself
+      curves fp8_qkv_wgrad_current qkv_fp8_current "fp8_qkv_wgrad = true" "fp8_dgrad = false"
       ;;
     qkvdgradparity)
       curves fp8_dgrad qkv_dgrad "fp8_dgrad = true"

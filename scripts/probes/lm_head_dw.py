@@ -18,7 +18,10 @@ each on ``ce`` operands (da = r (softmax - onehot) of random logits, as F4's pas
 ``randn`` operands (the floor script's kind), to see how much of the floor's gap is the data. Timing: GPU
 ms per whole dW (the probes' back-to-back event timer, 5 calls after 3 warm-up calls) in 3 alternations.
 Accuracy: each variant's largest difference from cuBLAS's fp32-accumulated full GEMM, relative to that
-GEMM's largest |element|. Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
+GEMM's largest |element|. ``cool_ms`` (the full GEMMs and CODA's 2048-row chunks): each call timed alone
+after the GPU idled in a sleep kernel as long as the call itself (a 50% duty cycle), the median of 5:
+whether back-to-back timing runs the GEMM at lower clocks than a step does (power), beside what the
+operands' values change (``ce`` against ``randn``). Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -89,6 +92,25 @@ def _variants(da: torch.Tensor, h: torch.Tensor) -> dict:
     return fns
 
 
+COOLED = ("quack_chunks2048", "quack_full", "cublas_full")
+
+
+def _cooled(fn, ms: float, reps: int = 5) -> float:
+    """The median of ``reps`` calls of ``fn``, each timed alone by CUDA events after a sleep kernel of
+    about ``ms`` (``torch.cuda._sleep`` spins cycles; at 1.7 GHz)."""
+    cycles = int(ms * 1.7e6)
+    got = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        got.append(a.elapsed_time(b))
+    return sorted(got)[reps // 2]
+
+
 def _rows(doc, path, kind: str, g) -> None:
     da, h = _operands(kind, g)
     ref = torch.mm(da.t(), h, out_dtype=torch.float32)
@@ -110,6 +132,8 @@ def _rows(doc, path, kind: str, g) -> None:
         row = {"operands": kind, "variant": k, **ok[k]}
         if times[k]:
             row.update(gpu_ms=times[k], median_ms=sorted(times[k])[1])
+            if k in COOLED:
+                row["cool_ms"] = _cooled(fns[k], row["median_ms"])
         log_row(doc, "rows", row, path)
     del da, h, ref
     torch.cuda.empty_cache()

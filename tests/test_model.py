@@ -966,6 +966,41 @@ def test_q_apart_trains_bit_for_bit_as_the_packed_f3(precision):
         assert all(torch.equal(g[k], g_a[k]) for k in g), [k for k in g if not torch.equal(g[k], g_a[k])]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for_the_bf16_dgrad(precision, monkeypatch):
+    """The MLP's backward hands w1's and w3's gradients over contiguous (the bf16 dW13's interleaved rows
+    copied in the backward, which a compiled block fuses, instead of by AccumulateGrad as two eager copies),
+    and builds the interleaved bf16 W13 only where the bf16 dgrad reads it (the fp8 defaults' B2 reads the
+    weight pass's e4m3 W13^T). (Their values: the stock-llama3 and fp8-tracking tests.)"""
+    from coda_titan.model import autograd
+
+    built, returned = [], []
+    interleave, grads = autograd.interleave_rows, autograd._grads
+    monkeypatch.setattr(autograd, "interleave_rows", lambda a, b: built.append(torch.is_grad_enabled()) or interleave(a, b))
+
+    def spy_grads(inputs, **given):
+        if "w1" in given:
+            returned.append((given["w1"].is_contiguous(), given["w3"].is_contiguous()))
+        return grads(inputs, **given)
+
+    monkeypatch.setattr(autograd, "_grads", spy_grads)
+    args = copy.deepcopy(coda_llama3_args["debugmodel"])
+    args.coda = Coda(backend="torch", precision=precision)
+    torch.manual_seed(0)
+    model = CodaTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    tokens, labels = _batch(args.vocab_size)
+    n = args.n_layers
+    for _ in range(2):  # (fp8: the calibration step, then the delayed scales)
+        built.clear()
+        returned.clear()
+        model(tokens, labels=labels).backward()
+    assert returned == [(True, True)] * n
+    assert len(built) == (2 * n if precision == "bf16" else 0), built
+    assert all(p.grad.is_contiguous() for name, p in model.named_parameters() if name.endswith(("w1.weight", "w3.weight")))
+
+
 def test_fp8_down_proj_takes_its_e4m3_y_from_f2_once_calibrated():
     """With ``fp8_down_proj``, F2 writes the down-projection's e4m3 y and its amax itself
     (``norm_swiglu_q_fp8``) whenever the site has a delayed scale; only the calibration step writes

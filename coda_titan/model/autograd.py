@@ -293,7 +293,6 @@ class NormSwiGLUResidual(torch.autograd.Function):
     def backward(ctx, dx_out, *_):
         h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y, h_t, inv_h = ctx.saved_tensors
         be = ctx.cfg.backend
-        w13 = interleave_rows(w1, w3)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
         daq_t = dq = None
@@ -322,8 +321,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
         if w13q_t is not None:  # fp8_mlp_dgrad: B2 on e5m2 da x e4m3 W13^T
             dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w13q_t, scale=dequant_scale(inv_g, s_w), zdz=zdz,
                                                   **norm)
-        else:
-            dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
+        else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
+            dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and os.environ.get(DW2_RECAST_ENV) != "1":  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
             dw2 = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y if daq_t is None else y.t(),
@@ -335,13 +334,15 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dw2 = _wgrad(be, ctx.cfg.fp8_wgrads, dx_out, y, w2.dtype)
         if lean and h_t is not None:  # fp8_mlp_h_t: and on F2's e4m3 H codes, F1's H^T (no cast of H)
             dw13 = be.wgrad_fp8_q(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inpq=h_t.t(),
-                                  inp_scale=inv_h.reciprocal(), out_dtype=w13.dtype)
+                                  inp_scale=inv_h.reciprocal(), out_dtype=w1.dtype)
         elif lean:  # dW13 on the e5m2 da B3 wrote (delayed scale), not on a bf16 da cast again
             dw13 = be.wgrad_fp8_e5m2(gradq=daq if daq_t is None else daq_t.t(), grad_scale=inv_g.reciprocal(), inp=h,
-                                     inp_amax=h_amax, out_dtype=w13.dtype)
+                                     inp_amax=h_amax, out_dtype=w1.dtype)
         else:
-            dw13 = _wgrad(be, h_amax is not None, da, h, w13.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
-        dw1, dw3 = deinterleave_rows(dw13) if daq_t is None else dw13.chunk(2)  # (da^T: [gate; up] rows)
+            dw13 = _wgrad(be, h_amax is not None, da, h, w1.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
+        # (da^T: [gate; up] rows, two contiguous halves; else every other row, copied here: a compiled backward
+        # fuses the copy, where AccumulateGrad's own copy of a strided gradient ran as two eager kernels)
+        dw1, dw3 = (t.contiguous() for t in deinterleave_rows(dw13)) if daq_t is None else dw13.chunk(2)
         sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
         return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,
                       grad_sink=sink)

@@ -129,7 +129,7 @@ def _f3_rows(doc, path, m, seqlen, hq, hkv, hd, gen):
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     d = 2048
-    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs())
+    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
     h = (torch.randn(m, d, device="cuda", generator=gen) * 0.5).to(BF)
     w = (torch.randn((hq + 2 * hkv) * hd, d, device="cuda", generator=gen) * d**-0.5).to(BF)
     rstd = torch.rand(m, device="cuda", generator=gen) + 0.5
@@ -138,7 +138,7 @@ def _f3_rows(doc, path, m, seqlen, hq, hkv, hd, gen):
     for prec, (a, b, scale) in operands.items():
         full = None
         for name, split in f3_splits(hq, hkv, hd).items():
-            fn = f3_calls(split, a, rstd, b, freqs.cuda(), seqlen, hd, scale)
+            fn = f3_calls(split, a, rstd, b, freqs, seqlen, hd, scale)
             row = {"precision": prec, "split": name, "calls": len(split)}
             try:
                 got = torch.cat(fn(), dim=1)  # (untimed: compiles and autotunes each new shape)

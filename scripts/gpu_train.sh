@@ -87,6 +87,7 @@
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
+#     lmheadbwdab  A/B: CODA compiled (PREC) as configured, then with the LM head's last dW chunk in the backward
 #     lmheaddwab   A/B: CODA compiled (PREC) as configured, then with the LM head's dW chunks on cuBLAS
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
@@ -499,6 +500,12 @@ for phase in "$@"; do
       # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's dW chunks
       # summed by cuBLAS (CODA_TITAN_LM_HEAD_DW=cublas); its GPU test: GPU_TESTS=arms_match gpu_train.sh gputests
       envab "lm_dw_quack_${PREC:-fp8}" "lm_dw_cublas_${PREC:-fp8}" CODA_TITAN_LM_HEAD_DW=cublas
+      ;;
+    lmheadbwdab)
+      # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's last dW chunk in
+      # the backward, the trainer's scalar its alpha and beta (CODA_TITAN_LM_HEAD_DW_BWD=1: no dW * g pass); reserved peak
+      # too; its GPU tests: GPU_TESTS="lm_head_ce_deferred or lm_head_dw_finish" gpu_train.sh gputests
+      envab "lm_dw_fwd_${PREC:-fp8}" "lm_dw_bwd_${PREC:-fp8}" CODA_TITAN_LM_HEAD_DW_BWD=1
       ;;
     t8env)
       # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call

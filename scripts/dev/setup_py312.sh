@@ -3,7 +3,8 @@
 # without a GPU: the GPU host's pins (CuTeDSL, quack, torch 2.11) and what coda_titan imports. About 5 GB.
 set -euo pipefail
 venv=${1:-/tmp/v312}
-py=${PYTHON312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+py=${PYTHON312:-python3.12}
+"$py" -c "" 2>/dev/null || py=/root/.pyenv/versions/3.12.1/bin/python  # (a pyenv shim may name one it cannot run)
 "$py" -m venv "$venv"
 pip="$venv/bin/pip install -q"
 $pip torch==2.11.0

@@ -7,6 +7,9 @@ the target logit in the epilogue); one Triton pass (``ce_grad_pass``) turns the 
 chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass).
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
+``lm_head_ce_deferred`` (``CODA_TITAN_LM_HEAD_DW_BWD=1``) runs the same loop less the last chunk's dW
+GEMM, returning that chunk's da (the logits buffer) and the fp32 sum; ``lm_head_dw_finish``, in the
+backward, is that GEMM with the trainer's scalar as quack ``gemm_add``'s tensor alpha and beta.
 """
 
 from __future__ import annotations

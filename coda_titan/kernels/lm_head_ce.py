@@ -17,7 +17,8 @@ by it. Returns the *sum* of token losses (TorchTitan's convention) and the gradi
 The op ``coda::lm_head_ce`` always returns four tensors; without ``compute_grad`` the three
 gradients are empty (0-element) tensors, which ``lm_head_ce_program`` maps back to None.
 
-Training runs it as two programs, so that the trainer's scalar costs no pass over dW_out (0.5 GB):
+With ``CODA_TITAN_LM_HEAD_DW_BWD=1`` (off until measured) training runs it as two programs, so that the
+trainer's scalar costs no pass over dW_out (0.5 GB):
 ``lm_head_ce_deferred`` (the forward: everything above but the last chunk's dW GEMM, whose da it
 returns) and ``lm_head_dw_finish`` (the backward: dW_out = s (da_last^T @ H_last) + s dW_head, with the
 scalar s as the GEMM's alpha and beta, rounded once).

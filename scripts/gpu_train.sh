@@ -87,6 +87,7 @@
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
+#     lcescaledexp probe: the LM head, CODA's program against quack's chunked and scaled-exp linear-CE pipelines
 #     lmheadbwdab  A/B: CODA compiled (PREC) as configured, then with the LM head's last dW chunk in the backward
 #     lmheaddwab   A/B: CODA compiled (PREC) as configured, then with the LM head's dW chunks on cuBLAS
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
@@ -500,6 +501,11 @@ for phase in "$@"; do
       # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's dW chunks
       # summed by cuBLAS (CODA_TITAN_LM_HEAD_DW=cublas); its GPU test: GPU_TESTS=arms_match gpu_train.sh gputests
       envab "lm_dw_quack_${PREC:-fp8}" "lm_dw_cublas_${PREC:-fp8}" CODA_TITAN_LM_HEAD_DW=cublas
+      ;;
+    lcescaledexp)
+      # probe: the LM head with its gradients, CODA's program against quack's chunked and scaled-exp linear-CE
+      # pipelines (scripts/probes/lce_scaled_exp.py: what the design in docs/fp8.md would buy)
+      python3 -m scripts.probes.lce_scaled_exp
       ;;
     lmheadbwdab)
       # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's last dW chunk in

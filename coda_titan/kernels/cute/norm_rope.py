@@ -137,7 +137,8 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple, dy_kv=None, y_kv=None):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; it reads two-part dy and y in
     place), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
-    if _one_pass(dy, scale, dy_kv):
+    dense = all(t.is_contiguous() for t in (dy, y, dy_kv, y_kv) if t is not None)  # (the pass's row stride: the width)
+    if dense and _one_pass(dy, scale, dy_kv):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale, dy_kv, y_kv)
     dy, y = ref.packed_parts(dy, dy_kv), ref.packed_parts(y, y_kv)

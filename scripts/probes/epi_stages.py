@@ -68,6 +68,18 @@ def _streamed(fn, reps: int = 20) -> dict:
     return {"gpu_ms": a.elapsed_time(b) / reps, "host_ms": host}
 
 
+def _alternated(fns: dict, ok: dict, rounds: int = 3, reps: int = 5) -> dict:
+    """{name: [GPU ms a call, one per round]}: ``_streamed`` over each of ``fns`` that ran (its ``ok`` entry
+    has no "error"; the others get []), the rounds alternating between them so that the clocks' drift
+    falls on every arm alike."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            if "error" not in ok[k]:
+                times[k].append(_streamed(f, reps=reps)["gpu_ms"])
+    return times
+
+
 def _pinned(base, fp8, ops):
     """The pinned 256 x 128 cooperative tile with C-stage ``base`` (None: quack's): call and its outputs."""
     from coda_titan.kernels.cute import epilogues, stages

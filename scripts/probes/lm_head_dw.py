@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.epi_stages import _streamed
+from scripts.probes.epi_stages import _alternated
 
 TOKENS, VOCAB, D = 16384, 128256, 2048
 CHUNK_ROWS = (2048, 4096)
@@ -116,7 +116,7 @@ def _rows(doc, path, kind: str, g) -> None:
     ref = torch.mm(da.t(), h, out_dtype=torch.float32)
     scale = float(ref.abs().max())
     fns = _variants(da, h)
-    ok, times = {}, {k: [] for k in fns}
+    ok = {}
     for k, f in fns.items():  # (one untimed call each: quack's first call of a shape autotunes)
         try:
             out = f()
@@ -124,10 +124,7 @@ def _rows(doc, path, kind: str, g) -> None:
         except Exception as e:  # noqa: BLE001 - a variant this torch or quack cannot run is recorded as such
             ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.synchronize()
-    for _ in range(3):
-        for k, f in fns.items():
-            if "error" not in ok[k]:
-                times[k].append(_streamed(f, reps=5)["gpu_ms"])
+    times = _alternated(fns, ok, reps=5)
     for k in fns:
         row = {"operands": kind, "variant": k, **ok[k]}
         if times[k]:

@@ -91,11 +91,10 @@ def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int, inv_scale
 
 
 def _rope_bwd_unsupported(dy, y, seqlen, head_dim, dy_kv=None, y_kv=None) -> str | None:
+    ref.check_parts(dy_kv, y_kv)  # (a caller's error, not a shape the kernels cannot take)
     why = unsupported(dy, y, *(t for t in (dy_kv, y_kv) if t is not None))
     if why is None and (head_dim % 2 or dy.shape[0] % seqlen):
         why = f"head_dim {head_dim} / rows {dy.shape[0]} vs seqlen {seqlen}"
-    if why is None and (dy_kv is None) != (y_kv is None):
-        why = "dy_kv without y_kv or y_kv without dy_kv"
     return why
 
 
@@ -116,9 +115,8 @@ def _one_pass(dy, scale, dy_kv=None) -> bool:
     """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns, bf16 or with a
     delayed e5m2 scale (calibrating, the scale waits for the whole tensor's amax: the inductor program),
     unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the A/B's other arm)."""
-    cols = dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
     return (os.environ.get(B1_PASS_ENV, "triton") != "inductor" and dy.dtype == torch.bfloat16
-            and cols <= 8192 and not (scale and scale[0] is None))
+            and ref.packed_width(dy, dy_kv) <= 8192 and not (scale and scale[0] is None))
 
 
 def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, scale, dy_kv, y_kv):

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ..norm_rope import check_parts, packed_width
 from ..scaling import E5M2, E5M2_MAX
 
 
@@ -69,15 +70,14 @@ def _kernel(dy_ptr, y_ptr, dykv_ptr, ykv_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_pt
 def outputs(dy, fp8: bool, dy_kv=None) -> tuple:
     """What a pass over ``dy``'s rows (and ``dy_kv``'s, its k v part) writes: da (packed), zdz and (fp8,
     else empty) the e5m2 codes and row amax."""
-    m, q = dy.shape[0], dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
+    m, q = dy.shape[0], packed_width(dy, dy_kv)
     return (torch.empty((m, q), device=dy.device, dtype=dy.dtype), torch.empty(m, device=dy.device, dtype=torch.float32),
             torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2),
             torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32))
 
 
 def _launch(dy, y, rstd, cos, sin, rot: int, inv, dy_kv=None, y_kv=None):
-    if (dy_kv is None) != (y_kv is None):
-        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
+    check_parts(dy_kv, y_kv)
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8, dy_kv)
     m, q = da.shape

@@ -18,7 +18,7 @@ from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_e
 
 from .. import norm_rope as ref
 from ..scaling import quantize_e5m2_site
-from . import rope_bwd_pass  # noqa: F401  (registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
+from . import rope_bwd_pass  # (also registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 
 B1_PASS_ENV = "CODA_TITAN_B1_PASS"  # "inductor": B1 as the inductor program instead of the Triton pass (A/B)
@@ -134,9 +134,8 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple, dy_kv=None, y_kv=None):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; it reads two-part dy and y in
-    place), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
-    dense = all(t.is_contiguous() for t in (dy, y, dy_kv, y_kv) if t is not None)  # (the pass's row stride: the width)
-    if dense and _one_pass(dy, scale, dy_kv):
+    place, contiguous or slices of one buffer), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
+    if rope_bwd_pass.unit_columns(dy, y, dy_kv, y_kv) and _one_pass(dy, scale, dy_kv):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale, dy_kv, y_kv)
     dy, y = ref.packed_parts(dy, dy_kv), ref.packed_parts(y, y_kv)

@@ -49,7 +49,6 @@
 #     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 (CE_ROWS="2048 ...": those) against the
 #                  configs' 4096, with the compiled baseline (PREC=fp8 (default) or bf16); 2048 trades time for memory
 #     qkvwgradcause 300-step curves: fp8_qkv_wgrad with a current-scaled gradient cast (fp8_dgrad off), float8, configured
-#     arms         PREC=fp8|bf16: baseline, configured, q_apart, then CODA_TITAN_LM_HEAD_DW_BWD=1 and =cublas arms (ARMS=)
 #     qapart       q_apart: its GPU tests, then the A/B (PREC=fp8 default, or bf16) against the compiled baseline
 #     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major,
 #                  q apart from a k v buffer), then F3 on all of W_qkv against F3 as two or three calls on its row slices
@@ -89,7 +88,6 @@
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
 #     lcescaledexp probe: the LM head, CODA's program against quack's chunked and scaled-exp linear-CE pipelines
-#     lmheadbwdab  A/B: CODA compiled (PREC) as configured, then with the LM head's last dW chunk in the backward
 #     lmheaddwab   A/B: CODA compiled (PREC) as configured, then with the LM head's dW chunks on cuBLAS
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
@@ -507,24 +505,6 @@ for phase in "$@"; do
       # probe: the LM head with its gradients, CODA's program against quack's chunked and scaled-exp linear-CE
       # pipelines (scripts/probes/lce_scaled_exp.py: what the design in docs/fp8.md would buy)
       python3 -m scripts.probes.lce_scaled_exp
-      ;;
-    arms)
-      # every arm built but not yet measured, in one lease (PREC=fp8 | bf16): the compiled baseline, the compiled CODA
-      # config as configured, with q_apart, then as configured under CODA_TITAN_LM_HEAD_DW_BWD=1 and
-      # CODA_TITAN_LM_HEAD_DW=cublas (ARMS="bwd cublas": which env arms run; STEPS=30 default)
-      p=${PREC:-fp8}; a=$(variant q_apart "q_apart = true") || exit 2
-      $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "$a" \
-        --steps "${STEPS:-30}" --warmup 10 --tag "arms_${p}"
-      for e in ${ARMS-bwd cublas}; do
-        case $e in bwd) v=CODA_TITAN_LM_HEAD_DW_BWD=1 ;; cublas) v=CODA_TITAN_LM_HEAD_DW=cublas ;; *) echo "ARMS: bwd cublas"; exit 2 ;; esac
-        env "$v" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --tag "arms_${p}_$e"
-      done
-      ;;
-    lmheadbwdab)
-      # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's last dW chunk in
-      # the backward, the trainer's scalar its alpha and beta (CODA_TITAN_LM_HEAD_DW_BWD=1: no dW * g pass); reserved peak
-      # too; its GPU tests: GPU_TESTS="lm_head_ce_deferred or lm_head_dw_finish" gpu_train.sh gputests
-      envab "lm_dw_fwd_${PREC:-fp8}" "lm_dw_bwd_${PREC:-fp8}" CODA_TITAN_LM_HEAD_DW_BWD=1
       ;;
     t8env)
       # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call

@@ -71,9 +71,6 @@ def op_cases(dtype):
         "norm_swiglu": (r(OP_M, OP_D), rstd, interleave_rows(r(OP_F, OP_D), r(OP_F, OP_D))),
         "norm_rope": (r(OP_M, OP_D), rstd, r(q, OP_D), *rope),
         "lm_head_ce": (r(OP_M, OP_D), rstd, r(OP_M, OP_D), r(OP_D), r(OP_V, OP_D), targets, 5, True),
-        "lm_head_ce_deferred": (r(OP_M, OP_D), rstd, r(OP_M, OP_D), r(OP_D), r(OP_V, OP_D), targets, 5),
-        "lm_head_dw_finish": (r(OP_V, OP_D, dt=torch.float32), r(OP_M % 5 or 5, OP_V), r(OP_M % 5 or 5, OP_D),
-                              torch.tensor(0.25), dtype),
         "rope_bwd": (r(OP_M, q), r(OP_M, q), rstd, *rope),
         "norm_residual_bwd": (r(OP_M, q), r(q, OP_D), r(OP_M, OP_D), r(OP_D), rstd, r(OP_M, dt=torch.float32), r(OP_M, OP_D)),
         "swiglu_bwd": (r(OP_M, OP_D), r(OP_D, OP_F), r(OP_M, 2 * OP_F), rstd),
@@ -157,16 +154,12 @@ def gpu_inputs(name, d, gen):
     if name == "norm_residual_bwd":
         return dict(da=r(m, q), weight=r(q, d, scale=q**-0.5), x=r(m, d), gamma=r(d), rstd=rstd,
                     zdz=r(m, dtype=torch.float32), dresidual=r(m, d))
-    if name in ("lm_head_ce", "lm_head_ce_deferred"):
+    if name == "lm_head_ce":
         vocab = 16384
         targets = torch.randint(0, vocab, (m,), generator=gen, device="cuda")
         targets[::7] = -100
         return dict(h=r(m, d), rstd=rstd, x=r(m, d), gamma=r(d), weight=r(vocab, d, scale=d**-0.5),
-                    targets=targets, chunk_rows=768, **({"compute_grad": True} if name == "lm_head_ce" else {}))
-    if name == "lm_head_dw_finish":  # (the last chunk of 768 rows, the others' fp32 sum, the trainer's 1 / tokens)
-        vocab = 16384
-        return dict(dw_head=r(vocab, d, dtype=torch.float32), da_last=r(768, vocab, scale=1e-3), h_last=r(768, d),
-                    scale=torch.tensor(1 / m, device="cuda"), out_dtype=torch.bfloat16)
+                    targets=targets, chunk_rows=768, compute_grad=True)
     if name == "rstd_finalize":
         return dict(partials=torch.rand(m, 3, generator=gen, device="cuda") * d, dim=d, eps=1e-5)
     raise KeyError(name)

@@ -133,20 +133,6 @@ def test_coda_step_is_attributed_by_program(fp8):
     assert set(got["families_ms"]) == {f"{f}/{d}" for f in ("qkv", "out", "w13", "w2") for d in ("fwd", "dgrad", "wgrad")} | {"lm_head/all"}
 
 
-def test_lm_head_with_its_last_dw_chunk_in_the_backward_is_one_family():
-    """``CODA_TITAN_LM_HEAD_DW_BWD=1``: the LM head's forward program and its backward's dW GEMM both count as
-    ``lm_head/all``."""
-    quack = "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_x"
-    tr = Trace()
-    tr.op("coda::norm_rope", [[T, D], [T, 1], [D + 2 * KV, D]], [(quack, "qkv/fwd")], parent="CompiledFunction")
-    tr.op("coda::lm_head_ce_deferred", [[T, D], [T, 1], [T, D], [D], [V, D], [T]],
-          [(quack, "lm_head/all"), ("_kernel", "lm_head/all")], parent="LMHeadCE")
-    tr.op("coda::lm_head_dw_finish", [[V, D], [T, V], [T, D], []], [("kernel_cutlass_kernel_quackgemm_default_epi", "lm_head/all")],
-          tid=2, parent="LMHeadCEBackward")
-    got = gemm_families(tr.events, WEIGHTS)
-    assert got["families_ms"] == tr.ms() and set(got["families_ms"]) == {"qkv/fwd", "lm_head/all"}
-
-
 def test_coda_gemms_traced_into_the_compiled_backward_are_attributed_by_shape():
     """``trace_passes``: the plain weight / input gradients are ``aten::mm`` / ``_scaled_mm`` inside the
     compiled backward, not programs. With tokens = the rows of W13 (T = 2 FF, as at 1B: 16384) W13's

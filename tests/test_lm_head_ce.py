@@ -35,57 +35,8 @@ def test_lm_head_ce_matches_full_logits_and_chunking():
         torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
 
 
-def test_last_dw_chunk_in_the_backward_is_the_scaled_dw():
-    """``lm_head_ce_deferred`` + ``lm_head_dw_finish(scale=g)`` (``CODA_TITAN_LM_HEAD_DW_BWD=1``) against
-    ``lm_head_ce``'s dW times g, in fp64, for one chunk and several: loss, dX and dgamma the same bits,
-    and dW within the orders' difference: g (head + last) rounded twice against g head + g last rounded
-    three times, each within 2u g (|head| + |last|) of the exact value, so 4u g (|head| + |last|) apart
-    elementwise (u = 2^-53); the refusal of a value other than 0 or 1."""
-    from coda_titan.model.autograd import lm_head_dw_bwd
-
-    x, gamma, w = rand64(M, D), rand64(D), rand64(V, D)
-    targets = torch.randint(0, V, (M,), generator=torch.Generator().manual_seed(3))
-    targets[:2] = IGNORE_INDEX
-    h, r = deferred_norm(x, gamma)
-    g = torch.tensor(1 / 37, dtype=torch.float64)
-    ops = torch.ops.coda
-    for rows in (3, M):
-        loss, dx, dgamma, dw = ops.lm_head_ce(h, r, x, gamma, w, targets, rows, True)
-        loss_d, dx_d, dgamma_d, head, da_last = ops.lm_head_ce_deferred(h, r, x, gamma, w, targets, rows)
-        assert torch.equal(loss, loss_d) and torch.equal(dx, dx_d) and torch.equal(dgamma, dgamma_d)
-        last_rows = M - (M - 1) // rows * rows
-        assert da_last.shape == (last_rows, V) and head.numel() == (0 if rows >= M else V * D)
-        got = ops.lm_head_dw_finish(head, da_last, h[M - last_rows:], g, torch.float64)
-        last = da_last.t() @ h[M - last_rows:]
-        mag = last.abs() + (head.abs() if head.numel() else 0)
-        assert ((got - dw * g).abs() <= 4 * 2.0**-53 * g * mag).all(), rows
-    for value, want in (("1", True), ("0", False)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("CODA_TITAN_LM_HEAD_DW_BWD", value)
-            assert lm_head_dw_bwd() is want
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="CODA_TITAN_LM_HEAD_DW_BWD"):
-        mp.setenv("CODA_TITAN_LM_HEAD_DW_BWD", "yes")
-        lm_head_dw_bwd()
-
-
-def test_lm_head_ce_backward_with_the_last_dw_chunk_in_the_backward():
-    """LMHeadCE's gradients (gradcheck, fp64) with the last dW chunk in its backward."""
-    import dataclasses
-
-    x, gamma, w = rand64(M, D), rand64(D), rand64(V, D, scale=0.5)
-    targets = torch.randint(0, V, (M,))
-    targets[2] = IGNORE_INDEX
-    cfg = dataclasses.replace(CFG, lm_head_dw_bwd=True, ce_chunk_rows=4)
-
-    def f(x, gamma, w):
-        h, r = deferred_norm(x, gamma)
-        return LMHeadCE.apply(h, r, x, gamma, w, targets, cfg, True)
-
-    assert torch.autograd.gradcheck(f, (x, gamma, w))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ['lm_head_ce', 'lm_head_ce_deferred', 'lm_head_dw_finish'])
+@pytest.mark.parametrize("name", ['lm_head_ce'])
 def test_opcheck(name, dtype):
     """Schema, fake and aot_dispatch of the op (its reference kernel on CPU)."""
     opcheck(getattr(torch.ops.coda, name).default, op_cases(dtype)[name])
@@ -99,33 +50,9 @@ def test_opcheck_loss_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("name", ['lm_head_ce', 'lm_head_ce_deferred'])
+@pytest.mark.parametrize("name", ['lm_head_ce'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
-
-
-@pytest.mark.gpu
-def test_cute_lm_head_dw_finish_matches_reference():
-    """The backward's last dW chunk (quack's gemm_add, the scale as alpha and beta) against fp64: the
-    bound of ``check_cute_matches_reference`` (2x the reference's own error in the kernel's precisions,
-    fp32 sums rounded once to bf16, + 2^-24), both measured against the fp64 value before any rounding;
-    and with no other chunks (one GEMM)."""
-    import zlib
-
-    from coda_titan.kernels import get_backend
-
-    from .helpers import gpu_inputs, log_bound, rel, to64
-
-    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(b"lm_head_dw_finish"))
-    kw = gpu_inputs("lm_head_dw_finish", 2048, gen)
-    ref_be, cute_be = get_backend("torch"), get_backend("cute")
-    for head in (kw["dw_head"], kw["dw_head"].new_empty((0,))):
-        args = {**kw, "dw_head": head}
-        exact = ref_be.lm_head_dw_finish(**{**to64(args), "out_dtype": torch.float64})
-        err_ref = rel(ref_be.lm_head_dw_finish(**args), exact)
-        err = rel(cute_be.lm_head_dw_finish(**args), exact)
-        log_bound(f"lm_head_dw_finish head={head.numel() > 0}", err=err, err_ref=err_ref, bound=2 * err_ref + 2.0**-24)
-        assert err <= 2 * err_ref + 2.0**-24, (head.numel(), err, err_ref)
 
 
 @pytest.mark.gpu

@@ -50,8 +50,6 @@ class Backend:
     norm_swiglu: Callable  # F2
     norm_rope: Callable  # F3
     lm_head_ce: Callable  # F4 (+ its gradient)
-    lm_head_ce_deferred: Callable  # F4 less the last chunk's dW GEMM (``CODA_TITAN_LM_HEAD_DW_BWD``)
-    lm_head_dw_finish: Callable  # that GEMM, in the backward, scaled by the trainer's scalar
     # backward
     rope_bwd: Callable  # B1
     norm_residual_bwd: Callable  # B2
@@ -101,8 +99,6 @@ TORCH = Backend(
     norm_swiglu=norm_swiglu.norm_swiglu,
     norm_rope=norm_rope.norm_rope,
     lm_head_ce=lm_head_ce.lm_head_ce,
-    lm_head_ce_deferred=lm_head_ce.lm_head_ce_deferred,
-    lm_head_dw_finish=lm_head_ce.lm_head_dw_finish,
     rope_bwd=norm_rope.rope_bwd,
     norm_residual_bwd=norm_residual_bwd.norm_residual_bwd,
     swiglu_bwd=norm_swiglu.swiglu_bwd,
@@ -148,8 +144,6 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         norm_swiglu=norm_swiglu.norm_swiglu_op,
         norm_rope=norm_rope.norm_rope_op,
         lm_head_ce=lm_head_ce.lm_head_ce_program,
-        lm_head_ce_deferred=lm_head_ce.lm_head_ce_deferred_op,
-        lm_head_dw_finish=lm_head_ce.lm_head_dw_finish_op,
         rope_bwd=norm_rope.rope_bwd_op,
         norm_residual_bwd=norm_residual_bwd.norm_residual_bwd_op,
         swiglu_bwd=norm_swiglu.swiglu_bwd_op,

@@ -48,7 +48,6 @@ class ProgramConfig:
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
     q_apart: bool = False  # F3 as two calls, q then k v: q contiguous for attention, B1 reads both (``q_apart``)
-    lm_head_dw_bwd: bool = False  # the LM head's last dW chunk in the backward, scaled there (``LM_HEAD_DW_BWD_ENV``)
 
 
 @dataclass(frozen=True)
@@ -357,42 +356,23 @@ class NormSwiGLUResidual(torch.autograd.Function):
 LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "compute_grad")  # LMHeadCE.forward's inputs, in order
 
 
-LM_HEAD_DW_BWD_ENV = "CODA_TITAN_LM_HEAD_DW_BWD"  # "1": ProgramConfig.lm_head_dw_bwd (off until measured)
-
-
-def lm_head_dw_bwd() -> bool:
-    """Whether ``CODA_TITAN_LM_HEAD_DW_BWD`` asks for the LM head's last dW chunk in the backward."""
-    value = os.environ.get(LM_HEAD_DW_BWD_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{LM_HEAD_DW_BWD_ENV}={value!r}: '1' (the last dW chunk in the backward) or '0' (the default)")
-    return value == "1"
-
-
 class LMHeadCE(torch.autograd.Function):
-    """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
-    ``cfg.lm_head_dw_bwd`` the last chunk's dW GEMM waits for the backward, where the trainer's scalar
-    rides it as alpha and beta (``lm_head_dw_finish``): no pass over dW for the scaling."""
+    """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
-        args = dict(h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets, chunk_rows=cfg.ce_chunk_rows)
-        ctx.gamma_dtype, ctx.weight_dtype, ctx.cfg = gamma.dtype, weight.dtype, cfg
-        if compute_grad and cfg.lm_head_dw_bwd:
-            loss, dx, dgamma, dw_head, da_last = cfg.backend.lm_head_ce_deferred(**args)
-            ctx.save_for_backward(dx, dgamma, dw_head, da_last, h)
-            return loss
-        loss, dx, dgamma, dw = cfg.backend.lm_head_ce(**args, compute_grad=compute_grad)
+        loss, dx, dgamma, dw = cfg.backend.lm_head_ce(
+            h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets,
+            chunk_rows=cfg.ce_chunk_rows, compute_grad=compute_grad,
+        )
         if compute_grad:
-            ctx.save_for_backward(dx, dgamma, dw, None, None)
+            ctx.save_for_backward(dx, dgamma, dw)
+            ctx.gamma_dtype = gamma.dtype
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        dx, dgamma, dw, da_last, h = ctx.saved_tensors
+        dx, dgamma, dw = ctx.saved_tensors
         g = dloss.to(dgamma.dtype)
-        if da_last is not None:  # (dw: the other chunks' fp32 sum)
-            dw = ctx.cfg.backend.lm_head_dw_finish(dw_head=dw, da_last=da_last, h_last=h[h.shape[0] - da_last.shape[0]:],
-                                                   scale=g, out_dtype=ctx.weight_dtype)
-        else:
-            dw = dw * g.to(dw.dtype)
-        return _grads(LM_HEAD_CE_INPUTS, x=dx * g.to(dx.dtype), gamma=(dgamma * g).to(ctx.gamma_dtype), weight=dw)
+        return _grads(LM_HEAD_CE_INPUTS, x=dx * g.to(dx.dtype), gamma=(dgamma * g).to(ctx.gamma_dtype),
+                      weight=dw * g.to(dw.dtype))

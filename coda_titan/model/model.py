@@ -34,8 +34,7 @@ from ..kernels.scaling import inv_scale_from_amax
 from ..titan.fa4_packed import attention_on_packed
 from ..titan.job_config import validate
 from .args import CodaModelArgs
-from .autograd import (Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS,
-                       lm_head_dw_bwd)
+from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
 from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .rope import rope_freqs
@@ -208,8 +207,7 @@ class CodaTransformer(Transformer):
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
             fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad,
-            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, q_apart=a.coda.q_apart,
-            lm_head_dw_bwd=lm_head_dw_bwd())
+            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, q_apart=a.coda.q_apart)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

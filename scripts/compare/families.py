@@ -27,8 +27,7 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "aten::bmm")
 # CODA programs and the GEMM each one is; None: told apart by shapes (see _coda_family)
 CODA_PROGRAMS = {
     "norm_rope": ("qkv", "fwd"), "norm_swiglu": ("w13", "fwd"), "swiglu_bwd": ("w2", "dgrad"),
-    "lm_head_ce": ("lm_head", "all"), "lm_head_ce_deferred": ("lm_head", "all"), "lm_head_dw_finish": ("lm_head", "all"),
-    "residual_rms": None, "norm_residual_bwd": None, "wgrad": None,
+    "lm_head_ce": ("lm_head", "all"), "residual_rms": None, "norm_residual_bwd": None, "wgrad": None,
     "dgrad": None,
 }
 

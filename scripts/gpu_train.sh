@@ -88,7 +88,6 @@
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
 #     lcescaledexp probe: the LM head, CODA's program against quack's chunked and scaled-exp linear-CE pipelines
-#     lmheaddwab   A/B: CODA compiled (PREC) as configured, then with the LM head's dW chunks on cuBLAS
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
 #     htprofile    one profiled step of the fp8 defaults and of fp8_qkv_wgrad's arm (where its 2.8 ms go)
@@ -495,11 +494,6 @@ for phase in "$@"; do
       # the LM head's dW at the 1B shape: CODA's chunks (quack, fp32 sum) against cuBLAS chunks and one GEMM,
       # on cross-entropy-like and random operands (scripts/probes/lm_head_dw.py)
       python3 -m scripts.probes.lm_head_dw
-      ;;
-    lmheaddwab)
-      # the compiled baseline and CODA compiled as configured (PREC=fp8 | bf16), then with the LM head's dW chunks
-      # summed by cuBLAS (CODA_TITAN_LM_HEAD_DW=cublas); its GPU test: GPU_TESTS=arms_match gpu_train.sh gputests
-      envab "lm_dw_quack_${PREC:-fp8}" "lm_dw_cublas_${PREC:-fp8}" CODA_TITAN_LM_HEAD_DW=cublas
       ;;
     lcescaledexp)
       # probe: the LM head with its gradients, CODA's program against quack's chunked and scaled-exp linear-CE

@@ -56,18 +56,14 @@ def test_cute_matches_reference(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "cublas_dw", "cublas_dw_one_chunk"])
+@pytest.mark.parametrize("arm", ["one_chunk", "inductor"])
 def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
     """The paths ``test_cute_matches_reference`` (several chunks, the in-place Triton pass, the last
-    chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum), the
-    previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast), and
-    dW's chunks summed by cuBLAS in fp32 then cast (``CODA_TITAN_LM_HEAD_DW=cublas``), several chunks
-    and one."""
+    chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum), and
+    the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast)."""
     if arm == "inductor":
         monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
-    if arm.startswith("cublas_dw"):
-        monkeypatch.setenv("CODA_TITAN_LM_HEAD_DW", "cublas")
-    check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm.endswith("one_chunk") else {}))
+    check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm == "one_chunk" else {}))
 
 
 def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():

@@ -25,9 +25,6 @@ from .epilogues import rstd_lse_target_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
-# "cublas": dW's chunks summed by cuBLAS (fp32 ``out_dtype``, in place), then one cast (the A/B of
-# ``scripts/probes/lm_head_dw.py``: in stock's step cuBLAS ran the LM-head wgrad 1.3 ms under CODA's chunks)
-DW_ENV = "CODA_TITAN_LM_HEAD_DW"
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -53,15 +50,10 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     rstd = rstd.float()
     gamma32 = gamma.float()
     in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
-    dw_sum = os.environ.get(DW_ENV, "quack")
-    if dw_sum not in ("quack", "cublas"):
-        raise ValueError(f"{DW_ENV}={dw_sum!r}: 'quack' (the default) or 'cublas'")
-    cublas_dw = dw_sum == "cublas"
     if compute_grad:
         dx = torch.empty_like(x)
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
-        fp32_dw = m > chunk_rows or not in_place or cublas_dw
-        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_dw else None
+        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
@@ -83,11 +75,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         with stages.capped(base):
             out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
         dgamma += out["dw"]
-        if cublas_dw and i == 0:  # (every chunk into the fp32 sum, cast at the end)
-            torch.mm(da.t(), hc, out_dtype=torch.float32, out=dw)
-        elif cublas_dw:
-            torch.addmm(dw, da.t(), hc, out_dtype=torch.float32, out=dw)
-        elif in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
+        if in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
             dw = (quack_gemm(da.t(), hc, out_dtype=weight.dtype, tuned=TUNE) if dw is None
                   else gemm_add(da.t(), hc, dw, out_dtype=weight.dtype, tuned=TUNE))
         elif i == 0:
@@ -96,4 +84,4 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
             gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
-    return loss, dx, dgamma, dw if in_place and not cublas_dw else dw.to(weight.dtype)
+    return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)

@@ -49,7 +49,6 @@
 #     ceab         CODA compiled with [coda] ce_chunk_rows = 8192 and 16384 (CE_ROWS="2048 ...": those) against the
 #                  configs' 4096, with the compiled baseline (PREC=fp8 (default) or bf16); 2048 trades time for memory
 #     qkvwgradcause 300-step curves: fp8_qkv_wgrad with a current-scaled gradient cast (fp8_dgrad off), float8, configured
-#     qapart       q_apart: its GPU tests, then the A/B (PREC=fp8 default, or bf16) against the compiled baseline
 #     fa4layouts   probe: FA4 forward / backward per q, k, v layout (contiguous, CODA's packed slices, k/v copied, head-major,
 #                  q apart from a k v buffer), then F3 on all of W_qkv against F3 as two or three calls on its row slices
 #     b3configs    probe: B3 (the defaults' transposed e5m2 B3, on bf16 and fp8 GEMMs) per quack tile config, and
@@ -384,14 +383,6 @@ for phase in "$@"; do
       a=$(variant qkv_h_t "fp8_qkv_wgrad = true") && b=$(variant mlp_h_t "fp8_mlp_h_t = true") &&
         c=$(variant both_h_t "fp8_qkv_wgrad = true" "fp8_mlp_h_t = true") || exit 2
       $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" "$c" --steps "${STEPS:-30}" --warmup 10 --tag h_t
-      ;;
-    qapart)
-      # q_apart (F3 as two calls, FA4 on a contiguous q): its GPU tests, then float8 + compile (stock + compile with
-      # PREC=bf16) against the compiled CODA config with q_apart on and off (one call; run fa4layouts first for the kernels)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE --tb=short -W ignore::DeprecationWarning \
-        -k "q_apart or two_parts or q_kv" > "$logs/pytest_qapart.txt" 2>&1
-      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_qapart.txt" | tail -15 | tee "$out/pytest_qapart.txt"
-      ab "q_apart_${PREC:-fp8}" q_apart configured q_apart
       ;;
     outbwd)
       # fp8_out_bwd (W_o's dgrad and wgrad on one e5m2 cast of dX, the e4m3 o kept) between two runs of the

@@ -34,17 +34,7 @@ parts = [t[:, :qc].contiguous() for t in (dy, y)] + [t[:, qc:].contiguous() for 
 da_a, zdz_a = torch.ops.coda.rope_bwd_pass(parts[0], parts[1], rstd, cos, sin, rot, parts[2], parts[3])
 da8_a, zdz8_a, daq_a, amax_a = torch.ops.coda.rope_bwd_fp8_pass(parts[0], parts[1], rstd, cos, sin, rot, inv, parts[2],
                                                                 parts[3])
-# FA4's q_apart gradient: dy's two parts are column slices of one packed buffer (rows q apart), y's contiguous;
-# and a packed dy whose rows lie further apart than its width
-sliced = (dy[:, :qc], parts[1], dy[:, qc:], parts[3])
-da_s, zdz_s = torch.ops.coda.rope_bwd_pass(*sliced[:2], rstd, cos, sin, rot, *sliced[2:])
-wide = torch.zeros(m, q + 32, dtype=dy.dtype)
-wide[:, 8:q + 8] = dy
-da_w, zdz_w = torch.ops.coda.rope_bwd_pass(wide[:, 8:q + 8], y, rstd, cos, sin, rot)
 print(json.dumps({
-    "strided_same": {"sliced_da": bool(torch.equal(da_s, da)), "sliced_zdz": bool(torch.equal(zdz_s, zdz)),
-                     "wide_da": bool(torch.equal(da_w, da)), "wide_zdz": bool(torch.equal(zdz_w, zdz)),
-                     "sliced_strided": sliced[0].stride(0) == q and not sliced[2].is_contiguous()},
     "apart_same": {"da": bool(torch.equal(da_a, da)), "zdz": bool(torch.equal(zdz_a, zdz)),
                    "da_fp8": bool(torch.equal(da8_a, da)), "zdz_fp8": bool(torch.equal(zdz8_a, zdz8)),
                    "daq": bool(torch.equal(daq_a.view(torch.uint8), daq.view(torch.uint8))),

@@ -810,7 +810,7 @@ def _model(backend, seqlen, q_apart=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_apart", [False, True], ids=["packed", "q_apart"])
+@pytest.mark.parametrize("q_apart", [False, True])
 def test_whole_1b_model_cute_matches_torch_backend(q_apart):
     """The 1B model, cute against the torch backend (with ``q_apart``: both on FA4 and q apart)."""
     seqlen, bs = 2048, 2

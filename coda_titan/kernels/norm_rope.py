@@ -97,17 +97,6 @@ def norm_rope_fp8(
     return y.to(out_dtype)
 
 
-def check_parts(dy_kv: Optional[torch.Tensor], y_kv: Optional[torch.Tensor]) -> None:
-    """B1's second parts come together (``q_apart``) or not at all."""
-    if (dy_kv is None) != (y_kv is None):
-        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
-
-
-def packed_width(q_part: torch.Tensor, kv_part: Optional[torch.Tensor]) -> int:
-    """The columns of the packed (M, Q) tensor given as ``q_part`` and, if any, ``kv_part``."""
-    return q_part.shape[1] + (0 if kv_part is None else kv_part.shape[1])
-
-
 def packed_parts(q_part: torch.Tensor, kv_part: Optional[torch.Tensor]) -> torch.Tensor:
     """The (M, Q) packed tensor of F3's output or its gradient given in two parts (``q_apart``: the q
     columns and the k v columns), or ``q_part`` itself where there is no second part."""
@@ -121,7 +110,8 @@ def packed_parts(q_part: torch.Tensor, kv_part: Optional[torch.Tensor]) -> torch
 
 def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim: int, dy_kv=None, y_kv=None):
     """``rope_bwd``'s (da, zdz) with da still in the accumulator dtype (the fp8 B1 casts from it)."""
-    check_parts(dy_kv, y_kv)
+    if (dy_kv is None) != (y_kv is None):
+        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
     dy, y = packed_parts(dy, dy_kv), packed_parts(y, y_kv)
     check_2d("dy", dy, y.shape[1])
     ct = acc_dtype(dy, y)
@@ -209,7 +199,8 @@ def rope_bwd_op(
 
 def _da_like(dy, dy_kv, dtype=None):
     """An empty (M, Q) tensor for B1's packed da (dy's columns and ``dy_kv``'s, if given)."""
-    return dy.new_empty((dy.shape[0], packed_width(dy, dy_kv)), dtype=dtype or dy.dtype)
+    cols = dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
+    return dy.new_empty((dy.shape[0], cols), dtype=dtype or dy.dtype)
 
 
 @rope_bwd_op.register_fake

@@ -139,11 +139,6 @@ def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torc
     return be.wgrad(grad=grad, inp=inp, out_dtype=out_dtype)
 
 
-def _rows(g: torch.Tensor) -> torch.Tensor:
-    """A gradient as B1 reads it: rows of consecutive elements (a packed slice stays as it is)."""
-    return g if g.stride(-1) == 1 else g.contiguous()
-
-
 def _grads(inputs: tuple[str, ...], **given) -> tuple:
     """The backward's return: the gradient named for each forward input, None for the others."""
     unknown = set(given) - set(inputs)
@@ -229,10 +224,10 @@ class NormRoPE(torch.autograd.Function):
     def backward(ctx, dqkv, *rest):
         h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h, inv_g, y_kv = ctx.saved_tensors
         be = ctx.cfg.backend
-        rope = dict(dy=_rows(dqkv), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
+        rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         dx_res = rest[-1]
-        if ctx.cfg.q_apart:  # (dy and y in two parts: q's columns, k's and v's; FA4's dy: slices of one buffer)
-            rope.update(dy_kv=_rows(rest[0]), y_kv=y_kv)
+        if ctx.cfg.q_apart:  # (dy and y in two parts: q's columns, k's and v's)
+            rope.update(dy_kv=rest[0].contiguous(), y_kv=y_kv)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
         w = torch.cat([wq, wk, wv])
         sink = daq = None

@@ -2,7 +2,7 @@
 
 F3 writes q, k and v as column blocks of one (tokens, (h + 2 h_kv) d) buffer (``packed``), or, with
 ``[coda] q_apart``, q as one contiguous (tokens, h d) tensor and k, v as column blocks of one
-(tokens, 2 h_kv d) buffer (``q_kv``: F3 as two calls); the gradients come back packed either way. For each layout, a forward and a backward op
+(tokens, 2 h_kv d) buffer (``q_kv``: F3 as two calls). For each layout, a forward and a backward op
 (CPU kernels: the exact reference of ``fa4``; CUDA: FA4's) with fakes and a registered autograd
 formula, and :func:`attention_on_packed`, the model's call: FA4's ops for :class:`fa4.FA4Attention`,
 the (b, h, s, d) views for any other attention module (SDPA on the CPU).
@@ -99,11 +99,9 @@ torch.library.register_autograd("coda::flash_attn_packed_fwd", _backward_packed,
 
 
 # --- the same on q apart from one k v buffer (``[coda] q_apart``: F3 as two calls) -----------------
-# q is contiguous (tokens, h d), k and v are slices of one (tokens, 2 h_kv d) buffer. On these inputs
-# FA4's forward ran 1.111 ms against 1.234 on the packed slices, and its backward 2.850 writing packed
-# gradients against 3.112 writing dq and dk dv in q's and kv's layout (probe_fa4_layouts_…json, the
-# thirty-first session): so the backward writes one packed dqkv, and autograd hands q and kv its two
-# column slices, which B1 reads in place (``rope_bwd``'s parts, rows 3 (h + 2 h_kv) d apart).
+# FA4's forward ran 1.029 ms on a contiguous q against 1.078 on the packed slice (the probe above);
+# here q is contiguous (tokens, h d), k and v are slices of one (tokens, 2 h_kv d) buffer, and the
+# backward writes dq and dk dv in the same two tensors, which B1 reads in place (``rope_bwd``'s parts).
 
 
 def split_q_kv(q: torch.Tensor, kv: torch.Tensor, seqlen: int, n_heads: int, n_kv_heads: int) -> tuple:
@@ -135,16 +133,16 @@ def _(q, kv, seqlen, n_heads, n_kv_heads, scale, causal):
 def flash_attn_q_kv_bwd(
     dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, seqlen: int,
     n_heads: int, n_kv_heads: int, scale: float, causal: bool,
-) -> torch.Tensor:
-    """Gradient of :func:`flash_attn_q_kv_fwd`: dq, dk, dv packed in one contiguous (tokens, (h + 2 h_kv) d)
-    tensor, as :func:`flash_attn_packed_bwd` writes them."""
-    grads = _reference_bwd(dout, *split_q_kv(q, kv, seqlen, n_heads, n_kv_heads), out, scale, causal)
-    return torch.cat([g.flatten(2) for g in grads], dim=2).view(q.shape[0], -1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient of :func:`flash_attn_q_kv_fwd`: dq like q, dk dv packed like kv (both contiguous)."""
+    dq, dk, dv = _reference_bwd(dout, *split_q_kv(q, kv, seqlen, n_heads, n_kv_heads), out, scale, causal)
+    return dq.reshape(q.shape), torch.cat([dk.flatten(2), dv.flatten(2)], dim=2).view(kv.shape)
 
 
 @flash_attn_q_kv_bwd.register_fake
 def _(dout, q, kv, out, lse, seqlen, n_heads, n_kv_heads, scale, causal):
-    return q.new_empty((q.shape[0], q.shape[1] + kv.shape[1]))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(kv, memory_format=torch.contiguous_format))
 
 
 @flash_attn_q_kv_fwd.register_kernel("cuda")
@@ -158,10 +156,11 @@ def _(q, kv, seqlen, n_heads, n_kv_heads, scale, causal):
 
 @flash_attn_q_kv_bwd.register_kernel("cuda")
 def _(dout, q, kv, out, lse, seqlen, n_heads, n_kv_heads, scale, causal):
-    dqkv = torch.empty((q.shape[0], q.shape[1] + kv.shape[1]), dtype=q.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dkv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     _fa4_bwd(dout, *split_q_kv(q, kv, seqlen, n_heads, n_kv_heads), out, lse, scale, causal,
-             *split_packed(dqkv, seqlen, n_heads, n_kv_heads))
-    return dqkv
+             *split_q_kv(dq, dkv, seqlen, n_heads, n_kv_heads))
+    return dq, dkv
 
 
 def _setup_context_q_kv(ctx, inputs, output):
@@ -173,8 +172,7 @@ def _setup_context_q_kv(ctx, inputs, output):
 
 def _backward_q_kv(ctx, dout, dlse):
     q, kv, out, lse = ctx.saved_tensors
-    dqkv = flash_attn_q_kv_bwd(dout, q, kv, out, lse, *ctx.args)
-    return dqkv[:, : q.shape[1]], dqkv[:, q.shape[1]:], None, None, None, None, None
+    return *flash_attn_q_kv_bwd(dout, q, kv, out, lse, *ctx.args), None, None, None, None, None
 
 
 torch.library.register_autograd("coda::flash_attn_q_kv_fwd", _backward_q_kv, setup_context=_setup_context_q_kv)

@@ -18,7 +18,7 @@ from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_e
 
 from .. import norm_rope as ref
 from ..scaling import quantize_e5m2_site
-from . import rope_bwd_pass  # (also registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
+from . import rope_bwd_pass  # noqa: F401  (registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 
 B1_PASS_ENV = "CODA_TITAN_B1_PASS"  # "inductor": B1 as the inductor program instead of the Triton pass (A/B)
@@ -91,10 +91,11 @@ def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int, inv_scale
 
 
 def _rope_bwd_unsupported(dy, y, seqlen, head_dim, dy_kv=None, y_kv=None) -> str | None:
-    ref.check_parts(dy_kv, y_kv)  # (a caller's error, not a shape the kernels cannot take)
     why = unsupported(dy, y, *(t for t in (dy_kv, y_kv) if t is not None))
     if why is None and (head_dim % 2 or dy.shape[0] % seqlen):
         why = f"head_dim {head_dim} / rows {dy.shape[0]} vs seqlen {seqlen}"
+    if why is None and (dy_kv is None) != (y_kv is None):
+        why = "dy_kv without y_kv or y_kv without dy_kv"
     return why
 
 
@@ -115,8 +116,9 @@ def _one_pass(dy, scale, dy_kv=None) -> bool:
     """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns, bf16 or with a
     delayed e5m2 scale (calibrating, the scale waits for the whole tensor's amax: the inductor program),
     unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the A/B's other arm)."""
+    cols = dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
     return (os.environ.get(B1_PASS_ENV, "triton") != "inductor" and dy.dtype == torch.bfloat16
-            and ref.packed_width(dy, dy_kv) <= 8192 and not (scale and scale[0] is None))
+            and cols <= 8192 and not (scale and scale[0] is None))
 
 
 def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, scale, dy_kv, y_kv):
@@ -134,8 +136,9 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple, dy_kv=None, y_kv=None):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; it reads two-part dy and y in
-    place, contiguous or slices of one buffer), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
-    if rope_bwd_pass.unit_columns(dy, y, dy_kv, y_kv) and _one_pass(dy, scale, dy_kv):
+    place), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
+    dense = all(t.is_contiguous() for t in (dy, y, dy_kv, y_kv) if t is not None)  # (the pass's row stride: the width)
+    if dense and _one_pass(dy, scale, dy_kv):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale, dy_kv, y_kv)
     dy, y = ref.packed_parts(dy, dy_kv), ref.packed_parts(y, y_kv)

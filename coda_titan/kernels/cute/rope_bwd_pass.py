@@ -23,35 +23,33 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..norm_rope import check_parts, packed_width
 from ..scaling import E5M2, E5M2_MAX
 
 
 @triton.jit
-def _at(q_ptr, kv_ptr, row, cols, sq, skv, Q: tl.constexpr, QC: tl.constexpr):
+def _at(q_ptr, kv_ptr, row, cols, Q: tl.constexpr, QC: tl.constexpr):
     """The addresses of a row's columns ``cols`` of an (M, Q) tensor held packed (``QC == Q``: all in
-    ``q_ptr``, rows ``sq`` elements apart) or in two parts (``q_apart``: columns below QC in ``q_ptr``'s
-    (M, QC), the rest in ``kv_ptr``'s (M, Q - QC), rows ``sq`` and ``skv`` elements apart: contiguous
-    parts, or slices of one packed buffer)."""
+    ``q_ptr``) or in two parts (``q_apart``: columns below QC in ``q_ptr``'s (M, QC), the rest in
+    ``kv_ptr``'s (M, Q - QC))."""
     if QC == Q:
-        return q_ptr + row * sq + cols
-    return tl.where(cols < QC, q_ptr + row * sq + cols, kv_ptr + row * skv + (cols - QC))
+        return q_ptr + row * Q + cols
+    return tl.where(cols < QC, q_ptr + row * QC + cols, kv_ptr + row * (Q - QC) + (cols - QC))
 
 
 @triton.jit
 def _kernel(dy_ptr, y_ptr, dykv_ptr, ykv_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr,
-            seqlen, s_dy, s_y, s_dykv, s_ykv, Q: tl.constexpr, QC: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+            seqlen, Q: tl.constexpr, QC: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
             FP8: tl.constexpr, FMAX: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < Q
     row64 = row.to(tl.int64)
     base = row64 * Q
-    dy = tl.load(_at(dy_ptr, dykv_ptr, row64, cols, s_dy, s_dykv, Q, QC), mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(_at(y_ptr, ykv_ptr, row64, cols, s_y, s_ykv, Q, QC), mask=inside, other=0.0).to(tl.float32)
+    dy = tl.load(_at(dy_ptr, dykv_ptr, row64, cols, Q, QC), mask=inside, other=0.0).to(tl.float32)
+    y = tl.load(_at(y_ptr, ykv_ptr, row64, cols, Q, QC), mask=inside, other=0.0).to(tl.float32)
     zdz = tl.sum(y * dy, axis=0)
     # (QC is a whole number of heads, so an element's pair partner lies in its own part)
-    partner = tl.load(_at(dy_ptr, dykv_ptr, row64, cols ^ 1, s_dy, s_dykv, Q, QC), mask=inside, other=0.0).to(tl.float32)
+    partner = tl.load(_at(dy_ptr, dykv_ptr, row64, cols ^ 1, Q, QC), mask=inside, other=0.0).to(tl.float32)
     rope = inside & (cols < ROT)
     pair = (cols % (2 * HALF)) // 2
     pos = row % seqlen
@@ -71,29 +69,22 @@ def _kernel(dy_ptr, y_ptr, dykv_ptr, ykv_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_pt
 def outputs(dy, fp8: bool, dy_kv=None) -> tuple:
     """What a pass over ``dy``'s rows (and ``dy_kv``'s, its k v part) writes: da (packed), zdz and (fp8,
     else empty) the e5m2 codes and row amax."""
-    m, q = dy.shape[0], packed_width(dy, dy_kv)
+    m, q = dy.shape[0], dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
     return (torch.empty((m, q), device=dy.device, dtype=dy.dtype), torch.empty(m, device=dy.device, dtype=torch.float32),
             torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2),
             torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32))
 
 
-def unit_columns(*ts) -> bool:
-    """Whether the pass reads these tensors in place: rows of consecutive elements (any row stride:
-    a packed slice's too); None counts as such."""
-    return all(t is None or t.stride(-1) == 1 for t in ts)
-
-
 def _launch(dy, y, rstd, cos, sin, rot: int, inv, dy_kv=None, y_kv=None):
-    check_parts(dy_kv, y_kv)
-    if not unit_columns(dy, y, dy_kv, y_kv):
-        raise ValueError("B1's pass reads rows of consecutive elements (column stride 1)")
+    if (dy_kv is None) != (y_kv is None):
+        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8, dy_kv)
     m, q = da.shape
-    dy_kv, y_kv = (dy, y) if dy_kv is None else (dy_kv, y_kv)
-    wrap_triton(_kernel)[(m,)](dy, y, dy_kv, y_kv, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                                dy.stride(0), y.stride(0), dy_kv.stride(0), y_kv.stride(0), Q=q, QC=dy.shape[1], ROT=rot,
-                                HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
+    apart = dy_kv is not None
+    wrap_triton(_kernel)[(m,)](dy, y, dy_kv if apart else dy, y_kv if apart else y, rstd, cos, sin, inv if fp8 else rstd,
+                                da, zdz, daq, amax, cos.shape[0], Q=q, QC=dy.shape[1], ROT=rot, HALF=cos.shape[1],
+                                BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
     return da, zdz, daq, amax
 
 
@@ -102,7 +93,7 @@ def rope_bwd_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torc
                 rot: int, dy_kv: Optional[torch.Tensor] = None,
                 y_kv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(da bf16, zdz fp32) of B1 in one pass; dy, y (M, Q) bf16 rows (or their q columns, with ``dy_kv``,
-    ``y_kv`` the k v columns: ``q_apart``; da packed either way), each with column stride 1, rstd (M,) fp32, cos / sin
+    ``y_kv`` the k v columns: ``q_apart``; da packed either way), rstd (M,) fp32, cos / sin
     (seqlen, head_dim / 2) fp32, the first ``rot`` columns rotated."""
     da, zdz, _, _ = _launch(dy, y, rstd, cos, sin, rot, None, dy_kv, y_kv)
     return da, zdz

@@ -100,7 +100,7 @@ def _fp64_freqs_cis(dim, end, theta, s):
     return torch.polar(torch.ones_like(angles), angles), wavelen, lo, hi
 
 
-def _build(case, fp64_rope, **coda_kw):
+def _build(case, fp64_rope):
     kw, spec = _args(case)
     torch.manual_seed(0)
     ref = Transformer(TransformerModelArgs(**kw))
@@ -113,7 +113,7 @@ def _build(case, fp64_rope, **coda_kw):
     if fp64_rope:
         a = ref.model_args
         ref.freqs_cis = _fp64_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args)[0]
-    coda_cfg = Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=spec.get("ce_chunk_rows", 37), **coda_kw)
+    coda_cfg = Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=spec.get("ce_chunk_rows", 37))
     coda = CodaTransformer(CodaModelArgs(**kw, coda=coda_cfg)).double()
     coda.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
@@ -124,10 +124,10 @@ def _build(case, fp64_rope, **coda_kw):
     return ref, coda, tokens, labels
 
 
-def _compare(case, fp64_rope, monkeypatch, **coda_kw):
+def _compare(case, fp64_rope, monkeypatch):
     if fp64_rope:
         monkeypatch.setattr(stock_model, "apply_rotary_emb", _fp64_apply_rotary_emb)
-    ref, coda, tokens, labels = _build(case, fp64_rope, **coda_kw)
+    ref, coda, tokens, labels = _build(case, fp64_rope)
     logits = ref(tokens)
     assert logits.dtype == torch.float64
     loss_ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
@@ -147,15 +147,6 @@ def _compare(case, fp64_rope, monkeypatch, **coda_kw):
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_stock_llama3_fp64_rope(case, monkeypatch):
     errs = _compare(case, fp64_rope=True, monkeypatch=monkeypatch)
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
-
-
-@pytest.mark.parametrize("case", ["debugmodel_gqa", "mha", "mqa"])
-def test_q_apart_matches_stock_llama3_fp64_rope(case, monkeypatch):
-    """``q_apart`` (F3 as two calls on W_qkv's row slices, attention on q apart from one k v buffer, B1
-    on the two parts): the same math, so the same bound against stock llama3 in fp64 as without it."""
-    errs = _compare(case, fp64_rope=True, monkeypatch=monkeypatch, q_apart=True)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
 
@@ -263,12 +254,12 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
      ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
      ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t"), ("traced", "sdpa", "fp8_out_bwd"),
-     ("custom_ops", "sdpa", "fp8_out_bwd"), ("traced", "fa4_op", "bf16_q_apart"), ("traced", "fa4_op", "fp8_q_apart")],
+     ("custom_ops", "sdpa", "fp8_out_bwd")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
     # fp8_mlp_h_t: with fp8_mlp_da_t and fp8_out_proj; fp8_qkv_h_t: fp8_qkv_wgrad with fp8_dgrad and fp8_down_proj;
-    # fp8_out_bwd: with fp8_out_proj; *_q_apart: F3 as two calls, FA4 on q apart from the k v buffer
+    # fp8_out_bwd: with fp8_out_proj
 )
 def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision):
     torch._dynamo.reset()  # each case compiles the same block code afresh (recompile limit)
@@ -287,7 +278,7 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t"),
-                fp8_mlp_da_t=da_t, q_apart=precision.endswith("q_apart"))
+                fp8_mlp_da_t=da_t)
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -790,31 +781,26 @@ def test_ops_opcheck_on_cuda():
         opcheck(op, (), kw, test_utils=("test_schema", "test_faketensor"))
 
 
-def _model(backend, seqlen, q_apart=False):
+def _model(backend, seqlen):
     import dataclasses
 
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
     from coda_titan.titan.job_config import Coda
 
-    args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen,
-                               coda=Coda(backend=backend, ce_chunk_rows=4096, q_apart=q_apart))
+    args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=Coda(backend=backend, ce_chunk_rows=4096))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = CodaTransformer(args)
         with torch.no_grad():
             model.init_weights()
-    if q_apart:  # (FA4, whose q-apart ops are what q_apart changes on the GPU)
-        swap_attention(model)
     return model.to(BF)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_apart", [False, True])
-def test_whole_1b_model_cute_matches_torch_backend(q_apart):
-    """The 1B model, cute against the torch backend (with ``q_apart``: both on FA4 and q apart)."""
+def test_whole_1b_model_cute_matches_torch_backend():
     seqlen, bs = 2048, 2
-    models = {be: _model(be, seqlen, q_apart) for be in ("torch", "cute")}
+    models = {be: _model(be, seqlen) for be in ("torch", "cute")}
     models["cute"].load_state_dict(models["torch"].state_dict())
     gen = torch.Generator(device="cuda").manual_seed(1)
     vocab = models["torch"].model_args.vocab_size
@@ -930,40 +916,6 @@ def _spy(model, names, record=lambda name, kw: name) -> list:
     cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **{n: spy(n) for n in names}))
     model.program_config = lambda: cfg
     return calls
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_q_apart_trains_bit_for_bit_as_the_packed_f3(precision):
-    """``q_apart``: F3 runs as two calls per layer (q's rows of W_qkv rotating every q head, then k's and
-    v's rotating k's), attention reads q apart from the k v buffer and B1 the two parts of dy and y; on
-    the reference backend every loss and gradient of two steps (fp8: the calibration step, then the
-    delayed scales; the configs' fp8 defaults) is bit for bit the packed F3's."""
-    runs = {}
-    for q_apart in (False, True):
-        args = copy.deepcopy(coda_llama3_args["debugmodel"])
-        args.coda = Coda(backend="torch", precision=precision, q_apart=q_apart)
-        torch.manual_seed(0)
-        model = CodaTransformer(args)
-        with torch.no_grad():
-            model.init_weights()
-        f3 = "norm_rope" if precision == "bf16" else "norm_rope_fp8"
-        calls = _spy(model, (f3, "rope_bwd" if precision == "bf16" else "rope_bwd_fp8"),
-                     lambda name, kw: (name, kw.get("n_rope_heads"), "y_kv" in kw))
-        tokens, labels = _batch(args.vocab_size)
-        steps = []
-        for _ in range(2):
-            model.zero_grad()
-            loss = model(tokens, labels=labels)
-            loss.backward()
-            steps.append((loss.detach(), _grads(model)))
-        runs[q_apart] = steps, calls
-    n, (hq, hkv) = args.n_layers, (args.n_heads, args.n_kv_heads)
-    f3_calls = [c[1] for c in runs[True][1] if c[0] == f3]
-    assert f3_calls == [hq, hkv] * 2 * n and [c[1] for c in runs[False][1] if c[0] == f3] == [hq + hkv] * 2 * n
-    assert all(c[2] for c in runs[True][1] if c[0] != f3) and not any(c[2] for c in runs[False][1])
-    for (loss, g), (loss_a, g_a) in zip(runs[False][0], runs[True][0]):
-        assert torch.equal(loss, loss_a) and g.keys() == g_a.keys()
-        assert all(torch.equal(g[k], g_a[k]) for k in g), [k for k in g if not torch.equal(g[k], g_a[k])]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

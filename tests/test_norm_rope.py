@@ -1,7 +1,6 @@
 """F3 norm_rope and B1 rope_bwd: backward (gradcheck, fp64) and the zdz identity, the fp8 programs
 against an fp64 emulation, the ops, and the cute kernels against the reference (GPU)."""
 
-import dataclasses
 import os
 
 import pytest
@@ -23,16 +22,11 @@ def test_norm_rope_backward():
     x, gamma = rand64(M, D), rand64(D)
     wq, wk, wv = rand64(HQ * HD, D), rand64(HKV * HD, D), rand64(HKV * HD, D)
 
-    def f(x, gamma, wq, wk, wv, cfg=CFG):
+    def f(x, gamma, wq, wk, wv):
         h, r = deferred_norm(x, gamma)
-        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, freqs, SEQ, cfg, HQ + HKV, HD)
+        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, freqs, SEQ, CFG, HQ + HKV, HD)
 
     assert torch.autograd.gradcheck(f, (x, gamma, wq, wk, wv))
-    # q_apart: (q, kv, x), the packed output's columns, and B1 on the two parts
-    apart = dataclasses.replace(CFG, q_apart=True)
-    q, kv, _ = f(x, gamma, wq, wk, wv, apart)
-    assert torch.equal(torch.cat([q, kv], dim=1), f(x, gamma, wq, wk, wv)[0])
-    assert torch.autograd.gradcheck(lambda *a: f(*a, apart), (x, gamma, wq, wk, wv))
 
 
 def test_rope_bwd_zdz_is_invariant():
@@ -182,32 +176,6 @@ def test_f3_on_row_slices_of_w_qkv_is_the_packed_program():
 @pytest.mark.parametrize("name", ['norm_rope', 'rope_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_cute_b1_on_two_parts_writes_the_packed_bits(fp8):
-    """``q_apart`` on the GPU: the cute B1 (its Triton pass) given dy and y as the q columns and the k v
-    columns writes what it writes on the packed tensors, bit for bit (da, zdz; fp8: the e5m2 codes and
-    the amax too), at the 1B shapes."""
-    from coda_titan.kernels import get_backend
-
-    from .helpers import gpu_inputs
-
-    be = get_backend("cute")
-    kw = gpu_inputs("rope_bwd", 2048, torch.Generator(device="cuda").manual_seed(3))
-    qc = 32 * 64  # the 1B model's q columns
-    parts = {k: kw[k][:, :qc].contiguous() for k in ("dy", "y")} | {f"{k}_kv": kw[k][:, qc:].contiguous() for k in ("dy", "y")}
-    extra = {"inv_scale": torch.tensor(2.0**10, device="cuda")} if fp8 else {}
-    prog = be.rope_bwd_fp8 if fp8 else be.rope_bwd
-    want = prog(**kw, **extra)
-    got = prog(**{**kw, **parts}, **extra)
-    def bits(t):  # (8-bit codes compared as bytes)
-        return t.view(torch.uint8) if t.element_size() == 1 else t
-
-    assert len(want) == len(got)
-    for a, b in zip(want, got):
-        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b)), (a.dtype, a.shape)
 
 
 @pytest.mark.gpu

@@ -47,7 +47,6 @@ class ProgramConfig:
     fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
-    q_apart: bool = False  # F3 as two calls, q then k v: q contiguous for attention, B1 reads both (``q_apart``)
 
 
 @dataclass(frozen=True)
@@ -191,8 +190,7 @@ NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqle
 
 
 class NormRoPE(torch.autograd.Function):
-    """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given; with ``cfg.q_apart`` two
-    calls on W_qkv's row slices, returning (q, kv, x) instead of (qkv, x)); backward B1 (RoPE bwd +
+    """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
     zdz, which also casts da to e5m2 with ``fp8.grad_inv`` when ``fp8.w_t`` is given, returning amax
     |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8, on
     the e4m3 H F3 read, kept instead of the bf16 H (its producer's H^T if given), times B1's e5m2 da
@@ -201,33 +199,25 @@ class NormRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
                 head_dim: int, fp8: Fp8Operands | None = None, grad_sink: torch.Tensor | None = None):
-        rope = dict(freqs=freqs, seqlen=seqlen, head_dim=head_dim)
-        # (rows of W_qkv, heads rotated) per call: q's rows rotate all of q's heads, k v's rows k's
-        calls = ((slice(0, wq.shape[0]), wq.shape[0] // head_dim), (slice(wq.shape[0], None), wk.shape[0] // head_dim)
-                 ) if cfg.q_apart else ((slice(None), n_rope_heads),)
+        rope = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         if fp8 is None:
-            ws = (wq, torch.cat([wk, wv])) if cfg.q_apart else (torch.cat([wq, wk, wv]),)
-            ys = [cfg.backend.norm_rope(h=h, rstd=rstd, weight=w, n_rope_heads=n, **rope) for w, (_, n) in zip(ws, calls)]
+            qkv = cfg.backend.norm_rope(h=h, rstd=rstd, weight=torch.cat([wq, wk, wv]), **rope)
         else:
-            scale = dequant_scale(fp8.inv_a, fp8.s_w)
-            ys = [cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w[rows], scale=scale, out_dtype=h.dtype,
-                                            n_rope_heads=n, **rope) for rows, n in calls]
+            qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
+                                            out_dtype=h.dtype, **rope)
         w_t, s_w, inv_g = (None,) * 3 if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w, fp8.grad_inv)
         hq, inv_h = (None, None) if fp8 is None or not cfg.fp8_qkv_wgrad else (
             fp8.hq if fp8.hq_t is None else fp8.hq_t.t(), fp8.inv_a)
-        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, ys[0], w_t, s_w, hq, inv_h,
-                              inv_g, ys[1] if cfg.q_apart else None)
+        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h,
+                              inv_g)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-        return *ys, x.view_as(x)
+        return qkv, x.view_as(x)
 
     @staticmethod
-    def backward(ctx, dqkv, *rest):
-        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h, inv_g, y_kv = ctx.saved_tensors
+    def backward(ctx, dqkv, dx_res):
+        h, rstd, x, gamma, wq, wk, wv, freqs, qkv, w8_t, s_w, hq, inv_h, inv_g = ctx.saved_tensors
         be = ctx.cfg.backend
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
-        dx_res = rest[-1]
-        if ctx.cfg.q_apart:  # (dy and y in two parts: q's columns, k's and v's)
-            rope.update(dy_kv=rest[0].contiguous(), y_kv=y_kv)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
         w = torch.cat([wq, wk, wv])
         sink = daq = None

@@ -79,9 +79,8 @@ class CodaTransformerBlock(TransformerBlock):
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        *qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
-                                 attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink)))
-        qkv = tuple(qkv) if cfg.q_apart else qkv[0]  # (q_apart: q, kv)
+        qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
+                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink)))
         o = attention_on_packed(attn.inner_attention, qkv, seqlen, n_q, n_kv, attn.enable_gqa)  # (M, n_heads * head_dim)
         ff = self.feed_forward
         mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
@@ -207,7 +206,7 @@ class CodaTransformer(Transformer):
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
             fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad,
-            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, q_apart=a.coda.q_apart)
+            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

@@ -53,7 +53,6 @@ class Coda:
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
-    q_apart: bool = knob(False, "F3 as two calls (q, then k v): FA4 reads a contiguous q; not yet measured")
     trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph")
     prefetch_weights: bool = knob(True, "fp8: the next weight pass issued at the optimizer step, on a side stream")
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")

@@ -19,7 +19,6 @@ from coda_titan.model.args import CodaModelArgs, coda_llama3_args, same_architec
 from coda_titan.model.model import CodaTransformer
 from coda_titan.titan import data
 from coda_titan.titan import fa4 as fa
-from coda_titan.titan import fa4_packed as fp
 from coda_titan.titan.data import DataError, ensure_tokenizer
 from coda_titan.titan.job_config import Coda
 
@@ -79,43 +78,16 @@ def test_packed_ops_equal_the_ops_on_separate_tensors():
     q, k, v = _qkv(dtype=torch.float32)
     qkv = _packed(q, k, v).requires_grad_()
     args = (33, 4, 2, 0.25, True)
-    out, lse = fp.flash_attn_packed_fwd(qkv, *args)
+    out, lse = fa.flash_attn_packed_fwd(qkv, *args)
     want, want_lse = fa.flash_attn_fwd(q, k, v, 0.25, True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse) and out.is_contiguous()
-    assert all(torch.equal(a, b) for a, b in zip(fp.split_packed(qkv.detach(), 33, 4, 2), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(fa.split_packed(qkv.detach(), 33, 4, 2), (q, k, v)))
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     (dqkv,) = torch.autograd.grad(out, qkv, dout)
     assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
     assert torch.equal(dqkv, _packed(*fa.flash_attn_bwd(dout, q, k, v, want, want_lse, 0.25, True)))
-    torch.library.opcheck(fp.flash_attn_packed_fwd, (qkv, *args))
-    torch.library.opcheck(fp.flash_attn_packed_bwd, (dout, qkv.detach(), out.detach(), lse.detach(), *args))
-
-
-def _q_kv(q, k, v):
-    """``q_apart``'s q (tokens, h d) and kv (tokens, 2 h_kv d) of (b, s, heads, d) q, k, v."""
-    return q.flatten(2).flatten(0, 1).contiguous(), torch.cat([k.flatten(2), v.flatten(2)], dim=2).flatten(0, 1)
-
-
-def test_q_kv_ops_equal_the_ops_on_separate_tensors():
-    """The ``q_apart`` ops (q apart, k and v read as slices of one buffer; dq and dk dv returned the same
-    way) compute exactly the separate ops' values, bit for bit; opcheck checks schema and fake, and a
-    kv of the wrong width is refused."""
-    q, k, v = _qkv(dtype=torch.float32)
-    qa, kv = (t.requires_grad_() for t in _q_kv(q, k, v))
-    args = (33, 4, 2, 0.25, True)
-    out, lse = fp.flash_attn_q_kv_fwd(qa, kv, *args)
-    want, want_lse = fa.flash_attn_fwd(q, k, v, 0.25, True)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse) and out.is_contiguous()
-    assert all(torch.equal(a, b) for a, b in zip(fp.split_q_kv(qa.detach(), kv.detach(), 33, 4, 2), (q, k, v)))
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    dq, dkv = torch.autograd.grad(out, (qa, kv), dout)
-    assert dq.shape == qa.shape and dkv.shape == kv.shape and dq.is_contiguous() and dkv.is_contiguous()
-    want_dq, want_dkv = _q_kv(*fa.flash_attn_bwd(dout, q, k, v, want, want_lse, 0.25, True))
-    assert torch.equal(dq, want_dq) and torch.equal(dkv, want_dkv)
-    torch.library.opcheck(fp.flash_attn_q_kv_fwd, (qa, kv, *args))
-    torch.library.opcheck(fp.flash_attn_q_kv_bwd, (dout, qa.detach(), kv.detach(), out.detach(), lse.detach(), *args))
-    with pytest.raises(ValueError, match="kv must be"):
-        fp.split_q_kv(qa.detach(), kv.detach()[:, :-16], 33, 4, 2)
+    torch.library.opcheck(fa.flash_attn_packed_fwd, (qkv, *args))
+    torch.library.opcheck(fa.flash_attn_packed_bwd, (dout, qkv.detach(), out.detach(), lse.detach(), *args))
 
 
 def test_attention_on_packed_runs_either_module_and_checks_gqa():
@@ -124,31 +96,20 @@ def test_attention_on_packed_runs_either_module_and_checks_gqa():
     from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
     qkv = _packed(*_qkv())
-    got = fp.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, True)
-    want = fp.attention_on_packed(ScaledDotProductAttentionWrapper(), qkv, 33, 4, 2, True)
+    got = fa.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, True)
+    want = fa.attention_on_packed(ScaledDotProductAttentionWrapper(), qkv, 33, 4, 2, True)
     assert got.shape == (2 * 33, 4 * 16)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="enable_gqa"):
-        fp.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, False)
+        fa.attention_on_packed(fa.FA4Attention(), qkv, 33, 4, 2, False)
     # traced whole (fullgraph, its fakes and autograd formula), with the same value and gradient
     x = qkv.clone().requires_grad_()
-    fn = torch.compile(lambda t: fp.attention_on_packed(fa.FA4Attention(), t, 33, 4, 2, True), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(lambda t: fa.attention_on_packed(fa.FA4Attention(), t, 33, 4, 2, True), backend="aot_eager", fullgraph=True)
     y = fn(x)
     torch.testing.assert_close(y, got, rtol=0, atol=0)
     (g,) = torch.autograd.grad(y.square().sum(), x)
-    (g_eager,) = torch.autograd.grad(fp.attention_on_packed(fa.FA4Attention(), x, 33, 4, 2, True).square().sum(), x)
+    (g_eager,) = torch.autograd.grad(fa.attention_on_packed(fa.FA4Attention(), x, 33, 4, 2, True).square().sum(), x)
     torch.testing.assert_close(g, g_eager, rtol=0, atol=0)
-    # q apart from one k v buffer (q_apart): both modules, the same values as on the packed buffer
-    pair = _q_kv(*fp.split_packed(qkv, 33, 4, 2))
-    for inner, packed_out in ((fa.FA4Attention(), got), (ScaledDotProductAttentionWrapper(), want)):
-        torch.testing.assert_close(fp.attention_on_packed(inner, pair, 33, 4, 2, True), packed_out, rtol=0, atol=0)
-    fn = torch.compile(lambda a, b: fp.attention_on_packed(fa.FA4Attention(), (a, b), 33, 4, 2, True), backend="aot_eager",
-                       fullgraph=True)
-    a, b = (t.clone().requires_grad_() for t in pair)
-    y = fn(a, b)
-    torch.testing.assert_close(y, got, rtol=0, atol=0)
-    ga, gb = torch.autograd.grad(y.square().sum(), (a, b))
-    torch.testing.assert_close(torch.cat([ga, gb], dim=1), g_eager, rtol=0, atol=0)
 
 
 def _swap_to_reference_ops(model):
@@ -207,12 +168,11 @@ def test_converter_refuses_without_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True, "q_kv"])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shape", [(2, 2048, 32, 8, 64), (1, 1000, 32, 8, 128), (1, 4096, 16, 16, 128)])
 def test_fa4_kernels_match_float64_like_sdpa(shape, packed):
     """FA4 forward and backward error vs float64 attention <= 2x SDPA-in-bf16's error (+ tiny floor);
-    ``packed``: FA4's packed ops (CODA's F3 layout; dq, dk, dv written as slices of one buffer);
-    ``q_kv``: its q-apart ops (``q_apart``: q contiguous, k and v slices of one buffer, gradients alike)."""
+    ``packed``: FA4's packed ops (CODA's F3 layout; dq, dk, dv written as slices of one buffer)."""
     if fa.fa4_unavailable_reason():
         pytest.skip(fa.fa4_unavailable_reason())
     b, s, h, h_kv, d = shape
@@ -229,12 +189,9 @@ def test_fa4_kernels_match_float64_like_sdpa(shape, packed):
     # poison the allocator so that an unwritten output shows up as NaN
     torch.cuda.empty_cache()
     torch.full((1 << 28,), float("nan"), device="cuda")
-    if packed == "q_kv":
-        def fa4(q, k, v):  # (the gradients flow back through the copies to q, k, v)
-            return fp.flash_attn_q_kv_fwd(*_q_kv(q, k, v), s, h, h_kv, d ** -0.5, True)[0]
-    elif packed:
+    if packed:
         def fa4(q, k, v):  # (the gradients flow back through the concatenation to q, k, v)
-            return fp.flash_attn_packed_fwd(_packed(q, k, v), s, h, h_kv, d ** -0.5, True)[0]
+            return fa.flash_attn_packed_fwd(_packed(q, k, v), s, h, h_kv, d ** -0.5, True)[0]
     else:
         def fa4(q, k, v):
             return fa.flash_attn_fwd(q, k, v, d ** -0.5, True)[0]
@@ -248,7 +205,7 @@ def test_fa4_kernels_match_float64_like_sdpa(shape, packed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True, "q_kv"])
+@pytest.mark.parametrize("packed", [False, True])
 def test_fa4_backward_under_deterministic_algorithms_repeats_its_bits(packed):
     """With ``torch.use_deterministic_algorithms`` (TorchTitan's ``debug.deterministic``) FA4's backward
     gives the same dq, dk, dv bits on every call (GQA: dK and dV are summed across query heads too)."""
@@ -261,10 +218,8 @@ def test_fa4_backward_under_deterministic_algorithms_repeats_its_bits(packed):
     qkv = _packed(q, k, v)
 
     def grads():
-        if packed == "q_kv":
-            return fp.flash_attn_q_kv_bwd(dout, *_q_kv(q, k, v), out, lse, s, h, h_kv, d ** -0.5, True)
         if packed:
-            return (fp.flash_attn_packed_bwd(dout, qkv, out, lse, s, h, h_kv, d ** -0.5, True),)
+            return (fa.flash_attn_packed_bwd(dout, qkv, out, lse, s, h, h_kv, d ** -0.5, True),)
         return fa.flash_attn_bwd(dout, q, k, v, out, lse, d ** -0.5, True)
 
     was = torch.are_deterministic_algorithms_enabled()

@@ -19,11 +19,6 @@ values never need saving. B1 returns da = r * dp, the gradient of the *unscaled*
 a = H @ W_qkv^T: the deferred rstd is folded here, so the dgrad (B2) and wgrad GEMMs are plain.
 Saved: the post-RoPE output y (which attention saves anyway) and r.
 
-With ``[coda] q_apart`` F3 runs as two calls on row slices of W_qkv (q's rows, rotating all of its heads;
-then k's and v's, rotating k's), so that q is contiguous for attention: y and dy then come in two
-parts, the q columns (M, Hq d) and the k v columns (M, 2 Hkv d) (B1's ``y_kv`` / ``dy_kv``); B1's da is
-packed (M, Q) either way, the operand of the dgrad and wgrad GEMMs.
-
 FP8 (precision = "fp8"):
     norm_rope_fp8  acc = Hq @ W_qkv,q^T on e4m3 operands; the dequantization scale s_a * s_w rides
                    the deferred-rstd column vector: p = (r * s) * acc
@@ -97,22 +92,8 @@ def norm_rope_fp8(
     return y.to(out_dtype)
 
 
-def packed_parts(q_part: torch.Tensor, kv_part: Optional[torch.Tensor]) -> torch.Tensor:
-    """The (M, Q) packed tensor of F3's output or its gradient given in two parts (``q_apart``: the q
-    columns and the k v columns), or ``q_part`` itself where there is no second part."""
-    if kv_part is None:
-        return q_part
-    check_2d("the k v part", kv_part)
-    if kv_part.shape[0] != q_part.shape[0]:
-        raise ValueError(f"the q and k v parts need the same rows, got {q_part.shape[0]} and {kv_part.shape[0]}")
-    return torch.cat([q_part, kv_part], dim=1)
-
-
-def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim: int, dy_kv=None, y_kv=None):
+def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim: int):
     """``rope_bwd``'s (da, zdz) with da still in the accumulator dtype (the fp8 B1 casts from it)."""
-    if (dy_kv is None) != (y_kv is None):
-        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
-    dy, y = packed_parts(dy, dy_kv), packed_parts(y, y_kv)
     check_2d("dy", dy, y.shape[1])
     ct = acc_dtype(dy, y)
     dyf = dy.to(ct)
@@ -123,24 +104,20 @@ def rope_bwd_acc(*, dy, y, rstd, freqs, seqlen: int, n_rope_heads: int, head_dim
 
 def rope_bwd(
     *, dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int,
-    n_rope_heads: int, head_dim: int, dy_kv: Optional[torch.Tensor] = None, y_kv: Optional[torch.Tensor] = None,
+    n_rope_heads: int, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype; ``dy_kv`` /
-    ``y_kv``: dy and y in two parts (``q_apart``), da packed all the same."""
-    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
-                           dy_kv=dy_kv, y_kv=y_kv)
+    """(da, zdz): da = r * R^T dy (M, Q) in dy's dtype, zdz (M,) in the accumulator dtype."""
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
     return da.to(dy.dtype), zdz
 
 
 def rope_bwd_fp8(
     *, dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int,
-    n_rope_heads: int, head_dim: int, inv_scale: torch.Tensor | None, dy_kv: Optional[torch.Tensor] = None,
-    y_kv: Optional[torch.Tensor] = None,
+    n_rope_heads: int, head_dim: int, inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(da, zdz, daq, amax): ``rope_bwd`` plus daq = sat(da * inv) in e5m2, inv = ``inv_scale`` (the
     delayed scale; None = the current amax's, E5M2_MAX / amax), and amax |da| (accumulator dtype)."""
-    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
-                           dy_kv=dy_kv, y_kv=y_kv)
+    da, zdz = rope_bwd_acc(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
     return da.to(dy.dtype), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
@@ -191,35 +168,27 @@ def _(freqs, seqlen):
 @program_op("rope_bwd")
 def rope_bwd_op(
     dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,
-    head_dim: int, dy_kv: Optional[torch.Tensor] = None, y_kv: Optional[torch.Tensor] = None,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_bwd(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim,
-                    dy_kv=dy_kv, y_kv=y_kv)
-
-
-def _da_like(dy, dy_kv, dtype=None):
-    """An empty (M, Q) tensor for B1's packed da (dy's columns and ``dy_kv``'s, if given)."""
-    cols = dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
-    return dy.new_empty((dy.shape[0], cols), dtype=dtype or dy.dtype)
+    return rope_bwd(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
 
 
 @rope_bwd_op.register_fake
-def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, dy_kv=None, y_kv=None):
-    return _da_like(dy, dy_kv), dy.new_empty((dy.shape[0],), dtype=acc_dtype(dy, y))
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    return torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=acc_dtype(dy, y))
 
 
 @program_op("rope_bwd_fp8")
 def rope_bwd_fp8_op(
     dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, freqs: torch.Tensor, seqlen: int, n_rope_heads: int,
-    head_dim: int, inv_scale: Optional[torch.Tensor], dy_kv: Optional[torch.Tensor] = None,
-    y_kv: Optional[torch.Tensor] = None,
+    head_dim: int, inv_scale: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_bwd_fp8(dy=dy, y=y, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads,
-                        head_dim=head_dim, inv_scale=inv_scale, dy_kv=dy_kv, y_kv=y_kv)
+                        head_dim=head_dim, inv_scale=inv_scale)
 
 
 @rope_bwd_fp8_op.register_fake
-def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale, dy_kv=None, y_kv=None):
+def _(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale):
     ct = acc_dtype(dy, y)
-    return (_da_like(dy, dy_kv), dy.new_empty((dy.shape[0],), dtype=ct), _da_like(dy, dy_kv, E5M2),
-            dy.new_empty((), dtype=ct))
+    return (torch.empty_like(dy), dy.new_empty((dy.shape[0],), dtype=ct),
+            dy.new_empty(dy.shape, dtype=E5M2), dy.new_empty((), dtype=ct))

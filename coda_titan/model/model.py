@@ -31,7 +31,7 @@ from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 
 from ..kernels import get_backend, resolve_backend
 from ..kernels.scaling import inv_scale_from_amax
-from ..titan.fa4_packed import attention_on_packed
+from ..titan.fa4 import attention_on_packed
 from ..titan.job_config import validate
 from .args import CodaModelArgs
 from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS

@@ -18,7 +18,7 @@ from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_e
 
 from .. import norm_rope as ref
 from ..scaling import quantize_e5m2_site
-from . import rope_bwd_pass  # noqa: F401  (registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
+from . import rope_bwd_pass  # (also registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 
 B1_PASS_ENV = "CODA_TITAN_B1_PASS"  # "inductor": B1 as the inductor program instead of the Triton pass (A/B)
@@ -90,12 +90,10 @@ def _rope_bwd_fp8_math(dy, y, rstd, cos, sin, rot: int, head_dim: int, inv_scale
     return da.to(dy.dtype), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
-def _rope_bwd_unsupported(dy, y, seqlen, head_dim, dy_kv=None, y_kv=None) -> str | None:
-    why = unsupported(dy, y, *(t for t in (dy_kv, y_kv) if t is not None))
+def _rope_bwd_unsupported(dy, y, seqlen, head_dim) -> str | None:
+    why = unsupported(dy, y)
     if why is None and (head_dim % 2 or dy.shape[0] % seqlen):
         why = f"head_dim {head_dim} / rows {dy.shape[0]} vs seqlen {seqlen}"
-    if why is None and (dy_kv is None) != (y_kv is None):
-        why = "dy_kv without y_kv or y_kv without dy_kv"
     return why
 
 
@@ -112,61 +110,57 @@ def _cos_sin_tables(freqs, seqlen):
     return cos.clone(), sin.clone()  # an op's outputs are its caller's to reuse
 
 
-def _one_pass(dy, scale, dy_kv=None) -> bool:
+def _one_pass(dy, scale) -> bool:
     """B1 runs as one Triton pass (``rope_bwd_pass``) for bf16 rows of at most 8192 columns, bf16 or with a
     delayed e5m2 scale (calibrating, the scale waits for the whole tensor's amax: the inductor program),
     unless ``CODA_TITAN_B1_PASS=inductor`` asks for the inductor program (the A/B's other arm)."""
-    cols = dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
     return (os.environ.get(B1_PASS_ENV, "triton") != "inductor" and dy.dtype == torch.bfloat16
-            and cols <= 8192 and not (scale and scale[0] is None))
+            and dy.shape[1] <= 8192 and not (scale and scale[0] is None))
 
 
-def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, scale, dy_kv, y_kv):
-    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math, ``scale`` = () or the latter's (inv_scale,))
-    as one Triton pass (``_one_pass``) or one inductor program; dy and y packed or, with ``dy_kv`` and
-    ``y_kv``, in two parts (``q_apart``)."""
-    why = _rope_bwd_unsupported(dy, y, seqlen, head_dim, dy_kv, y_kv)
+def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale):
+    """B1 (``math`` = _rope_bwd_math or _rope_bwd_fp8_math, ``scale`` = the latter's inv_scale) as one
+    Triton pass (``_one_pass``) or one inductor program."""
+    why = _rope_bwd_unsupported(dy, y, seqlen, head_dim)
     if why:
-        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale, dy_kv, y_kv)
+        return fallback(op, why, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale)
     cos, sin = _cos_sin(freqs, seqlen)
     name = math.__name__.strip("_").removesuffix("_math")
     with first_call(name, dy):
-        return _b1(fused(name, math), dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, scale, dy_kv, y_kv)
+        return _b1(fused(name, math), dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, scale)
 
 
-def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple, dy_kv=None, y_kv=None):
-    """B1's outputs: the Triton pass where it applies (``_one_pass``; it reads two-part dy and y in
-    place), else ``math`` (eager: its inductor program; traced: the code itself) on the packed dy and y."""
-    dense = all(t.is_contiguous() for t in (dy, y, dy_kv, y_kv) if t is not None)  # (the pass's row stride: the width)
-    if dense and _one_pass(dy, scale, dy_kv):
+def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
+    """B1's outputs: the Triton pass where it applies (``_one_pass``; rows read in place at any row
+    stride), else ``math`` (eager: its
+    inductor program; traced: the code itself)."""
+    if rope_bwd_pass.unit_columns(dy, y) and _one_pass(dy, scale):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
-        return op(dy, y, rstd.float(), cos, sin, rot, *scale, dy_kv, y_kv)
-    dy, y = ref.packed_parts(dy, dy_kv), ref.packed_parts(y, y_kv)
+        return op(dy, y, rstd.float(), cos, sin, rot, *scale)
     return math(dy, y, rstd.float(), cos, sin, rot, head_dim, *scale)
 
 
 @torch.library.register_kernel("coda::rope_bwd", "cuda")
-def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, dy_kv=None, y_kv=None):
-    return _rope_bwd_pass(ref.rope_bwd_op, _rope_bwd_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, (),
-                          dy_kv, y_kv)
+def _rope_bwd(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim):
+    return _rope_bwd_pass(ref.rope_bwd_op, _rope_bwd_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim)
 
 
 @torch.library.register_kernel("coda::rope_bwd_fp8", "cuda")
-def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale, dy_kv=None, y_kv=None):
+def _rope_bwd_fp8(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, inv_scale):
     # delayed: da in bf16 and e5m2 with the amax beside them; calibrating: the amax reduction first
     return _rope_bwd_pass(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
-                          (inv_scale,), dy_kv, y_kv)
+                          inv_scale)
 
 
 def _traced_rope_bwd(op, math):
     """B1 as code a compiled caller traces (``TRACED``): the same ``math``, fused by inductor into the
     caller's backward graph; the tables come through ``coda::rope_tables``."""
 
-    def program(*, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, dy_kv=None, y_kv=None, **scale):
-        if _rope_bwd_unsupported(dy, y, seqlen, head_dim, dy_kv, y_kv):  # the op says why, once
-            return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale.values(), dy_kv, y_kv)
+    def program(*, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, **scale):
+        if _rope_bwd_unsupported(dy, y, seqlen, head_dim):
+            return op(dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim, *scale.values())  # the op says why, once
         cos, sin = torch.ops.coda.rope_tables(freqs, seqlen)
-        return _b1(math, dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, tuple(scale.values()), dy_kv, y_kv)
+        return _b1(math, dy, y, rstd, cos, sin, n_rope_heads * head_dim, head_dim, tuple(scale.values()))
 
     return program
 

@@ -16,8 +16,6 @@ them and inductor launches the kernel itself (the traced B1, ``TRACED``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -27,29 +25,18 @@ from ..scaling import E5M2, E5M2_MAX
 
 
 @triton.jit
-def _at(q_ptr, kv_ptr, row, cols, Q: tl.constexpr, QC: tl.constexpr):
-    """The addresses of a row's columns ``cols`` of an (M, Q) tensor held packed (``QC == Q``: all in
-    ``q_ptr``) or in two parts (``q_apart``: columns below QC in ``q_ptr``'s (M, QC), the rest in
-    ``kv_ptr``'s (M, Q - QC))."""
-    if QC == Q:
-        return q_ptr + row * Q + cols
-    return tl.where(cols < QC, q_ptr + row * QC + cols, kv_ptr + row * (Q - QC) + (cols - QC))
-
-
-@triton.jit
-def _kernel(dy_ptr, y_ptr, dykv_ptr, ykv_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr,
-            seqlen, Q: tl.constexpr, QC: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-            FP8: tl.constexpr, FMAX: tl.constexpr):
+def _kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen, s_dy, s_y,
+            Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+            FMAX: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < Q
     row64 = row.to(tl.int64)
-    base = row64 * Q
-    dy = tl.load(_at(dy_ptr, dykv_ptr, row64, cols, Q, QC), mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(_at(y_ptr, ykv_ptr, row64, cols, Q, QC), mask=inside, other=0.0).to(tl.float32)
+    base = row64 * Q  # (da and its codes: dense rows; dy and y: rows s_dy and s_y elements apart)
+    dy = tl.load(dy_ptr + row64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row64 * s_y + cols, mask=inside, other=0.0).to(tl.float32)
     zdz = tl.sum(y * dy, axis=0)
-    # (QC is a whole number of heads, so an element's pair partner lies in its own part)
-    partner = tl.load(_at(dy_ptr, dykv_ptr, row64, cols ^ 1, Q, QC), mask=inside, other=0.0).to(tl.float32)
+    partner = tl.load(dy_ptr + row64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
     rope = inside & (cols < ROT)
     pair = (cols % (2 * HALF)) // 2
     pos = row % seqlen
@@ -66,44 +53,44 @@ def _kernel(dy_ptr, y_ptr, dykv_ptr, ykv_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_pt
         tl.store(daq_ptr + base + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
 
 
-def outputs(dy, fp8: bool, dy_kv=None) -> tuple:
-    """What a pass over ``dy``'s rows (and ``dy_kv``'s, its k v part) writes: da (packed), zdz and (fp8,
-    else empty) the e5m2 codes and row amax."""
-    m, q = dy.shape[0], dy.shape[1] + (0 if dy_kv is None else dy_kv.shape[1])
+def outputs(dy, fp8: bool) -> tuple:
+    """What a pass over ``dy``'s rows writes: da, zdz and (fp8, else empty) the e5m2 codes and row amax."""
+    m, q = dy.shape
     return (torch.empty((m, q), device=dy.device, dtype=dy.dtype), torch.empty(m, device=dy.device, dtype=torch.float32),
             torch.empty((m, q) if fp8 else (0,), device=dy.device, dtype=E5M2),
             torch.empty(m if fp8 else 0, device=dy.device, dtype=torch.float32))
 
 
-def _launch(dy, y, rstd, cos, sin, rot: int, inv, dy_kv=None, y_kv=None):
-    if (dy_kv is None) != (y_kv is None):
-        raise ValueError("dy_kv and y_kv come together (q_apart) or not at all")
+def unit_columns(*ts: torch.Tensor) -> bool:
+    """Whether the pass reads these tensors in place: rows of consecutive elements, any row stride."""
+    return all(t.stride(-1) == 1 for t in ts)
+
+
+def _launch(dy, y, rstd, cos, sin, rot: int, inv):
+    if not unit_columns(dy, y):
+        raise ValueError(f"B1's pass reads rows of consecutive elements, got strides {dy.stride()} and {y.stride()}")
+    m, q = dy.shape
     fp8 = inv is not None
-    da, zdz, daq, amax = outputs(dy, fp8, dy_kv)
-    m, q = da.shape
-    apart = dy_kv is not None
-    wrap_triton(_kernel)[(m,)](dy, y, dy_kv if apart else dy, y_kv if apart else y, rstd, cos, sin, inv if fp8 else rstd,
-                                da, zdz, daq, amax, cos.shape[0], Q=q, QC=dy.shape[1], ROT=rot, HALF=cos.shape[1],
-                                BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
+    da, zdz, daq, amax = outputs(dy, fp8)
+    wrap_triton(_kernel)[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
+                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8,
+                                FMAX=E5M2_MAX, num_warps=8)
     return da, zdz, daq, amax
 
 
 @triton_op("coda::rope_bwd_pass", mutates_args={})
 def rope_bwd_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rot: int, dy_kv: Optional[torch.Tensor] = None,
-                y_kv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da bf16, zdz fp32) of B1 in one pass; dy, y (M, Q) bf16 rows (or their q columns, with ``dy_kv``,
-    ``y_kv`` the k v columns: ``q_apart``; da packed either way), rstd (M,) fp32, cos / sin
+                rot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da bf16, zdz fp32) of B1 in one pass; dy, y (M, Q) bf16 rows (column stride 1), rstd (M,) fp32, cos / sin
     (seqlen, head_dim / 2) fp32, the first ``rot`` columns rotated."""
-    da, zdz, _, _ = _launch(dy, y, rstd, cos, sin, rot, None, dy_kv, y_kv)
+    da, zdz, _, _ = _launch(dy, y, rstd, cos, sin, rot, None)
     return da, zdz
 
 
 @triton_op("coda::rope_bwd_fp8_pass", mutates_args={})
 def rope_bwd_fp8_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    rot: int, inv_scale: torch.Tensor, dy_kv: Optional[torch.Tensor] = None,
-                    y_kv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    rot: int, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rope_bwd_op`` plus daq = sat(da * inv_scale) in e5m2 (da before its bf16 rounding, as the
     reference) and amax |da| over the whole tensor (fp32, 0-dim)."""
-    da, zdz, daq, amax = _launch(dy, y, rstd, cos, sin, rot, inv_scale.float().reshape(1), dy_kv, y_kv)
+    da, zdz, daq, amax = _launch(dy, y, rstd, cos, sin, rot, inv_scale.float().reshape(1))
     return da, zdz, daq, amax.amax()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from scripts.compare.common import TARGET_MEMORY, TARGET_SPEEDUP, TARGET_SPEEDUP_FP8
+from scripts.compare.common import TARGETS
 
 
 def _baseline_for(config: str) -> str | None:
@@ -19,9 +19,11 @@ def _baseline_for(config: str) -> str | None:
 
 
 def targets(doc: dict) -> list[dict]:
-    """CODA vs the compiled stock baseline of the same model (tokens/s and peak memory)."""
+    """CODA vs the compiled stock baseline of the same model (tokens/s and peak memory), and CODA's step
+    over the floor of its lease where the comparison has one, per precision (``TARGETS``)."""
     ok = {Path(r["config"]).stem: r for r in doc["runs"] if "error" not in r}
     ran = {Path(r["config"]).stem for r in doc["runs"]}
+    floor = doc.get("floor") or {}
     out = []
     for r in doc["runs"]:
         base = _baseline_for(r["config"])
@@ -29,16 +31,21 @@ def targets(doc: dict) -> list[dict]:
             continue
         stem = Path(r["config"]).stem
         b = ok.get(base)
-        speedup = TARGET_SPEEDUP_FP8 if r.get("precision") == "fp8" else TARGET_SPEEDUP
-        for goal, key, thr, better in (
-            (f">= {speedup:.2f}x tokens/s of {base}", "tokens_per_s", speedup, "higher"),
-            (f"<= {TARGET_MEMORY:.2f}x peak memory of {base}", "peak_gib", TARGET_MEMORY, "lower"),
-        ):
-            t = {"config": stem, "baseline": base, "goal": goal, "threshold": thr}
+        prec = r.get("precision", "bf16")
+        goal = TARGETS[prec]
+        checks = [("tokens_per_s", f">= {goal['speedup']:.2f}x tokens/s of {base}", goal["speedup"], "higher",
+                   lambda c, b: c["tokens_per_s"] / b["tokens_per_s"]),
+                  ("peak_gib", f"<= {goal['memory']:.2f}x peak memory of {base}", goal["memory"], "lower",
+                   lambda c, b: c["peak_gib"] / b["peak_gib"])]
+        if "floor" in goal and floor.get(prec):
+            checks.append(("step_floor", f"<= {goal['floor']:.2f}x its step floor ({floor[prec]:.1f} ms)", goal["floor"],
+                           "lower", lambda c, b: c["step_ms"] / floor[prec]))
+        for metric, text, thr, better, ratio in checks:
+            t = {"config": stem, "baseline": base, "metric": metric, "goal": text, "threshold": thr}
             if b is None or stem not in ok:
                 t.update(value=None, met=False, why=f"{base if b is None else stem} has no result in this run")
             else:
-                v = ok[stem][key] / b[key]
+                v = ratio(ok[stem], b)
                 t.update(value=round(v, 4), met=(v >= thr) if better == "higher" else (v <= thr))
                 if not t["met"]:
                     t["why"] = f"measured {v:.3f}x, target {thr:.2f}x"
@@ -80,7 +87,7 @@ def budget_lines(docs: list[dict]) -> list[str]:
         base = by_stem.get(_baseline_for(d["config"]) or "")
         if base is None:
             continue
-        target = TARGET_SPEEDUP_FP8 if d["run"].get("precision") == "fp8" else TARGET_SPEEDUP  # as targets()
+        target = TARGETS[d["run"].get("precision", "bf16")]["speedup"]  # as targets()
         need = base["summary"]["gpu_span_ms"] / target
         rest = d["summary"]["gpu_span_ms"] - gemm(d)
         left = need - rest

@@ -41,7 +41,9 @@ def headline() -> str:
         doc = json.loads(files[-1].read_text())
         got: dict[str, dict] = {}
         for t in doc.get("targets", []):
-            got.setdefault(t["config"], {"baseline": t["baseline"]})["mem" if "memory" in t["goal"] else "tps"] = t["value"]
+            key = {"tokens_per_s": "tps", "peak_gib": "mem"}.get(t["metric"])
+            if key:  # (step / floor: its own column, from the floor)
+                got.setdefault(t["config"], {"baseline": t["baseline"]})[key] = t["value"]
         for config, v in got.items():
             tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
             mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"

@@ -68,6 +68,19 @@ def _streamed(fn, reps: int = 20) -> dict:
     return {"gpu_ms": a.elapsed_time(b) / reps, "host_ms": host}
 
 
+def _first_calls(fns: dict, judge=lambda out: {}) -> dict:
+    """{name: ``judge`` of its output, or {"error": ...}}: one untimed call of each of ``fns`` (a shape's
+    first quack call compiles and autotunes); an arm this torch or quack cannot run is recorded as such."""
+    ok = {}
+    for k, f in fns.items():
+        try:
+            ok[k] = judge(f())
+        except Exception as e:  # noqa: BLE001 - recorded in the results, the other arms still run
+            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.cuda.synchronize()
+    return ok
+
+
 def _alternated(fns: dict, ok: dict, rounds: int = 3, reps: int = 5) -> dict:
     """{name: [GPU ms a call, one per round]}: ``_streamed`` over each of ``fns`` that ran (its ``ok`` entry
     has no "error"; the others get []), the rounds alternating between them so that the clocks' drift

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.epi_stages import _alternated
+from scripts.probes.epi_stages import _alternated, _first_calls
 
 TOKENS, VOCAB, D = 16384, 128256, 2048
 CHUNK_ROWS = (2048, 4096)
@@ -71,14 +71,7 @@ def main() -> int:
     ins = _inputs(g)
     for rows in CHUNK_ROWS:
         fns = _arms(*ins, rows)
-        ok = {}
-        for k, f in fns.items():  # (one untimed call each: compiles and autotunes)
-            try:
-                f()
-                ok[k] = {}
-            except Exception as e:  # noqa: BLE001 - an arm this quack cannot run is recorded as such
-                ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            torch.cuda.synchronize()
+        ok = _first_calls(fns)
         times = _alternated(fns, ok, reps=3)
         for k in fns:
             row = {"chunk_rows": rows, "arm": k, **ok[k]}

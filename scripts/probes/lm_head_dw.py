@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.epi_stages import _alternated
+from scripts.probes.epi_stages import _alternated, _first_calls
 
 TOKENS, VOCAB, D = 16384, 128256, 2048
 CHUNK_ROWS = (2048, 4096)
@@ -116,14 +116,7 @@ def _rows(doc, path, kind: str, g) -> None:
     ref = torch.mm(da.t(), h, out_dtype=torch.float32)
     scale = float(ref.abs().max())
     fns = _variants(da, h)
-    ok = {}
-    for k, f in fns.items():  # (one untimed call each: quack's first call of a shape autotunes)
-        try:
-            out = f()
-            ok[k] = {"max_abs_diff_rel": float((out.float() - ref).abs().max()) / scale}
-        except Exception as e:  # noqa: BLE001 - a variant this torch or quack cannot run is recorded as such
-            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        torch.cuda.synchronize()
+    ok = _first_calls(fns, lambda out, ref=ref: {"max_abs_diff_rel": float((out.float() - ref).abs().max()) / scale})
     times = _alternated(fns, ok, reps=5)
     for k in fns:
         row = {"operands": kind, "variant": k, **ok[k]}

@@ -3,6 +3,7 @@ a real (CPU) comparison run end to end, and that the README section is the one g
 committed results."""
 
 import json
+import time
 import math
 
 import pytest
@@ -404,3 +405,43 @@ def test_trace_summary_counts_collectives_that_no_compute_overlaps(tmp_path):
     assert s["categories_ms"]["communication"] == 0.7
     doc = {"config": "configs/m_coda_compile.toml", "profiled_step": 3, "device": "GPU X", "nproc": 2, "summary": s}
     assert "Rank 0 of 2 (FSDP2): collectives 0.7 ms, of which 0.4 ms with no other kernel running" in profile_table(doc)
+
+
+def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_path):
+    """The clock sampler reads ``nvidia-smi``'s loop lines (here a stand-in script on a CPU machine),
+    skips lines it could not fill, stamps each with the host time, and stops with its block; the summary
+    keeps only the samples from the last warm-up step's line to the last step's, and the compare table
+    prints their medians. Without ``nvidia-smi`` nothing is recorded."""
+    from scripts.compare import gpu_clocks
+
+    assert gpu_clocks.parse_line("1755, 612.34, 61\n") == (1755.0, 612.34, 61.0)
+    assert gpu_clocks.parse_line("1755, [N/A], 61") is None and gpu_clocks.parse_line("1755, 600") is None
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '1980, 700.5, 70'\necho '[N/A], [N/A], [N/A]'\necho '1755, 650, 71'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    with gpu_clocks.ClockSampler(exe=str(fake)) as s:
+        for _ in range(100):
+            if len(s.samples) == 2:
+                break
+            time.sleep(0.05)
+    assert [x[1:] for x in s.samples] == [(1980.0, 700.5, 70.0), (1755.0, 650.0, 71.0)]
+    assert s._proc.poll() is not None  # (stopped with the block)
+    with gpu_clocks.ClockSampler(exe="no-such-nvidia-smi") as none:
+        pass
+    assert none.samples == []
+
+    samples = [(t, 1000.0 + t, 500.0, 60.0) for t in range(10)]  # (host time, SM MHz, W, C)
+    steps = {1: 1.5, 2: 2.5, 3: 3.5, 4: 6.5}  # step -> the time its log line arrived
+    got = gpu_clocks.over_steps(samples, steps, warmup=2)  # the window: 2.5 .. 6.5 s
+    assert got["samples"] == 4 and got["sm_mhz"] == {"median": 1004.5, "min": 1003.0, "max": 1006.0}
+    assert [r[0] for r in got["raw"]] == [0.5, 1.5, 2.5, 3.5]
+    assert gpu_clocks.over_steps(samples, {1: 1.0}, warmup=0) is None and gpu_clocks.over_steps([], steps, 2) is None
+
+    def run(stem, **extra):
+        return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
+                "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
+
+    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", gpu_clocks=got)], "device": "d",
+           "date": "2026-11-26", "versions": {}, "steps": 1, "warmup": 1}
+    table = training.compare_table(doc)
+    assert "x_coda_compile SM 1,004 MHz (1,003-1,006), 500 W, 60 C." in table and "x_baseline_compile SM" not in table

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -14,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.compare import common
+from scripts.compare import common, gpu_clocks
 from scripts.compare.common import ROOT, _attention_of, _header, _load_toml, _out_path, _say, _slug, dump_toml, with_attention
 
 
@@ -79,9 +80,10 @@ def launch_command(derived: Path, overrides: list[str], nproc: int = 1, entry=("
 
 
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
-               nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None) -> dict:
+               nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False) -> dict:
     """Train ``config`` for ``steps`` steps in a fresh process (``nproc`` > 1: under torchrun);
-    returns the parsed log and run facts."""
+    returns the parsed log and run facts (``clocks``: also the GPU's clock samples and each step
+    line's arrival time, for :func:`gpu_clocks.over_steps`)."""
     from coda_titan.cli import parse_config
 
     doc = _load_toml(config)
@@ -113,14 +115,17 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.setdefault("WANDB_SILENT", "true")
     t0 = time.time()
-    lines = []
-    with open(run_dir / "train.log", "w") as log:
+    lines, step_times = [], {}
+    sampling = gpu_clocks.ClockSampler() if clocks else contextlib.nullcontext()
+    with open(run_dir / "train.log", "w") as log, sampling as sampler:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         try:
             for line in proc.stdout:
                 log.write(line)
                 lines.append(line)
                 row = parse_log(line)
+                if row:
+                    step_times[row[0]["step"]] = time.time()
                 if row and (row[0]["step"] % 10 == 0 or row[0]["step"] in (1, steps)):
                     r = row[0]
                     _say(f"  {stem} step {r['step']}/{steps} loss {r['loss']:.4f} tps {r['tps']:,.0f} mem {r['memory_gib']:.1f}GiB")
@@ -145,6 +150,8 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
         "rows": rows,
         "tokens_per_step": tokens_per_step,
     }
+    if clocks:
+        result.update(clock_samples=sampler.samples, step_times=step_times)
     if proc.returncode != 0 or len(rows) < steps:
         tail = "".join(lines[-15:])
         result["error"] = f"exit {proc.returncode}, {len(rows)}/{steps} steps logged; log tail:\n{tail}"
@@ -231,9 +238,11 @@ def compare(args) -> Path:
                nproc=getattr(args, "nproc", 1))
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
-                       nproc=getattr(args, "nproc", 1),
-                       sets=args.set, timeout=args.timeout)
+                       nproc=getattr(args, "nproc", 1), sets=args.set, timeout=args.timeout, clocks=True)
         rows = r.pop("rows")
+        gpu = gpu_clocks.over_steps(r.pop("clock_samples"), r.pop("step_times"), args.warmup)
+        if gpu:
+            r["gpu_clocks"] = gpu
         if "error" not in r:
             r.update(summarize(rows, args.warmup, r["tokens_per_step"]))
             r.update(peak_active(r.get("wandb"), args.warmup))

@@ -55,6 +55,11 @@ def compare_table(doc: dict) -> str:
     if any("peak_active_gib" in r for r in doc["runs"]):
         lines += ["", "Peak GiB: the caching allocator's reserved peak over every step, as TorchTitan logs it; in "
                   "parentheses the peak of live tensors over the timed steps (W&B's memory/max_active)."]
+    clocks = [(Path(r["config"]).stem, r["gpu_clocks"]) for r in doc["runs"] if r.get("gpu_clocks")]
+    if clocks:
+        lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max): ".format(clocks[0][1]["interval_ms"])
+                  + "; ".join(f"{stem} SM {c['sm_mhz']['median']:,.0f} MHz ({c['sm_mhz']['min']:,.0f}-{c['sm_mhz']['max']:,.0f}), "
+                              f"{c['power_w']['median']:,.0f} W, {c['temp_c']['median']:.0f} C" for stem, c in clocks) + "."]
     if floor:
         where = "same lease" if floor.get("host") else "same GPU and day; before hosts were recorded"
         lines += ["", f"Floor ({floor['file']}, {where}): every GEMM of the step at the best of cuBLAS and quack, "

@@ -7,8 +7,8 @@ ran at tell the GPU's share of a step / floor gap (power) from the kernels'.
 
 ``ClockSampler`` runs ``nvidia-smi`` in its loop mode (one line every ``INTERVAL_MS``) beside the
 training process and stamps each line with the host time it arrived; the compare runner stamps each
-step's log line the same way, and :func:`over_steps` keeps the samples between the first timed step's
-line and the last step's. Without ``nvidia-smi`` (a CPU machine) it records nothing.
+step's log line the same way, and :func:`over_steps` keeps the samples between the last warm-up step's
+line (where the first timed step starts) and the last step's. Without ``nvidia-smi`` (a CPU machine) it records nothing.
 """
 
 from __future__ import annotations

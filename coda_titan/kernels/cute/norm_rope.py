@@ -132,8 +132,7 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; rows read in place at any row
-    stride), else ``math`` (eager: its
-    inductor program; traced: the code itself)."""
+    stride), else ``math`` (eager: its inductor program; traced: the code itself)."""
     if rope_bwd_pass.unit_columns(dy, y) and _one_pass(dy, scale):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale)

@@ -73,16 +73,16 @@ def _launch(dy, y, rstd, cos, sin, rot: int, inv):
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8)
     wrap_triton(_kernel)[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8,
-                                FMAX=E5M2_MAX, num_warps=8)
+                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q),
+                                FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
     return da, zdz, daq, amax
 
 
 @triton_op("coda::rope_bwd_pass", mutates_args={})
 def rope_bwd_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da bf16, zdz fp32) of B1 in one pass; dy, y (M, Q) bf16 rows (column stride 1), rstd (M,) fp32, cos / sin
-    (seqlen, head_dim / 2) fp32, the first ``rot`` columns rotated."""
+    """(da bf16, zdz fp32) of B1 in one pass; dy, y (M, Q) bf16 rows (column stride 1), rstd (M,) fp32,
+    cos / sin (seqlen, head_dim / 2) fp32, the first ``rot`` columns rotated."""
     da, zdz, _, _ = _launch(dy, y, rstd, cos, sin, rot, None)
     return da, zdz
 

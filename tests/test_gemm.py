@@ -317,8 +317,14 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     a subprocess) against ``x.t().contiguous()``: every byte the same (NaN codes included: nothing may
     convert them), on whole and partial tiles, both fp8 dtypes kept; a transposed view of a token-major
     buffer is that buffer (no copy), and a strided input is refused; ``token_major`` takes the pass or
-    inductor's copy as its operand and ``CODA_TITAN_T8`` say, the same bytes either way."""
+    inductor's copy as its operand and ``CODA_TITAN_T8`` say, the same bytes either way. The cast-and-transpose
+    pass (``cast_transpose_e5m2``, B1's da for dW_qkv) on values it must map to exact e5m2 codes, and beyond
+    the range: the saturated codes of ``quantize_e5m2``, token-major (its rounding: the GPU test)."""
     got = run_interpreter_check("transpose_interpreter_check.py")
+    cast = got.pop("cast_e5m2")
+    assert cast["bytes_apart"] == 0 and cast["shape"] == [70, 100] and cast["contiguous"], cast
+    assert cast["dtype"] == "torch.float8_e5m2" and cast["saturated"] == [57344.0, -57344.0, 57344.0], cast
+    assert got.pop("cast_refuses_torch.bfloat16_0") and got.pop("cast_refuses_torch.float32_1"), got
     for key, case in got.items():
         if key.startswith("torch.float8"):
             m, k = (int(n) for n in key.rsplit("_", 1)[1].split("x"))
@@ -339,7 +345,7 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
 def test_cute_transpose_8bit_moves_the_bytes():
     """The 8-bit transpose pass on the GPU at B1's codes' shape (16384 tokens x 3072, e5m2) and o's (e4m3),
     eager and inside a compiled caller (inductor launches the Triton kernel of the ``triton_op``): the bytes
-    of ``x.t().contiguous()``, every one."""
+    of ``x.t().contiguous()``, every one; and the cast-and-transpose pass: ``quantize_e5m2``'s codes."""
     from coda_titan.kernels.cute.transpose_8bit import token_major
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -350,6 +356,20 @@ def test_cute_transpose_8bit_moves_the_bytes():
         for how, y in (("eager", token_major(x)), ("compiled", compiled(x))):
             assert y.dtype == dtype and y.shape == (k, m) and y.is_contiguous(), (how, y.dtype, y.shape)
             assert torch.equal(y.view(torch.uint8), want), f"{how} transpose_8bit of {dtype} {(m, k)}"
+    # the cast-and-transpose of a bf16 gradient at B1's shape: quantize_e5m2's codes (fp32 product, saturated,
+    # round to nearest even), token-major, bit for bit, eager and compiled; some values beyond the range
+    from coda_titan.kernels.cute.transpose_8bit import cast_transpose_e5m2
+    from coda_titan.kernels.scaling import quantize_e5m2
+
+    cast = torch.compile(lambda t, inv: cast_transpose_e5m2(t, inv), fullgraph=True, dynamic=False)
+    g = (torch.randn(16384, 3072, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
+    g[::977, ::13] *= 1e4
+    inv = torch.tensor([2.0**24], device="cuda")
+    want = quantize_e5m2(g.float(), inv).t().contiguous().view(torch.uint8)
+    assert (want.view(torch.float8_e5m2).float().abs() == 57344.0).any()  # (saturation is exercised)
+    for how, y in (("eager", cast_transpose_e5m2(g, inv)), ("compiled", cast(g, inv))):
+        assert y.dtype == torch.float8_e5m2 and y.shape == (3072, 16384) and y.is_contiguous(), (how, y.shape)
+        assert torch.equal(y.view(torch.uint8), want), f"{how} cast_transpose_e5m2"
 
 
 @pytest.mark.gpu
@@ -436,6 +456,13 @@ def test_cute_traced_programs_under_compile_equal_their_ops():
     gemm_check("wgrad_fp8_q on quantize_grad", compiled("wgrad_fp8_q")(**kw),
                cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf),
                gq.double().t() * s_g.double(), xq8.double() / inv_x.double())
+    # wgrad_fp8_e4m3 with the gradient's amax given (B1's, fp8_qkv_wgrad): its cast-and-transpose is
+    # cast_transpose_e5m2's pass, the same codes and scale as its own amax gives (the bf16 gradient's amax is
+    # exact in fp32), so the same GEMM bit for bit, as an op and traced
+    base = cute.wgrad_fp8_e4m3(grad=g, grad_amax=None, inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf)
+    kw_amax = dict(grad=g, grad_amax=g.float().abs().amax(), inpq=xq8, inp_scale=1 / inv_x, out_dtype=bf)
+    for how, got in (("op", cute.wgrad_fp8_e4m3(**kw_amax)), ("traced", compiled("wgrad_fp8_e4m3")(**kw_amax))):
+        assert torch.equal(got, base), f"wgrad_fp8_e4m3 with its amax given ({how})"
     # and the eager op on those row-major codes (dW_o with fp8_out_bwd: both operands row-major), whose
     # token-major copies transpose_8bit makes, against the traced program
     gemm_check("wgrad_fp8_q op on row-major codes", cute.wgrad_fp8_q(**kw), compiled("wgrad_fp8_q")(**kw),

@@ -1185,17 +1185,21 @@ def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
     _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))
 
 
-def test_fp8_qkv_wgrad_on_b1s_codes_and_the_down_projections_h_t_casts_nothing():
-    """``fp8_qkv_wgrad`` with ``fp8_dgrad`` and ``fp8_down_proj``: dW_qkv is one fp8 GEMM (``wgrad_fp8_q``)
-    of the e5m2 da B1 wrote for the dgrad and of Hq^T, the codes F3 multiplied, written transposed by the
-    previous layer's down-projection F1 (``residual_rms_q_fp8_t``; layer 0's copied from the prologue's
-    codes): no cast of either operand, and the QKV Function keeps Hq^T instead of the bf16 H. Against
-    the model without it only dW_q, dW_k, dW_v move; it tracks the bf16 model."""
+def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_down_projections_h_t():
+    """``fp8_qkv_wgrad`` with ``fp8_dgrad`` and ``fp8_down_proj``: dW_qkv is torchao's fp8 weight gradient
+    (``wgrad_fp8_e4m3``) of B1's bf16 da cast at the amax B1 reduced over that same da (its current amax,
+    not the delayed-scale codes B1 wrote for the dgrad: those moved the loss, docs/fp8.md), and of Hq^T,
+    the codes F3 multiplied, written transposed by the previous layer's down-projection F1
+    (``residual_rms_q_fp8_t``; layer 0's copied from the prologue's codes): no cast of the input, and the
+    QKV Function keeps Hq^T instead of the bf16 H. B1's amax is its fp32 da's, so the bf16 da's own is
+    within one bf16 rounding of it. Against the model without it only dW_q, dW_k, dW_v move; it tracks
+    the bf16 model."""
     kw = dict(fp8_dgrad=True, fp8_down_proj=True)
     bf16, off = _models(**kw)
     _, on = _models(**kw, fp8_qkv_wgrad=True)
-    names = ("residual_rms_q_fp8_t", "residual_rms_q_fp8", "norm_rope_fp8", "wgrad_fp8_q", "wgrad_fp8_e4m3")
-    calls = _spy(on, names, lambda name, k: (name, k.get("hq", k.get("inpq")), k.get("gradq")))
+    names = ("residual_rms_q_fp8_t", "residual_rms_q_fp8", "norm_rope_fp8", "rope_bwd_fp8", "wgrad_fp8_q",
+             "wgrad_fp8_e4m3")
+    calls = _spy(on, names, lambda name, k: (name, k.get("hq", k.get("inpq")), k.get("grad"), k.get("grad_amax")))
     tokens, labels = _batch(on.model_args.vocab_size)
     n, dim = len(on.layers), on.model_args.dim
     for _ in range(2):  # the calibration step (current scales), then the delayed scales
@@ -1203,13 +1207,15 @@ def test_fp8_qkv_wgrad_on_b1s_codes_and_the_down_projections_h_t_casts_nothing()
         saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
         counts = {name: sum(c[0] == name for c in calls) for name in names}
         assert counts == {"residual_rms_q_fp8_t": n - 1, "residual_rms_q_fp8": 0, "norm_rope_fp8": n,
-                          "wgrad_fp8_q": n, "wgrad_fp8_e4m3": 0}, counts
+                          "rope_bwd_fp8": n, "wgrad_fp8_q": 0, "wgrad_fp8_e4m3": n}, counts
     f3 = [c[1] for c in calls if c[0] == "norm_rope_fp8"]
-    wg = [c for c in calls if c[0] == "wgrad_fp8_q"][::-1]  # (the backward runs the layers last first)
-    for hq, (_, inpq, gradq) in zip(f3, wg):
+    wg = [c for c in calls if c[0] == "wgrad_fp8_e4m3"][::-1]  # (the backward runs the layers last first)
+    for hq, (_, inpq, grad, grad_amax) in zip(f3, wg):
         assert not inpq.is_contiguous() and inpq.t().is_contiguous()  # a token-major buffer, as written
         assert torch.equal(inpq.view(torch.uint8), hq.view(torch.uint8))  # the very codes F3 multiplied
-        assert gradq.dtype == E5M2
+        assert grad.dtype == torch.get_default_dtype() and grad_amax is not None and grad_amax.dim() == 0
+        own = grad.abs().amax().to(grad_amax.dtype)
+        assert (own - grad_amax).abs() <= torch.finfo(grad.dtype).eps * grad_amax, (own, grad_amax)
     h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
     _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))

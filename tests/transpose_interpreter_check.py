@@ -48,4 +48,23 @@ try:
     got["refuses_a_strided_input"] = False
 except ValueError as e:
     got["refuses_a_strided_input"] = "contiguous 2-d" in str(e)
+# cast_transpose_e5m2 on values whose scaled value is an e5m2 number (x = code / inv, inv a power of two):
+# the interpreter's own fp32 -> e5m2 conversion is not the hardware's rounding (the GPU test checks that),
+# but an exact value has one code either way; and values beyond the range, which must saturate
+codes = torch.randint(0, 256, (100, 70), dtype=torch.uint8).view(torch.float8_e5m2).float()
+codes = torch.where(codes.isfinite(), codes, 0.0)
+inv = torch.tensor([2.0**-3])
+x = (codes / inv).to(torch.bfloat16)
+x[0, :3] = torch.tensor([1e6, -1e6, 57344.0 * 8])  # |x| inv beyond E5M2_MAX: saturated codes
+y = torch.ops.coda.cast_transpose_e5m2(x, inv)
+want = (x.float() * inv).clamp(-57344.0, 57344.0).to(torch.float8_e5m2).t().contiguous()
+got["cast_e5m2"] = {"dtype": str(y.dtype), "shape": list(y.shape), "contiguous": y.is_contiguous(),
+                    "bytes_apart": int((y.view(torch.uint8) != want.view(torch.uint8)).sum()),
+                    "saturated": [float(v) for v in y[:3, 0].float()]}
+for bad in (x.t(), x.float()):
+    try:
+        tr.cast_transpose_e5m2(bad, inv)
+        got[f"cast_refuses_{bad.dtype}_{bad.is_contiguous():d}"] = False
+    except ValueError as e:
+        got[f"cast_refuses_{bad.dtype}_{bad.is_contiguous():d}"] = "contiguous 2-d bf16" in str(e)
 print(json.dumps(got))

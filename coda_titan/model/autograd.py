@@ -193,8 +193,8 @@ class NormRoPE(torch.autograd.Function):
     """F3 (QKV GEMM + deferred rstd + RoPE, on ``fp8``'s operands if given); backward B1 (RoPE bwd +
     zdz, which also casts da to e5m2 with ``fp8.grad_inv`` when ``fp8.w_t`` is given, returning amax
     |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8, on
-    the e4m3 H F3 read, kept instead of the bf16 H (its producer's H^T if given), times B1's e5m2 da
-    where B1 wrote it, else da cast with its current scale)."""
+    the e4m3 H F3 read, kept instead of the bf16 H (its producer's H^T if given), times da cast with its
+    current scale, from the amax B1 reduced where it has one)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
@@ -229,11 +229,10 @@ class NormRoPE(torch.autograd.Function):
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
-        if hq is not None and daq is not None:  # fp8_qkv_wgrad on B1's codes: no cast of either operand
-            dw = be.wgrad_fp8_q(gradq=daq, grad_scale=inv.reciprocal(), inpq=hq, inp_scale=inv_h.reciprocal(),
-                                out_dtype=w.dtype)
-        elif hq is not None:  # fp8_qkv_wgrad: torchao's recipe, the gradient cast and the forward's e4m3 input
-            dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None, inpq=hq, inp_scale=inv_h.reciprocal(), out_dtype=w.dtype)
+        if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, da cast at its current amax (B1's where it has
+            # one; not B1's delayed-scale codes, which moved the loss: docs/fp8.md) and the forward's e4m3 input
+            dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None if daq is None else amax, inpq=hq,
+                                   inp_scale=inv_h.reciprocal(), out_dtype=w.dtype)
         else:
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)
         dwq, dwk, dwv = dw.split([wq.shape[0], wk.shape[0], wv.shape[0]])

@@ -15,7 +15,8 @@ wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one induct
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
                      operands only, and a weight gradient contracts over the tokens
 wgrad_fp8_e5m2       the same on B3's e5m2 da: its token-major copy (no cast), the input's cast-and-transpose
-wgrad_fp8_e4m3       the same on B3's e4m3 y: its token-major copy, the gradient's cast-and-transpose
+wgrad_fp8_e4m3       the same on an e4m3 input (B3's y, F3's H): its token-major copy, the gradient's
+                     cast-and-transpose (with a given amax, B1's, one Triton pass: ``cast_transpose_e5m2``)
 wgrad_fp8_q          the same on two fp8 operands with their scales, no cast (B3's da^T, F1's H^T); a
                      row-major operand (B1's da, dX's and o's codes) copied by ``transpose_8bit``
 dgrad_fp8_q          cuBLAS ``_scaled_mm`` of an e5m2 gradient and the e4m3 W^T (K-major as given)
@@ -29,7 +30,7 @@ from .. import gemm as ref
 from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
                        quantize_e5m2)
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
-from .transpose_8bit import token_major
+from .transpose_8bit import cast_transpose_e5m2, token_major
 
 
 def _mm(a, b, out_dtype):
@@ -185,9 +186,15 @@ def wgrad_fp8_e5m2_traced(*, gradq, grad_scale, inp, inp_amax, out_dtype):
 
 
 def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale):
-    """(``_scaled_wgrad``'s operands): grad cast and transposed, inpq's token-major copy with its given scale."""
-    gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)
-    return gq.t().contiguous(), s_g, inpq.t().contiguous(), inp_scale.float().reshape(())
+    """(``_scaled_wgrad``'s operands): grad cast and transposed (with its amax given, a dense bf16 grad by
+    ``cast_transpose_e5m2``'s pass: B1's da under ``fp8_qkv_wgrad``), inpq's token-major copy with its given scale."""
+    if grad_amax is not None and grad.dtype == torch.bfloat16 and grad.is_contiguous():
+        inv = pow2_floor(inv_scale_from_amax(grad_amax.float(), E5M2_MAX)).reshape(1)  # (ref.wgrad_fp8_grad's)
+        gq_t, s_g = cast_transpose_e5m2(grad, inv), inv.reciprocal().reshape(())
+    else:
+        gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)
+        gq_t = gq.t().contiguous()
+    return gq_t, s_g, inpq.t().contiguous(), inp_scale.float().reshape(())
 
 
 def _wgrad_fp8_e4m3_unsupported(grad, inpq, out_dtype) -> str | None:

@@ -9,8 +9,13 @@ and inside a compiled backward inductor fused B1's copy with the scales' recipro
 100 MB takes about 0.04. Here each program loads a BLOCK x BLOCK tile along its rows and stores it
 transposed along the output's rows, in the codes' own dtype: no arithmetic touches them.
 
-``transpose_8bit`` is a ``torch.library.triton_op``: a compiled caller traces into it and inductor launches
-the kernel itself, with nothing fused into it.
+``cast_transpose_e5m2`` is the same tile walk over a bf16 gradient that is cast on the way: each element
+times a power-of-two inverse scale, saturated to the e5m2 range and rounded to nearest even, as
+``scaling.quantize_e5m2`` of the fp32 value, stored token-major (dW_qkv's gradient under ``fp8_qkv_wgrad``,
+cast at the current amax B1 reduced; inductor's transposing cast ran 0.347 ms a layer, above).
+
+Both are ``torch.library.triton_op``s: a compiled caller traces into them and inductor launches the kernel
+itself, with nothing fused into it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from ..scaling import E5M2, E5M2_MAX
 
 T8_ENV = "CODA_TITAN_T8"  # A/B switch: "inductor" (every copy .t().contiguous()), "triton" (every copy this pass)
 BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
@@ -33,6 +40,16 @@ def _kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask)
     tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(tile * tl.load(inv_ptr), -FMAX, FMAX).to(tl.float8e5, fp_downcast_rounding="rtne")
+    tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
@@ -51,6 +68,23 @@ def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
                          f"{tuple(x.shape)} with strides {x.stride()}")
     out = x.new_empty((x.shape[1], x.shape[0]))
     launch(x, out)
+    return out
+
+
+@triton_op("coda::cast_transpose_e5m2", mutates_args={})
+def cast_transpose_e5m2(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) contiguous bf16, inv_scale a one-element fp32 tensor -> (K, M) contiguous e5m2 codes of
+    sat(x * inv_scale) (``quantize_e5m2(x.float(), inv_scale).t().contiguous()``)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"cast_transpose_e5m2 takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
+                         f"with strides {x.stride()}")
+    if inv_scale.numel() != 1 or inv_scale.dtype != torch.float32:
+        raise ValueError(f"cast_transpose_e5m2 takes a one-element fp32 inverse scale, got {inv_scale.dtype} "
+                         f"{tuple(inv_scale.shape)}")
+    m, k = x.shape
+    out = torch.empty((k, m), device=x.device, dtype=E5M2)
+    wrap_triton(_cast_kernel)[(triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))](x, inv_scale, out, m, k, FMAX=E5M2_MAX,
+                                                                              BM=BLOCK, BK=BLOCK, num_warps=4)
     return out
 
 

@@ -12,7 +12,8 @@
 #     fsdp2profile (2+ GPUs) one profiled step of the 1B compiled stock and CODA configs under FSDP2 on NPROC
 #              GPUs (rank 0's trace): collectives and how much of them no compute overlaps
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
-#              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges
+#              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges;
+#              quack at its default config (FLOOR_QUACK=tuned: its sweep, about 10 min: a call of its own)
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
@@ -214,7 +215,7 @@ for phase in "$@"; do
       done
       ;;
     floor)
-      python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-tuned}" > "$logs/floor.log" 2>&1
+      python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
       echo "floor rc=$?"; grep -v "^    (" "$logs/floor.log" | tail -40
       ;;
     check)

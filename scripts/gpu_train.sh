@@ -130,9 +130,10 @@ set -uo pipefail
 out=${OUT:-outputs/gpu_train}; mkdir -p "$out"
 logs=/tmp/gpu_logs; mkdir -p "$logs"
 export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 WANDB_SILENT=true
-# (.gpu/tune.tar: this machine's merged copy; else scripts/gpu_cache/tune.tar, the committed one, so that a fresh
+# (.gpu/tune.tar: this machine's merged copy; else scripts/gpu_cache/tune.tar.gz, the committed one (gzipped: the
+# device tool carries 64 MiB, the offline bundle's part2 takes 51 of them), so that a fresh
 # checkout's first call does not spend its device time re-tuning)
-for t in .gpu/tune.tar scripts/gpu_cache/tune.tar; do
+for t in .gpu/tune.tar scripts/gpu_cache/tune.tar.gz; do
   if [ -f "$t" ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf "$t" -C "$CODA_TITAN_CACHE"; break; fi
 done
 python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"

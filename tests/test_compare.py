@@ -445,3 +445,9 @@ def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_pa
            "date": "2026-11-26", "versions": {}, "steps": 1, "warmup": 1}
     table = training.compare_table(doc)
     assert "x_coda_compile SM 1,004 MHz (1,003-1,006), 500 W, 60 C." in table and "x_baseline_compile SM" not in table
+    assert "over 1.1x" not in table  # (no per-step times: no slow-step line)
+    # timed steps over 1.1x the median are listed under the table, per config, in order
+    doc["runs"][1].update(step_ms=200.0, step_ms_raw=[200.0, 221.0, 199.0, 300.0, 220.0])
+    doc["runs"][0].update(step_ms=250.0, step_ms_raw=[250.0, 260.0])
+    line = next(x for x in training.compare_table(doc).splitlines() if "over 1.1x" in x)
+    assert "x_coda_compile 2 (221, 300 ms against 200.0)" in line and "x_baseline_compile" not in line

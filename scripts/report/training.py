@@ -60,6 +60,12 @@ def compare_table(doc: dict) -> str:
         lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max): ".format(clocks[0][1]["interval_ms"])
                   + "; ".join(f"{stem} SM {c['sm_mhz']['median']:,.0f} MHz ({c['sm_mhz']['min']:,.0f}-{c['sm_mhz']['max']:,.0f}), "
                               f"{c['power_w']['median']:,.0f} W, {c['temp_c']['median']:.0f} C" for stem, c in clocks) + "."]
+    slow = [(Path(r["config"]).stem, r["step_ms"], steps) for r in doc["runs"] if (steps := slow_steps(r))]
+    if slow:
+        lines += ["", f"Timed steps over {SLOW_STEP:g}x their config's median (the tokens/s column is the mean over every "
+                  "timed step, so these lower it; TorchTitan's GC runs at every 50th step): "
+                  + "; ".join(f"{stem} {len(steps)} ({', '.join(f'{ms:.0f}' for ms in steps)} ms against {med:.1f})"
+                              for stem, med, steps in slow) + "."]
     if floor:
         where = "same lease" if floor.get("host") else "same GPU and day; before hosts were recorded"
         lines += ["", f"Floor ({floor['file']}, {where}): every GEMM of the step at the best of cuBLAS and quack, "
@@ -72,6 +78,16 @@ def compare_table(doc: dict) -> str:
         for t in doc["targets"]:
             lines.append(f"| {t['config']}: {t['goal']} | {_f(t['value'], 3, 'x')} | {'yes' if t['met'] else 'no'} |")
     return "\n".join(lines)
+
+
+SLOW_STEP = 1.1  # a timed step this many times its config's median step is listed under the table
+
+
+def slow_steps(run: dict) -> list[float]:
+    """The timed steps (ms, in order) of a compare run over ``SLOW_STEP`` x its median step (``step_ms``):
+    host stalls and the like, which the mean tokens/s counts and the median step hides."""
+    raw, med = run.get("step_ms_raw") or [], run.get("step_ms")
+    return [ms for ms in raw if med and ms > SLOW_STEP * med]
 
 
 def _stock_of(stem: str) -> str | None:

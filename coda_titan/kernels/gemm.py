@@ -104,10 +104,15 @@ def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tupl
     return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
 
 
+def pow2_inv_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """The tensorwise inverse scale fmax / amax rounded down to a power of two (the weight gradients' recipe)."""
+    return pow2_floor(inv_scale_from_amax(amax, fmax))
+
+
 def _pow2_cast(t: torch.Tensor, amax: torch.Tensor | None, quantize, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(``quantize``(t), s): ``t`` (in its compute dtype) cast with the tensorwise scale of ``amax``
     (None: t's own) rounded down to a power of two, and its dequantization scale s = 1/inv."""
-    inv = pow2_floor(inv_scale_from_amax(t.abs().amax() if amax is None else amax.to(t.dtype), fmax))
+    inv = pow2_inv_scale(t.abs().amax() if amax is None else amax.to(t.dtype), fmax)
     return quantize(t, inv), inv.reciprocal()
 
 

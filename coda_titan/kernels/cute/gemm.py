@@ -189,7 +189,7 @@ def _wgrad_fp8_e4m3_operands_t(grad, grad_amax, inpq, inp_scale):
     """(``_scaled_wgrad``'s operands): grad cast and transposed (with its amax given, a dense bf16 grad by
     ``cast_transpose_e5m2``'s pass: B1's da under ``fp8_qkv_wgrad``), inpq's token-major copy with its given scale."""
     if grad_amax is not None and grad.dtype == torch.bfloat16 and grad.is_contiguous():
-        inv = pow2_floor(inv_scale_from_amax(grad_amax.float(), E5M2_MAX)).reshape(1)  # (ref.wgrad_fp8_grad's)
+        inv = ref.pow2_inv_scale(grad_amax.float(), E5M2_MAX).reshape(1)  # (ref.wgrad_fp8_grad's scale)
         gq_t, s_g = cast_transpose_e5m2(grad, inv), inv.reciprocal().reshape(())
     else:
         gq, s_g = ref.wgrad_fp8_grad(grad, grad_amax)

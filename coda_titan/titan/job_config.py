@@ -49,7 +49,7 @@ class Coda:
     fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (and y^T): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
-    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H (not bf16 H) and da cast at its current amax")
+    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H (not bf16 H), da cast at its current amax; on in the 1B fp8 configs")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")

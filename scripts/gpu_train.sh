@@ -14,6 +14,8 @@
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges;
 #              quack at its default config (FLOOR_QUACK=tuned: its sweep, about 10 min: a call of its own)
+#     headline the README's headline in one call (about 8 min): the floor (quack's default config), then the compiled
+#              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
@@ -218,6 +220,14 @@ for phase in "$@"; do
     floor)
       python3 -m scripts.bench.floor --model "${FLOOR_MODEL:-1B}" --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
       echo "floor rc=$?"; grep -v "^    (" "$logs/floor.log" | tail -40
+      ;;
+    headline)
+      python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
+      echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" \
+        --warmup 10 --tag fp8_coda
+      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" \
+        --warmup 10
       ;;
     check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_titan.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"

@@ -184,6 +184,11 @@ envab() {
     --steps "${STEPS:-40}" --warmup 10 --tag "$1"
   env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 --tag "$2"
 }
+# floor_default: the 1B floor with quack at its default config (a minute), its totals printed
+floor_default() {
+  python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
+  echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
+}
 keep=${KEEP_TRACE:+--keep-trace}  # KEEP_TRACE=1: the profile phases also return the gzipped chrome traces
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
@@ -222,8 +227,7 @@ for phase in "$@"; do
       echo "floor rc=$?"; grep -v "^    (" "$logs/floor.log" | tail -40
       ;;
     headline)
-      python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
-      echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
+      floor_default
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" \
         --warmup 10 --tag fp8_coda
       $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" \
@@ -250,8 +254,7 @@ for phase in "$@"; do
     families)
       # the GEMM-family table of the results page in one lease: the floor (quack at its default config),
       # then one profiled step of the compiled CODA and stock configs of PRECISION (bf16 or fp8)
-      python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
-      echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
+      floor_default
       p=${PRECISION:-bf16}
       $cmp --profile "configs/llama3_1b_${p}_coda_compile.toml" --steps 15 $keep
       $cmp --profile "configs/llama3_1b_${p}_baseline_compile.toml" --steps 15 $keep

@@ -89,7 +89,6 @@
 #     t8ab         fp8_qkv_wgrad (B1's codes copied by transpose_8bit) against the configured fp8 config
 #     t8mem        CODA fp8 compiled with dW_o's token-major copies by transpose_8bit, then by inductor (CODA_TITAN_T8=inductor)
 #     lmheaddw     probe: the LM head's dW, CODA's chunks against cuBLAS chunks and one GEMM (ce-like and random data)
-#     lmheadse     CODA compiled (PREC) with F4's scaled-exp path against as configured (CHUNKS=N: also at N-row chunks)
 #     lcescaledexp probe: the LM head, CODA's program against quack's chunked and scaled-exp linear-CE pipelines
 #     t8env        CODA fp8 compiled under CODA_TITAN_T8=$T8 (every token-major copy by inductor, or by transpose_8bit)
 #     t8parity     300-step loss curves: float8 + compile and CODA fp8 compiled with fp8_qkv_wgrad
@@ -501,15 +500,6 @@ for phase in "$@"; do
       # the LM head's dW at the 1B shape: CODA's chunks (quack, fp32 sum) against cuBLAS chunks and one GEMM,
       # on cross-entropy-like and random operands (scripts/probes/lm_head_dw.py)
       python3 -m scripts.probes.lm_head_dw
-      ;;
-    lmheadse)
-      # F4's scaled-exp path in the step: the compiled baseline and CODA config as configured (tag lmhead_triton_PREC),
-      # the CODA config under CODA_TITAN_CE_PASS=scaled_exp (lmhead_se_PREC), and with CHUNKS=N also at ce_chunk_rows = N
-      envab "lmhead_triton_${PREC:-fp8}" "lmhead_se_${PREC:-fp8}" CODA_TITAN_CE_PASS=scaled_exp
-      if [ -n "${CHUNKS:-}" ]; then
-        CODA_TITAN_CE_PASS=scaled_exp $cmp "$(variant "c$CHUNKS" "ce_chunk_rows = $CHUNKS")" --steps "${STEPS:-40}" \
-          --warmup 10 --tag "lmhead_se_c${CHUNKS}_${PREC:-fp8}"
-      fi
       ;;
     lcescaledexp)
       # probe: the LM head with its gradients, CODA's program against quack's chunked and scaled-exp linear-CE

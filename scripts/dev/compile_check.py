@@ -185,28 +185,6 @@ def _overlapped(fn):
         fn(config=_pingpong())
 
 
-def _lm_head_scaled_exp(rows=256, d=256, vocab=768, last=True, first=False):
-    """F4's scaled-exp chunk (``lm_head_ce._scaled_exp_chunk``: the first GEMM with its prepass, the dX GEMM
-    on the row strip) and its dW GEMM (``_dw_scaled_exp``: the last chunk's with C, or a middle chunk's
-    reduce-add), the Triton glue between them replaced by tensors of its outputs' shapes."""
-    import torch
-
-    from coda_titan.kernels.cute import lm_head_ce as f4
-
-    def glue(k, sum_exp, sum_ze, z_y, t, r, h, e, tile_n1, ignore):
-        n = h.shape[0]
-        return (torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros_like(h),
-                torch.zeros(e.shape[1] // 64, n, dtype=torch.bfloat16))
-
-    f4.scaled_exp_glue = glue
-    bf = dict(dtype=torch.bfloat16)
-    h, x, e = torch.zeros(rows, d, **bf), torch.zeros(rows, d, **bf), torch.zeros(rows, vocab, **bf)
-    weight = torch.zeros(vocab, d, **bf)
-    _, _, a_bundle, xs = f4._scaled_exp_chunk(h, torch.ones(rows), torch.zeros(rows, dtype=torch.int64), x,
-                                              torch.empty_like(x), torch.ones(d), weight, e, 192)
-    f4._dw_scaled_exp(0 if first else 1, last, a_bundle, xs, torch.zeros(vocab, d), weight)
-
-
 PROGRAMS = {
     "b3_t": lambda: _b3_t(),
     "b3_t_q": lambda: _b3_t(fp8_gemm=True),
@@ -235,8 +213,6 @@ PROGRAMS = {
     "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),
     "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
-    "lm_head_scaled_exp": lambda: _lm_head_scaled_exp(),
-    "lm_head_scaled_exp_mid": lambda: _lm_head_scaled_exp(last=False),
 }
 
 

@@ -8,8 +8,6 @@ Arms, each the whole forward with dX and dW (16384 tokens, d = 2048, vocabulary 
 
 - ``coda``: ``coda::lm_head_ce`` on the cute backend (the deferred rstd, the final norm's backward in B2's
   epilogue, dW summed over chunks in fp32 and written in bf16 by the last chunk's GEMM);
-- ``coda_scaled_exp``: the same op under ``CODA_TITAN_CE_PASS=scaled_exp`` (quack's pipeline with CODA's rstd,
-  zdz and final-norm backward: ``kernels/cute/lce_glue.py``), the arm the design became;
 - ``quack_chunked``: ``chunked_linear_cross_entropy_fwd`` (logits stored, quack's CE pass over them in
   place, dx and dW GEMMs; the last chunk's dW left to the backward, timed here after the loop);
 - ``quack_scaled_exp``: ``scaled_exp_linear_cross_entropy_fwd`` (no logits: bf16 exp with power-of-two
@@ -19,12 +17,10 @@ Arms, each the whole forward with dX and dW (16384 tokens, d = 2048, vocabulary 
 The quack arms have no rstd and no norm backward (their input is the normalized H), so ``quack_chunked``
 against ``quack_scaled_exp`` is what the pipeline change buys, and ``coda`` beside them what CODA's
 program costs now. Timing: GPU ms (the probes' back-to-back event timer, 3 calls after 3 warm-up calls)
-in 5 alternations, the median. Writes ``$OUT/probe_lce_scaled_exp_<gpu>.json``.
+in 3 alternations, the median. Writes ``$OUT/probe_lce_scaled_exp_<gpu>.json``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -56,13 +52,6 @@ def _arms(x, gamma, weight, targets, h, rstd, hn, rows: int) -> dict:
     def coda():
         return torch.ops.coda.lm_head_ce(h, rstd, x, gamma, weight, targets, rows, True)
 
-    def coda_scaled_exp():
-        os.environ["CODA_TITAN_CE_PASS"] = "scaled_exp"
-        try:
-            return torch.ops.coda.lm_head_ce(h, rstd, x, gamma, weight, targets, rows, True)
-        finally:
-            del os.environ["CODA_TITAN_CE_PASS"]
-
     def quack_chunked():
         loss, dx, dw, last_d, last_x = chunked_linear_cross_entropy_fwd(hn, weight, targets, chunk_size=rows)
         return loss, dx, gemm_add(last_d.t(), last_x, dw, out_dtype=BF) if dw is not None else None
@@ -70,25 +59,24 @@ def _arms(x, gamma, weight, targets, h, rstd, hn, rows: int) -> dict:
     def quack_scaled_exp():
         return scaled_exp_linear_cross_entropy_fwd(hn, weight, targets, rows)
 
-    return {"coda": coda, "coda_scaled_exp": coda_scaled_exp, "quack_chunked": quack_chunked,
-            "quack_scaled_exp": quack_scaled_exp}
+    return {"coda": coda, "quack_chunked": quack_chunked, "quack_scaled_exp": quack_scaled_exp}
 
 
 def main() -> int:
     doc = {**header(), "kind": "probe_lce_scaled_exp", "shape": {"tokens": TOKENS, "vocab": VOCAB, "d": D},
            "timing": "GPU ms per whole LM head (forward, dX, dW), 3 calls enqueued back to back after 3 warm-up "
-                     "calls, in 5 alternations", "rows": []}
+                     "calls, in 3 alternations", "rows": []}
     path = out_json("probe_lce_scaled_exp")
     g = torch.Generator(device="cuda").manual_seed(0)
     ins = _inputs(g)
     for rows in CHUNK_ROWS:
         fns = _arms(*ins, rows)
         ok = _first_calls(fns)
-        times = _alternated(fns, ok, rounds=5, reps=3)
+        times = _alternated(fns, ok, reps=3)
         for k in fns:
             row = {"chunk_rows": rows, "arm": k, **ok[k]}
             if times[k]:
-                row.update(gpu_ms=times[k], median_ms=sorted(times[k])[len(times[k]) // 2])
+                row.update(gpu_ms=times[k], median_ms=sorted(times[k])[1])
             log_row(doc, "rows", row, path)
         torch.cuda.empty_cache()
     print("wrote", path, flush=True)

@@ -13,11 +13,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from quack.activation import dswiglu, swiglu
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.math import pack, pexp2, unpack
+from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, RowVecReduce, Scalar,
                                 TileStore, setup_epi_tensor)
-from quack.epilogue.scaled_exp import MaxLog2
-from quack.operand_transform import a_transform
 
 from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through stmatrix.trans
 
@@ -39,61 +37,6 @@ def rstd_lse_target_epi(acc, rstd):
     whose target is -100 are left untouched)."""
     v = acc * rstd
     return {"D": v, "lse": v, "target_logit": v}
-
-
-# --- F4 without a pass over its logits (``lm_head_ce``'s scaled-exp path; quack's pipeline, CODA's rstd and zdz) ---
-
-LOG2E = 1.4426950408889634
-_se_max = MaxLog2("max_log2")  # per (row, n-tile) integer k = rne(max z * log2 e), from the prepass
-_se_target = ColVecLoad("target")
-
-
-def _rstd_max_prepass(acc, rstd):
-    return {"max_log2": acc * rstd}
-
-
-@gemm_epilogue(
-    ops={"max_log2": _se_max, "rstd": ColVecLoad("rstd")},
-    prepass=_rstd_max_prepass,
-    prepass_outs=("max_log2",),
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_ze": ColVecReduce("sum_ze", scaled=True)},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_se_target)},
-    extra_ops=(_se_max.out("max_log2_out"), _se_target),
-)
-def rstd_scaled_exp_target_epi(acc, max_log2, rstd):
-    """F4's first GEMM with no logits stored: z = r * acc; D = E = bf16(2^(z log2 e - k)) with k the
-    tile's integer offset (written to ``max_log2_out``); per (row, n-tile) partials sum E and sum z E
-    (zdz's softmax term); the target's z gathered exactly in fp32."""
-    z = acc * rstd
-    e = pexp2(z * LOG2E - max_log2)
-    return {"D": e, "sum_exp": e, "sum_ze": (z, e), "target_logit": z}
-
-
-@a_transform(vec_size=8, args={"u": "colvec_ktile"})
-def strip_scale_rows(x, u):
-    """E's A-operand scale in the dX GEMM: u = 2^(k_tile - k_row), per (row, 64-column k-tile)."""
-    return x * u
-
-
-@a_transform(vec_size=8, args={"u": "kvec_m64"})
-def strip_scale_cols(x, u):
-    """The same scales on E^T in the dW GEMM: per (64-row vocabulary block, token)."""
-    return x * u
-
-
-@gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr"), "rv": ColVecLoad("rv")},
-               reduces={"dw": RowVecReduce("dw", scaled=True)})
-def norm_residual_bwd_last_rv_epi(acc, y, w, corr, rv):
-    """``norm_residual_bwd_last_epi`` on the strip-scaled E: the row's r * v (v = 2^k_row e^-L) turns the
-    accumulator into da @ W first."""
-    a = acc * rv
-    return {"D": a * w + y * corr, "dw": (a, y)}
-
-
-@gemm_epilogue()
-def add_c_epi(acc, c):
-    """D = acc + C: the last chunk's dW, the fp32 sum of the earlier chunks as C, rounded once to D's dtype."""
-    return {"D": acc + c}
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})

@@ -37,6 +37,7 @@
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
+#     fp88bmem the 8B CODA fp8 config without the transposed e4m3 weights (its peak against fp88b's)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -703,6 +704,13 @@ for phase in "$@"; do
       ;;
     8b)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b
+      ;;
+    fp88bmem)
+      # the 8B fp8 CODA config without the weight pass's transposed e4m3 weights (fp8_mlp_dgrad, fp8_dgrad and
+      # fp8_out_bwd off): how much of its peak over float8 + compile's those hold (after fp88b in the same lease)
+      v=$(VARIANT_OF=configs/llama3_8b_fp8_coda.toml variant no_wt "fp8_mlp_dgrad = false" "fp8_dgrad = false" \
+        "fp8_out_bwd = false") || exit 2
+      $cmp "$v" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag fp8_8b_no_wt
       ;;
     fp88b)
       # issue 19: does 8B fp8 fit one GPU (full AC), and its tokens/s against float8 + compile at 8B

@@ -117,7 +117,8 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     t0 = time.time()
     lines, step_times = [], {}
     sampling = gpu_clocks.ClockSampler() if clocks else contextlib.nullcontext()
-    with open(run_dir / "train.log", "w", buffering=1) as log, sampling as sampler:  # (line-buffered: a run cut short keeps its log)
+    # (line-buffered: a run cut short by a time limit keeps its log up to there)
+    with open(run_dir / "train.log", "w", buffering=1) as log, sampling as sampler:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         try:
             for line in proc.stdout:

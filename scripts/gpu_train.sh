@@ -24,7 +24,7 @@
 #              GEMM-family table (CODA ms, stock ms, floor ms per family and direction)
 #     sdpa     the compiled baseline and CODA with SDPA instead of FA4 on both sides
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
-#     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s)
+#     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s); COMPILE=1: both compiled
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
 #     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
@@ -703,7 +703,9 @@ for phase in "$@"; do
       done
       ;;
     8b)
-      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --tag 8b
+      # (COMPILE=1: both with torch.compile, tag 8b_compile)
+      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 \
+        ${COMPILE:+--set compile.enable=true} --tag "8b${COMPILE:+_compile}"
       ;;
     fp88bmem)
       # the 8B fp8 CODA config without the weight pass's transposed e4m3 weights (fp8_mlp_dgrad, fp8_dgrad and

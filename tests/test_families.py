@@ -17,8 +17,9 @@ class Trace:
     def __init__(self):
         self.events, self.t, self.corr, self.expected = [], 0.0, 0, {}
 
-    def op(self, name, dims, kernels, tid=1, parent="aten::linear"):
-        """An operator (inside ``parent``) launching ``kernels``: (kernel name, family/direction or None)."""
+    def op(self, name, dims, kernels, tid=1, parent="aten::linear", strides=None):
+        """An operator (inside ``parent``) launching ``kernels``: (kernel name, family/direction or None);
+        ``strides``: its Input Strides (recorded by the profiler with the shapes)."""
         t0 = self.t
         inner = []
         for kname, fam in kernels:
@@ -33,19 +34,23 @@ class Trace:
                 self.expected[fam] = self.expected.get(fam, 0.0) + dur
         self.t += 2
         self.events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": t0 + 0.5,
-                            "dur": self.t - t0 - 1, "args": {"Input Dims": dims}})
+                            "dur": self.t - t0 - 1, "args": {"Input Dims": dims,
+                                                             **({"Input Strides": strides} if strides else {})}})
         if parent:
             self.events.append({"ph": "X", "cat": "cpu_op", "name": parent, "pid": 1, "tid": tid, "ts": t0, "dur": self.t - t0,
                                 "args": {"Input Dims": []}})
         self.t += 1
         self.events += inner
 
-    def mm(self, weight, direction, fam, tid=1, op="aten::mm"):
+    def mm(self, weight, direction, fam, tid=1, op="aten::mm", strides=False):
+        """A stock GEMM of ``weight``; ``strides``: with the Input Strides of its operands as autograd passes
+        them (the forward's W^T a transposed view; the dgrad's W and the wgrad's input row-major)."""
         n, k = WEIGHTS[weight]
         dims = {"fwd": [[T, k], [k, n]], "dgrad": [[T, n], [n, k]], "wgrad": [[n, T], [T, k]]}[direction]
+        st = {"fwd": [[k, 1], [1, k]], "dgrad": [[n, 1], [k, 1]], "wgrad": [[1, n], [k, 1]]}[direction]
         if op == "aten::addmm":
-            dims = [[n], *dims]
-        self.op(op, dims, [("sm90_xmma_gemm_bf16bf16", f"{fam}/{direction}")], tid=tid)
+            dims, st = [[n], *dims], [[1], *st]
+        self.op(op, dims, [("sm90_xmma_gemm_bf16bf16", f"{fam}/{direction}")], tid=tid, strides=st if strides else None)
 
     def attention(self, direction, tid=1):
         self.op(f"coda::flash_attn_{direction}", [[1, T, 4, 8]] * 3, [(f"flash_{direction}_sm90", None)], tid=tid, parent=None)
@@ -81,6 +86,43 @@ def test_stock_step_is_attributed_by_shape_and_order():
     # the shapes alone are ambiguous: W1's forward is W2's dgrad, W_q's GEMMs are W_o's
     assert gemm_matches([[T, D], [D, FF]], WEIGHTS) >= {("w1", "fwd"), ("w2", "dgrad")}
     assert gemm_matches([[T, D], [D, D]], WEIGHTS) >= {("wq", "fwd"), ("wo", "fwd"), ("wq", "dgrad")}
+
+
+@pytest.mark.parametrize("strides", [True, False])
+def test_stock_step_with_activation_checkpointing_is_attributed_by_strides(strides):
+    """Under full activation checkpointing each layer's forward GEMMs run again inside the backward, after the
+    LM head's backward: with the operands' strides recorded they stay forwards (a forward's second operand is
+    the weight's transposed view), in the families the step ran them; without strides the order rule takes
+    them for backward GEMMs of the same shapes (W1's forward for W2's dgrad), which these traces expose."""
+    tr, layers = Trace(), 2
+    qkv = (("wq", "qkv"), ("wk", "qkv"), ("wv", "qkv"))
+    mlp = (("w1", "w13"), ("w3", "w13"), ("w2", "w2"))
+
+    def forward(tid):
+        for w, f in qkv:
+            tr.mm(w, "fwd", f, tid=tid, strides=strides)
+        tr.attention("fwd", tid=tid)
+        tr.mm("wo", "fwd", "out", tid=tid, strides=strides)
+        for w, f in mlp:
+            tr.mm(w, "fwd", f, tid=tid, strides=strides, op="aten::addmm" if w == "w3" else "aten::mm")
+
+    for _ in range(layers):
+        forward(1)
+    tr.mm("lm_head", "fwd", "lm_head", strides=strides)
+    for d in ("dgrad", "wgrad"):
+        tr.mm("lm_head", d, "lm_head", tid=2, strides=strides)
+    for _ in range(layers):
+        forward(2)  # the checkpointed layer's recompute
+        for w, f in (("w2", "w2"), ("w3", "w13"), ("w1", "w13"), ("wo", "out")):
+            for d in ("dgrad", "wgrad"):
+                tr.mm(w, d, f, tid=2, strides=strides)
+        tr.attention("bwd", tid=2)
+        for w, f in reversed(qkv):
+            for d in ("dgrad", "wgrad"):
+                tr.mm(w, d, f, tid=2, strides=strides)
+    got = gemm_families(tr.events, WEIGHTS)
+    assert (got["families_ms"] == tr.ms()) == strides, got["families_ms"]
+    assert got["unattributed_gemm_ms"] == 0 or not strides
 
 
 @pytest.mark.parametrize("fp8", [False, True, "sites", "down_dgrad"])

@@ -10,9 +10,13 @@ the operators around it):
   by two families (F1, B2, the plain wgrad / dgrad) are told apart by their operand shapes, and so are
   the plain GEMMs traced into a compiled graph (``CODA_WEIGHTS``).
 - stock: ``aten::mm`` / ``addmm`` / ``_scaled_mm`` by operand shapes against the model's weights.
-  Two ambiguities remain there, resolved by the step's order: forward and backward GEMMs of equal
-  shapes (W1's forward is W2's dgrad) by whether the LM head's backward has started, and W_q against
-  W_o (both d x d) by where the GEMM falls relative to the layer's attention kernel and MLP GEMMs.
+  Two ambiguities remain there: forward and backward GEMMs of equal shapes (W1's forward is W2's
+  dgrad), resolved by the second operand's strides where the trace records them (a forward's is the
+  weight's transposed view; a dgrad's the weight, a wgrad's the input, both row-major), so that a
+  forward recomputed inside the backward (activation checkpointing) stays a forward, else (and for
+  ``_scaled_mm``, whose operands are column-major either way) by whether the LM head's backward has
+  started; and W_q against W_o (both d x d) by where the GEMM falls relative to the layer's attention
+  kernel and MLP GEMMs.
 """
 
 from __future__ import annotations
@@ -89,6 +93,18 @@ def _program_base(program: str) -> str:
     return program
 
 
+def second_operand_transposed(op: dict) -> bool | None:
+    """Whether a bf16 ``aten::mm`` / ``addmm``'s second operand is a transposed (column-major) view, as a
+    forward's W^T is, from the trace's Input Strides; None where they are not recorded or say neither."""
+    if op["name"] not in ("aten::mm", "aten::addmm"):
+        return None
+    strides = _two_d(op.get("args", {}).get("Input Strides"))[:2]
+    if len(strides) != 2 or len(_two_d(op.get("args", {}).get("Input Dims"))) < 2:
+        return None
+    s0, s1 = strides[1]
+    return True if s0 == 1 and s1 != 1 else False if s1 == 1 and s0 != 1 else None
+
+
 def _coda_family(program: str, dims, weights: dict) -> tuple[str, str] | None:
     """The GEMM of a CODA program call, from its name and, where two families share the program,
     its first operands' shapes."""
@@ -154,6 +170,7 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
     unattributed = 0.0
     backward = False  # stock: the LM head's backward opens the backward
     mlp_since_attn = True  # stock: an MLP GEMM since the last attention kernel (or none yet)
+    last_dir = None  # stock: the direction of the last GEMM attributed
     attention = 0.0
     programs = [e for e in events if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("coda::norm_rope")]
     coda_step = bool(programs)
@@ -184,12 +201,17 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
                 cands = {c for c in cands if c[0] not in ("qkv", "w13")}  # stock holds the separate weights
                 if any(w == "lm_head" and d != "fwd" for w, d in cands):
                     backward = True
-                cands = {c for c in cands if (c[1] == "fwd") != backward} or cands
+                forward = second_operand_transposed(op)
+                cands = {c for c in cands if (c[1] == "fwd") == (not backward if forward is None else forward)} or cands
                 fams_here = {(_FAMILY_OF[w], d) for w, d in cands}
-                if {f for f, _ in fams_here} == {"qkv", "out"} and len({d for _, d in fams_here}) == 1:
-                    d = next(iter(fams_here))[1]
+                dirs = {d for _, d in fams_here}
+                if dirs == {"fwd"} and last_dir not in (None, "fwd"):
+                    mlp_since_attn = True  # a forward recomputed in the backward starts its layer, as the step does
+                if len(dirs) == 1:
+                    last_dir = next(iter(dirs))
+                if {f for f, _ in fams_here} == {"qkv", "out"} and len(dirs) == 1:
                     # forward: q before its layer's attention, o after it; backward: o before, q after
-                    fams_here = {("qkv" if mlp_since_attn != backward else "out", d)}
+                    fams_here = {("qkv" if mlp_since_attn == (last_dir == "fwd") else "out", last_dir)}
                 if len(fams_here) == 1:
                     fd = next(iter(fams_here))
             if fd is None and op is not None:

@@ -38,6 +38,7 @@
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp88bmem the 8B CODA fp8 config without the transposed e4m3 weights (its peak against fp88b's)
+#     weighttbwd the 8B CODA fp8 config with [coda] fp8_weight_t_bwd (W^T made in each backward)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -713,6 +714,11 @@ for phase in "$@"; do
       v=$(VARIANT_OF=configs/llama3_8b_fp8_coda.toml variant no_wt "fp8_mlp_dgrad = false" "fp8_dgrad = false" \
         "fp8_out_bwd = false") || exit 2
       $cmp "$v" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag fp8_8b_no_wt
+      ;;
+    weighttbwd)
+      # [coda] fp8_weight_t_bwd: the 8B CODA fp8 config with it (reserved / live peak and step against fp88b's)
+      v=$(VARIANT_OF=configs/llama3_8b_fp8_coda.toml variant wtbwd "fp8_weight_t_bwd = true") || exit 2
+      $cmp "$v" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag fp8_8b_weight_t_bwd
       ;;
     fp88b)
       # issue 19: does 8B fp8 fit one GPU (full AC), and its tokens/s against float8 + compile at 8B

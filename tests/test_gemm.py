@@ -280,11 +280,17 @@ def test_quantize_delayed_and_fp8_weights(inv):
         assert wqt.is_contiguous() and torch.equal(wqt.view(torch.uint8), want.t().contiguous().view(torch.uint8))
     for transposed in (False, True):
         opcheck(torch.ops.coda.fp8_weights.default, (ws, transposed), test_utils=("test_faketensor",))
+    # fp8_weight_t: the backward's transpose of W's codes, the codes the pass would have transposed
+    for wq, wqt in zip(qs, qts):
+        got = TORCH.fp8_weight_t(w=wq)
+        assert got.is_contiguous() and torch.equal(got.view(torch.uint8), wqt.view(torch.uint8))
+        opcheck(torch.ops.coda.fp8_weight_t.default, (wq,), test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
 def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
-    """Inductor-fused on the GPU: the same elementwise math as the reference, bit for bit."""
+    """Inductor-fused on the GPU: the same elementwise math as the reference, bit for bit; the backward's
+    transpose of a weight's codes (``fp8_weight_t``, ``transpose_8bit``'s pass) is the pass's transposed codes."""
     from coda_titan.kernels import TORCH, get_backend
 
     cute = get_backend("cute")
@@ -302,6 +308,9 @@ def test_cute_quantize_delayed_and_fp8_weights_equal_the_reference():
         (qs, s, qts), (qs0, s0, qts0) = cute.fp8_weights(ws=ws, transposed=transposed), TORCH.fp8_weights(ws=ws, transposed=transposed)
         assert torch.equal(s, s0) and len(qts) == len(qts0)
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qs + qts, qs0 + qts0))
+    for wq, wqt in zip(qs, qts):  # (the last ``transposed`` call's): the backward's transpose, the pass's codes
+        got = cute.fp8_weight_t(w=wq)
+        assert got.is_contiguous() and torch.equal(got.view(torch.uint8), wqt.view(torch.uint8))
 
 
 def _step(t: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:

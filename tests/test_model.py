@@ -1324,3 +1324,38 @@ def test_prefetched_weight_pass_on_a_side_stream_is_the_forwards_own():
     assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
                for a, b in zip(flat(pre), flat(fresh)))
     assert loss_pre == loss_own
+
+
+def test_fp8_weight_t_bwd_trains_bit_for_bit_and_the_weight_pass_makes_no_transposes():
+    """``fp8_weight_t_bwd``: the weight pass makes no transposed e4m3 weight, and each fp8 dgrad transposes
+    the codes of W it was handed in its backward (``fp8_weight_t``: W_qkv, W_o, W13 and W2, once a layer and
+    step). The codes are the same either way, so three training steps give the model's losses, gradients and
+    parameters without it bit for bit."""
+    kw = dict(fp8_dgrad=True, fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_down_proj=True, fp8_out_proj=True,
+              fp8_down_dgrad=True, fp8_out_bwd=True)
+    runs = {}
+    for lazy in (False, True):
+        _, model = _models(**kw)
+        model.model_args.coda = dataclasses.replace(model.model_args.coda, fp8_weight_t_bwd=lazy)
+        calls = _spy(model, ("fp8_layer_weights", "fp8_weights", "fp8_weight_t"),
+                     lambda name, k: (name, k.get("w13_t") or k.get("wqkv_t") or k.get("transposed", False),
+                                      None if "w" not in k else tuple(k["w"].shape)))
+        tokens, labels = _batch(model.model_args.vocab_size)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+        losses, grads = [], []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(tokens, labels=labels)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            grads.append(_grads(model))
+        runs[lazy] = losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, calls
+    (l0, g0, p0, calls0), (l1, g1, p1, calls1) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(g0, g1) for n in a)
+    assert all(torch.equal(p0[n], p1[n]) for n in p0)
+    layers = sum(1 for name in p0 if name.endswith("feed_forward.w2.weight"))
+    assert any(t for name, t, _ in calls0 if name != "fp8_weight_t") and not any(name == "fp8_weight_t" for name, _, _ in calls0)
+    assert not any(t for name, t, _ in calls1 if name != "fp8_weight_t")  # the pass makes no transposes
+    assert sum(name == "fp8_weight_t" for name, _, _ in calls1) == 3 * 4 * layers

@@ -60,6 +60,7 @@ class Backend:
     fp8_layer_weights: Callable  # the weight pass
     quantize_tensorwise: Callable
     fp8_weights: Callable  # the weight pass of one kind (W2)
+    fp8_weight_t: Callable  # an e4m3 weight's transpose, made in the backward (fp8_weight_t_bwd)
     quantize_delayed: Callable  # an activation to e4m3 with its delayed scale (y for the down-projection)
     rms_partial_fp8: Callable
     residual_rms_fp8: Callable
@@ -107,6 +108,7 @@ TORCH = Backend(
     fp8_layer_weights=gemm.fp8_layer_weights,
     quantize_tensorwise=gemm.quantize_tensorwise,
     fp8_weights=gemm.fp8_weights,
+    fp8_weight_t=gemm.fp8_weight_t,
     quantize_delayed=gemm.quantize_delayed,
     rms_partial_fp8=rms_partial.rms_partial_fp8,
     residual_rms_fp8=residual_rms.residual_rms_fp8,
@@ -152,6 +154,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         fp8_layer_weights=gemm.fp8_layer_weights_op,
         quantize_tensorwise=gemm.quantize_tensorwise_op,
         fp8_weights=gemm.fp8_weights_op,
+        fp8_weight_t=gemm.fp8_weight_t_op,
         quantize_delayed=gemm.quantize_delayed_op,
         rms_partial_fp8=rms_partial.rms_partial_fp8_op,
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,

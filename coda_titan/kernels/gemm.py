@@ -95,6 +95,13 @@ def fp8_weights(*, ws: list[torch.Tensor], transposed: bool = False
             [q.t().contiguous() for q, _ in pairs] if transposed else [])
 
 
+def fp8_weight_t(*, w: torch.Tensor) -> torch.Tensor:
+    """W^T's e4m3 codes (K-major for an fp8 dgrad) from W's, the same codes the weight pass would transpose
+    (``fp8_weight_t_bwd``: made by the backward that reads them instead of held through the step)."""
+    check_2d("w", w)
+    return w.t().contiguous()
+
+
 def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sat(t * inv) as e4m3, amax |t|): an activation quantized with its site's delayed scale
     (``inv_scale``; None = the current amax, the calibration step), reporting the amax for the
@@ -279,6 +286,16 @@ def _(ws, transposed=False):
     return ([w.new_empty(w.shape, dtype=E4M3) for w in ws],
             torch.empty(len(ws), dtype=acc_dtype(ws[0]) if ws else torch.float32, device=ws[0].device if ws else None),
             [w.new_empty((w.shape[1], w.shape[0]), dtype=E4M3) for w in ws] if transposed else [])
+
+
+@program_op("fp8_weight_t")
+def fp8_weight_t_op(w: torch.Tensor) -> torch.Tensor:
+    return fp8_weight_t(w=w)
+
+
+@fp8_weight_t_op.register_fake
+def _(w):
+    return w.new_empty((w.shape[1], w.shape[0]))
 
 
 @program_op("quantize_delayed")

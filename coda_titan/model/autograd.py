@@ -47,6 +47,12 @@ class ProgramConfig:
     fp8_da_t: bool = False  # with fp8_da_wgrad: B3 also writes da^T, dW13 without a copy pass (``fp8_mlp_da_t``)
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
+    fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
+
+
+def _weight_t(cfg: ProgramConfig, w_t: torch.Tensor | None) -> torch.Tensor | None:
+    """The e4m3 W^T an fp8 dgrad reads: the weight pass's, or (``fp8_weight_t_bwd``) made here from W's codes."""
+    return cfg.backend.fp8_weight_t(w=w_t) if w_t is not None and cfg.fp8_weight_t_bwd else w_t
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,8 @@ class ResidualRMS(torch.autograd.Function):
         be = ctx.cfg.backend
         if w_t is not None:  # fp8_out_bwd: one cast of dX for both GEMMs
             dq, s_d = be.quantize_grad(t=dx)
-            dy = be.dgrad_fp8_q(gradq=dq, grad_scale=s_d, weight_tq=w_t, w_scale=s_w, out_dtype=dx.dtype)
+            dy = be.dgrad_fp8_q(gradq=dq, grad_scale=s_d, weight_tq=_weight_t(ctx.cfg, w_t), w_scale=s_w,
+                                out_dtype=dx.dtype)
             dw = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y, inp_scale=inv_y.reciprocal(), out_dtype=weight.dtype)
         else:
             dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
@@ -224,7 +231,8 @@ class NormRoPE(torch.autograd.Function):
         if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2 (delayed scale), B2 runs on it and W_qkv,q^T
             da, zdz, daq, amax = be.rope_bwd_fp8(**rope, inv_scale=inv_g)
             inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g
-            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w8_t, scale=dequant_scale(inv, s_w), zdz=zdz, **norm)
+            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w8_t), scale=dequant_scale(inv, s_w),
+                                                  zdz=zdz, **norm)
             sink = amax.float().reshape(()) if ctx.needs_input_grad[-1] else None
         else:
             da, zdz = be.rope_bwd(**rope)
@@ -287,7 +295,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
         daq_t = dq = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             dq, s_d = be.quantize_grad(t=dx_out)
-            q = dict(doutq=dq, w_down_tq=w2q_t, scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd, inv_scale=grad_inv_scale)
+            q = dict(doutq=dq, w_down_tq=_weight_t(ctx.cfg, w2q_t), scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd,
+                     inv_scale=grad_inv_scale)
             if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
                 da = None
                 y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, inv_y=inv_y)
@@ -308,8 +317,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
             amax = None
         inv_g = inv_scale_from_amax(amax, E5M2_MAX) if ctx.e5m2 and grad_inv_scale is None else grad_inv_scale
         if w13q_t is not None:  # fp8_mlp_dgrad: B2 on e5m2 da x e4m3 W13^T
-            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=w13q_t, scale=dequant_scale(inv_g, s_w), zdz=zdz,
-                                                  **norm)
+            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
+                                                  scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and os.environ.get(DW2_RECAST_ENV) != "1":  # and on B3's e5m2 D:

@@ -206,7 +206,7 @@ class CodaTransformer(Transformer):
             ce_chunk_rows=a.coda.ce_chunk_rows, fp8_wgrads=a.coda.precision == "fp8" and a.coda.fp8_layer_wgrads,
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
             fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad,
-            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd)
+            fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, fp8_weight_t_bwd=a.coda.fp8_weight_t_bwd)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""
@@ -280,18 +280,22 @@ class CodaTransformer(Transformer):
         mlp_dgrad, qkv_dgrad, down_dgrad, sites, out_bwd = flags
         weight = {"down": lambda l: l.feed_forward.w2.weight, "out": lambda l: l.attention.wo.weight}
         transposed = {"down": down_dgrad, "out": out_bwd}  # (W2^T: B3's K-major operand; W_o^T: its fp8 dgrad's)
+        lazy = cfg.fp8_weight_t_bwd  # (no transposes here: each backward makes its own from W's codes, passed instead)
         with torch.no_grad():
             ws = cfg.backend.fp8_layer_weights(
                 w1=[l.feed_forward.w1.weight for l in blocks], w3=[l.feed_forward.w3.weight for l in blocks],
                 wq=[l.attention.wq.weight for l in blocks], wk=[l.attention.wk.weight for l in blocks],
-                wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad, wqkv_t=qkv_dgrad,
+                wv=[l.attention.wv.weight for l in blocks], w13_t=mlp_dgrad and not lazy, wqkv_t=qkv_dgrad and not lazy,
             )
-            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks], transposed=transposed[site])
+            fp8_in = {site: cfg.backend.fp8_weights(ws=[weight[site](l) for l in blocks], transposed=transposed[site] and not lazy)
                       for site in sites}
-            down = fp8_in.get("down") or down_dgrad and cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks], transposed=True)
-            w2_t = (down[2], aligned_unbind(down[1])) if down_dgrad else None
+            down = fp8_in.get("down") or down_dgrad and cfg.backend.fp8_weights(ws=[weight["down"](l) for l in blocks], transposed=not lazy)
+            w2_t = (down[0] if lazy else down[2], aligned_unbind(down[1])) if down_dgrad else None
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t = ws  # each layer's scale 16-byte aligned (``aligned_unbind``)
-            fp8_in = {site: (q, aligned_unbind(sc), q_t if site == "out" else []) for site, (q, sc, q_t) in fp8_in.items()}
+            if lazy:
+                w13_t, wqkv_t = (w13 if mlp_dgrad else []), (wqkv if qkv_dgrad else [])
+            fp8_in = {site: (q, aligned_unbind(sc), (q if lazy and out_bwd else q_t) if site == "out" else [])
+                      for site, (q, sc, q_t) in fp8_in.items()}
             return w13, aligned_unbind(s_13), wqkv, aligned_unbind(s_qkv), w13_t, wqkv_t, fp8_in, w2_t
 
     def prefetch_fp8_weights(self) -> bool:

@@ -6,6 +6,7 @@ quantize_tensorwise  amax reduction + saturated cast, inductor-fused
 fp8_layer_weights    every layer's weight pass in one compiled call: per weight one amax reduction
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``; W2^T for B3's fp8 GEMM)
+fp8_weight_t         an e4m3 weight's transpose by ``transpose_8bit``'s pass, in the backward (``fp8_weight_t_bwd``)
 quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
                      inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
 quantize_grad        a gradient's amax (one eager reduction) and power-of-two e5m2 scale, its e5m2 cast
@@ -30,7 +31,7 @@ from .. import gemm as ref
 from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
                        quantize_e5m2)
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
-from .transpose_8bit import cast_transpose_e5m2, token_major
+from .transpose_8bit import cast_transpose_e5m2, token_major, transpose_8bit
 
 
 def _mm(a, b, out_dtype):
@@ -83,6 +84,13 @@ def _fp8_layer_weights(w1, w3, wq, wk, wv, w13_t, wqkv_t):
 @torch.library.register_kernel("coda::fp8_weights", "cuda")
 def _fp8_weights(ws, transposed=False):
     return fused(f"fp8_weights_{transposed:d}", lambda ts: ref.fp8_weights(ws=ts, transposed=transposed))(list(ws))
+
+
+@torch.library.register_kernel("coda::fp8_weight_t", "cuda")
+def _fp8_weight_t(w):
+    if w.element_size() != 1 or not w.is_contiguous() or w.dim() != 2:
+        return fallback(ref.fp8_weight_t_op, f"a {w.dtype} weight of stride {w.stride()} (need contiguous 8-bit)", w)
+    return transpose_8bit(w)
 
 
 def _fused_cast(quantize, t, inv):

@@ -664,17 +664,23 @@ def test_fp8_grad_margin_is_validated():
         _models(fp8_mlp_dgrad=True, fp8_grad_margin=-1)
 
 
-def test_fp8_model_trains():
-    _, fp8 = _models()
-    tokens, labels = _batch(fp8.model_args.vocab_size)
-    opt = torch.optim.AdamW(fp8.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
+def _train_steps(model, steps: int, **adamw) -> list[tuple[torch.Tensor, dict]]:
+    """``steps`` AdamW steps (lr 3e-3) of ``model`` on ``_batch``: each step's (loss, parameter gradients)."""
+    tokens, labels = _batch(model.model_args.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, **adamw)
+    out = []
+    for _ in range(steps):
         opt.zero_grad()
-        loss = fp8(tokens, labels=labels)
+        loss = model(tokens, labels=labels)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        out.append((loss.detach(), _grads(model)))
+    return out
+
+
+def test_fp8_model_trains():
+    _, fp8 = _models()
+    losses = [loss.item() for loss, _ in _train_steps(fp8, 8)]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.9 * losses[0]
 
 
@@ -1337,25 +1343,16 @@ def test_fp8_weight_t_bwd_trains_bit_for_bit_and_the_weight_pass_makes_no_transp
     for lazy in (False, True):
         _, model = _models(**kw)
         model.model_args.coda = dataclasses.replace(model.model_args.coda, fp8_weight_t_bwd=lazy)
+        # (each call: its name and whether a pass was asked for transposed weights)
         calls = _spy(model, ("fp8_layer_weights", "fp8_weights", "fp8_weight_t"),
-                     lambda name, k: (name, k.get("w13_t") or k.get("wqkv_t") or k.get("transposed", False),
-                                      None if "w" not in k else tuple(k["w"].shape)))
-        tokens, labels = _batch(model.model_args.vocab_size)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
-        losses, grads = [], []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = model(tokens, labels=labels)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-            grads.append(_grads(model))
-        runs[lazy] = losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, calls
-    (l0, g0, p0, calls0), (l1, g1, p1, calls1) = runs[False], runs[True]
-    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
-    assert all(torch.equal(a[n], b[n]) for a, b in zip(g0, g1) for n in a)
+                     lambda name, k: (name, bool(k.get("w13_t") or k.get("wqkv_t") or k.get("transposed"))))
+        steps = _train_steps(model, 3, foreach=False)
+        runs[lazy] = steps, {n: p.detach().clone() for n, p in model.named_parameters()}, calls
+    (s0, p0, calls0), (s1, p1, calls1) = runs[False], runs[True]
+    assert all(torch.equal(l0, l1) for (l0, _), (l1, _) in zip(s0, s1))
+    assert all(torch.equal(g0[n], g1[n]) for (_, g0), (_, g1) in zip(s0, s1) for n in g0)
     assert all(torch.equal(p0[n], p1[n]) for n in p0)
     layers = sum(1 for name in p0 if name.endswith("feed_forward.w2.weight"))
-    assert any(t for name, t, _ in calls0 if name != "fp8_weight_t") and not any(name == "fp8_weight_t" for name, _, _ in calls0)
-    assert not any(t for name, t, _ in calls1 if name != "fp8_weight_t")  # the pass makes no transposes
-    assert sum(name == "fp8_weight_t" for name, _, _ in calls1) == 3 * 4 * layers
+    assert any(t for _, t in calls0) and ("fp8_weight_t", False) not in calls0
+    assert not any(t for _, t in calls1)  # the pass makes no transposes
+    assert calls1.count(("fp8_weight_t", False)) == 3 * 4 * layers

@@ -33,6 +33,7 @@
 #     fusedclipparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fused_clip, and without
 #     downdgradov  CODA fp8 compiled with fp8_down_dgrad (B3 on fp8, overlapped epilogues) against its defaults
 #     ncustalls   Nsight Compute on one call of B3 (NCU_PROGRAMS): its warp-state counters and per-SASS stall samples
+#     phases   probe: the host's time per training step by phase, and the phases the slow steps grow in
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
@@ -681,6 +682,13 @@ for phase in "$@"; do
       # probe: the host time of one call of each program (bf16 and fp8, d = 2048) beside its GPU time
       python3 -m scripts.probes.host_overhead > "$logs/host_overhead.log" 2>&1
       echo "hostoverhead rc=$?"; tail -4 "$logs/host_overhead.log"
+      ;;
+    phases)
+      # probe: the host's time per step, phase by phase (data, copies, forward, backward, optimizer, the wait for
+      # the GPU, logging), and which phase grows in the slow steps (CONFIGS, default the two compiled CODA configs)
+      python3 -m scripts.probes.step_phases ${CONFIGS:-configs/llama3_1b_fp8_coda_compile.toml \
+        configs/llama3_1b_bf16_coda_compile.toml} --steps "${STEPS:-40}" --warmup 10 ${TAG:+--tag "$TAG"} \
+        --workdir /tmp/compare 2>&1 | tail -4
       ;;
     hostslack)
       # probe: host-bound GPU idle of the forward, without a profiler: the step with a GPU sleep of S ms at each

@@ -1,0 +1,54 @@
+"""The step-phases probe (scripts/probes/step_phases.py): its arithmetic, and its wrappers on TorchTitan's
+own Trainer (a real CPU run: a TorchTitan that renamed what the probe wraps fails here, not on the GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts.probes.step_phases import ENV_LOG, PHASES, phases_of, slow_steps
+
+from .conftest import CONFIGS, NO_NETRC, ROOT
+
+
+def test_phases_are_the_gaps_between_the_stamps():
+    t = dict(prev_end=0.0, start=0.010, data0=0.011, data1=0.015, data_s=0.004, fb0=0.016, bwd0=0.050, fb1=0.120,
+             clip0=0.121, clip1=0.123, opt0=0.124, opt1=0.130, log0=0.200, log1=0.201)
+    row = phases_of(t)
+    want = dict(between=10, pre=1, data=4, h2d=1, fwd=34, bwd=70, clip=2, opt=6, wait=70, log=1)
+    assert set(row) == set(PHASES)
+    assert row == pytest.approx(want)
+    first = phases_of({k: v for k, v in t.items() if k not in ("prev_end", "log0", "log1")})
+    assert first["between"] is None and first["wait"] is None and first["log"] is None
+
+
+def test_slow_steps_are_timed_steps_over_the_median_with_their_excess():
+    base = {k: 1.0 for k in PHASES}
+    steps = [{"step": i, "step_ms": 100.0, **base} for i in range(1, 13)]
+    steps[0]["step_ms"] = 900.0  # a warm-up step: never slow, never in the medians
+    steps[7].update(step_ms=160.0, wait=61.0)
+    got = slow_steps(steps, warmup=1)
+    assert got["medians"]["step_ms"] == 100.0 and got["medians"]["wait"] == 1.0
+    assert [s["step"] for s in got["slow"]] == [8]
+    assert got["slow"][0]["excess_ms"]["wait"] == 60.0
+    assert all(v == 0.0 for k, v in got["slow"][0]["excess_ms"].items() if k != "wait")
+
+
+def test_the_child_stamps_every_phase_of_a_real_training_run(tmp_path, cache_dir):
+    log = tmp_path / "phases.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update({ENV_LOG: str(log), "CODA_TITAN_CACHE": str(cache_dir), "WANDB_SILENT": "true", "NETRC": NO_NETRC,
+                "PYTHONPATH": str(ROOT)})
+    cmd = [sys.executable, "-m", "scripts.probes.step_phases", "child", "train", str(CONFIGS / "debug_cpu_coda.toml"),
+           "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        stamped = {k for k, v in r.items() if v is not None}
+        assert stamped == {"step", *PHASES} - ({"between"} if r["step"] == 1 else set())
+        assert all(r[k] >= 0 for k in stamped - {"step"})
+        assert r["fwd"] > 0 and r["bwd"] > 0  # the model ran between the stamps

@@ -36,13 +36,14 @@ def test_slow_steps_are_timed_steps_over_the_median_with_their_excess():
     assert all(v == 0.0 for k, v in got["slow"][0]["excess_ms"].items() if k != "wait")
 
 
-def test_the_child_stamps_every_phase_of_a_real_training_run(tmp_path, cache_dir):
+@pytest.mark.parametrize("extra", [(), ("--coda.fused_clip",)], ids=["clip", "fused_clip"])
+def test_the_child_stamps_every_phase_of_a_real_training_run(tmp_path, cache_dir, extra):
     log = tmp_path / "phases.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update({ENV_LOG: str(log), "CODA_TITAN_CACHE": str(cache_dir), "WANDB_SILENT": "true", "NETRC": NO_NETRC,
                 "PYTHONPATH": str(ROOT)})
     cmd = [sys.executable, "-m", "scripts.probes.step_phases", "child", "train", str(CONFIGS / "debug_cpu_coda.toml"),
-           "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out")]
+           "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out"), *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]

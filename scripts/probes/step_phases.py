@@ -47,13 +47,13 @@ def phases_of(marks: dict) -> dict:
     """A step's phase durations (ms) from its host time stamps (seconds): ``marks`` holds ``start``,
     ``data0`` / ``data1`` (the first ``next``'s entry, the last one's return), ``data_s`` (time inside
     every ``next``), ``fb0`` / ``bwd0`` / ``fb1``, ``clip0`` / ``clip1``, ``opt0`` / ``opt1``, ``log0`` / ``log1``,
-    and ``prev_end`` (the previous step's return; absent on the first)."""
-    ms = lambda a, b: 1e3 * (marks[b] - marks[a])  # noqa: E731
-    row = {"between": 1e3 * (marks["start"] - marks["prev_end"]) if "prev_end" in marks else None,
-           "pre": ms("start", "data0"), "data": 1e3 * marks["data_s"], "h2d": ms("data1", "fb0"),
-           "fwd": ms("fb0", "bwd0"), "bwd": ms("bwd0", "fb1"), "clip": ms("clip0", "clip1"), "opt": ms("opt0", "opt1")}
-    row["wait"] = ms("opt1", "log0") if "log0" in marks else None
-    row["log"] = ms("log0", "log1") if "log0" in marks else None
+    and ``prev_end`` (the previous step's return; absent on the first); a phase without its stamps is None."""
+    def ms(a, b):
+        return 1e3 * (marks[b] - marks[a]) if a in marks and b in marks else None  # (None: a phase it did not stamp)
+
+    row = {"between": ms("prev_end", "start"), "pre": ms("start", "data0"), "data": 1e3 * marks["data_s"],
+           "h2d": ms("data1", "fb0"), "fwd": ms("fb0", "bwd0"), "bwd": ms("bwd0", "fb1"), "clip": ms("clip0", "clip1"),
+           "opt": ms("opt0", "opt1"), "wait": ms("opt1", "log0"), "log": ms("log0", "log1")}
     return row
 
 
@@ -77,20 +77,6 @@ def _install(log_path: str) -> None:
     import torchtitan.train as tt
 
     state = {"prev_end": None}
-    dist = tt.dist_utils
-    clip = dist.clip_grad_norm_
-
-    def timed_clip(*a, **k):
-        m = state.get("marks")
-        if m is not None:
-            m["clip0"] = time.perf_counter()
-        try:
-            return clip(*a, **k)
-        finally:
-            if m is not None:
-                m["clip1"] = time.perf_counter()
-
-    dist.clip_grad_norm_ = timed_clip
 
     class Timed:
         def __init__(self, it, marks):
@@ -135,7 +121,8 @@ def _install(log_path: str) -> None:
         marks = state["marks"] = {"start": time.perf_counter()}
         if state["prev_end"] is not None:
             marks["prev_end"] = state["prev_end"]
-        wrap_method(self.optimizers, "step", "opt0", "opt1")
+        wrap_method(tt.dist_utils, "clip_grad_norm_", "clip0", "clip1")  # (each step: [coda] fused_clip swaps it in
+        wrap_method(self.optimizers, "step", "opt0", "opt1")               # after the Trainer is built)
         wrap_method(self.metrics_processor, "log", "log0", "log1")
         try:
             return train_step(self, Timed(data_iterator, marks))

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op, tile_sumsq
+from .recompute import skip_tail
 from .rms_partial import h_and_q
 from .scaling import E4M3, compute_dtype, fp8_mm
 
@@ -185,5 +186,12 @@ def residual_rms_q_fp8_t_op(
 
 @residual_rms_q_fp8_t_op.register_fake
 def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
-    x, h, s, hq, amax = residual_rms_q_fp8_op(yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    # (residual_rms_q_fp8's fake, not its op: a kernel's recompute skip calls this on real tensors)
+    x, h, s, hq, amax = residual_rms_q_fp8_op._abstract_fn(yq, wq, scale, residual, gamma, tile_n, inv_scale)
     return x, h, s, hq, hq.new_empty((hq.shape[1], hq.shape[0])), amax
+
+
+# In full activation checkpointing's recompute the block's down-projection F1 is not run (its outputs are
+# dropped: ``recompute``); the ops' CPU kernels skip it as the CUDA kernels do, so the CPU tests run that path.
+for _op in (residual_rms_op, residual_rms_fp8_op, residual_rms_q_op, residual_rms_q_fp8_op, residual_rms_q_fp8_t_op):
+    torch.library.register_kernel(_op, "cpu")(skip_tail(_op)(_op.reference))

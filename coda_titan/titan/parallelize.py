@@ -21,6 +21,7 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_
 from torchtitan.tools.logging import logger
 
 from ..kernels import EPI_C_STAGES_ENV as STAGES_ENV
+from ..kernels import recompute
 from . import fused_clip, opt_stream
 
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
@@ -62,6 +63,8 @@ def parallelize_coda(model, parallel_dims, job_config):
             op_sac_save_list=_op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
+        if ac.mode == "full" and recompute.install(model.layers):  # (no MLP F1 GEMM in the recompute)
+            logger.info("Full activation checkpointing recomputes each block up to its down-projection's GEMM")
     if model_compile and graphs:  # TorchTitan's per-block compile, in the mode that replays CUDA graphs
         for layer_id, block in model.layers.named_children():
             model.layers.register_module(layer_id, torch.compile(block, fullgraph=True, mode="reduce-overhead"))

@@ -9,6 +9,9 @@ residual_rms_q    ``epilogues.rms_partial_scaled_epi`` on e4m3 yq and Wq (fp8 ma
 residual_rms_q_fp8  ``epilogues.rms_partial_scaled_fp8_epi``: the same plus e4m3 Hq and amax |H|
 residual_rms_q_fp8_t  ``epilogues.rms_partial_scaled_fp8_t_epi``: also Hq^T through an M-major 8-bit output
                   (a view of a (d, M) buffer), as B3 stores da^T
+
+Each skips the block's down-projection F1 in full activation checkpointing's recompute
+(``kernels/recompute.py``: its outputs are dropped there).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import torch
 from quack.epilogue.library import rms_partial_epi
 
 from .. import residual_rms as ref
+from ..recompute import skip_tail
 from ..scaling import E4M3
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi, rms_partial_scaled_fp8_t_epi
 
 
 @torch.library.register_kernel("coda::residual_rms", "cuda")
+@skip_tail(ref.residual_rms_op)
 def _residual_rms(y, weight, residual, gamma, tile_n):
     why = unsupported(y, weight, residual)
     if why:
@@ -35,6 +40,7 @@ def _residual_rms(y, weight, residual, gamma, tile_n):
 
 
 @torch.library.register_kernel("coda::residual_rms_fp8", "cuda")
+@skip_tail(ref.residual_rms_fp8_op)
 def _residual_rms_fp8(y, weight, residual, gamma, tile_n, inv_scale):
     why = unsupported(y, weight, residual)
     if why is None and residual.shape[1] % 16:
@@ -62,6 +68,7 @@ def _q_unsupported(yq, wq, residual) -> str | None:
 
 
 @torch.library.register_kernel("coda::residual_rms_q", "cuda")
+@skip_tail(ref.residual_rms_q_op)
 def _residual_rms_q(yq, wq, scale, residual, gamma, tile_n):
     why = _q_unsupported(yq, wq, residual)
     if why:
@@ -94,6 +101,7 @@ def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale, **more_out):
 
 
 @torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")
+@skip_tail(ref.residual_rms_q_fp8_op)
 def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
     why = _q_fp8_unsupported(yq, wq, residual, inv_scale)
     if why:
@@ -102,6 +110,7 @@ def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
 
 
 @torch.library.register_kernel("coda::residual_rms_q_fp8_t", "cuda")
+@skip_tail(ref.residual_rms_q_fp8_t_op)
 def _residual_rms_q_fp8_t(yq, wq, scale, residual, gamma, tile_n, inv_scale):
     why = _q_fp8_unsupported(yq, wq, residual, inv_scale)
     if why is None and residual.shape[0] % 16:

@@ -146,11 +146,12 @@ def test_install_leaves_reentrant_and_unwrapped_blocks_and_refuses_a_bad_env(mon
 
 def _gpu_steps(precision: str, compile_: bool, steps: int = 2):
     """The cute programs on a 1B-wide, 2-layer model (seq 2048, batch 2) under full AC, compiled by inductor
-    or eager: each step's (loss, gradients, F1 GEMMs launched), deterministic algorithms on (FA4 and SDPA
-    backward otherwise sum in a varying order)."""
+    or eager: each step's (loss, gradients, F1 GEMMs launched), FA4's attention with deterministic algorithms on
+    (its backward and the embedding's otherwise sum in a varying order)."""
     from torchtitan.config.job_config import ActivationCheckpoint, Compile
 
     from coda_titan.kernels.cute import residual_rms as cute_f1
+    from coda_titan.titan import fa4 as fa
     from coda_titan.titan.parallelize import parallelize_coda
 
     torch._dynamo.reset()
@@ -162,6 +163,7 @@ def _gpu_steps(precision: str, compile_: bool, steps: int = 2):
         with torch.no_grad():
             model.init_weights()
     model = model.to(torch.bfloat16)
+    assert fa.swap_attention(model) == 2  # (FA4, as the configs: its backward repeats its bits when deterministic)
     job = SimpleNamespace(compile=Compile(enable=compile_, components=["model"], backend="inductor"),
                           activation_checkpoint=ActivationCheckpoint(mode="full"), job=SimpleNamespace(dump_folder="."))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
@@ -192,15 +194,21 @@ def _gpu_steps(precision: str, compile_: bool, steps: int = 2):
 def test_cute_full_ac_recompute_skips_the_down_projection_gemm_bit_for_bit(monkeypatch, precision):
     """Compiled by inductor with the cute programs (the 8B configs' path): the recompute launches one F1
     GEMM a layer (the out-projection's), not two, and the losses and gradients are the old recompute's bits."""
+    from coda_titan.titan import fa4 as fa
+
+    if fa.fa4_unavailable_reason():
+        pytest.skip(fa.fa4_unavailable_reason())
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         runs = {}
-        for tail in ("recompute", "skip"):
+        for arm, tail in (("recompute", "recompute"), ("again", "recompute"), ("skip", "skip")):
             monkeypatch.setenv(recompute.ENV, tail)
-            runs[tail] = _gpu_steps(precision, compile_=True)
+            runs[arm] = _gpu_steps(precision, compile_=True)
     finally:
         torch.use_deterministic_algorithms(was)
+    for (loss, grads, _), (loss_again, grads_again, _) in zip(runs["recompute"], runs["again"]):  # (the control)
+        assert torch.equal(loss_again, loss) and all(torch.equal(grads_again[n], g) for n, g in grads.items())
     for step, ((loss, grads, n_old), (loss_new, grads_new, n_new)) in enumerate(zip(runs["recompute"], runs["skip"])):
         if precision == "bf16" or step > 0:  # (fp8's first step calibrates: F1 on e4m3 H runs the reference)
             assert (n_old, n_new) == (4 * 2, 3 * 2)

@@ -189,9 +189,9 @@ def test_scaling_table_pairs_n_gpus_with_one_gpu_of_the_same_day(tmp_path, monke
 
 
 def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path, monkeypatch):
-    """A CODA profile with its GEMM-family attribution, the stock profile of the same device, day and
-    precision, and that day's floor: one row per family and direction, CODA / floor against the floor
-    of the run's precision, totals."""
+    """A CODA profile with its GEMM-family attribution, the stock profile of the same device, day,
+    precision and model flavor, and that day's floor of that flavor: one row per family and direction,
+    CODA / floor against the floor of the run's precision, totals."""
     from scripts.compare import common
     from scripts.report import training
 
@@ -226,6 +226,12 @@ def test_family_table_sets_each_gemm_family_against_stock_and_the_floor(tmp_path
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({**floor, "host": "h2"}))
     assert training._floor_of({**coda, "host": "h1"})["host"] == "h1"
     assert training._floor_of({**coda, "host": "h3"})["host"] == "h2"
+    # another flavor's profile of that day is set against neither that stock profile nor that floor
+    shaped = {"seq_len": 8192, "local_batch_size": 2}
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({**floor, "host": "h2", "model": "1B", **shaped}))
+    big, small = ({**p, "run": {**p["run"], "model": f"llama3/{f}", **shaped}} for p, f in ((coda, "8B"), (stock, "1B")))
+    assert training.family_pairs([small, big]) == [(big, None)]
+    assert training._floor_of(big) is None and training._floor_of({**big, "run": small["run"]})["host"] == "h2"
 
 
 def test_compare_table_sets_coda_against_stock_compiled_by_an_override():

@@ -306,13 +306,22 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _flavor(profile: dict) -> str | None:
+    """The model flavor a profile ran ("1B", "8B"; its run's ``model`` is ``<name>/<flavor>``)."""
+    model = profile.get("run", {}).get("model")
+    return model.split("/")[-1] if model else None
+
+
 def _floor_of(profile: dict) -> dict | None:
     """The complete floor file (``scripts.bench.floor``) of this profile's device and day: the one measured
     on its host (machine and boot) if kept, here or archived under another name, else the day's."""
     from scripts.compare.common import RESULTS
     from scripts.compare.run import floor_files
 
-    docs = [doc for _, doc in floor_files(profile["device"], profile["date"], (RESULTS,), archived=True) if doc.get("complete")]
+    run = profile.get("run", {})
+    docs = [doc for _, doc in floor_files(profile["device"], profile["date"], (RESULTS,), archived=True) if doc.get("complete")
+            and doc.get("model") == _flavor(profile)
+            and (doc.get("seq_len"), doc.get("local_batch_size")) == (run.get("seq_len"), run.get("local_batch_size"))]
     same_host = [d for d in docs if profile.get("host") and d.get("host") == profile["host"]]
     return (same_host or docs or [None])[0]
 
@@ -361,15 +370,15 @@ def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:
 
 
 def family_pairs(profiles: list[dict]) -> list[tuple[dict, dict | None]]:
-    """(CODA profile, stock profile of the same device, day and precision) for every CODA profile
-    that has the GEMM-family attribution."""
+    """(CODA profile, stock profile of the same device, day, precision and model flavor) for every CODA
+    profile that has the GEMM-family attribution."""
     out = []
     for doc in profiles:
         if "gemm_families" not in doc["summary"] or "_coda" not in Path(doc["config"]).stem:
             continue
         same = [d for d in profiles if "_baseline" in Path(d["config"]).stem and d["device"] == doc["device"]
                 and d["date"][:10] == doc["date"][:10] and d["run"].get("precision") == doc["run"].get("precision")
-                and "gemm_families" in d["summary"]]
+                and _flavor(d) == _flavor(doc) and "gemm_families" in d["summary"]]
         out.append((doc, same[0] if same else None))
     return out
 

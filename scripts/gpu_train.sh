@@ -17,7 +17,7 @@
 #     headline the README's headline in one call (about 8 min): the floor (quack's default config), then the compiled
 #              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
-#     compare  python -m scripts.compare over the four 1B BF16 configs (40 timed steps after 10 warm-up)
+#     compare  python -m scripts.compare over the four 1B BF16 configs (50 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B baseline vs coda (and vs compiled baseline, the bf16 noise floor), 300 steps
 #     profile  python -m scripts.compare --profile of the 1B coda and compiled baseline configs
 #     families the floor, then profiles of the compiled 1B CODA and stock configs (PRECISION=bf16|fp8): the
@@ -43,7 +43,7 @@
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
-#     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (40 timed steps)
+#     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (50 timed steps)
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
 #     fp8wgrad   float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_wgrad = true and = false (A/B)
 #     fp8model   the whole-model GPU test of the fp8 programs only
@@ -163,13 +163,13 @@ variant() {
   echo "$v"
 }
 # ab TAG ON OFF KEY ...: the A/B of [coda] knobs: float8 + compile against the compiled CODA fp8 config
-# with every KEY = true (arm ON) and every KEY = false (arm OFF), 40 timed steps, written under TAG
+# with every KEY = true (arm ON) and every KEY = false (arm OFF), 50 timed steps, written under TAG
 # (PREC=bf16: stock + compile against the compiled CODA bf16 config)
 ab() {
   local tag=$1 on=$2 off=$3 k a b yes=() no=(); shift 3
   for k in "$@"; do yes+=("$k = true"); no+=("$k = false"); done
   a=$(variant "$on" "${yes[@]}") && b=$(variant "$off" "${no[@]}") || exit 2
-  $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag "$tag"
+  $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" "$b" --steps "${STEPS:-50}" --warmup 10 --tag "$tag"
 }
 # curves TAG NAME "KEY = VALUE" ...: the 300-step loss curves (PARITY_STEPS) that making those [coda] lines the
 # default waits for: float8 + compile, the compiled CODA fp8 config with them (variant NAME), and as configured
@@ -184,8 +184,8 @@ curves() {
 envab() {
   local p=${PREC:-fp8}
   $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml \
-    --steps "${STEPS:-40}" --warmup 10 --tag "$1"
-  env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 --tag "$2"
+    --steps "${STEPS:-50}" --warmup 10 --tag "$1"
+  env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --tag "$2"
 }
 # floor_default: the 1B floor with quack at its default config (a minute), its totals printed
 floor_default() {
@@ -231,9 +231,9 @@ for phase in "$@"; do
       ;;
     headline)
       floor_default
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" \
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-50}" \
         --warmup 10 --tag fp8_coda
-      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" \
+      $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-50}" \
         --warmup 10
       ;;
     check)
@@ -244,7 +244,7 @@ for phase in "$@"; do
       ;;
     compare)
       $cmp configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_baseline_compile.toml \
-        configs/llama3_1b_bf16_coda.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-40}" --warmup 10
+        configs/llama3_1b_bf16_coda.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-50}" --warmup 10
       ;;
     parity)
       $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_coda.toml \
@@ -264,13 +264,13 @@ for phase in "$@"; do
       ;;
     sdpa)
       $cmp --attention sdpa configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag sdpa
+        --steps "${STEPS:-50}" --warmup 10 --tag sdpa
       ;;
     fp8)
       $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_fp8_baseline_compile.toml \
-        configs/llama3_1b_fp8_baseline.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8
+        configs/llama3_1b_fp8_baseline.toml --steps "${STEPS:-50}" --warmup 10 --tag fp8
       $cmp configs/llama3_1b_fp8_baseline_compile.toml --set quantize.linear.float8.recipe_name=rowwise \
-        --steps "${STEPS:-40}" --warmup 10 --tag fp8_rowwise
+        --steps "${STEPS:-50}" --warmup 10 --tag fp8_rowwise
       ;;
     fp8check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -k fp8 -s --tb=short -W ignore::DeprecationWarning \
@@ -285,11 +285,11 @@ for phase in "$@"; do
       ;;
     fp8compare)
       $cmp ${FP8_CONFIGS:-configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \
-        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml} --steps "${STEPS:-40}" --warmup 10 --tag "${TAG:-fp8_coda}"
+        configs/llama3_1b_fp8_coda_compile.toml configs/llama3_1b_bf16_coda.toml} --steps "${STEPS:-50}" --warmup 10 --tag "${TAG:-fp8_coda}"
       ;;
     fp8mlp)
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml configs/llama3_1b_fp8_coda_compile.toml \
-        --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_dgrad
+        --set coda.fp8_mlp_dgrad=true --steps "${STEPS:-50}" --warmup 10 --tag fp8_mlp_dgrad
       ;;
     fp8wgrad)
       ab fp8_mlp_wgrad fp8_wgrad bf16_wgrad fp8_mlp_wgrad  # (whatever the config's default)
@@ -301,7 +301,7 @@ for phase in "$@"; do
       # fp8_down_dgrad with B3's overlapped epilogues (its default on the fp8 GEMM) against the compiled CODA fp8
       # defaults, no baseline (two arms fit a short call)
       a=$(variant down_dgrad_ov "fp8_down_dgrad = true") || exit 2
-      $cmp "$a" configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_overlap
+      $cmp "$a" configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --tag fp8_down_dgrad_overlap
       ;;
     fp8downdgrad)
       ab fp8_down_dgrad down_dgrad bf16_b3 fp8_down_dgrad  # B3's GEMM on e5m2 D x e4m3 W2^T
@@ -311,7 +311,7 @@ for phase in "$@"; do
       # its e4m3 y^T (fp8_down_wgrad), against the defaults
       a=$(variant q_dat "fp8_down_dgrad = true") && b=$(variant q_dat_y "fp8_down_dgrad = true" "fp8_down_wgrad = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" configs/llama3_1b_fp8_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_dgrad_da_t
+        --steps "${STEPS:-50}" --warmup 10 --tag fp8_down_dgrad_da_t
       ;;
     cechunks)
       # probe: the LM head + CE program (F4) per token-chunk size against the full head's bare cuBLAS GEMMs
@@ -328,7 +328,7 @@ for phase in "$@"; do
         arms="$arms $v"
       done
       $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml $arms configs/llama3_1b_${PREC:-fp8}_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag ce_chunk_rows_${PREC:-fp8}
+        --steps "${STEPS:-50}" --warmup 10 --tag ce_chunk_rows_${PREC:-fp8}
       ;;
     fa4layouts)
       # probe: FA4 fwd / bwd per q/k/v layout (stock's contiguous tensors against CODA's packed slices, and q apart
@@ -379,7 +379,7 @@ for phase in "$@"; do
         v=$(PREC=$p variant "chunks$c" "optimizer_stream = true" "step_chunk_layers = $c") || exit 2; vs+=("$v")
       done
       $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "${vs[@]}" \
-        --steps "${STEPS:-40}" --warmup 10 --tag "step_chunks_$p"
+        --steps "${STEPS:-50}" --warmup 10 --tag "step_chunks_$p"
       ;;
     dw2reuse)
       PREC=fp8 envab dw2_reuse dw2_recast CODA_TITAN_DW2_RECAST=1
@@ -406,7 +406,7 @@ for phase in "$@"; do
       # fp8_out_bwd (W_o's dgrad and wgrad on one e5m2 cast of dX, the e4m3 o kept) between two runs of the
       # configured fp8 config (the second a same-settings variant: the drift between runs of one config)
       a=$(variant out_bwd "fp8_out_bwd = true") && b=$(variant configured_again "fp8_out_bwd = false") || exit 2
-      $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_out_bwd
+      $cmp configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" --steps "${STEPS:-50}" --warmup 10 --tag fp8_out_bwd
       ;;
     eagerfp8)
       # the eager fp8 config with fp8_out_bwd on (its default) and off, after the GPU check of wgrad_fp8_q's eager
@@ -415,7 +415,7 @@ for phase in "$@"; do
         -W ignore::DeprecationWarning > "$logs/pytest_eagerfp8.txt" 2>&1
       echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^E " "$logs/pytest_eagerfp8.txt" | tail -8
       b=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant out_bwd_off "fp8_out_bwd = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$b" --steps "${STEPS:-40}" \
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml "$b" --steps "${STEPS:-50}" \
         --warmup 10 --tag fp8_out_bwd_eager
       ;;
     outbwdparity)
@@ -476,7 +476,7 @@ for phase in "$@"; do
       # compiled baseline (PREC=fp8 (default) or bf16)
       a=$(variant b2_c2 "b2_c_stages = 2") || exit 2
       $cmp configs/llama3_1b_${PREC:-fp8}_baseline_compile.toml "$a" configs/llama3_1b_${PREC:-fp8}_coda_compile.toml \
-        --steps "${STEPS:-40}" --warmup 10 --tag "b2_c_stages_${PREC:-fp8}"
+        --steps "${STEPS:-50}" --warmup 10 --tag "b2_c_stages_${PREC:-fp8}"
       ;;
     qkvdgradprofile)
       # where fp8_dgrad's time goes (measured slower than the defaults): one profiled step of that arm, beside
@@ -511,7 +511,7 @@ for phase in "$@"; do
       ;;
     t8env)
       # CODA fp8 compiled under CODA_TITAN_T8=$T8 (inductor | triton; default inductor), after fp8compare in the same call
-      CODA_TITAN_T8=${T8:-inductor} $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+      CODA_TITAN_T8=${T8:-inductor} $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 \
         --tag "t8_${T8:-inductor}_env"
       ;;
     t8parity)
@@ -579,7 +579,7 @@ for phase in "$@"; do
       # compiled as configured, with fp8_down_proj, with fp8_down_proj and fp8_out_proj
       a=$(variant down "fp8_down_proj = true") && b=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml "$a" "$b" \
-        --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_proj_sites
+        --steps "${STEPS:-50}" --warmup 10 --tag fp8_down_proj_sites
       ;;
     graphs)
       # [coda] cuda_graphs: the compiled CODA fp8 config (PREC=bf16: bf16) as configured, with its blocks replayed as
@@ -589,12 +589,12 @@ for phase in "$@"; do
       a=$(variant graphs "cuda_graphs = true") || exit 2
       b=""; [ "$p" = fp8 ] && { b=$(variant graphs_down_out "cuda_graphs = true" "fp8_down_proj = true" "fp8_out_proj = true") || exit 2; }
       $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml "$a" $b \
-        --steps "${STEPS:-40}" --warmup 10 --tag cuda_graphs_$p
+        --steps "${STEPS:-50}" --warmup 10 --tag cuda_graphs_$p
       ;;
     downout)
       # both F1 input sites on fp8 without CUDA graphs, against float8 + compile (the graphs phase's missing arm)
       a=$(variant down_out "fp8_down_proj = true" "fp8_out_proj = true") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${STEPS:-40}" --warmup 10 --tag fp8_down_out
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" --steps "${STEPS:-50}" --warmup 10 --tag fp8_down_out
       ;;
     downoutparity)
       curves fp8_down_out down_out "fp8_down_proj = true" "fp8_out_proj = true"  # both F1 input sites
@@ -623,7 +623,7 @@ for phase in "$@"; do
     datdown)
       a=$(variant da_y_t "fp8_down_wgrad = true" "fp8_mlp_da_t = true") &&
         b=$(variant da_y_copy "fp8_down_wgrad = true" "fp8_mlp_da_t = false") || exit 2
-      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-40}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
+      $cmp configs/llama3_1b_fp8_baseline_compile.toml "$a" "$b" --steps "${STEPS:-50}" --warmup 10 --tag fp8_mlp_da_t_down_wgrad
       ;;
     fusedclip)
       # the clip's scale inside fused AdamW (grad_scale) against TorchTitan's clip pass
@@ -687,7 +687,7 @@ for phase in "$@"; do
       # probe: the host's time per step, phase by phase (data, copies, forward, backward, optimizer, the wait for
       # the GPU, logging), and which phase grows in the slow steps (CONFIGS, default the two compiled CODA configs)
       python3 -m scripts.probes.step_phases ${CONFIGS:-configs/llama3_1b_fp8_coda_compile.toml \
-        configs/llama3_1b_bf16_coda_compile.toml} --steps "${STEPS:-40}" --warmup 10 ${TAG:+--tag "$TAG"} \
+        configs/llama3_1b_bf16_coda_compile.toml} --steps "${STEPS:-50}" --warmup 10 ${TAG:+--tag "$TAG"} \
         --workdir /tmp/compare 2>&1 | tail -4
       ;;
     hostslack)

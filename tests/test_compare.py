@@ -451,3 +451,16 @@ def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_pa
     doc["runs"][0].update(step_ms=250.0, step_ms_raw=[250.0, 260.0])
     line = next(x for x in training.compare_table(doc).splitlines() if "over 1.1x" in x)
     assert "x_coda_compile 2 (221, 300 ms against 200.0)" in line and "x_baseline_compile" not in line
+
+
+def test_the_default_timed_window_holds_torchtitans_gc_steps_at_their_training_rate():
+    """TorchTitan collects garbage at every ``gc_freq``-th step, a slow step (float8 + compile's took 497 ms
+    against 260): the default window (steps warm-up + 1 ..) holds them at the rate training pays them."""
+    from torchtitan.config.job_config import Training
+
+    from scripts.compare import cli
+
+    gc_freq = Training().gc_freq
+    window = range(cli.WARMUP + 1, cli.WARMUP + cli.TIMED_STEPS + 1)
+    gc_steps = [s for s in window if s > 1 and s % gc_freq == 0]
+    assert len(gc_steps) * gc_freq == cli.TIMED_STEPS, (gc_freq, gc_steps)

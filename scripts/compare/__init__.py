@@ -1,6 +1,6 @@
 """Step-time comparison of training configs, a loss-parity mode, and a kernel profile.
 
-    python -m scripts.compare CONFIG.toml [CONFIG.toml ...] [--steps 40] [--warmup 10]
+    python -m scripts.compare CONFIG.toml [CONFIG.toml ...] [--steps 50] [--warmup 10]
     python -m scripts.compare --loss-curve BASELINE.toml CODA.toml [MORE.toml ...] [--steps 300]
     python -m scripts.compare --profile CONFIG.toml [--steps 20]
     python -m scripts.compare --report          # tables, plots and README from the committed JSON

@@ -14,6 +14,9 @@ from scripts.compare.loss_curve import loss_curve
 from scripts.compare.profile import profile
 
 
+TIMED_STEPS, WARMUP = 50, 10
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.compare", description="Step-time comparison of training configs, a loss-parity mode, and a kernel profile.")
     ap.add_argument("configs", nargs="*", help="TOML configs, run in this order")
@@ -21,8 +24,8 @@ def main(argv=None) -> int:
     mode.add_argument("--loss-curve", action="store_true", help="train configs on the same data and seed; losses vs the first")
     mode.add_argument("--profile", action="store_true", help="profile one step of one config (torch profiler)")
     mode.add_argument("--report", action="store_true", help="regenerate plots, docs/results.md and the README headline from the committed JSON")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (compare: 40), total steps (loss curve: 300, profile: 20)")
-    ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing (compare)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (compare: 50), total steps (loss curve: 300, profile: 20)")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="steps excluded from timing (compare)")
     ap.add_argument("--attention", choices=["config", "fa4", "sdpa"], default="config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TorchTitan override for every run")
     ap.add_argument("--out", default=str(RESULTS), help="where result JSON and PNG go")
@@ -72,7 +75,9 @@ def _run_mode(ap, args) -> int:
         args.steps = args.steps or 20
         profile(args)
     else:
-        args.steps = args.steps or 40
+        # (50: after 10 warm-up steps the window holds one of TorchTitan's GC steps, every 50th, at the rate
+        # training pays it; 40 weighed it 1.25x, and float8's GC step costs more than CODA's)
+        args.steps = args.steps or TIMED_STEPS
         path = compare(args)
         failed = [r["config"] for r in json.loads(path.read_text())["runs"] if "error" in r]
         if failed:

@@ -190,10 +190,12 @@ def _gpu_steps(precision: str, compile_: bool, steps: int = 2):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [True, False], ids=["inductor", "eager"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_cute_full_ac_recompute_skips_the_down_projection_gemm_bit_for_bit(monkeypatch, precision):
-    """Compiled by inductor with the cute programs (the 8B configs' path): the recompute launches one F1
-    GEMM a layer (the out-projection's), not two, and the losses and gradients are the old recompute's bits."""
+def test_cute_full_ac_recompute_skips_the_down_projection_gemm_bit_for_bit(monkeypatch, precision, compile_):
+    """With the cute programs, compiled by inductor (as the 8B comparisons run) or eager (the 8B configs as
+    shipped): the recompute launches one F1 GEMM a layer (the out-projection's), not two, and the losses
+    and gradients are the old recompute's bits."""
     from coda_titan.titan import fa4 as fa
 
     if fa.fa4_unavailable_reason():
@@ -204,7 +206,7 @@ def test_cute_full_ac_recompute_skips_the_down_projection_gemm_bit_for_bit(monke
         runs = {}
         for arm, tail in (("recompute", "recompute"), ("again", "recompute"), ("skip", "skip")):
             monkeypatch.setenv(recompute.ENV, tail)
-            runs[arm] = _gpu_steps(precision, compile_=True)
+            runs[arm] = _gpu_steps(precision, compile_=compile_)
     finally:
         torch.use_deterministic_algorithms(was)
     for (loss, grads, _), (loss_again, grads_again, _) in zip(runs["recompute"], runs["again"]):  # (the control)

@@ -249,3 +249,26 @@ def test_compare_table_sets_coda_against_stock_compiled_by_an_override():
     assert "| 1.250x |" in row
     row = next(line for line in compare_table(doc(False)).splitlines() if line.startswith("| m_coda "))
     assert "| n/a |" in row and "1.250x" not in row
+
+
+def test_plots_are_saved_as_palette_pngs_smaller_than_matplotlibs(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from scripts.report import png
+
+    fig, ax = plt.subplots()
+    ax.plot(range(50), [i * i for i in range(50)], label="x^2")
+    ax.legend()
+    fig.savefig(tmp_path / "plain.png", dpi=110)
+    png.save(fig, tmp_path / "small.png")
+    plt.close(fig)
+    with Image.open(tmp_path / "small.png") as small, Image.open(tmp_path / "plain.png") as plain:
+        assert small.mode == "P" and small.size == plain.size
+        diff = max(abs(a - b) for a, b in zip(small.convert("RGB").tobytes(), plain.convert("RGB").tobytes()))
+    assert diff <= 8  # (a line plot has under 256 colours: only anti-aliased edge pixels move, by a few steps)
+    assert (tmp_path / "small.png").stat().st_size < 0.6 * (tmp_path / "plain.png").stat().st_size
+    assert not png.compact(tmp_path / "small.png")  # (already a palette: left as it is)

@@ -15,6 +15,8 @@ import os
 import re
 from pathlib import Path
 
+from scripts.report import png
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -160,7 +162,7 @@ def plot(doc: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"CODA programs on {doc['device']}, M = 16384 (lower is better)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path)
 
 
 def section() -> str:

@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from scripts.report import png
+
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
 from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
@@ -272,7 +274,7 @@ def plot_compare(doc: dict, path: Path) -> None:
     axes[1].set_yticklabels([])
     fig.suptitle(f"{doc['device']}, {doc['date'][:10]}: {doc['steps']} timed steps per config")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path)
     plt.close(fig)
 
 
@@ -302,7 +304,7 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     axes[1].legend(fontsize=7)
     fig.suptitle(f"Loss curves on {doc['device']} ({doc['date'][:10]}), same data and seed")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path)
     plt.close(fig)
 
 

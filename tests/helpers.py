@@ -272,11 +272,12 @@ def torchao_linear_error(n_input, w, exact):
         return rel(lin(n_input), exact)
 
 
-def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2, fa4: bool = False):
+def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2, fa4: bool = False, ac: str = "none",
+                            compile_: bool = True):
     """A CODA model of the 1B's width with ``n_layers`` layers on the GPU, in bf16, initialized from seed 0
-    and parallelized as the Trainer does on one GPU with compiled blocks (inductor, no activation
-    checkpointing): what the GPU tests of whole training steps run. ``fa4``: FA4 attention (the
-    configs' ``fa4`` converter) instead of SDPA."""
+    and parallelized as the Trainer does on one GPU with compiled blocks (inductor; ``compile_`` False:
+    eager) and activation checkpointing ``ac``: what the GPU tests of whole training steps run. ``fa4``:
+    FA4 attention (the configs' ``fa4`` converter) instead of SDPA."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -297,8 +298,8 @@ def compiled_1b_width_model(coda, seqlen: int, n_layers: int = 2, fa4: bool = Fa
         from coda_titan.titan.fa4 import swap_attention
 
         swap_attention(model)
-    job = SimpleNamespace(coda=coda, compile=Compile(enable=True, components=["model"], backend="inductor"),
-                          activation_checkpoint=ActivationCheckpoint(mode="none"), job=SimpleNamespace(dump_folder="."))
+    job = SimpleNamespace(coda=coda, compile=Compile(enable=compile_, components=["model"], backend="inductor"),
+                          activation_checkpoint=ActivationCheckpoint(mode=ac), job=SimpleNamespace(dump_folder="."))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
                            dp_replicate_enabled=False)
     parallelize_coda(model, dims, job)

@@ -148,27 +148,15 @@ def _gpu_steps(precision: str, compile_: bool, steps: int = 2):
     """The cute programs on a 1B-wide, 2-layer model (seq 2048, batch 2) under full AC, compiled by inductor
     or eager: each step's (loss, gradients, F1 GEMMs launched), FA4's attention with deterministic algorithms on
     (its backward and the embedding's otherwise sum in a varying order)."""
-    from torchtitan.config.job_config import ActivationCheckpoint, Compile
-
     from coda_titan.kernels.cute import residual_rms as cute_f1
-    from coda_titan.titan import fa4 as fa
-    from coda_titan.titan.parallelize import parallelize_coda
+
+    from .helpers import compiled_1b_width_model
 
     torch._dynamo.reset()
     coda = Coda(backend="cute", ce_chunk_rows=4096, precision=precision)
-    args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=2048, coda=coda)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = CodaTransformer(args)
-        with torch.no_grad():
-            model.init_weights()
-    model = model.to(torch.bfloat16)
-    assert fa.swap_attention(model) == 2  # (FA4, as the configs: its backward repeats its bits when deterministic)
-    job = SimpleNamespace(compile=Compile(enable=compile_, components=["model"], backend="inductor"),
-                          activation_checkpoint=ActivationCheckpoint(mode="full"), job=SimpleNamespace(dump_folder="."))
-    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, fsdp_enabled=False,
-                           dp_replicate_enabled=False)
-    parallelize_coda(model, dims, job)
+    # (FA4, as the configs: its backward repeats its bits when deterministic)
+    model = compiled_1b_width_model(coda, 2048, fa4=True, ac="full", compile_=compile_)
+    args = model.model_args
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens, labels = (torch.randint(0, args.vocab_size, (2, 2048), generator=g, device="cuda") for _ in range(2))
     launched, gemm = [], cute_f1.gemm

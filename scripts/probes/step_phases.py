@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.compare.cli import TIMED_STEPS  # (the comparisons' window: one GC step at its rate)
+
 ENV_LOG = "CODA_TITAN_PROBE_PHASES_LOG"
 PHASES = ("between", "pre", "data", "h2d", "fwd", "bwd", "clip", "opt", "wait", "log")
 SLOW = 1.1  # a timed step over this times its config's median step is a slow step
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.step_phases", description=__doc__.split("\n\n")[0])
     ap.add_argument("configs", nargs="*", default=["configs/llama3_1b_fp8_coda_compile.toml"])
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE overrides for every config")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=TIMED_STEPS)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--tag", default="")

@@ -360,7 +360,7 @@ def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:
     over = f"{tot['coda'] / ref:.2f}x" if ref else "n/a"
     lines = [f"GEMM families in one step: `{Path(coda['config']).stem}` against "
              f"`{Path(stock['config']).stem if stock else 'n/a'}` ({coda['device']}, {coda['date'][:10]}), GPU ms; "
-             f"floor: {'n/a (no floor measured that day)' if not floor else 'the best of cuBLAS and quack per GEMM, x layers'}. "
+             f"floor: {'n/a (no floor of this model and shape measured that day)' if not floor else 'the best of cuBLAS and quack per GEMM, x layers'}. "
              "CODA's programs count with their epilogues and every kernel they launch.", "",
              "| GEMM | CODA ms | stock ms | floor bf16 | floor fp8 | CODA / floor |", "|---|---:|---:|---:|---:|---:|", *rows,
              f"| **all** | {tot['coda']:.2f} | {_f(tot['stock'] if fs else None, 2)} | {_f(tot['bf16'] or None, 2)} | "

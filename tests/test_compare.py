@@ -267,6 +267,8 @@ def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
         assert sorted(live) == ["1", "2", "3"] and r["peak_active_gib"] == max(live["2"], live["3"])
         assert r["peak_active_gib_warmup"] == live["1"]
         assert "--training.steps" in r["overrides"] and "[model]" in r["config_run"]
+        phases = r["host_phases"]  # (the Trainer wrapped by scripts.probes.step_phases: the host's time per phase)
+        assert phases["medians"]["step_ms"] == pytest.approx(r["step_ms"]) and phases["medians"]["fwd"] > 0
     # same data and seed: the CODA reference programs track the baseline closely
     a, b = (r["loss"] for r in doc["runs"])
     assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-3
@@ -464,3 +466,12 @@ def test_the_default_timed_window_holds_torchtitans_gc_steps_at_their_training_r
     window = range(cli.WARMUP + 1, cli.WARMUP + cli.TIMED_STEPS + 1)
     gc_steps = [s for s in window if s > 1 and s % gc_freq == 0]
     assert len(gc_steps) * gc_freq == cli.TIMED_STEPS, (gc_freq, gc_steps)
+
+
+def test_slow_steps_are_named_with_the_phase_that_grew_most():
+    """A compare run's slow steps under the table: the ms, and where the run recorded the host's phases, the
+    step number and the phase of the host's step that grew most over its median."""
+    run = {"step_ms": 100.0, "warmup_steps": 10, "step_ms_raw": [100.0, 150.0, 99.0, 130.0],
+           "host_phases": {"slow": [{"step": 12, "step_ms": 150.0, "excess_ms": {"fwd": 3.0, "wait": 48.5, "log": -1.0}}]}}
+    assert training._slow_labels(run) == ["150 (step 12: wait +48)", "130"]
+    assert training._slow_labels({**run, "host_phases": None}) == ["150", "130"]

@@ -80,10 +80,12 @@ def launch_command(derived: Path, overrides: list[str], nproc: int = 1, entry=("
 
 
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
-               nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False) -> dict:
+               nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False,
+               phases: bool = False) -> dict:
     """Train ``config`` for ``steps`` steps in a fresh process (``nproc`` > 1: under torchrun);
     returns the parsed log and run facts (``clocks``: also the GPU's clock samples and each step
-    line's arrival time, for :func:`gpu_clocks.over_steps`)."""
+    line's arrival time, for :func:`gpu_clocks.over_steps`; ``phases``, one process only: TorchTitan's
+    Trainer wrapped by ``scripts.probes.step_phases``, and each step's host phases as ``phase_rows``)."""
     from coda_titan.cli import parse_config
 
     doc = _load_toml(config)
@@ -109,6 +111,12 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     overrides += list(extra)
     job = parse_config(str(derived), overrides)
     tokens_per_step = job.training.local_batch_size * job.training.seq_len
+    phase_log = run_dir / "phases.jsonl" if phases and nproc == 1 else None
+    if phase_log is not None:
+        from scripts.probes import step_phases
+
+        phase_log.unlink(missing_ok=True)
+        entry, env_extra = ("-m", "scripts.probes.step_phases", "child"), {**(env_extra or {}), step_phases.ENV_LOG: str(phase_log)}
     cmd = launch_command(derived, overrides, nproc, entry)
     _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable}"
          f"{f', {nproc} processes' if nproc > 1 else ''} -> {run_dir}/train.log")
@@ -153,6 +161,8 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     }
     if clocks:
         result.update(clock_samples=sampler.samples, step_times=step_times)
+    if phase_log is not None and phase_log.exists():
+        result["phase_rows"] = [json.loads(line) for line in phase_log.read_text().splitlines()]
     if proc.returncode != 0 or len(rows) < steps:
         tail = "".join(lines[-15:])
         result["error"] = f"exit {proc.returncode}, {len(rows)}/{steps} steps logged; log tail:\n{tail}"
@@ -186,6 +196,15 @@ def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
     # the console's memory is the allocator's reserved peak; W&B also has the peak of live tensors
     active = {str(int(h["_step"])): h["memory/max_active(GiB)"] for h in hist if "_step" in h and "memory/max_active(GiB)" in h}
     return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match, "max_active_gib": active}
+
+
+def host_phases(phase_rows: list[dict], rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """The host's time per training step by phase (``scripts.probes.step_phases``) over the timed steps:
+    each phase's median, and each step over its median step with the phases it grew in (ms)."""
+    from scripts.probes.step_phases import slow_steps
+
+    step_ms = {r["step"]: 1e3 * tokens_per_step / r["tps"] for r in rows}
+    return slow_steps([{**p, "step_ms": step_ms.get(p["step"])} for p in phase_rows], warmup)
 
 
 def peak_active(wandb: dict, warmup: int) -> dict:
@@ -239,14 +258,17 @@ def compare(args) -> Path:
                nproc=getattr(args, "nproc", 1))
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
-                       nproc=getattr(args, "nproc", 1), sets=args.set, timeout=args.timeout, clocks=True)
+                       nproc=getattr(args, "nproc", 1), sets=args.set, timeout=args.timeout, clocks=True, phases=True)
         rows = r.pop("rows")
+        phase_rows = r.pop("phase_rows", None)
         gpu = gpu_clocks.over_steps(r.pop("clock_samples"), r.pop("step_times"), args.warmup)
         if gpu:
             r["gpu_clocks"] = gpu
         if "error" not in r:
             r.update(summarize(rows, args.warmup, r["tokens_per_step"]))
             r.update(peak_active(r.get("wandb"), args.warmup))
+            if phase_rows:
+                r["host_phases"] = host_phases(phase_rows, rows, args.warmup, r["tokens_per_step"])
         else:
             r["loss"] = [x["loss"] for x in rows]
         doc["runs"].append(r)

@@ -62,11 +62,13 @@ def compare_table(doc: dict) -> str:
         lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max): ".format(clocks[0][1]["interval_ms"])
                   + "; ".join(f"{stem} SM {c['sm_mhz']['median']:,.0f} MHz ({c['sm_mhz']['min']:,.0f}-{c['sm_mhz']['max']:,.0f}), "
                               f"{c['power_w']['median']:,.0f} W, {c['temp_c']['median']:.0f} C" for stem, c in clocks) + "."]
-    slow = [(Path(r["config"]).stem, r["step_ms"], steps) for r in doc["runs"] if (steps := slow_steps(r))]
+    slow = [(Path(r["config"]).stem, r["step_ms"], steps) for r in doc["runs"] if (steps := _slow_labels(r))]
     if slow:
         lines += ["", f"Timed steps over {SLOW_STEP:g}x their config's median (the tokens/s column is the mean over every "
-                  "timed step, so these lower it; TorchTitan's GC runs at every 50th step): "
-                  + "; ".join(f"{stem} {len(steps)} ({', '.join(f'{ms:.0f}' for ms in steps)} ms against {med:.1f})"
+                  "timed step, so these lower it; TorchTitan's GC runs at every 50th step; where the run recorded the "
+                  "host's phases, the step number and the phase that grew most: `wait` is the host waiting for the GPU, "
+                  "`between` the Trainer's work between steps, GC included): "
+                  + "; ".join(f"{stem} {len(steps)} ({', '.join(steps)} ms against {med:.1f})"
                               for stem, med, steps in slow) + "."]
     if floor:
         where = "same lease" if floor.get("host") else "same GPU and day; before hosts were recorded"
@@ -90,6 +92,24 @@ def slow_steps(run: dict) -> list[float]:
     host stalls and the like, which the mean tokens/s counts and the median step hides."""
     raw, med = run.get("step_ms_raw") or [], run.get("step_ms")
     return [ms for ms in raw if med and ms > SLOW_STEP * med]
+
+
+def _slow_labels(run: dict) -> list[str]:
+    """``slow_steps`` as text: the ms, and with the run's ``host_phases`` the step and the phase of the host's
+    step (``scripts.probes.step_phases``) that grew most over its median, e.g. "302 (step 18: fwd +61)"."""
+    grown = {s["step"]: s["excess_ms"] for s in (run.get("host_phases") or {}).get("slow", [])}
+    med, first = run.get("step_ms"), run.get("warmup_steps", 0) + 1  # (the step number of the first timed step)
+    out = []
+    for i, ms in enumerate(run.get("step_ms_raw") or []):
+        if not (med and ms > SLOW_STEP * med):  # (as slow_steps)
+            continue
+        excess = grown.get(first + i)
+        if excess:
+            phase, extra = max(excess.items(), key=lambda kv: kv[1])
+            out.append(f"{ms:.0f} (step {first + i}: {phase} {extra:+.0f})")
+        else:
+            out.append(f"{ms:.0f}")
+    return out
 
 
 def _stock_of(stem: str) -> str | None:

@@ -23,7 +23,9 @@ GPU). A step's phases:
   (the backward's includes whatever in it waits for the GPU); ``wait``: the ``.item()`` calls; ``log``.
 
 A step whose time grows in ``wait`` waited for the GPU; one that grows elsewhere waited for the host.
-Writes ``$OUT/probe_step_phases_<tag>_<gpu>.json`` (benchmarks/results without $OUT): per config the
+``scripts.compare`` runs every one-process config through this wrapper (``run_config(phases=True)``)
+and keeps the medians and the slow steps in its JSON (``host_phases``). Standalone, the probe writes
+``$OUT/probe_step_phases_<tag>_<gpu>.json`` (benchmarks/results without $OUT): per config the
 phases of every step, their medians over the timed steps, and for each timed step over 1.1x the median
 step, its phases against the medians.
 """

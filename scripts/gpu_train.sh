@@ -41,6 +41,7 @@
 #     fp88bmem the 8B CODA fp8 config without the transposed e4m3 weights (its peak against fp88b's)
 #     weighttbwd the 8B CODA fp8 config with [coda] fp8_weight_t_bwd (W^T made in each backward)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
+#     bench      python -m scripts.bench.kernels (bf16) at DIMS (default 2048): the kernel table, one d a call
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (50 timed steps)
@@ -282,6 +283,11 @@ for phase in "$@"; do
       ;;
     fp8bench)
       python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
+      ;;
+    bench)
+      # the bf16 kernel table (issue 18: every program against its bare GEMM) at DIMS (default 2048; one d a
+      # call, since each new shape autotunes); its parts go to $OUT (python -m scripts.report --parts DIR merges them)
+      python3 -m scripts.bench.kernels --dims ${DIMS:-2048} ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
       ;;
     fp8compare)
       $cmp ${FP8_CONFIGS:-configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \

@@ -79,6 +79,32 @@ def launch_command(derived: Path, overrides: list[str], nproc: int = 1, entry=("
             "--local-ranks-filter", "0", *train]
 
 
+def _overrides(steps: int, run_dir: Path, sets: list[str], extra) -> list[str]:
+    """TorchTitan's command-line overrides of a comparison run: its steps, a metrics line per step, its
+    folder, no checkpoints, then ``--set`` KEY=VALUE pairs (booleans as TorchTitan's flags) and ``extra``."""
+    overrides = [
+        "--training.steps", str(steps),
+        "--metrics.log_freq", "1",
+        "--job.dump_folder", str(run_dir / "out"),
+        "--checkpoint.no-enable",
+    ]
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        if value.lower() in ("true", "false"):
+            overrides.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
+        else:
+            overrides += [f"--{key}", value]
+    return overrides + list(extra)
+
+
+def _phase_entry(phase_log: Path, env_extra: dict | None) -> tuple[tuple[str, ...], dict]:
+    """The entry and environment of a run whose Trainer ``scripts.probes.step_phases`` wraps, logging to ``phase_log``."""
+    from scripts.probes import step_phases
+
+    phase_log.unlink(missing_ok=True)
+    return ("-m", "scripts.probes.step_phases", "child"), {**(env_extra or {}), step_phases.ENV_LOG: str(phase_log)}
+
+
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
                nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False,
                phases: bool = False) -> dict:
@@ -96,27 +122,12 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     run_dir.mkdir(parents=True, exist_ok=True)
     derived = run_dir / f"{stem}.toml"  # same stem: the W&B run name stays the config's
     derived.write_text(f"# {config} as run by python -m scripts.compare\n" + dump_toml(doc))
-    overrides = [
-        "--training.steps", str(steps),
-        "--metrics.log_freq", "1",
-        "--job.dump_folder", str(run_dir / "out"),
-        "--checkpoint.no-enable",
-    ]
-    for kv in sets:
-        key, _, value = kv.partition("=")
-        if value.lower() in ("true", "false"):
-            overrides.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
-        else:
-            overrides += [f"--{key}", value]
-    overrides += list(extra)
+    overrides = _overrides(steps, run_dir, sets, extra)
     job = parse_config(str(derived), overrides)
     tokens_per_step = job.training.local_batch_size * job.training.seq_len
     phase_log = run_dir / "phases.jsonl" if phases and nproc == 1 else None
     if phase_log is not None:
-        from scripts.probes import step_phases
-
-        phase_log.unlink(missing_ok=True)
-        entry, env_extra = ("-m", "scripts.probes.step_phases", "child"), {**(env_extra or {}), step_phases.ENV_LOG: str(phase_log)}
+        entry, env_extra = _phase_entry(phase_log, env_extra)
     cmd = launch_command(derived, overrides, nproc, entry)
     _say(f"{stem}: {steps} steps, attention {_attention_of(doc)}, compile {job.compile.enable}"
          f"{f', {nproc} processes' if nproc > 1 else ''} -> {run_dir}/train.log")

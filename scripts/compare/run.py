@@ -209,12 +209,17 @@ def _wandb_check(dump_folder: Path, rows: list[dict]) -> dict:
     return {"run_dir": runs[-1], "loss_steps": len(hist), "matches_console": match, "max_active_gib": active}
 
 
+def step_ms_of(rows: list[dict], tokens_per_step: int) -> dict[int, float]:
+    """Each logged step's time (ms) from its tokens/s, by step number."""
+    return {r["step"]: 1e3 * tokens_per_step / r["tps"] for r in rows}
+
+
 def host_phases(phase_rows: list[dict], rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
     """The host's time per training step by phase (``scripts.probes.step_phases``) over the timed steps:
     each phase's median, and each step over its median step with the phases it grew in (ms)."""
     from scripts.probes.step_phases import slow_steps
 
-    step_ms = {r["step"]: 1e3 * tokens_per_step / r["tps"] for r in rows}
+    step_ms = step_ms_of(rows, tokens_per_step)
     return slow_steps([{**p, "step_ms": step_ms.get(p["step"])} for p in phase_rows], warmup)
 
 

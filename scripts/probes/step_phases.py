@@ -155,22 +155,18 @@ def child(argv: list[str]) -> int:
 
 
 def _run(args, config: str, workdir: Path) -> dict:
-    from scripts.compare.run import run_config, summarize
+    from scripts.compare.run import run_config, step_ms_of, summarize
 
-    log = workdir / f"{Path(config).stem}.phases.jsonl"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.unlink(missing_ok=True)
     r = run_config(Path(config), steps=args.warmup + args.steps, workdir=workdir, attention="config", sets=args.set,
-                   timeout=args.timeout, entry=("-m", "scripts.probes.step_phases", "child"),
-                   env_extra={ENV_LOG: str(log)})
-    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+                   timeout=args.timeout, phases=True)
+    steps = r.get("phase_rows", [])
     out = {"config": config, "returncode": r["returncode"], "error": r.get("error")}
     if "error" not in r:
         s = summarize(r["rows"], args.warmup, r["tokens_per_step"])
         out.update({k: s[k] for k in ("steps", "warmup_steps", "tokens_per_s", "step_ms", "step_ms_raw")})
-        by_step = {row["step"]: 1e3 * r["tokens_per_step"] / row["tps"] for row in r["rows"]}
+        step_ms = step_ms_of(r["rows"], r["tokens_per_step"])
         for st in steps:
-            st["step_ms"] = by_step.get(st["step"])
+            st["step_ms"] = step_ms.get(st["step"])
     out["phases"] = steps
     out.update(slow_steps(steps, args.warmup))
     return out

@@ -8,11 +8,10 @@ import json
 import re
 from pathlib import Path
 
-from scripts.report import png
-
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
 from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
+from scripts.report import png
 
 
 def _f(v, nd=1, suffix=""):
@@ -87,26 +86,27 @@ def compare_table(doc: dict) -> str:
 SLOW_STEP = 1.1  # a timed step this many times its config's median step is listed under the table
 
 
+def _slow(run: dict) -> list[tuple[int, float]]:
+    """(step number, ms) of each timed step of a compare run over ``SLOW_STEP`` x its median step (``step_ms``)."""
+    raw, med, first = run.get("step_ms_raw") or [], run.get("step_ms"), run.get("warmup_steps", 0) + 1
+    return [(first + i, ms) for i, ms in enumerate(raw) if med and ms > SLOW_STEP * med]
+
+
 def slow_steps(run: dict) -> list[float]:
     """The timed steps (ms, in order) of a compare run over ``SLOW_STEP`` x its median step (``step_ms``):
     host stalls and the like, which the mean tokens/s counts and the median step hides."""
-    raw, med = run.get("step_ms_raw") or [], run.get("step_ms")
-    return [ms for ms in raw if med and ms > SLOW_STEP * med]
+    return [ms for _, ms in _slow(run)]
 
 
 def _slow_labels(run: dict) -> list[str]:
     """``slow_steps`` as text: the ms, and with the run's ``host_phases`` the step and the phase of the host's
     step (``scripts.probes.step_phases``) that grew most over its median, e.g. "302 (step 18: fwd +61)"."""
     grown = {s["step"]: s["excess_ms"] for s in (run.get("host_phases") or {}).get("slow", [])}
-    med, first = run.get("step_ms"), run.get("warmup_steps", 0) + 1  # (the step number of the first timed step)
     out = []
-    for i, ms in enumerate(run.get("step_ms_raw") or []):
-        if not (med and ms > SLOW_STEP * med):  # (as slow_steps)
-            continue
-        excess = grown.get(first + i)
-        if excess:
-            phase, extra = max(excess.items(), key=lambda kv: kv[1])
-            out.append(f"{ms:.0f} (step {first + i}: {phase} {extra:+.0f})")
+    for step, ms in _slow(run):
+        if grown.get(step):
+            phase, extra = max(grown[step].items(), key=lambda kv: kv[1])
+            out.append(f"{ms:.0f} (step {step}: {phase} {extra:+.0f})")
         else:
             out.append(f"{ms:.0f}")
     return out

@@ -72,6 +72,24 @@ def test_a_part_replaces_only_the_programs_it_measured(tmp_path, monkeypatch):
     assert merged["runs"] == ["d64: new", "d64: old"]
 
 
+def test_two_parts_of_one_d_keep_each_others_programs(tmp_path, monkeypatch):
+    """A d benched in two calls (BENCH_OPS subsets, or a call cut off and its rest run again): both parts'
+    rows land, and where both measured a program the later part's row wins."""
+    def row(op, ms):
+        return {"op": op, "direction": "fwd", "M": 8, "d": 64, "precision": "bf16", "ms": {"coda": ms}}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(report, "RESULTS", results)
+    first, second = tmp_path / "p1", tmp_path / "p2"
+    for folder, rows in ((first, [row("a", 1.0), row("b", 2.0)]), (second, [row("b", 4.0), row("c", 3.0)])):
+        folder.mkdir()
+        (folder / "kernels_gpu_d64.json").write_text(json.dumps({"device": "gpu", "date": "new", "results": rows}))
+    report.merge([str(first), str(second)])
+    merged = json.loads((results / "kernels_gpu.json").read_text())
+    assert {r["op"]: r["ms"]["coda"] for r in merged["results"]} == {"a": 1.0, "b": 4.0, "c": 3.0}
+
+
 def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch):
     """compare embeds the floor measured in its own lease (same host and boot, device, day, seq x batch)
     and the table divides each FA4 run's step by the floor of its precision; another day's floor, and a

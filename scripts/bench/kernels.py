@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     programs = fp8.PROGRAMS if args.precision == "fp8" else bf16.PROGRAMS
     for d in args.dims:
         setup = Setup(d, torch.Generator(device="cuda").manual_seed(d))
-        results = []
+        results, path = [], None
         for program in programs:
             if args.ops and program.__name__ not in args.ops:
                 continue
@@ -74,15 +74,22 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             results.append(row)
             torch.cuda.empty_cache()
-        doc = {**header(), "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
-               "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
-               "results": results}
-        path = os.path.join(out_dir, f"{'kernels_fp8_' if args.precision == 'fp8' else 'kernels_'}{slug}_d{d}.json")
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print("wrote", path, flush=True)
+            # written after every program: a call cut off by its time limit keeps the rows it measured
+            path = _write(out_dir, f"{'kernels_fp8_' if args.precision == 'fp8' else 'kernels_'}{slug}_d{d}.json", results)
+        print("wrote", path or f"nothing for d = {d} (no program selected)", flush=True)
     return 0
+
+
+def _write(out_dir: str, name: str, results: list[dict]) -> str:
+    doc = {**header(), "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
+           "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
+           "results": results}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 if __name__ == "__main__":

@@ -35,7 +35,12 @@ def merge(parts: list[str]) -> list[Path]:
         for path in sorted(glob.glob(os.path.join(folder, "kernels_*_d*.json")), key=os.path.getmtime):
             m = re.match(r"kernels_(.+)_d(\d+)\.json$", os.path.basename(path))
             doc = json.loads(Path(path).read_text())
-            by_gpu.setdefault(m.group(1), {})[int(m.group(2))] = doc
+            docs = by_gpu.setdefault(m.group(1), {})
+            d = int(m.group(2))
+            if d in docs:  # two parts of one d (BENCH_OPS calls): the later part's rows win, the rest stay
+                later = {r["op"] for r in doc["results"]}
+                doc = {**doc, "results": [r for r in docs[d]["results"] if r["op"] not in later] + doc["results"]}
+            docs[d] = doc
     written = []
     for gpu, docs in by_gpu.items():
         target = RESULTS / f"kernels_{gpu}.json"

@@ -42,6 +42,7 @@
 #     weighttbwd the 8B CODA fp8 config with [coda] fp8_weight_t_bwd (W^T made in each backward)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     bench      python -m scripts.bench.kernels (bf16) at DIMS (default 2048): the kernel table, one d a call
+#     b3stages   the kernel bench's B3 (bf16) on quack's epilogue and base against our copy at b2_c_stages's base, and B2
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (50 timed steps)
@@ -280,6 +281,13 @@ for phase in "$@"; do
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
+      ;;
+    b3stages)
+      # B3 (bf16) on quack's epilogue and base (CODA_TITAN_B3_C_STAGES=0) against our copy at [coda] b2_c_stages's
+      # base: the kernel bench's swiglu_bwd at DIMS (default 2048 4096 8192), parts in $OUT/b3_quack and $OUT; then
+      # B2 (norm_residual_bwd) at that base, as the configs run it (the 2026-11-27 table's B2 rows had quack's)
+      OUT=$out/b3_quack CODA_TITAN_B3_C_STAGES=0 python3 -m scripts.bench.kernels --dims ${DIMS:-2048 4096 8192} --ops swiglu_bwd
+      python3 -m scripts.bench.kernels --dims ${DIMS:-2048 4096 8192} --ops swiglu_bwd norm_residual_bwd
       ;;
     fp8bench)
       python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14

@@ -643,3 +643,49 @@ def test_cute_b3_on_an_fp8_gemm_matches_reference():
     assert_codes_within("swiglu_bwd_q_fp8 e5m2 da", k, r, 0.25 * torch.maximum(k.abs(), r.abs()) + 2.0**-16,
                         err_da * inv_g.double())
     assert abs(amax.double() - exact[4]) <= err_da.max() + 2.0**-24 * exact[4]  # (moves by at most da's error)
+
+
+@pytest.mark.gpu
+def test_cute_b3_with_a_lower_c_stage_base_gives_the_same_bits(monkeypatch):
+    """B3 on the bf16 GEMM with the C-stage base (``stages``; ``[coda] b2_c_stages``): our copy of quack's
+    ``dswiglu_rstd_preact_mod`` with a third A/B stage on a 256 x 128 cooperative tile. On that pinned tile
+    da, y and the rstd-gradient partials are bit for bit quack's epilogue at quack's base (the base only
+    splits shared memory), and the op with it set (autotuned) passes every B3's reference check."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.cute import epilogues, stages
+    from quack.epilogue.library import dswiglu_rstd_preact_mod
+    from quack.gemm_config import GemmConfig
+
+    _, _, (m, _, ff), b3 = _cuda_b3(23)
+    keep, outs = [], {}
+    for base, epi in ((None, dswiglu_rstd_preact_mod), (2, epilogues.dswiglu_rstd_preact_epi)):
+        cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                         device_capacity=9)
+        keep.append(cfg)  # (quack's eager call cache keys a pinned config by its id)
+        out = {"D": torch.empty_like(b3["a"]), "postact": b3["a"].new_empty(m, ff)}
+        with stages.capped(base):
+            r = epi(b3["dout"], b3["w_down"], b3["a"], out=out, tuned=False, config=cfg, rstd=b3["rstd"].float())
+        outs[base] = (out["D"], out["postact"], r["dsum"])
+    assert all(torch.equal(p, q) for p, q in zip(outs[None], outs[2]))
+    monkeypatch.setenv(stages.ENV, "2")
+    check_cute_matches_reference("swiglu_bwd", DIMS[0])
+
+
+def test_b3_c_stage_base_follows_b2s_unless_its_own_variable_is_set(monkeypatch):
+    """B3 takes B2's base (``CODA_TITAN_EPI_C_STAGES``) unless ``CODA_TITAN_B3_C_STAGES`` is set, where 0 means
+    quack's own epilogue and base (an A/B of B3 alone); B2 never reads B3's variable."""
+    from coda_titan.kernels import B3_C_STAGES_ENV as B3, EPI_C_STAGES_ENV as B2, requested_c_stage_base as base
+
+    monkeypatch.delenv(B3, raising=False)
+    monkeypatch.setenv(B2, "2")
+    assert base("b3") == base() == 2
+    monkeypatch.setenv(B3, "0")
+    assert base("b3") is None and base() == 2
+    monkeypatch.setenv(B3, "3")
+    assert base("b3") == 3 and base() == 2
+    monkeypatch.delenv(B2)
+    assert base() is None and base("b3") == 3
+    for bad, var in (("x", B3), ("0", B2)):  # (0 is quack's only for B3's own variable)
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            base("b3" if var == B3 else "b2")

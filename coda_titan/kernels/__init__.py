@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from typing import Callable
 
 from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial
@@ -224,8 +225,23 @@ def resolve_backend(requested: str) -> str:
 
 
 _cute: dict[bool, Backend] = {}
-# the base of B2's epilogue C-load stages the cute kernels compile with (``cute/stages.py``; ``[coda] b2_c_stages``)
+# the base of B2's and the bf16 B3's epilogue C-load stages the cute kernels compile with (``cute/stages.py``;
+# ``[coda] b2_c_stages``); B3_C_STAGES_ENV, where set, is B3's alone ("0": quack's own epilogue and base)
 EPI_C_STAGES_ENV = "CODA_TITAN_EPI_C_STAGES"
+B3_C_STAGES_ENV = "CODA_TITAN_B3_C_STAGES"
+
+
+def requested_c_stage_base(program: str = "b2") -> int | None:
+    """The C-stage base ``EPI_C_STAGES_ENV`` asks for (an integer >= 1), or None for quack's own; anything else
+    is an error. ``program`` "b3": ``B3_C_STAGES_ENV`` first where it is set ("0": quack's own)."""
+    own = program == "b3" and os.environ.get(B3_C_STAGES_ENV, "") != ""
+    name = B3_C_STAGES_ENV if own else EPI_C_STAGES_ENV
+    raw = os.environ.get(name)
+    if raw is None or raw == "" or (own and raw == "0"):
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (quack's own base is 4{'; 0 for it' if own else ''}), got {raw!r}")
+    return int(raw)
 
 
 def get_backend(name: str, traced: bool = True) -> Backend:

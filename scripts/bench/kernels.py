@@ -12,6 +12,7 @@ recorded too. Writes ``$OUT/kernels[_fp8]_<gpu>_d<d>.json`` per d (``python -m s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -59,8 +60,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="*", default=None, help="only these programs")
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: the e4m3 programs, written to kernels_fp8_<gpu>_d<d>.json")
+    ap.add_argument("--c-stages", type=int, default=None,
+                    help="the epilogue C-stage base of B2 and the bf16 B3 (0: quack's); default: [coda] b2_c_stages's "
+                         "default, as the configs run them")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
+    base = _c_stage_base(args.c_stages)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_")
     out_dir = os.environ.get("OUT", "benchmarks/results")
     programs = fp8.PROGRAMS if args.precision == "fp8" else bf16.PROGRAMS
@@ -70,18 +75,32 @@ def main(argv=None) -> int:
         for program in programs:
             if args.ops and program.__name__ not in args.ops:
                 continue
-            row = measure(*program(setup), d=d, precision=args.precision)
+            row = {**measure(*program(setup), d=d, precision=args.precision), "epi_c_stage_base": base}
             print(json.dumps(row), flush=True)
             results.append(row)
             torch.cuda.empty_cache()
             # written after every program: a call cut off by its time limit keeps the rows it measured
-            path = _write(out_dir, f"{'kernels_fp8_' if args.precision == 'fp8' else 'kernels_'}{slug}_d{d}.json", results)
+            path = _write(out_dir, f"{'kernels_fp8_' if args.precision == 'fp8' else 'kernels_'}{slug}_d{d}.json", results, base)
         print("wrote", path or f"nothing for d = {d} (no program selected)", flush=True)
     return 0
 
 
-def _write(out_dir: str, name: str, results: list[dict]) -> str:
-    doc = {**header(), "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
+def _c_stage_base(requested: int | None) -> int:
+    """Set the C-stage base the programs compile with (``CODA_TITAN_EPI_C_STAGES``; 0 unsets it: quack's) and
+    return it: ``requested``, else the ``[coda] b2_c_stages`` default the configs run."""
+    from coda_titan.kernels import EPI_C_STAGES_ENV
+    from coda_titan.titan.job_config import Coda
+
+    base = requested if requested is not None else next(f.default for f in dataclasses.fields(Coda) if f.name == "b2_c_stages")
+    if base:
+        os.environ[EPI_C_STAGES_ENV] = str(base)
+    else:
+        os.environ.pop(EPI_C_STAGES_ENV, None)
+    return base
+
+
+def _write(out_dir: str, name: str, results: list[dict], base: int) -> str:
+    doc = {**header(), "epi_c_stage_base": base or "quack's (4)", "autotune": os.environ.get("CODA_TITAN_AUTOTUNE", "1") != "0",
            "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms) after one untimed call",
            "results": results}
     os.makedirs(out_dir, exist_ok=True)

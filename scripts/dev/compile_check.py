@@ -136,6 +136,27 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
         epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
+def _b3_bf16(base=None, config=None, m=512, k=256, f=512):
+    """B3 (bf16) as ``coda::swiglu_bwd`` calls it: quack's ``dswiglu_rstd_preact_mod`` (``base`` None) or our
+    copy with that C-stage base (``CODA_TITAN_EPI_C_STAGES``), on a 256 x 128 cooperative tile unless ``config``."""
+    import torch
+
+    from coda_titan.kernels.cute import epilogues as ep
+    from coda_titan.kernels.cute import stages
+    from quack.epilogue.library import dswiglu_rstd_preact_mod
+    from quack.gemm_config import GemmConfig
+
+    cfg = config or GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2,
+                               is_dynamic_persistent=False, device_capacity=9)
+    _KEEP.append(cfg)
+    dout, w, a = (torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, f, dtype=torch.bfloat16),
+                  torch.zeros(m, 2 * f, dtype=torch.bfloat16))
+    epi = dswiglu_rstd_preact_mod if base is None else ep.dswiglu_rstd_preact_epi
+    with stages.capped(base):
+        epi(dout, w, a, out={"D": torch.empty_like(a), "postact": torch.empty(m, f, dtype=torch.bfloat16)},
+            tuned=False, config=cfg, rstd=torch.ones(m))
+
+
 def _report_stages():
     """Print each compiled kernel's (A/B, D, C) stage counts (the C-stage base's effect)."""
     from quack.gemm_sm90 import GemmSm90
@@ -213,6 +234,9 @@ PROGRAMS = {
     "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),
     "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
+    "b3_bf16_wide": lambda: _b3_bf16(),
+    "b3_bf16_wide_c2": lambda: _b3_bf16(base=2),
+    "b3_bf16_wide_c1": lambda: _b3_bf16(base=1),
 }
 
 

@@ -53,6 +53,17 @@ def norm_residual_bwd_last_epi(acc, y, w, corr):
     return {"D": acc * w + y * corr, "dw": (acc, y)}
 
 
+@gemm_epilogue(outputs=("postact",), ops={"rstd": ColVecLoad("rstd")}, reduces={"dsum": ColVecReduce("dsum")},
+               mode="packed_cd_b16x2")
+def dswiglu_rstd_preact_epi(acc, c, rstd):
+    """B3's bf16 epilogue (the math of quack's ``dswiglu_rstd_preact_mod``): c = the saved (gate, up)
+    pre-activation pairs, D = their gradients r * (dg_s, du_s), postact = y recomputed, dsum = the rstd
+    gradient's partials; here, as B2's, so that a kernel of it can carry ``stages.ATTR``."""
+    g, u = unpack(c)
+    dgs, dus, s = dswiglu(g * rstd, u * rstd, acc)
+    return {"D": pack(dgs * rstd, dus * rstd), "postact": s, "dsum": dgs * g + dus * u}
+
+
 @gemm_epilogue(
     outputs=("resid_out", "hq"),
     ops={"weight": RowVecLoad("weight"), "inv_scale": Scalar("inv_scale")},

@@ -5,7 +5,9 @@ norm_swiglu      quack's ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r
 norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
 norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (our 8-bit paired-column
                  store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
-swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials
+swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials; with
+                 ``CODA_TITAN_EPI_C_STAGES`` (B2's C-stage base, ``stages``) our copy of it with that base
+                 (``CODA_TITAN_B3_C_STAGES``, where set, is B3's alone: 0 = quack's)
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
 swiglu_bwd_e5m2  ``epilogues.dswiglu_rstd_preact_e5m2_epi``: the same less the bf16 da (no D store; a read
@@ -32,10 +34,10 @@ from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
-from . import overlap
+from . import overlap, stages
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
-                        dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
+                        dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
 
@@ -93,8 +95,10 @@ def _swiglu_bwd(dout, w_down, a, rstd):
     r = rstd.float()
     da = torch.empty_like(a)
     y = a.new_empty((a.shape[0], a.shape[1] // 2))
-    with first_call("swiglu_bwd", dout, w_down):
-        res = gemm(dswiglu_rstd_preact_mod, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
+    base = stages.requested_base("b3")  # (a wide tile keeps a third A/B stage beside the C tile)
+    epi = dswiglu_rstd_preact_mod if base is None else dswiglu_rstd_preact_epi
+    with first_call("swiglu_bwd", dout, w_down), stages.capped(base):
+        res = gemm(epi, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
     return da, y, res["dsum"] * r
 
 

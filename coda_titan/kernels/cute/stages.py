@@ -1,5 +1,5 @@
-"""A lower base for the epilogue's C-load stages of chosen quack GEMMs (SM90), so that wide tiles keep
-their mainloop stages.
+"""A lower base for the epilogue's C-load stages of chosen quack GEMMs (SM90: B2, and B3 on the bf16 GEMM,
+whose C is the saved pre-activation pairs), so that wide tiles keep their mainloop stages.
 
 quack 0.6.5 (``GemmSm90._compute_stages``) gives the epilogue ``min(epi_tiles, epi_c_stage_base = 4)``
 C-load stages first, each holding every tile-sized epilogue input, then fills shared memory with A/B
@@ -23,26 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
-from .. import EPI_C_STAGES_ENV
+from .. import B3_C_STAGES_ENV, EPI_C_STAGES_ENV, requested_c_stage_base as requested_base  # noqa: F401
 from .patches import add_post_init_attrs
 
 ATTR = "_coda_epi_c_stage_base"
 TILE_ATTR = "_coda_epi_tile"
 ENV = EPI_C_STAGES_ENV  # (``[coda] b2_c_stages`` sets it: titan/parallelize.py)
+B3_ENV = B3_C_STAGES_ENV  # (B3's alone, for an A/B: unset follows ``ENV``)
 _BASE = contextvars.ContextVar("coda_epi_c_stage_base", default=None)
 _TILE = contextvars.ContextVar("coda_epi_tile", default=None)
-
-
-def requested_base() -> int | None:
-    """The base ``ENV`` asks for (an integer >= 1), or None for quack's own; anything else is an error."""
-    raw = os.environ.get(ENV)
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{ENV} must be an integer >= 1 (quack's own base is 4), got {raw!r}")
-    return int(raw)
 
 
 @contextlib.contextmanager

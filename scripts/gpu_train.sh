@@ -37,6 +37,7 @@
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
+#     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp88bmem the 8B CODA fp8 config without the transposed e4m3 weights (its peak against fp88b's)
 #     weighttbwd the 8B CODA fp8 config with [coda] fp8_weight_t_bwd (W^T made in each backward)
@@ -729,6 +730,14 @@ for phase in "$@"; do
       # (COMPILE=1: both with torch.compile, tag 8b_compile)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 \
         ${COMPILE:+--set compile.enable=true} --tag "8b${COMPILE:+_compile}"
+      ;;
+    b3ab8b)
+      # B3 (bf16) at the 8B shapes in the step, both compiled: CODA with B3 on quack's epilogue and base
+      # (CODA_TITAN_B3_C_STAGES=0), then the 8B pair as configured (B3 at [coda] b2_c_stages's base)
+      CODA_TITAN_B3_C_STAGES=0 $cmp configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 --set compile.enable=true \
+        --tag 8b_compile_b3_quack
+      $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 \
+        --set compile.enable=true --tag 8b_compile
       ;;
     fp88bmem)
       # the 8B fp8 CODA config without the weight pass's transposed e4m3 weights (fp8_mlp_dgrad, fp8_dgrad and

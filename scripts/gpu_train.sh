@@ -37,6 +37,7 @@
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
+#     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
 #     fp88b    the 8B fp8 pair (float8 + compile vs CODA fp8 compiled), 15 steps each: does it fit one GPU
 #     fp88bmem the 8B CODA fp8 config without the transposed e4m3 weights (its peak against fp88b's)
@@ -730,6 +731,11 @@ for phase in "$@"; do
       # (COMPILE=1: both with torch.compile, tag 8b_compile)
       $cmp configs/llama3_8b_bf16_baseline.toml configs/llama3_8b_bf16_coda.toml --steps 8 --warmup 7 \
         ${COMPILE:+--set compile.enable=true} --tag "8b${COMPILE:+_compile}"
+      ;;
+    sustained)
+      # probe: B3, F2 and B2 of W13 (bf16, 1B shapes) on pinned tile configs, a short burst against calls back to back
+      # at the power cap (scripts/probes/sustained.py; SECONDS_PER_ARM, ROUNDS)
+      python3 -m scripts.probes.sustained --seconds "${SECONDS_PER_ARM:-2}" --rounds "${ROUNDS:-2}" 2>&1 | tail -40
       ;;
     b3ab8b)
       # B3 (bf16) at the 8B shapes in the step, both compiled: CODA with B3 on quack's epilogue and base

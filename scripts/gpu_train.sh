@@ -735,7 +735,8 @@ for phase in "$@"; do
     sustained)
       # probe: B3, F2 and B2 of W13 (bf16, 1B shapes) on pinned tile configs, a short burst against calls back to back
       # at the power cap (scripts/probes/sustained.py; SECONDS_PER_ARM, ROUNDS)
-      python3 -m scripts.probes.sustained --seconds "${SECONDS_PER_ARM:-2}" --rounds "${ROUNDS:-2}" 2>&1 | tail -40
+      python3 -m scripts.probes.sustained --seconds "${SECONDS_PER_ARM:-2}" --rounds "${ROUNDS:-2}" \
+        ${PROGRAMS:+--programs $PROGRAMS} ${TILES:+--configs $TILES} 2>&1 | tail -40
       ;;
     b3ab8b)
       # B3 (bf16) at the 8B shapes in the step, both compiled: CODA with B3 on quack's epilogue and base

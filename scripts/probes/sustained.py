@@ -34,6 +34,16 @@ CONFIGS = [(128, 128, True, 1, 2), (128, 128, True, 2, 1), (128, 256, False, 1, 
            (256, 128, False, 2, 1)]
 
 
+def _parse(text: str) -> tuple:
+    """``128x192pp1x2`` -> (128, 192, True, 1, 2)."""
+    import re
+
+    m = re.fullmatch(r"(\d+)x(\d+)(pp|coop)(\d)x(\d)", text)
+    if not m:
+        raise SystemExit(f"--configs: {text!r} is not tmxtn[pp|coop]cmxcn")
+    return int(m[1]), int(m[2]), m[3] == "pp", int(m[4]), int(m[5])
+
+
 def _config(t):
     from quack.gemm_config import GemmConfig
 
@@ -120,17 +130,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.sustained", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--programs", nargs="*", default=None, help="only these (norm_swiglu swiglu_bwd norm_residual_bwd_w13)")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="tile configs as tmxtn[pp|coop]cmxcn, e.g. 128x192pp1x2 (default: CONFIGS)")
     args = ap.parse_args()
+    configs = [_parse(c) for c in args.configs] if args.configs else CONFIGS
     import coda_titan.kernels.cute  # noqa: F401  (installs the hooks)
 
     doc = {**header(), "kind": "probe_sustained", "M": M, "d": D, "ffn": F, "seconds": args.seconds,
-           "configs": [list(c) for c in CONFIGS], "rows": []}
+           "configs": [list(c) for c in configs], "rows": []}
     path = out_json("probe_sustained")
     keep = []  # (quack's eager call cache keys a pinned config by its id)
     arms = {}
     for name, (make, bare) in _programs(torch.Generator(device="cuda").manual_seed(0)).items():
+        if args.programs and name not in args.programs:
+            continue
         arms[(name, "cublas")] = bare
-        for t in CONFIGS:
+        for t in configs:
             cfg = _config(t)
             keep.append(cfg)
             arms[(name, "x".join(map(str, t[:2])) + ("pp" if t[2] else "coop") + f"{t[3]}x{t[4]}")] = make(cfg)

@@ -66,8 +66,8 @@ WHY = {
     "residual_rms": "short GEMM at small d: the residual load and the second store are not hidden",
     "norm_residual_bwd": "the compiled baseline is already near its bare GEMM; the fused kernel cannot go below "
                          "its GEMM, so the ceiling is compile/GEMM",
-    "swiglu_bwd": "ceiling compile/GEMM as for B2, plus the packed pre-activation load and postact store of "
-                  "the epilogue with quack's default tiles",
+    "swiglu_bwd": "ceiling compile/GEMM as for B2, plus the epilogue's 10 bytes an output element (the packed "
+                  "pre-activation load, da and postact stores) against the bare GEMM's 2",
     "lm_head_ce": "the fp32 dW accumulator (V x d x 4 bytes) dominates the program's peak at large d",
 }
 

@@ -131,6 +131,43 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch)
     assert same_lease_floor(doc, tmp_path)["file"] == "archive/floor_tenth_GPU_X_2026-01-02.json"
 
 
+def test_the_floor_at_the_cap_runs_a_steps_kernels_in_its_order_and_reaches_the_table(tmp_path):
+    """``scripts.bench.floor --cap-reps``: every piece of the floor once per layer and direction (the LM head
+    once, in bf16 for fp8 too; the optimizer once), the forward's layers first to last, the backward's
+    last to first, the LM head between; its pass time becomes ``capped_floor_ms`` and the comparison
+    table states each FA4 run's step over it."""
+    from scripts.bench.floor import step_order, totals
+    from scripts.compare.run import same_lease_floor
+    from scripts.report.training import compare_table
+
+    for precision in ("bf16", "fp8"):
+        order = step_order(3, precision)
+        gemms = [k for k in order if isinstance(k, tuple)]
+        assert len(gemms) == 3 * 12 + 3 and len(set(gemms)) == 15
+        assert all(order.count(k) == 3 for k in gemms if k[0] != "lm_head")
+        assert {k[1] for k in gemms if k[0] == "lm_head"} == {"bf16"} and {k[1] for k in gemms if k[0] != "lm_head"} == {precision}
+        assert order.count("fa4_fwd") == order.count("fa4_bwd") == 3 and order[-1] == "adamw" and order.count("adamw") == 1
+        head = order.index(("lm_head", "bf16", "fwd"))
+        assert all(k in ("fa4_fwd",) or k[2] == "fwd" for k in order[:head])  # forward only before the head
+        assert order[head + 3] == ("w2", precision, "dgrad") and "fa4_fwd" not in order[head:]
+    gemms = [{"weight": w, "precision": p, "direction": d, "best_ms": 1.0}
+             for w in ("qkv", "out", "w13", "w2", "lm_head") for p in ("bf16", "fp8") for d in ("fwd", "dgrad", "wgrad")]
+    floor = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02", "seq_len": 8, "local_batch_size": 2,
+             "n_layers": 2, "gemms": gemms, "fa4": {"ms": 2.0}, "adamw": {"ms": 3.0}}
+    assert "capped_floor_ms" not in totals(floor)["bf16"]
+    floor["at_cap"] = {"bf16": {"ms": 40.0}, "fp8": {"ms": 30.0}}
+    floor["totals"] = t = totals(floor)
+    assert t["bf16"]["capped_floor_ms"] == 40.0 and t["fp8"]["capped_floor_ms"] == 30.0
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
+    run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": 45.0, "peak_gib": 1.0,
+           "mfu": 1.0, "loss": [1.0], "precision": "fp8", "seq_len": 8, "local_batch_size": 2}
+    doc = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1,
+           "warmup": 1, "runs": [run]}
+    doc["floor"] = same_lease_floor(doc, tmp_path)
+    assert doc["floor"]["capped"] == {"bf16": 40.0, "fp8": 30.0}
+    assert "Step / that floor: m_coda 1.500." in compare_table(doc)
+
+
 def test_the_report_gives_a_comparison_run_after_the_floor_its_hosts_floor(tmp_path, monkeypatch):
     """A comparison that ran in a later call on the same warm host as the floor (its own ``$OUT`` had no
     floor file) gets that floor when the report refreshes it from benchmarks/results; another host's

@@ -13,6 +13,11 @@ The floor is what the step cannot do without, each piece at its best bare speed 
 * the fused AdamW step over the model's parameters (TorchTitan's default optimizer implementation),
   in the training dtype.
 
+Each piece is timed alone, a short burst on a GPU that has idled. A step runs its kernels back to back
+at the power cap (680-700 W on the H100, every config alike) and at lower clocks, so with
+``--cap-reps N`` (default 10) the best call of every piece then runs in a step's order, pass after pass,
+and ``capped_floor_ms`` is a pass's GPU time there: the floor a step at the cap can reach.
+
 bf16 floor = layer GEMMs + LM head + FA4 + AdamW; fp8 floor = fp8 layer GEMMs + bf16 LM head (as
 TorchTitan's float8 recipe) + FA4 + AdamW. Elementwise work (norms, SwiGLU, RoPE, casts), the loss
 and the idle gaps between kernels are not in it: a step at the floor has fused all of them away.
@@ -77,10 +82,12 @@ def bf16_gemm(m: int, n: int, k: int, gen) -> list[dict]:
     }
     rows = []
     for direction, (a, b) in cases.items():
-        t = {"cublas": try_bench(lambda: torch.mm(a, b)), "quack": try_bench(lambda: qgemm(a, b, tuned=QUACK_TUNED))}
+        fns = {"cublas": lambda a=a, b=b: torch.mm(a, b), "quack": lambda a=a, b=b: qgemm(a, b, tuned=QUACK_TUNED)}
+        t = {k: try_bench(f) for k, f in fns.items()}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[1], "K": a.shape[1], "ms": t,
-                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[1] * a.shape[1] / ms / 1e9})
+                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[1] * a.shape[1] / ms / 1e9,
+                     "_fn": fns[best]})
         torch.cuda.empty_cache()
     return rows
 
@@ -102,11 +109,13 @@ def fp8_gemm(m: int, n: int, k: int, gen) -> list[dict]:
         def sm(fast, a=a, b=b):
             return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=BF, use_fast_accum=fast)
 
-        t = {"cublas": try_bench(sm(False)), "cublas_fast_accum": try_bench(sm(True)),
-             "quack": try_bench(lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=QUACK_TUNED))}
+        fns = {"cublas": sm(False), "cublas_fast_accum": sm(True),
+               "quack": lambda a=a, b=b: qgemm(a, b.t(), out_dtype=BF, tuned=QUACK_TUNED)}
+        t = {k: try_bench(f) for k, f in fns.items()}
         best, ms = _best(t)
         rows.append({"direction": direction, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1], "ms": t,
-                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[0] * a.shape[1] / ms / 1e9})
+                     "best": best, "best_ms": ms, "tflops": 2 * a.shape[0] * b.shape[0] * a.shape[1] / ms / 1e9,
+                     "_fn": fns[best]})
         torch.cuda.empty_cache()
     return rows
 
@@ -120,9 +129,10 @@ def fa4(bs: int, seqlen: int, hq: int, hkv: int, hd: int, gen) -> dict:
     scale = hd**-0.5
     out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    fwd = bench(lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True))
-    bwd = bench(lambda: _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv))
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "ms": fwd + bwd}
+    fns = {"fwd": lambda: _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True),
+           "bwd": lambda: _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv)}
+    fwd, bwd = bench(fns["fwd"]), bench(fns["bwd"])
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "ms": fwd + bwd, "_fns": fns}
 
 
 def adamw(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> dict:
@@ -134,12 +144,10 @@ def adamw(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> dict:
     opt.step()  # state allocated, as after a training step
     ms = bench(opt.step)
     n = sum(p.numel() for p in params)
-    del opt, params
-    torch.cuda.empty_cache()
-    return {"ms": ms, "params": n, "dtype": str(dtype)}
+    return {"ms": ms, "params": n, "dtype": str(dtype), "_fn": opt.step}
 
 
-def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save) -> dict:
+def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save, cap_reps: int = 0) -> dict:
     a, ff, shapes = _model(model)
     hd = a.dim // a.n_heads
     m = seqlen * bs
@@ -147,28 +155,92 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save) -> dict:
     doc = {**header(), "kind": "floor", "model": model, "seq_len": seqlen, "local_batch_size": bs, "tokens": m,
            "n_layers": a.n_layers, "timing": "triton.testing.do_bench median after one untimed call",
            "quack": "autotuned" if QUACK_TUNED else "default config (no sweep)", "complete": False, "gemms": []}
+    kernels = {}  # (the best call of each piece, kept with its operands for the run at the cap only)
     for name, n, k in layer_gemms(a.dim, ff, a.n_heads, a.n_kv_heads, hd, a.vocab_size):
         precisions = ("bf16",) if name == "lm_head" else ("bf16", "fp8")
         for precision in precisions:
             rows = (bf16_gemm if precision == "bf16" else fp8_gemm)(m, n, k, gen)
             for r in rows:
                 r.update(weight=name, precision=precision)
+                fn = r.pop("_fn")
+                if cap_reps:
+                    kernels[(name, precision, r["direction"])] = fn
                 print(f"  {name:8} {precision} {r['direction']:5} M {r['M']:6} N {r['N']:6} K {r['K']:6}: "
                       + " ".join(f"{p} {v:.3f}" if v else f"{p} -" for p, v in r["ms"].items())
                       + f" -> {r['best']} {r['tflops']:.0f} TFLOP/s", flush=True)
             doc["gemms"] += rows
             save(doc)  # a run cut short keeps what it measured ("complete": false)
     doc["fa4"] = fa4(bs, seqlen, a.n_heads, a.n_kv_heads, hd, gen)
+    kernels["fa4_fwd"], kernels["fa4_bwd"] = (doc["fa4"].pop("_fns")[d] for d in ("fwd", "bwd"))
     print(f"  FA4 fwd {doc['fa4']['fwd_ms']:.3f} bwd {doc['fa4']['bwd_ms']:.3f} ms per layer", flush=True)
     doc["adamw"] = adamw(shapes, dtype)
+    kernels["adamw"] = doc["adamw"].pop("_fn")
+    if not cap_reps:
+        kernels.clear()
+        torch.cuda.empty_cache()
     print(f"  fused AdamW {doc['adamw']['ms']:.2f} ms over {doc['adamw']['params'] / 1e9:.3f} B params", flush=True)
     doc["totals"] = totals(doc)
+    save(doc)
+    if cap_reps:
+        try:
+            doc["at_cap"] = {p: at_cap(kernels, step_order(a.n_layers, p), cap_reps) for p in ("bf16", "fp8")}
+        except torch.cuda.OutOfMemoryError as e:  # (every piece's operands at once: the isolated floor stands)
+            doc["at_cap_error"] = f"OutOfMemoryError: {str(e)[:300]}"
+        doc["totals"] = totals(doc)
     doc["complete"] = True
     return doc
 
 
+def step_order(n_layers: int, precision: str) -> list:
+    """The floor's pieces in a training step's order: each layer's forward (QKV, attention, out, W13, W2),
+    the LM head's forward, its dgrad and wgrad, each layer's backward from the last (W2, W13, out, attention,
+    QKV; dgrad then wgrad), the optimizer step. Keys of ``measure``'s kernels (the LM head in bf16 always)."""
+    fwd = [("qkv", precision, "fwd"), "fa4_fwd", ("out", precision, "fwd"), ("w13", precision, "fwd"),
+           ("w2", precision, "fwd")]
+    bwd = [(w, precision, d) for w in ("w2", "w13", "out") for d in ("dgrad", "wgrad")]
+    bwd += ["fa4_bwd", ("qkv", precision, "dgrad"), ("qkv", precision, "wgrad")]
+    head = [("lm_head", "bf16", d) for d in ("fwd", "dgrad", "wgrad")]
+    return fwd * n_layers + head + bwd * n_layers + ["adamw"]
+
+
+def at_cap(kernels: dict, order: list, reps: int) -> dict:
+    """The floor's kernels back to back in step order (``order``), as a step runs them at the power cap: GPU
+    ms per pass (CUDA events) over ``reps`` passes after two untimed ones, with the SM clock and power
+    ``nvidia-smi`` sampled meanwhile. The isolated timings above are each a short burst; this is the floor
+    a step at the cap can reach."""
+    import statistics
+    import time
+
+    from scripts.compare.gpu_clocks import ClockSampler
+
+    calls = [kernels[k] for k in order]
+    for _ in range(2):
+        for f in calls:
+            f()
+    torch.cuda.synchronize()
+    ms = []
+    with ClockSampler() as clocks:
+        t0 = time.time()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for f in calls:
+                f()
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+        t1 = time.time()
+    held = [c for c in clocks.samples if t0 <= c[0] <= t1]
+    med = (lambda i: statistics.median(c[i] for c in held)) if held else (lambda i: None)
+    out = {"ms": statistics.median(ms), "raw_ms": ms, "kernels": len(calls), "sm_mhz": med(1), "power_w": med(2)}
+    print(f"  at the cap: {out['ms']:.1f} ms a pass of {len(calls)} kernels, SM {out['sm_mhz']} MHz, "
+          f"{out['power_w']} W", flush=True)
+    return out
+
+
 def totals(doc: dict) -> dict:
-    """The floor per precision, and its parts, in ms per step."""
+    """The floor per precision, and its parts, in ms per step; with ``at_cap`` (``--cap-reps``), the same
+    kernels back to back in step order (``capped_floor_ms``)."""
     nl = doc["n_layers"]
     best = {(g["weight"], g["precision"], g["direction"]): g["best_ms"] for g in doc["gemms"]}
     layer = ("qkv", "out", "w13", "w2")
@@ -180,6 +252,8 @@ def totals(doc: dict) -> dict:
         gemms = nl * sum(best[(w, precision, d)] for w in layer for d in dirs)
         out[precision] = {"layer_gemms_ms": gemms, "lm_head_ms": head, "attention_ms": attn, "optimizer_ms": opt,
                           "floor_ms": gemms + head + attn + opt}
+        if precision in doc.get("at_cap", {}):
+            out[precision]["capped_floor_ms"] = doc["at_cap"][precision]["ms"]
     return out
 
 
@@ -191,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="the parameters' dtype (the configs' training.dtype)")
     ap.add_argument("--quack", choices=("tuned", "default"), default="tuned",
                     help="quack autotuned (about 30 s per shape) or its default config for a bare GEMM")
+    ap.add_argument("--cap-reps", type=int, default=10,
+                    help="then N passes of the floor's kernels back to back in step order, at the power cap (0: none)")
     args = ap.parse_args(argv)
     global QUACK_TUNED
     QUACK_TUNED = args.quack == "tuned"
@@ -206,10 +282,11 @@ def main(argv=None) -> int:
             json.dump(doc, f, indent=1)
         return path
 
-    doc = measure(args.model, args.seq_len, args.batch, getattr(torch, args.dtype), save)
+    doc = measure(args.model, args.seq_len, args.batch, getattr(torch, args.dtype), save, args.cap_reps)
     for p, t in doc["totals"].items():
         print(f"{p} floor {t['floor_ms']:.1f} ms = layer GEMMs {t['layer_gemms_ms']:.1f} + LM head {t['lm_head_ms']:.1f} "
-              f"+ FA4 {t['attention_ms']:.1f} + AdamW {t['optimizer_ms']:.1f}", flush=True)
+              f"+ FA4 {t['attention_ms']:.1f} + AdamW {t['optimizer_ms']:.1f}"
+              + (f"; back to back at the cap {t['capped_floor_ms']:.1f} ms" if "capped_floor_ms" in t else ""), flush=True)
     print("wrote", save(doc), flush=True)
     return 0
 

@@ -262,7 +262,9 @@ def same_lease_floor(doc: dict, out: Path) -> dict | None:
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
     for p, f in floor_files(doc["device"], doc["date"], (out, common.RESULTS), archived=True):
         if doc.get("host") and f.get("host") == doc["host"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
-            return {"file": _floor_name(p), "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()}}
+            capped = {k: v["capped_floor_ms"] for k, v in f["totals"].items() if "capped_floor_ms" in v}
+            return {"file": _floor_name(p), "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()},
+                    **({"capped": capped} if capped else {})}
     return None
 
 

@@ -74,6 +74,8 @@ def compare_table(doc: dict) -> str:
         lines += ["", f"Floor ({floor['file']}, {where}): every GEMM of the step at the best of cuBLAS and quack, "
                   f"FA4 forward + backward, fused AdamW: bf16 {_f(floor.get('bf16'))} ms, fp8 {_f(floor.get('fp8'))} ms "
                   "(`python -m scripts.bench.floor`)."]
+        if floor.get("capped"):
+            lines += ["", _capped_floor_line(doc, floor["capped"])]
     else:
         lines += ["", "Step / floor: n/a (no floor was measured in this run's lease: `bash scripts/gpu_train.sh floor compare`)."]
     if doc.get("targets"):
@@ -81,6 +83,16 @@ def compare_table(doc: dict) -> str:
         for t in doc["targets"]:
             lines.append(f"| {t['config']}: {t['goal']} | {_f(t['value'], 3, 'x')} | {'yes' if t['met'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _capped_floor_line(doc: dict, capped: dict) -> str:
+    """The floor's kernels back to back in step order at the power cap (``scripts.bench.floor --cap-reps``),
+    and each FA4 config's step over it."""
+    over = [f"{Path(r['config']).stem} {r['step_ms'] / capped[p]:.3f}" for r in doc["runs"]
+            if "error" not in r and r["attention"] == "fa4" and (p := r.get("precision", "bf16")) in capped]
+    return ("The same kernels back to back in a step's order, pass after pass (the power cap a step runs at; "
+            "each alone above is a short burst): " + ", ".join(f"{p} {_f(v)} ms" for p, v in capped.items())
+            + (f". Step / that floor: {', '.join(over)}." if over else "."))
 
 
 SLOW_STEP = 1.1  # a timed step this many times its config's median step is listed under the table

@@ -247,6 +247,27 @@ def test_trace_summary_groups_kernels(tmp_path):
     assert s["top_kernels"][0]["calls"] in (1, 2)
 
 
+def test_trace_summary_lists_every_kernel_outside_the_gemms(tmp_path):
+    """``outside_gemms``: every kernel that is not a GEMM, attention, the optimizer or a collective, largest
+    first, beyond the top list too; quack's final rms reduction (a cutlass kernel without a GEMM) is one of
+    them; the profile table states their sum with the idle, and issue 19's 15 ms for a CODA fp8 profile."""
+    events = [{"cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 0, "dur": 1000},
+              {"cat": "kernel", "name": "kernel_cutlass_kernel_quackrms_final_reduceRmsFinalReduce_object", "ts": 1000, "dur": 30},
+              {"cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": 1030, "dur": 40}]
+    events += [{"cat": "kernel", "name": f"triton_poi_fused_{i}", "ts": 1100 + 10 * i, "dur": 10 - i} for i in range(5)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"), top=2)
+    names = [k["name"] for k in s["outside_gemms"]]
+    assert names[0].startswith("kernel_cutlass_kernel_quackrms_final_reduce") and len(names) == 6
+    assert names[1:] == [f"triton_poi_fused_{i}" for i in range(5)] and len(s["top_kernels"]) == 2
+    assert s["categories_ms"]["gemm (cuBLAS/other)"] == 1.0
+    doc = {"config": "configs/x_fp8_coda_compile.toml", "run": {"precision": "fp8"}, "device": "d",
+           "profiled_step": 3, "summary": s}
+    text = training.profile_table(doc)
+    assert "0.1 ms of kernels" in text and "at most 15 ms" in text and "| `triton_poi_fused_4` |" in text
+    assert "at most 15 ms" not in training.profile_table({**doc, "run": {"precision": "bf16"}})
+
+
 @pytest.mark.slow
 def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
     """Two real runs through coda-titan train; the JSON holds what was run and W&B holds the losses."""

@@ -40,7 +40,16 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
              "pct": round(100 * sum(d) / total, 2)}
             for n, d in ranked[:top]
         ],
+        # every kernel outside the GEMMs, attention, the optimizer and collectives (issue 19's "elementwise"),
+        # not only those among the top: what the next fusion could remove, by name
+        "outside_gemms": [
+            {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d)}
+            for n, d in ranked if kernel_category(n) in OUTSIDE
+        ][:80],
     }
+
+
+OUTSIDE = ("triton (inductor)", "elementwise/reduction (eager)", "other")  # (kernel_category's non-GEMM work)
 
 
 def _merged(ivs: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -174,8 +183,8 @@ def kernel_category(name: str) -> str:
         return "attention"
     if any(s in n for s in ("epi", "quack", "gemmsm90", "gemm_sm90", "cutlass_cute", "kernel_cutlass")) and "gemm" in n:
         return "coda/quack gemm+epilogue"
-    if any(s in n for s in ("gemm", "sm90_xmma", "cublas", "nvjet", "cutlass")):
-        return "gemm (cuBLAS/other)"
+    if any(s in n for s in ("gemm", "sm90_xmma", "cublas", "nvjet")) or ("cutlass" in n and "reduce" not in n):
+        return "gemm (cuBLAS/other)"  # (quack's rms_final_reduce is a cutlass kernel, and a reduction)
     if "triton" in n:
         return "triton (inductor)"
     if "adam" in n or "foreach" in n or "multi_tensor" in n:

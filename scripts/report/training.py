@@ -10,8 +10,11 @@ from pathlib import Path
 
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
+
 from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
 from scripts.report import png
+
+from .profiles import profile_table  # noqa: F401  (re-exported: scripts.compare.profile prints it)
 
 
 def _f(v, nd=1, suffix=""):
@@ -199,55 +202,6 @@ def scaling_pairs() -> list[tuple[dict, dict]]:
         if d.get("nproc", 1) > 1 and k and (d["device"], d["date"][:10], sfx) in single:
             out.append((d, single[(d["device"], d["date"][:10], sfx)]))
     return out
-
-
-def profile_table(doc: dict, top: int = 12) -> str:
-    s = doc["summary"]
-    lines = [
-        f"Profile of `{Path(doc['config']).stem}` step {doc['profiled_step']} on {doc['device']}: "
-        f"{s['gpu_kernel_ms']:.1f} ms of GPU kernel time in {s['kernel_launches']} launches "
-        f"(span {s['gpu_span_ms']:.1f} ms).",
-        "",
-    ]
-    if "gpu_idle_ms" in s:
-        b = s["blocking_runtime_calls"]
-        lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
-                  f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
-    if doc.get("nproc", 1) > 1 and "communication_ms" in s:
-        lines += [f"Rank 0 of {doc['nproc']} (FSDP2): collectives {s['communication_ms']:.1f} ms, of which "
-                  f"{s['communication_exposed_ms']:.1f} ms with no other kernel running (not overlapped).", ""]
-    lines += [
-        "| category | ms | share |",
-        "|---|---:|---:|",
-    ]
-    for k, v in s["categories_ms"].items():
-        lines.append(f"| {k} | {v:.1f} | {100 * v / s['gpu_kernel_ms']:.1f}% |")
-    cats = s["categories_ms"]
-    if not any("coda" in k for k in cats):  # a stock run: what no fusion of the rest can remove
-        floor = sum(cats.get(k, 0.0) for k in ("gemm (cuBLAS/other)", "attention", "optimizer"))
-        lines += ["", f"GEMMs + attention + optimizer take {floor:.1f} ms of this step's {s['gpu_kernel_ms']:.1f} ms: "
-                  f"a program that fuses away everything else but runs its GEMMs at cuBLAS speed is at most "
-                  f"{s['gpu_kernel_ms'] / floor:.3f}x faster than this step."]
-    if s.get("top_idle"):
-        lines += ["", "| largest GPU idle (us) | after kernel | host op running meanwhile |", "|---:|---|---|"]
-        for g in s["top_idle"][:5]:
-            host = " / ".join(g["host_ops"][:2]).replace("|", "/") or "n/a"
-            lines.append(f"| {g['us']:.0f} | `{g['after_kernel'][:50].replace('|', '/')}` | {host[:90]} |")
-    if s.get("idle_by_phase"):
-        lines += ["", "| GPU idle by the phase that launched the next kernel | intervals | ms | of it host-bound (launched after the GPU went idle), ms |",
-                  "|---|---:|---:|---:|"]
-        for k, v in s["idle_by_phase"].items():
-            lines.append(f"| {k} | {v['intervals']} | {v['ms']:.1f} | {v['host_bound_ms']:.1f} |")
-        lines += ["", "| GPU idle charged to the host op that launched the next kernel (outermost > innermost) | intervals | ms |",
-                  "|---|---:|---:|"]
-        for g in s["idle_by_host_op"][:8]:
-            lines.append(f"| {g['op'][:110].replace('|', '/')} | {g['intervals']} | {g['ms']:.1f} |")
-    lines += ["", "| top kernel | category | calls | ms | share |", "|---|---|---:|---:|---:|"]
-    for k in s["top_kernels"][:top]:
-        name = k["name"].replace("|", "/")
-        name = name if len(name) <= 70 else name[:67] + "..."
-        lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['pct']:.1f}% |")
-    return "\n".join(lines)
 
 
 def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:

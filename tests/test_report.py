@@ -90,6 +90,20 @@ def test_two_parts_of_one_d_keep_each_others_programs(tmp_path, monkeypatch):
     assert {r["op"]: r["ms"]["coda"] for r in merged["results"]} == {"a": 1.0, "b": 4.0, "c": 3.0}
 
 
+def _fp8_run_after(floor: dict, step_ms: float, tmp_path) -> dict:
+    """A comparison doc of one CODA fp8 FA4 run (``step_ms``) in the lease of ``floor`` (written to ``tmp_path``),
+    with the floor ``same_lease_floor`` finds for it."""
+    from scripts.compare.run import same_lease_floor
+
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
+    run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": step_ms, "peak_gib": 1.0,
+           "mfu": 1.0, "loss": [1.0], "precision": "fp8", "seq_len": 8, "local_batch_size": 2}
+    doc = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1,
+           "warmup": 1, "runs": [run]}
+    doc["floor"] = same_lease_floor(doc, tmp_path)
+    return doc
+
+
 def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch):
     """compare embeds the floor measured in its own lease (same host and boot, device, day, seq x batch)
     and the table divides each FA4 run's step by the floor of its precision; another day's floor, and a
@@ -107,12 +121,7 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch)
     floor["totals"] = t = totals(floor)
     assert t["bf16"]["floor_ms"] == 2 * 12 * 1.0 + 3 * 1.0 + 2 * 2.0 + 3.0
     assert t["fp8"]["floor_ms"] == 2 * 12 * 0.5 + 3 * 1.0 + 2 * 2.0 + 3.0  # the LM head stays bf16
-    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
-    run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": 51.0, "peak_gib": 1.0,
-           "mfu": 1.0, "loss": [1.0], "precision": "fp8", "seq_len": 8, "local_batch_size": 2}
-    doc = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1,
-           "warmup": 1, "runs": [run]}
-    doc["floor"] = same_lease_floor(doc, tmp_path)
+    doc = _fp8_run_after(floor, 51.0, tmp_path)
     assert doc["floor"]["fp8"] == t["fp8"]["floor_ms"]
     row = next(line for line in compare_table(doc).splitlines() if line.startswith("| m_coda"))
     assert f"| {51.0 / t['fp8']['floor_ms']:.3f} |" in row
@@ -137,7 +146,6 @@ def test_the_floor_at_the_cap_runs_a_steps_kernels_in_its_order_and_reaches_the_
     last to first, the LM head between; its pass time becomes ``capped_floor_ms`` and the comparison
     table states each FA4 run's step over it."""
     from scripts.bench.floor import step_order, totals
-    from scripts.compare.run import same_lease_floor
     from scripts.report.training import compare_table
 
     for precision in ("bf16", "fp8"):
@@ -158,12 +166,7 @@ def test_the_floor_at_the_cap_runs_a_steps_kernels_in_its_order_and_reaches_the_
     floor["at_cap"] = {"bf16": {"ms": 40.0}, "fp8": {"ms": 30.0}}
     floor["totals"] = t = totals(floor)
     assert t["bf16"]["capped_floor_ms"] == 40.0 and t["fp8"]["capped_floor_ms"] == 30.0
-    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps(floor))
-    run = {"config": "configs/m_coda.toml", "attention": "fa4", "tokens_per_s": 1.0, "step_ms": 45.0, "peak_gib": 1.0,
-           "mfu": 1.0, "loss": [1.0], "precision": "fp8", "seq_len": 8, "local_batch_size": 2}
-    doc = {"device": "GPU X", "host": "h1/boot-a", "date": "2026-01-02T10:00:00Z", "versions": {}, "steps": 1,
-           "warmup": 1, "runs": [run]}
-    doc["floor"] = same_lease_floor(doc, tmp_path)
+    doc = _fp8_run_after(floor, 45.0, tmp_path)
     assert doc["floor"]["capped"] == {"bf16": 40.0, "fp8": 30.0}
     assert "Step / that floor: m_coda 1.500." in compare_table(doc)
 

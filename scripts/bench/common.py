@@ -56,6 +56,19 @@ def log_row(doc: dict, key: str, row: dict, path: str) -> None:
         json.dump(doc, f, indent=1)
 
 
+def synced_ms(fn, reps: int) -> list[float]:
+    """GPU ms of each of ``reps`` calls of ``fn``, each between two CUDA events and synced (its host time counts)."""
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return ts
+
+
 def bench(fn, reps=None):
     """Median ms of triton's do_bench, after one untimed call (compile / autotune / allocate)."""
     from triton.testing import do_bench

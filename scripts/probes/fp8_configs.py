@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from scripts.bench.common import synced_ms
+
 M, D, F = 16384, 2048, 8192
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n): quack's SM90 space holds these
 CONFIGS = [
@@ -61,15 +63,7 @@ def _time(fn, reps=20):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
+    ts = sorted(synced_ms(fn, reps))
     return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "raw_ms": ts}
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from scripts.bench.common import BF, M, header, log_row, out_json
+from scripts.bench.common import BF, M, header, log_row, out_json, synced_ms
 from scripts.compare.gpu_clocks import ClockSampler
 
 D, F = 2048, 8192
@@ -91,15 +91,7 @@ def _programs(gen):
 
 def _burst(fn) -> float:
     time.sleep(0.3)
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return statistics.median(synced_ms(fn, 5))
 
 
 def _sustained(fn, seconds: float) -> dict:

@@ -93,7 +93,7 @@ def _stage_budget(model, coda) -> None:
     base = getattr(coda, "b2_c_stages", 0)
     if base and getattr(model, "backend_name", None) == "cute":
         value = os.environ.setdefault(STAGES_ENV, str(base))
-        logger.info(f"B2's epilogue C-stage base: {value}" + ("" if value == str(base) else f" ({STAGES_ENV})"))
+        logger.info(f"B2's and the bf16 B3's epilogue C-stage base: {value}" + ("" if value == str(base) else f" ({STAGES_ENV})"))
 
 
 def _check_cuda_graphs(model_compile: bool, job_config, parallel_dims) -> None:

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from coda_titan.kernels import B3_C_STAGES_ENV
+
 from . import bf16, fp8
 from .common import M, Setup, bench, header, peak_gib, try_bench
 
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
             if args.ops and program.__name__ not in args.ops:
                 continue
             row = {**measure(*program(setup), d=d, precision=args.precision), "epi_c_stage_base": base}
+            if os.environ.get(B3_C_STAGES_ENV):  # (B3's own base, set for an A/B: "0" is quack's)
+                row["b3_c_stages"] = os.environ[B3_C_STAGES_ENV]
             print(json.dumps(row), flush=True)
             results.append(row)
             torch.cuda.empty_cache()

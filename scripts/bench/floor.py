@@ -207,7 +207,8 @@ def at_cap(kernels: dict, order: list, reps: int) -> dict:
     """The floor's kernels back to back in step order (``order``), as a step runs them at the power cap: GPU
     ms per pass (CUDA events) over ``reps`` passes after two untimed ones, with the SM clock and power
     ``nvidia-smi`` sampled meanwhile. The isolated timings above are each a short burst; this is the floor
-    a step at the cap can reach."""
+    a step at the cap can reach, on these random operands (a GEMM's power depends on its operands' bits:
+    a real step's, such as the LM head's near-zero softmax gradients, may draw less)."""
     import statistics
     import time
 

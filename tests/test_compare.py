@@ -464,10 +464,11 @@ def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_pa
         return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
                 "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
 
-    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", gpu_clocks=got)], "device": "d",
+    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", gpu_clocks=got, step_ms=300.0)], "device": "d",
            "date": "2026-11-26", "versions": {}, "steps": 1, "warmup": 1}
     table = training.compare_table(doc)
-    assert "x_coda_compile SM 1,004 MHz (1,003-1,006), 500 W, 60 C." in table and "x_baseline_compile SM" not in table
+    assert "x_coda_compile SM 1,004 MHz (1,003-1,006), 500 W, 60 C, 150 J a step." in table  # (500 W x 0.3 s)
+    assert "x_baseline_compile SM" not in table
     assert "over 1.1x" not in table  # (no per-step times: no slow-step line)
     # timed steps over 1.1x the median are listed under the table, per config, in order
     doc["runs"][1].update(step_ms=200.0, step_ms_raw=[200.0, 221.0, 199.0, 300.0, 220.0])

@@ -59,11 +59,14 @@ def compare_table(doc: dict) -> str:
     if any("peak_active_gib" in r for r in doc["runs"]):
         lines += ["", "Peak GiB: the caching allocator's reserved peak over every step, as TorchTitan logs it; in "
                   "parentheses the peak of live tensors over the timed steps (W&B's memory/max_active)."]
-    clocks = [(Path(r["config"]).stem, r["gpu_clocks"]) for r in doc["runs"] if r.get("gpu_clocks")]
-    if clocks:
-        lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max): ".format(clocks[0][1]["interval_ms"])
+    clocks = [(Path(r["config"]).stem, r["gpu_clocks"], r.get("step_ms")) for r in doc["runs"] if r.get("gpu_clocks")]
+    if clocks:  # (energy a step: median power x median step; at the power cap every config draws alike)
+        lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max; energy a step = median power x "
+                  "median step): ".format(clocks[0][1]["interval_ms"])
                   + "; ".join(f"{stem} SM {c['sm_mhz']['median']:,.0f} MHz ({c['sm_mhz']['min']:,.0f}-{c['sm_mhz']['max']:,.0f}), "
-                              f"{c['power_w']['median']:,.0f} W, {c['temp_c']['median']:.0f} C" for stem, c in clocks) + "."]
+                              f"{c['power_w']['median']:,.0f} W, {c['temp_c']['median']:.0f} C"
+                              + (f", {c['power_w']['median'] * ms / 1e3:,.0f} J a step" if ms else "")
+                              for stem, c, ms in clocks) + "."]
     slow = [(Path(r["config"]).stem, r["step_ms"], steps) for r in doc["runs"] if (steps := _slow_labels(r))]
     if slow:
         lines += ["", f"Timed steps over {SLOW_STEP:g}x their config's median (the tokens/s column is the mean over every "

@@ -296,8 +296,9 @@ for phase in "$@"; do
       ;;
     bench)
       # the bf16 kernel table (issue 18: every program against its bare GEMM) at DIMS (default 2048; one d a
-      # call, since each new shape autotunes); its parts go to $OUT (python -m scripts.report --parts DIR merges them)
-      python3 -m scripts.bench.kernels --dims ${DIMS:-2048} ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
+      # call, since each new shape autotunes); its parts go to $OUT (python -m scripts.report --parts DIR merges them);
+      # AT_CAP seconds (default 2; 0: off) each program and its bare GEMMs also back to back, at the power cap
+      python3 -m scripts.bench.kernels --dims ${DIMS:-2048} ${BENCH_OPS:+--ops $BENCH_OPS} --at-cap "${AT_CAP:-2}" 2>&1 | tail -14
       ;;
     fp8compare)
       $cmp ${FP8_CONFIGS:-configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda.toml \

@@ -36,6 +36,18 @@ def test_targets_judged_from_numbers():
     assert report.table(doc).count("\n| ") == 1 + len(doc["results"])  # separator + one row each
 
 
+def test_rows_timed_at_the_cap_get_their_own_ratio_column():
+    """``bench.kernels --at-cap``: a row with the program and its bare GEMMs timed back to back shows coda / GEMM
+    at the cap beside the burst ratio; a row without (an older part) shows a dash; no such row, no column."""
+    capped = _row("swiglu_bwd", "bwd", 1.2, 1.0, 1.5)
+    capped["ms"].update(coda_at_cap=1.3, bare_gemm_at_cap=1.04)
+    text = report.table(_doc([capped, _row("norm_rope", "fwd", 0.9, 1.0, 2.0)]))
+    header, _, first, second = text.splitlines()[2:6]
+    assert "| coda / GEMM | coda / GEMM at the cap | compile / coda |" in header
+    assert "| 1.20 | 1.25 | 1.25 |" in first and "| 0.90 | — |" in second
+    assert "at the cap" not in report.table(_doc([_row("norm_rope", "fwd", 0.9, 1.0, 2.0)]))
+
+
 def test_results_page_table_is_generated_from_committed_json():
     paths = [p for p in report.RESULTS.glob("kernels_*.json") if "_d" not in p.stem.rsplit("_", 1)[-1]]
     page = (report.ROOT / "docs" / "results.md").read_text()

@@ -69,6 +69,37 @@ def synced_ms(fn, reps: int) -> list[float]:
     return ts
 
 
+def at_cap(fn, seconds: float) -> dict:
+    """Calls of ``fn`` back to back for ``seconds`` (a step's power cap, not a short burst): the GPU's ms per
+    call over the second half (the first brings the GPU to its steady state), the calls timed, and the SM
+    clock and power ``nvidia-smi`` sampled over that half (None without it)."""
+    import statistics
+    import time
+
+    from scripts.compare.gpu_clocks import ClockSampler
+
+    with ClockSampler() as clocks:
+        t_end = time.perf_counter() + seconds / 2
+        while time.perf_counter() < t_end:
+            for _ in range(8):
+                fn()
+            torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0, calls = time.time(), 0
+        a.record()
+        t_end = time.perf_counter() + seconds / 2
+        while time.perf_counter() < t_end:
+            for _ in range(8):
+                fn()
+            calls += 8
+            b.record()
+            b.synchronize()
+        t1 = time.time()
+    half = [c for c in clocks.samples if t0 <= c[0] <= t1]
+    med = (lambda i: statistics.median(c[i] for c in half)) if half else (lambda i: None)
+    return {"sustained_ms": a.elapsed_time(b) / calls, "calls": calls, "sm_mhz": med(1), "power_w": med(2)}
+
+
 def bench(fn, reps=None):
     """Median ms of triton's do_bench, after one untimed call (compile / autotune / allocate)."""
     from triton.testing import do_bench

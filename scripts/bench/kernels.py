@@ -23,11 +23,12 @@ import torch
 from coda_titan.kernels import B3_C_STAGES_ENV
 
 from . import bf16, fp8
-from .common import M, Setup, bench, header, peak_gib, try_bench
+from .common import M, Setup, at_cap, bench, header, peak_gib, try_bench
 
 
-def measure(op: str, direction: str, fns: dict, d: int, precision: str) -> dict:
-    """One result row: every provider's median ms and the derived ratios."""
+def measure(op: str, direction: str, fns: dict, d: int, precision: str, cap_s: float = 0.0) -> dict:
+    """One result row: every provider's median ms and the derived ratios; with ``cap_s``, the program and its
+    bare GEMMs also back to back for that many seconds each (``at_cap``: the power cap a step runs at)."""
     t0 = time.perf_counter()
     row = {"op": op, "direction": direction, "M": M, "d": d, "precision": precision, "ms": {}}
     row["ms"]["coda"] = bench(fns["coda"])
@@ -49,6 +50,10 @@ def measure(op: str, direction: str, fns: dict, d: int, precision: str) -> dict:
     if op == "lm_head_ce":
         torch.cuda.empty_cache()
         row["peak_gib"] = {"coda": peak_gib(fns["coda"]), "eager_full_logits": peak_gib(fns["eager"])}
+    if cap_s and fns["bare_gemm"]:
+        coda, bare = at_cap(fns["coda"], cap_s), at_cap(lambda: [g() for g in fns["bare_gemm"]], cap_s)
+        row["ms"]["coda_at_cap"], row["ms"]["bare_gemm_at_cap"] = coda["sustained_ms"], bare["sustained_ms"]
+        row["at_cap"] = {"seconds": cap_s, "coda": coda, "bare_gemm": bare}
     if row["ms"]["bare_gemm"]:
         row["coda_over_bare_gemm"] = row["ms"]["coda"] / row["ms"]["bare_gemm"]
     if row["ms"]["torch_compile"]:
@@ -62,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="*", default=None, help="only these programs")
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: the e4m3 programs, written to kernels_fp8_<gpu>_d<d>.json")
+    ap.add_argument("--at-cap", type=float, default=0.0, metavar="SECONDS",
+                    help="also time each program and its bare GEMMs back to back for SECONDS each (the power cap)")
     ap.add_argument("--c-stages", type=int, default=None,
                     help="the epilogue C-stage base of B2 and the bf16 B3 (0: quack's); default: [coda] b2_c_stages's "
                          "default, as the configs run them")
@@ -77,7 +84,7 @@ def main(argv=None) -> int:
         for program in programs:
             if args.ops and program.__name__ not in args.ops:
                 continue
-            row = {**measure(*program(setup), d=d, precision=args.precision), "epi_c_stage_base": base}
+            row = {**measure(*program(setup), d=d, precision=args.precision, cap_s=args.at_cap), "epi_c_stage_base": base}
             if os.environ.get(B3_C_STAGES_ENV):  # (B3's own base, set for an A/B: "0" is quack's)
                 row["b3_c_stages"] = os.environ[B3_C_STAGES_ENV]
             print(json.dumps(row), flush=True)

@@ -25,8 +25,7 @@ import time
 
 import torch
 
-from scripts.bench.common import BF, M, header, log_row, out_json, synced_ms
-from scripts.compare.gpu_clocks import ClockSampler
+from scripts.bench.common import BF, M, at_cap, header, log_row, out_json, synced_ms
 
 D, F = 2048, 8192
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n)
@@ -94,30 +93,6 @@ def _burst(fn) -> float:
     return statistics.median(synced_ms(fn, 5))
 
 
-def _sustained(fn, seconds: float) -> dict:
-    """Calls back to back for ``seconds``: GPU ms per call over the second half, and the clocks meanwhile."""
-    with ClockSampler() as clocks:
-        t_end = time.perf_counter() + seconds / 2
-        while time.perf_counter() < t_end:  # (the first half brings the GPU to its steady state)
-            for _ in range(8):
-                fn()
-            torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0, calls = time.time(), 0
-        a.record()
-        t_end = time.perf_counter() + seconds / 2
-        while time.perf_counter() < t_end:
-            for _ in range(8):
-                fn()
-            calls += 8
-            b.record()
-            b.synchronize()
-        t1 = time.time()
-    half = [s for s in clocks.samples if t0 <= s[0] <= t1]
-    med = (lambda i: statistics.median(s[i] for s in half)) if half else (lambda i: None)
-    return {"sustained_ms": a.elapsed_time(b) / calls, "calls": calls, "sm_mhz": med(1), "power_w": med(2)}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.sustained", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -157,7 +132,7 @@ def main() -> int:
                 row["error"] = ok[(name, arm)]
             else:
                 row["burst_ms"] = _burst(fn)
-                row.update(_sustained(fn, args.seconds))
+                row.update(at_cap(fn, args.seconds))
             log_row(doc, "rows", row, path)
     print("wrote", path, flush=True)
     return 0

@@ -111,6 +111,10 @@ def table(doc: dict) -> str:
     if twin:
         lines[-2] = lines[-2].replace("| coda |", "| coda | coda bf16 |")
         lines[-1] += "---|"
+    capped = any(r["ms"].get("coda_at_cap") for r in doc["results"])  # (bench --at-cap: back to back, at the cap)
+    if capped:
+        lines[-2] = lines[-2].replace("| coda / GEMM |", "| coda / GEMM | coda / GEMM at the cap |")
+        lines[-1] += "---|"
     for r in doc["results"]:
         ms = r["ms"]
         ratio = ms["coda"] / ms["bare_gemm"] if ms.get("bare_gemm") else None
@@ -132,7 +136,9 @@ def table(doc: dict) -> str:
             + (f"{_fmt(ms.get('coda_bf16'))} | " if twin else "")
             + f"{_fmt(ms.get('bare_gemm'))} | "
             f"{_fmt(ms.get('eager'))} | {_fmt(ms.get('torch_compile'))} | {_fmt(ms.get('liger'))} | "
-            f"{_fmt(ratio, 2)} | {_fmt(speed, 2)} | {target} |"
+            f"{_fmt(ratio, 2)} | "
+            + (f"{_fmt(ms['coda_at_cap'] / ms['bare_gemm_at_cap'] if ms.get('coda_at_cap') else None, 2)} | " if capped else "")
+            + f"{_fmt(speed, 2)} | {target} |"
         )
     return "\n".join(lines)
 

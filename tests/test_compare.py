@@ -459,6 +459,8 @@ def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_pa
     assert got["samples"] == 4 and got["sm_mhz"] == {"median": 1004.5, "min": 1003.0, "max": 1006.0}
     assert [r[0] for r in got["raw"]] == [0.5, 1.5, 2.5, 3.5]
     assert gpu_clocks.over_steps(samples, {1: 1.0}, warmup=0) is None and gpu_clocks.over_steps([], steps, 2) is None
+    assert gpu_clocks.medians_between(samples, 2.5, 6.5) == (1004.5, 500.0)  # (the samples at 3 .. 6 s)
+    assert gpu_clocks.medians_between(samples, 20, 30) == (None, None)
 
     def run(stem, **extra):
         return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,

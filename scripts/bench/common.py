@@ -73,10 +73,9 @@ def at_cap(fn, seconds: float) -> dict:
     """Calls of ``fn`` back to back for ``seconds`` (a step's power cap, not a short burst): the GPU's ms per
     call over the second half (the first brings the GPU to its steady state), the calls timed, and the SM
     clock and power ``nvidia-smi`` sampled over that half (None without it)."""
-    import statistics
     import time
 
-    from scripts.compare.gpu_clocks import ClockSampler
+    from scripts.compare.gpu_clocks import ClockSampler, medians_between
 
     with ClockSampler() as clocks:
         t_end = time.perf_counter() + seconds / 2
@@ -95,9 +94,8 @@ def at_cap(fn, seconds: float) -> dict:
             b.record()
             b.synchronize()
         t1 = time.time()
-    half = [c for c in clocks.samples if t0 <= c[0] <= t1]
-    med = (lambda i: statistics.median(c[i] for c in half)) if half else (lambda i: None)
-    return {"sustained_ms": a.elapsed_time(b) / calls, "calls": calls, "sm_mhz": med(1), "power_w": med(2)}
+    sm_mhz, power_w = medians_between(clocks.samples, t0, t1)
+    return {"sustained_ms": a.elapsed_time(b) / calls, "calls": calls, "sm_mhz": sm_mhz, "power_w": power_w}
 
 
 def bench(fn, reps=None):

@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from .common import BF, bench, header, try_bench
+from .common import BF, bench, header, synced_ms, try_bench
 
 
 def _model(model: str):
@@ -212,28 +212,23 @@ def at_cap(kernels: dict, order: list, reps: int) -> dict:
     import statistics
     import time
 
-    from scripts.compare.gpu_clocks import ClockSampler
+    from scripts.compare.gpu_clocks import ClockSampler, medians_between
 
     calls = [kernels[k] for k in order]
-    for _ in range(2):
+
+    def one_pass():
         for f in calls:
             f()
+
+    for _ in range(2):
+        one_pass()
     torch.cuda.synchronize()
-    ms = []
     with ClockSampler() as clocks:
         t0 = time.time()
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for f in calls:
-                f()
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
+        ms = synced_ms(one_pass, reps)
         t1 = time.time()
-    held = [c for c in clocks.samples if t0 <= c[0] <= t1]
-    med = (lambda i: statistics.median(c[i] for c in held)) if held else (lambda i: None)
-    out = {"ms": statistics.median(ms), "raw_ms": ms, "kernels": len(calls), "sm_mhz": med(1), "power_w": med(2)}
+    sm_mhz, power_w = medians_between(clocks.samples, t0, t1)
+    out = {"ms": statistics.median(ms), "raw_ms": ms, "kernels": len(calls), "sm_mhz": sm_mhz, "power_w": power_w}
     print(f"  at the cap: {out['ms']:.1f} ms a pass of {len(calls)} kernels, SM {out['sm_mhz']} MHz, "
           f"{out['power_w']} W", flush=True)
     return out

@@ -72,6 +72,14 @@ class ClockSampler:
             self._thread.join(timeout=5)
 
 
+def medians_between(samples: list[tuple], t0: float, t1: float) -> tuple[float | None, float | None]:
+    """(SM MHz, power W): the medians of the samples stamped from ``t0`` to ``t1`` (host time), or Nones."""
+    held = [s for s in samples if t0 <= s[0] <= t1]
+    if not held:
+        return None, None
+    return statistics.median(s[1] for s in held), statistics.median(s[2] for s in held)
+
+
 def over_steps(samples: list[tuple], step_times: dict[int, float], warmup: int) -> dict | None:
     """Median (and min / max) SM clock, power and temperature of the samples taken from the line of the
     last warm-up step to the last step's line, with the raw samples of that window; None without any."""

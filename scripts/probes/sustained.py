@@ -26,6 +26,7 @@ import time
 import torch
 
 from scripts.bench.common import BF, M, at_cap, header, log_row, out_json, synced_ms
+from scripts.probes.fp8_configs import _cfg
 
 D, F = 2048, 8192
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n)
@@ -41,14 +42,6 @@ def _parse(text: str) -> tuple:
     if not m:
         raise SystemExit(f"--configs: {text!r} is not tmxtn[pp|coop]cmxcn")
     return int(m[1]), int(m[2]), m[3] == "pp", int(m[4]), int(m[5])
-
-
-def _config(t):
-    from quack.gemm_config import GemmConfig
-
-    tm, tn, pp, cm, cn = t
-    return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False,
-                      device_capacity=9)
 
 
 def _programs(gen):
@@ -114,7 +107,7 @@ def main() -> int:
             continue
         arms[(name, "cublas")] = bare
         for t in configs:
-            cfg = _config(t)
+            cfg = _cfg(t)
             keep.append(cfg)
             arms[(name, "x".join(map(str, t[:2])) + ("pp" if t[2] else "coop") + f"{t[3]}x{t[4]}")] = make(cfg)
     ok = {}

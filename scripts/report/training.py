@@ -10,7 +10,6 @@ from pathlib import Path
 
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
-
 from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
 from scripts.report import png
 

@@ -144,6 +144,9 @@ def test_step_over_floor_uses_the_floor_of_the_same_lease(tmp_path, monkeypatch)
         assert same_lease_floor({**doc, "host": host}, tmp_path) is None, host
     (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({k: v for k, v in floor.items() if k != "host"}))
     assert same_lease_floor(doc, tmp_path) is None  # a floor file from before hosts were recorded
+    cut_short = {k: v for k, v in floor.items() if k not in ("totals", "fa4", "adamw")}
+    (tmp_path / "floor_GPU_X_2026-01-02.json").write_text(json.dumps({**cut_short, "complete": False}))
+    assert same_lease_floor(doc, tmp_path) is None  # a floor run cut short: no floor, and the comparison is kept
     from scripts.compare import common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)

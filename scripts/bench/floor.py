@@ -171,7 +171,8 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save, cap_reps
             doc["gemms"] += rows
             save(doc)  # a run cut short keeps what it measured ("complete": false)
     doc["fa4"] = fa4(bs, seqlen, a.n_heads, a.n_kv_heads, hd, gen)
-    kernels["fa4_fwd"], kernels["fa4_bwd"] = (doc["fa4"].pop("_fns")[d] for d in ("fwd", "bwd"))
+    fa4_fns = doc["fa4"].pop("_fns")
+    kernels["fa4_fwd"], kernels["fa4_bwd"] = fa4_fns["fwd"], fa4_fns["bwd"]
     print(f"  FA4 fwd {doc['fa4']['fwd_ms']:.3f} bwd {doc['fa4']['bwd_ms']:.3f} ms per layer", flush=True)
     doc["adamw"] = adamw(shapes, dtype)
     kernels["adamw"] = doc["adamw"].pop("_fn")

@@ -261,6 +261,8 @@ def same_lease_floor(doc: dict, out: Path) -> dict | None:
     another host is not this lease's: hosts differ by several percent."""
     seq, bs = doc["runs"][0].get("seq_len"), doc["runs"][0].get("local_batch_size")
     for p, f in floor_files(doc["device"], doc["date"], (out, common.RESULTS), archived=True):
+        if "totals" not in f:  # (a floor run cut short: its GEMM rows stand, it has no floor to judge a step by)
+            continue
         if doc.get("host") and f.get("host") == doc["host"] and (f["seq_len"], f["local_batch_size"]) == (seq, bs):
             capped = {k: v["capped_floor_ms"] for k, v in f["totals"].items() if "capped_floor_ms" in v}
             return {"file": _floor_name(p), "host": f["host"], **{k: v["floor_ms"] for k, v in f["totals"].items()},

@@ -192,7 +192,8 @@ envab() {
   env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --tag "$2"
 }
 # floor_default: the 1B floor with quack at its default config (a minute), its totals printed
-floor_default() {
+floor_default() {  # SKIP_FLOOR=1: none (a floor of this lease already in benchmarks/results serves)
+  [ -n "${SKIP_FLOOR:-}" ] && return
   python3 -m scripts.bench.floor --model 1B --quack "${FLOOR_QUACK:-default}" > "$logs/floor.log" 2>&1
   echo "floor rc=$?"; grep -E "floor|FA4|AdamW" "$logs/floor.log" | tail -6
 }

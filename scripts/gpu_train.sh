@@ -45,7 +45,7 @@
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     bench      python -m scripts.bench.kernels (bf16) at DIMS (default 2048): the kernel table, one d a call
 #     b3stages   the kernel bench's B3 (bf16) on quack's epilogue and base against our copy at b2_c_stages's base, and B2
-#     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B)
+#     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B); AT_CAP as bench
 #                (BENCH_OPS="op ..." benches those programs only)
 #     fp8compare float8 baseline (compiled) vs CODA fp8 (eager, compiled) vs CODA bf16 (50 timed steps)
 #     fp8mlp     as fp8compare without CODA bf16, with [coda] fp8_mlp_dgrad = true on the CODA configs
@@ -293,7 +293,8 @@ for phase in "$@"; do
       python3 -m scripts.bench.kernels --dims ${DIMS:-2048 4096 8192} --ops swiglu_bwd norm_residual_bwd
       ;;
     fp8bench)
-      python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} 2>&1 | tail -14
+      python3 -m scripts.bench.kernels --precision fp8 --dims 2048 ${BENCH_OPS:+--ops $BENCH_OPS} --at-cap "${AT_CAP:-2}" \
+        2>&1 | tail -20
       ;;
     bench)
       # the bf16 kernel table (issue 18: every program against its bare GEMM) at DIMS (default 2048; one d a

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, zdz_ptr, V, IGNORE: tl.constexpr,
+def ce_grad_pass_kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, zdz_ptr, V, IGNORE: tl.constexpr,
             BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * V
@@ -48,6 +48,6 @@ def ce_grad_inplace(logits: torch.Tensor, lse: torch.Tensor, tgt_logit: torch.Te
         raise ValueError(f"the in-place CE gradient takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
     zdz = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    _kernel[(rows,)](logits, lse.float(), tgt_logit.float(), targets, rstd.float(), zdz, vocab, IGNORE=ignore_index,
-                     BLOCK=block, num_warps=num_warps)
+    ce_grad_pass_kernel[(rows,)](logits, lse.float(), tgt_logit.float(), targets, rstd.float(), zdz, vocab,
+                                 IGNORE=ignore_index, BLOCK=block, num_warps=num_warps)
     return logits, zdz

@@ -25,7 +25,7 @@ from ..scaling import E5M2, E5M2_MAX
 
 
 @triton.jit
-def _kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen, s_dy, s_y,
+def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen, s_dy, s_y,
             Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
             FMAX: tl.constexpr):
     row = tl.program_id(0)
@@ -72,9 +72,9 @@ def _launch(dy, y, rstd, cos, sin, rot: int, inv):
     m, q = dy.shape
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8)
-    wrap_triton(_kernel)[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q),
-                                FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
+    wrap_triton(rope_bwd_pass_kernel)[(m,)](
+        dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0], dy.stride(0), y.stride(0),
+        Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
     return da, zdz, daq, amax
 
 

@@ -34,7 +34,7 @@ BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_t
 
 
 @triton.jit
-def _kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+def transpose_8bit_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -43,7 +43,7 @@ def _kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _cast_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def cast_t_e5m2_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -55,8 +55,8 @@ def _cast_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.constex
 def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
     """``out`` (K, M) = x (M, K) transposed, both contiguous, 1-byte (the probe's entry: tile sizes)."""
     m, k = x.shape
-    wrap_triton(_kernel)[(triton.cdiv(m, block), triton.cdiv(k, block))](x, out, m, k, BM=block, BK=block,
-                                                                           num_warps=num_warps)
+    grid = (triton.cdiv(m, block), triton.cdiv(k, block))
+    wrap_triton(transpose_8bit_kernel)[grid](x, out, m, k, BM=block, BK=block, num_warps=num_warps)
     return out
 
 
@@ -83,8 +83,8 @@ def cast_transpose_e5m2(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tenso
                          f"{tuple(inv_scale.shape)}")
     m, k = x.shape
     out = torch.empty((k, m), device=x.device, dtype=E5M2)
-    wrap_triton(_cast_kernel)[(triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))](x, inv_scale, out, m, k, FMAX=E5M2_MAX,
-                                                                              BM=BLOCK, BK=BLOCK, num_warps=4)
+    grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
+    wrap_triton(cast_t_e5m2_kernel)[grid](x, inv_scale, out, m, k, FMAX=E5M2_MAX, BM=BLOCK, BK=BLOCK, num_warps=4)
     return out
 
 

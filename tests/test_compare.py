@@ -499,3 +499,26 @@ def test_slow_steps_are_named_with_the_phase_that_grew_most():
            "host_phases": {"slow": [{"step": 12, "step_ms": 150.0, "excess_ms": {"fwd": 3.0, "wait": 48.5, "log": -1.0}}]}}
     assert training._slow_labels(run) == ["150 (step 12: wait +48)", "130"]
     assert training._slow_labels({**run, "host_phases": None}) == ["150", "130"]
+
+
+def test_compare_writes_its_runs_before_deriving_from_them(tmp_path, monkeypatch):
+    """A failure after the runs (here: the floor lookup; on 2026-11-27 a floor file cut short) costs the
+    derived fields, never the runs: the JSON is written with them and names the error."""
+    from scripts.compare import run as run_mod
+
+    def fake_run(cfg, **kw):
+        return {"config": str(cfg), "precision": "bf16", "attention": "sdpa", "rows": [{"step": 1, "loss": 2.0}],
+                "seq_len": 8, "local_batch_size": 1, "tokens_per_step": 8,
+                "clock_samples": [], "step_times": {}, "error": "stopped on purpose", "returncode": 1}
+
+    def broken_floor(doc, out):
+        raise KeyError("totals")
+
+    monkeypatch.setattr(run_mod, "run_config", fake_run)
+    monkeypatch.setattr(run_mod, "same_lease_floor", broken_floor)
+    monkeypatch.setattr("scripts.report.training.plot_compare", lambda doc, path: None)
+    compare.main([str(CONFIGS / "debug_cpu_baseline.toml"), "--steps", "1", "--warmup", "0",
+                  "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    (path,) = (tmp_path / "res").glob("compare_*.json")
+    doc = json.loads(path.read_text())
+    assert [r["loss"] for r in doc["runs"]] == [[2.0]] and doc["derive_error"] == "KeyError: 'totals'"

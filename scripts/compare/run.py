@@ -293,10 +293,15 @@ def compare(args) -> Path:
             r["loss"] = [x["loss"] for x in rows]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
-    doc["floor"] = same_lease_floor(doc, Path(args.out))
-    refresh(doc)  # targets
     path = _out_path(Path(args.out), "compare", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")  # the runs first: nothing after them may lose them
+    try:
+        doc["floor"] = same_lease_floor(doc, Path(args.out))
+        refresh(doc)  # targets
+    except Exception as e:  # (the runs stand; ``python -m scripts.compare --report`` derives the rest again)
+        doc["derive_error"] = f"{type(e).__name__}: {e}"[:500]
+        _say(f"the runs are written; deriving the floor and targets failed: {doc['derive_error']}")
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(compare_table(doc))
     plot_compare(doc, path.with_suffix(".png"))

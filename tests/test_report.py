@@ -345,3 +345,37 @@ def test_plots_are_saved_as_palette_pngs_smaller_than_matplotlibs(tmp_path):
     assert diff <= 8  # (a line plot has under 256 colours: only anti-aliased edge pixels move, by a few steps)
     assert (tmp_path / "small.png").stat().st_size < 0.6 * (tmp_path / "plain.png").stat().st_size
     assert not png.compact(tmp_path / "small.png")  # (already a palette: left as it is)
+
+
+def test_the_floor_measures_every_piece_and_runs_their_best_calls_at_the_cap(monkeypatch):
+    """``scripts.bench.floor.measure`` with the timings replaced (CPU): every weight's GEMMs in both precisions
+    (the LM head in bf16 only), FA4 and AdamW, then the pass at the cap gets a callable for every key of the
+    step's order (the 2026-11-27 GPU run stopped in the FA4 line of this handover) and the totals carry it."""
+    import torch
+
+    from scripts.bench import floor
+
+    def gemm_rows(m, n, k, gen):
+        return [{"direction": d, "M": m, "N": n, "K": k, "ms": {"x": 1.0}, "best": "x", "best_ms": 1.0, "tflops": 1.0,
+                 "_fn": lambda: None} for d in ("fwd", "dgrad", "wgrad")]
+
+    seen = {}
+
+    def fake_at_cap(kernels, order, reps):
+        assert all(callable(kernels[k]) for k in order)
+        seen[order[0][1]] = len(order)
+        return {"ms": 7.0}
+
+    monkeypatch.setattr(floor, "_generator", lambda: None)
+    monkeypatch.setattr(floor, "bf16_gemm", gemm_rows)
+    monkeypatch.setattr(floor, "fp8_gemm", gemm_rows)
+    monkeypatch.setattr(floor, "fa4", lambda *a: {"fwd_ms": 1.0, "bwd_ms": 2.0, "ms": 3.0,
+                                                    "_fns": {"fwd": lambda: None, "bwd": lambda: None}})
+    monkeypatch.setattr(floor, "adamw", lambda shapes, dtype: {"ms": 4.0, "params": 1, "_fn": lambda: None})
+    monkeypatch.setattr(floor, "at_cap", fake_at_cap)
+    monkeypatch.setattr(floor, "header", lambda: {"device": "cpu"})
+    doc = floor.measure("debugmodel", 8, 1, torch.float32, lambda d: None, cap_reps=2)
+    n = doc["n_layers"]
+    assert doc["complete"] and len(doc["gemms"]) == 4 * 2 * 3 + 3
+    assert seen == {"bf16": n * 14 + 4, "fp8": n * 14 + 4}
+    assert doc["totals"]["fp8"]["capped_floor_ms"] == 7.0 and "_fns" not in doc["fa4"]

@@ -61,6 +61,10 @@ def _rand(*shape, dtype=BF, scale=1.0, gen=None):
     return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
 
 
+def _generator():
+    return torch.Generator(device="cuda").manual_seed(0)
+
+
 def _best(times: dict) -> tuple[str, float]:
     ok = {k: v for k, v in times.items() if v is not None}
     k = min(ok, key=ok.get)
@@ -151,7 +155,7 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save, cap_reps
     a, ff, shapes = _model(model)
     hd = a.dim // a.n_heads
     m = seqlen * bs
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = _generator()
     doc = {**header(), "kind": "floor", "model": model, "seq_len": seqlen, "local_batch_size": bs, "tokens": m,
            "n_layers": a.n_layers, "timing": "triton.testing.do_bench median after one untimed call",
            "quack": "autotuned" if QUACK_TUNED else "default config (no sweep)", "complete": False, "gemms": []}

@@ -522,3 +522,46 @@ def test_compare_writes_its_runs_before_deriving_from_them(tmp_path, monkeypatch
     (path,) = (tmp_path / "res").glob("compare_*.json")
     doc = json.loads(path.read_text())
     assert [r["loss"] for r in doc["runs"]] == [[2.0]] and doc["derive_error"] == "KeyError: 'totals'"
+
+
+def test_trace_summary_leaves_out_kernels_launched_before_the_profiled_step(tmp_path):
+    """With ``optimizer_stream`` the step before's optimizer and fp8 weight pass still run in the profiled
+    window (2026-11-27, CODA fp8: 139 AdamW launches where a step has 72); their launches are not in the
+    trace, so they are not this step's: left out of every sum (GEMM families too) and reported apart."""
+    from scripts.compare.families import gemm_families
+    from scripts.report.training import profile_table
+
+    launch = lambda ts, corr: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 1,  # noqa: E731
+                               "args": {"correlation": corr}}
+    k = lambda name, ts, dur, corr: {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}  # noqa: E731
+    events = [k("multi_tensor_apply_kernel", 0, 300, 7), k("triton_poi_fused_clamp_t_3", 300, 100, 8),  # (carried in)
+              launch(10, 1), k("nvjet_sm90_tst_256x128", 400, 500, 1), launch(20, 2), k("triton_poi_fused_add", 900, 50, 2),
+              launch(30, 3), k("multi_tensor_apply_kernel", 950, 200, 3)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["kernel_launches"] == 3 and s["gpu_kernel_ms"] == 0.75 and s["categories_ms"]["optimizer"] == 0.2
+    assert s["carried_in"] == {"kernels": 2, "ms": 0.4} and [x["name"] for x in s["outside_gemms"]] == ["triton_poi_fused_add"]
+    flash = [k("flash_attn_bwd", 0, 80, 9), launch(40, 4), k("flash_attn_fwd", 1200, 60, 4)]  # (the first carried in)
+    assert gemm_families(events + flash, {})["attention_ms"] == 0.06
+    doc = {"config": "configs/m_coda_compile.toml", "profiled_step": 3, "device": "GPU X", "summary": s}
+    assert "Left out: 2 kernels (0.4 ms) launched before the profiled step" in profile_table(doc)
+
+
+def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):
+    """``--resummarize PROFILE TRACE``: the summary is rebuilt by this checkout's code from the gzipped trace
+    the run kept; the run's fields stay and the file says it was derived again."""
+    import gzip
+
+    events = [{"cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": 0, "dur": 300, "args": {"correlation": 7}},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 2, "tid": 1, "args": {"correlation": 1}},
+              {"cat": "kernel", "name": "triton_poi_fused_add", "ts": 400, "dur": 50, "args": {"correlation": 1}}]
+    trace = tmp_path / "trace_m.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    prof = tmp_path / "profile_m.json"
+    prof.write_text(json.dumps({"run": {"model": "coda_llama3/debugmodel", "x": 1}, "summary": {"stale": True}}))
+    assert compare.main(["--resummarize", str(prof), str(trace)]) == 0
+    doc = json.loads(prof.read_text())
+    assert doc["run"]["x"] == 1 and "stale" not in doc["summary"] and doc["resummarized"]["trace"] == trace.name
+    assert doc["summary"]["carried_in"] == {"kernels": 1, "ms": 0.3} and doc["summary"]["gpu_kernel_ms"] == 0.05
+    assert "gemm_families" in doc["summary"]

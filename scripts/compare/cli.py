@@ -36,7 +36,14 @@ def main(argv=None) -> int:
                     "of them unless --set gives parallelism.data_parallel_* degrees); tokens/s is per GPU; a "
                     "profile is rank 0's, written as fsdp<N>_profile_*.json")
     ap.add_argument("--keep-trace", action="store_true", help="profile: also write the chrome trace, gzipped, next to the JSON")
+    mode.add_argument("--resummarize", nargs=2, metavar=("PROFILE_JSON", "TRACE"),
+                      help="derive a stored profile's summary again from the trace its run kept (--keep-trace)")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        from scripts.compare.profile import resummarize
+
+        resummarize(*args.resummarize)
+        return 0
     if args.report:
         from scripts.report.pages import write_all
 

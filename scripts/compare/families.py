@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import json
-from pathlib import Path
 
 FAMILIES = ("qkv", "out", "w13", "w2", "lm_head")
 DIRECTIONS = ("fwd", "dgrad", "wgrad")
@@ -161,10 +160,23 @@ def _launch_stacks(events: list[dict], cats: tuple[str, ...] = ("cpu_op",)) -> d
     return out
 
 
+def _own_kernels(events: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the kernels launched inside the trace, those launched before it). A kernel is carried in when the
+    trace records launches (runtime or driver calls with a correlation id) but none with the kernel's id."""
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    own, carried = [], []
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            c = e.get("args", {}).get("correlation")
+            (carried if launched and c is not None and c not in launched else own).append(e)
+    return own, carried
+
+
 def gemm_families(events: list[dict], weights: dict) -> dict:
     """ms per "family/direction" (``lm_head/all`` for CODA's LM-head program, which runs all three),
     the GEMM kernels left unattributed, and the attention total, over the trace's kernels."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    kernels = sorted(_own_kernels(events)[0], key=lambda e: e["ts"])  # (the step's own: as ``summarize_trace``)
     stacks = _launch_stacks(events)
     fams: dict[str, float] = {}
     unattributed = 0.0
@@ -225,5 +237,14 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
             "unattributed_gemm_ms": round(unattributed / 1e3, 3), "attention_ms": round(attention / 1e3, 3)}
 
 
+def trace_events(trace_path: str) -> list[dict]:
+    """A chrome trace's events, from the profiler's JSON or its gzipped copy (``--keep-trace``)."""
+    import gzip
+
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def trace_families(trace_path: str, flavor: str) -> dict:
-    return gemm_families(json.loads(Path(trace_path).read_text())["traceEvents"], model_weights(flavor))
+    return gemm_families(trace_events(trace_path), model_weights(flavor))

@@ -18,6 +18,10 @@ def profile_table(doc: dict, top: int = 12) -> str:
         b = s["blocking_runtime_calls"]
         lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
                   f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    if s.get("carried_in", {}).get("kernels"):
+        c = s["carried_in"]
+        lines += [f"Left out: {c['kernels']} kernels ({c['ms']:.1f} ms) launched before the profiled step (the step "
+                  "before's work on a stream of its own, such as `optimizer_stream`'s); every sum here is this step's.", ""]
     if doc.get("nproc", 1) > 1 and "communication_ms" in s:
         lines += [f"Rank 0 of {doc['nproc']} (FSDP2): collectives {s['communication_ms']:.1f} ms, of which "
                   f"{s['communication_exposed_ms']:.1f} ms with no other kernel running (not overlapped).", ""]

@@ -44,6 +44,7 @@
 #     weighttbwd the 8B CODA fp8 config with [coda] fp8_weight_t_bwd (W^T made in each backward)
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     bench      python -m scripts.bench.kernels (bf16) at DIMS (default 2048): the kernel table, one d a call
+#     pinab      stock + compile and CODA compiled with pin_memory = false against the configs (PREC=fp8 or bf16)
 #     b3stages   the kernel bench's B3 (bf16) on quack's epilogue and base against our copy at b2_c_stages's base, and B2
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B); AT_CAP as bench
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -284,6 +285,20 @@ for phase in "$@"; do
       [ -n "${SKIP_CHECK_RUN:-}" ] || python3 -m coda_titan.cli train configs/llama3_1b_fp8_coda.toml --training.steps 12 --metrics.log_freq 1 \
         --metrics.disable_color_printing --job.dump_folder /tmp/check8 > "$logs/check_fp8_coda.log" 2>&1
       echo "fp8 coda rc=$?"; grep -E "step: |rror|first call|cannot take" "$logs/check_fp8_coda.log" | sed 's/.*INFO - //' | tail -30
+      ;;
+    pinab)
+      # the data loader without its pin-memory thread (pin_memory = false), both sides, against the configs as
+      # they are (PREC=fp8 (default) or bf16), 50 timed steps each: the thread walks the dataset's token-buffer
+      # list in Python under the GIL every step (scripts/probes/pin_thread.py), beside the host's forward
+      p=${PREC:-fp8} nopin=()
+      for c in baseline_compile coda_compile; do
+        v=/tmp/llama3_1b_${p}_${c}_nopin.toml
+        sed 's/^pin_memory = true$/pin_memory = false/' "configs/llama3_1b_${p}_${c}.toml" > "$v"
+        grep -qx "pin_memory = false" "$v" || { echo "could not derive $v" >&2; exit 2; }
+        nopin+=("$v")
+      done
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml "${nopin[0]}" configs/llama3_1b_${p}_coda_compile.toml \
+        "${nopin[1]}" --steps "${STEPS:-50}" --warmup 10 --tag "pin_memory_$p"
       ;;
     b3stages)
       # B3 (bf16) on quack's epilogue and base (CODA_TITAN_B3_C_STAGES=0) against our copy at [coda] b2_c_stages's

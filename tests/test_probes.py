@@ -53,3 +53,21 @@ def test_the_child_stamps_every_phase_of_a_real_training_run(tmp_path, cache_dir
         assert stamped == {"step", *PHASES} - ({"between"} if r["step"] == 1 else set())
         assert all(r[k] >= 0 for k in stamped - {"step"})
         assert r["fwd"] > 0 and r["bwd"] > 0  # the model ran between the stamps
+
+
+def test_the_pin_thread_probe_reads_the_state_each_batch_carries(cache_dir, monkeypatch):
+    """``scripts.probes.pin_thread``: TorchTitan's text dataset keeps its leftover tokens in its state as a
+    Python list, and torchdata's loader sends that state with every batch (``snapshot_every_n_steps``
+    defaults to 1), so the pin-memory thread walks the list each step. A TorchTitan or torchdata that
+    changed either premise fails here."""
+    import inspect
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from scripts.probes.pin_thread import measure
+
+    assert inspect.signature(StatefulDataLoader.__init__).parameters["snapshot_every_n_steps"].default == 1
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    doc = measure(batches=4, seq_len=64, batch=2)
+    assert len(doc["batches"]) == 4 and all(r["pin_python_ms"] > 0 for r in doc["batches"])
+    assert all(0 <= r["token_buffer"] for r in doc["batches"]) and max(r["token_buffer"] for r in doc["batches"]) > 0

@@ -543,8 +543,12 @@ def test_trace_summary_leaves_out_kernels_launched_before_the_profiled_step(tmp_
     assert s["carried_in"] == {"kernels": 2, "ms": 0.4} and [x["name"] for x in s["outside_gemms"]] == ["triton_poi_fused_add"]
     flash = [k("flash_attn_bwd", 0, 80, 9), launch(40, 4), k("flash_attn_fwd", 1200, 60, 4)]  # (the first carried in)
     assert gemm_families(events + flash, {})["attention_ms"] == 0.06
-    doc = {"config": "configs/m_coda_compile.toml", "profiled_step": 3, "device": "GPU X", "summary": s}
+    doc = {"config": "configs/m_coda_compile.toml", "profiled_step": 3, "device": "GPU X", "summary": s,
+           "run": {"config_run": "[coda]\noptimizer_stream = true\n"}}
     assert "Left out: 2 kernels (0.4 ms) launched before the profiled step" in profile_table(doc)
+    old = {**doc, "summary": {k: v for k, v in s.items() if k != "carried_in"}}  # (a profile summarized before)
+    assert "count them too" in profile_table(old) and "count them too" not in profile_table(doc)
+    assert "count them too" not in profile_table({**old, "run": {"config_run": "[coda]\n"}})
 
 
 def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):

@@ -18,6 +18,10 @@ def profile_table(doc: dict, top: int = 12) -> str:
         b = s["blocking_runtime_calls"]
         lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
                   f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    if "carried_in" not in s and "optimizer_stream = true" in doc.get("run", {}).get("config_run", ""):
+        lines += ["Summarized before profiles left out the step before's kernels: with `optimizer_stream` that step's "
+                  "optimizer and fp8 weight pass ran into this window, so the optimizer and outside-GEMM sums below "
+                  "count them too (`python -m scripts.compare --resummarize` needs the run's kept trace).", ""]
     if s.get("carried_in", {}).get("kernels"):
         c = s["carried_in"]
         lines += [f"Left out: {c['kernels']} kernels ({c['ms']:.1f} ms) launched before the profiled step (the step "

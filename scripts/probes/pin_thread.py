@@ -15,8 +15,8 @@ Method: TorchTitan's ``HuggingFaceTextDataset`` on ``coda_stdlib`` with the conf
 sequence length; after each batch (``--batch`` samples) the dataset's state is timed through torch's
 ``pin_memory`` (no tensor in it: the Python recursion alone, which is what holds the GIL; the batch's
 own two tensors are pinned in C). Writes ``$OUT/probe_pin_thread_cpu.json`` (benchmarks/results without
-$OUT): per batch the buffer's length and the time, and their medians. The time is this machine's CPU's,
-not the GPU host's.
+$OUT): per batch the buffer's length and the time; their medians, the time's mean and maximum. The
+time is this machine's CPU's, not the GPU host's.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def measure(batches: int, seq_len: int, batch: int, spec: str = "coda:stdlib-bpe
     return {"batches": rows,
             "median_token_buffer": statistics.median(r["token_buffer"] for r in rows),
             "median_pin_python_ms": statistics.median(r["pin_python_ms"] for r in rows),
+            "mean_pin_python_ms": statistics.mean(r["pin_python_ms"] for r in rows),
             "max_pin_python_ms": max(r["pin_python_ms"] for r in rows)}
 
 
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"token buffer median {doc['median_token_buffer']:.0f} tokens; pin_memory's Python per batch median "
-          f"{doc['median_pin_python_ms']:.2f} ms, max {doc['max_pin_python_ms']:.2f} ms; wrote {path}")
+          f"{doc['median_pin_python_ms']:.2f} ms, mean {doc['mean_pin_python_ms']:.2f}, "
+          f"max {doc['max_pin_python_ms']:.2f} ms; wrote {path}")
     return 0
 
 

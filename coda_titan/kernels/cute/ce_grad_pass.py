@@ -19,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def ce_grad_pass_kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, zdz_ptr, V, IGNORE: tl.constexpr,
-            BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * V
     lse = tl.load(lse_ptr + row)

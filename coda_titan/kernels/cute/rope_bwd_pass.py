@@ -25,9 +25,9 @@ from ..scaling import E5M2, E5M2_MAX
 
 
 @triton.jit
-def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen, s_dy, s_y,
-            Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
-            FMAX: tl.constexpr):
+def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr,
+                         seqlen, s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                         FP8: tl.constexpr, FMAX: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < Q

@@ -200,6 +200,16 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def _summary(trace_path: str, model: str) -> dict:
+    """``summarize_trace`` with the GPU ms per GEMM family (scripts/compare/families.py) for the family table."""
+    s = summarize_trace(trace_path)
+    try:
+        s["gemm_families"] = trace_families(trace_path, model.split("/")[-1])
+    except KeyError as e:
+        _say(f"no GEMM-family attribution for {model} (unknown flavor {e})")
+    return s
+
+
 def profile(args) -> Path:
     from scripts.report.training import profile_table  # (here: the report imports this package)
 
@@ -215,11 +225,7 @@ def profile(args) -> Path:
     traces = sorted(glob.glob(str(Path(args.workdir) / cfg.stem / "out" / "**" / "rank0_trace.json"), recursive=True))
     if not traces:
         raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
-    doc.update(config=r["config"], run=r, profiled_step=steps, summary=summarize_trace(traces[-1]), nproc=nproc)
-    try:  # GPU ms per GEMM family (scripts/compare/families.py), for the family table against the floor
-        doc["summary"]["gemm_families"] = trace_families(traces[-1], r["model"].split("/")[-1])
-    except KeyError as e:
-        _say(f"no GEMM-family attribution for {r['model']} (unknown flavor {e})")
+    doc.update(config=r["config"], run=r, profiled_step=steps, summary=_summary(traces[-1], r["model"]), nproc=nproc)
     doc["run"]["loss"] = [x["loss"] for x in rows]
     # (a sharded run's profile, rank 0's, is filed apart: its step is not the one-GPU step of the tables)
     kind = f"fsdp{nproc}_profile" if nproc > 1 else "profile"
@@ -242,8 +248,7 @@ def resummarize(profile_path: str, trace_path: str) -> Path:
     The file says so (``resummarized``)."""
     path = Path(profile_path)
     doc = json.loads(path.read_text())
-    doc["summary"] = summarize_trace(trace_path)
-    doc["summary"]["gemm_families"] = trace_families(trace_path, doc["run"]["model"].split("/")[-1])
+    doc["summary"] = _summary(trace_path, doc["run"]["model"])
     doc["resummarized"] = {"trace": Path(trace_path).name, "by": "python -m scripts.compare --resummarize"}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     _say(f"rewrote {path}'s summary from {trace_path}")

@@ -36,6 +36,7 @@
 #     phases   probe: the host's time per training step by phase, and the phases the slow steps grow in
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
+#     hostlayers probe: each program's host time per call by layer (custom op, backend, our kernel, quack), no profiler
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
@@ -723,6 +724,9 @@ for phase in "$@"; do
       python3 -m scripts.probes.step_phases ${CONFIGS:-configs/llama3_1b_fp8_coda_compile.toml \
         configs/llama3_1b_bf16_coda_compile.toml} --steps "${STEPS:-50}" --warmup 10 ${TAG:+--tag "$TAG"} \
         --workdir /tmp/compare 2>&1 | tail -4
+      ;;
+    hostlayers)
+      python3 -m scripts.probes.host_layers --precision ${PREC:-fp8 bf16} 2>&1 | tail -40
       ;;
     hostslack)
       # probe: host-bound GPU idle of the forward, without a profiler: the step with a GPU sleep of S ms at each

@@ -298,7 +298,7 @@ def train(config_path: str, overrides: list[str]) -> None:
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
 
-    from .titan import fp8_state
+    from .titan import fp8_state, input_stream
     from .titan.run_summary import StepLog, newest_checkpoint, summary
 
     init_logger()
@@ -314,6 +314,7 @@ def train(config_path: str, overrides: list[str]) -> None:
         if trainer.checkpointer is not None:
             trainer.checkpointer.save = interrupts.guard(trainer.checkpointer.save)
         fp8_state.attach(trainer)
+        input_stream.attach(trainer)
         trainer.train()
         clamped = fp8_state.saturation_report(trainer)
     except KeyboardInterrupt:

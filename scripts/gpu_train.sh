@@ -46,6 +46,8 @@
 #     fp8check   GPU tests of the fp8 programs, then 12 steps of the 1B fp8 coda config
 #     bench      python -m scripts.bench.kernels (bf16) at DIMS (default 2048): the kernel table, one d a call
 #     pinab      stock + compile and CODA compiled with pin_memory = false against the configs (PREC=fp8 or bf16)
+#     inputstream stock + compile and CODA compiled, each as configured and with [coda] input_stream, logging every
+#                LOG_FREQ steps (default 10, the configs' own) (PREC=fp8 or bf16)
 #     b3stages   the kernel bench's B3 (bf16) on quack's epilogue and base against our copy at b2_c_stages's base, and B2
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B); AT_CAP as bench
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -300,6 +302,17 @@ for phase in "$@"; do
       done
       $cmp configs/llama3_1b_${p}_baseline_compile.toml "${nopin[0]}" configs/llama3_1b_${p}_coda_compile.toml \
         "${nopin[1]}" --steps "${STEPS:-50}" --warmup 10 --tag "pin_memory_$p"
+      ;;
+    inputstream)
+      # [coda] input_stream (the batch's copies on their own stream: the host enqueues the next step while the GPU
+      # runs this one) on both sides, measured as the configs train: a metrics line, and its .item() wait, every
+      # LOG_FREQ steps (compare --log-freq; tokens/s over those windows)
+      p=${PREC:-fp8}
+      a=$(variant input_stream "input_stream = true") || exit 2
+      b=/tmp/llama3_1b_${p}_baseline_compile_input_stream.toml
+      { cat "configs/llama3_1b_${p}_baseline_compile.toml"; printf '\n[coda]\ninput_stream = true\n'; } > "$b"
+      $cmp configs/llama3_1b_${p}_baseline_compile.toml "$b" configs/llama3_1b_${p}_coda_compile.toml "$a" \
+        --log-freq "${LOG_FREQ:-10}" --steps "${STEPS:-50}" --warmup 10 --tag "input_stream_$p"
       ;;
     b3stages)
       # B3 (bf16) on quack's epilogue and base (CODA_TITAN_B3_C_STAGES=0) against our copy at [coda] b2_c_stages's

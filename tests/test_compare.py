@@ -5,6 +5,7 @@ committed results."""
 import json
 import time
 import math
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,31 @@ def test_summarize_excludes_warmup_from_timing_but_keeps_all_losses_and_peak():
     assert s["mfu"] == pytest.approx(3.0)
     with pytest.raises(ValueError, match="warm-up"):
         compare.summarize(rows, warmup=5, tokens_per_step=1000)
+
+
+def test_summarize_weighs_log_windows_by_their_steps():
+    """With ``--log-freq`` N each logged tokens/s is the mean over the N steps since the line before: the
+    timed windows are those after the warm-up, each weighed by its steps (here 1 + 10 + 10 steps logged
+    at steps 1, 10, 20, 30 with a warm-up of 10: two timed windows of 10 steps)."""
+    rows = [dict(step=s, loss=1.0, memory_gib=1.0, tps=t, tflops=0, mfu=1.0)
+            for s, t in ((1, 10), (10, 100), (20, 1000), (30, 500))]
+    s = compare.summarize(rows, warmup=10, tokens_per_step=1000)
+    assert s["steps"] == 20 and s["step_ms_raw"] == [1000.0, 2000.0] and s["step_ms_steps"] == [20, 30]
+    assert s["tokens_per_s"] == pytest.approx(20 * 1000 / (10 * 1.0 + 10 * 2.0))
+    uneven = compare.summarize(rows[:2] + [dict(rows[2], step=12)], warmup=1, tokens_per_step=1000)
+    assert uneven["steps"] == 11 and uneven["tokens_per_s"] == pytest.approx(11 * 1000 / (9 * 10.0 + 2 * 1.0))
+    assert "step_ms_steps" not in compare.summarize([dict(r, step=i + 1) for i, r in enumerate(rows)], warmup=1,
+                                                    tokens_per_step=1000)
+
+
+def test_log_freq_reaches_torchtitan_and_the_expected_step_lines():
+    from scripts.compare import run
+
+    o = run._overrides(60, Path("/tmp/x"), [], (), log_freq=10)
+    assert o[o.index("--metrics.log_freq") + 1] == "10"
+    assert run.logged_steps(60, 10) == [1, 10, 20, 30, 40, 50, 60] and run.logged_steps(3, 1) == [1, 2, 3]
+    with pytest.raises(SystemExit):  # (a warm-up that is not a multiple: its first window would mix warm-up steps)
+        compare.main(["--log-freq", "3", "--warmup", "10", str(CONFIGS / "debug_cpu_coda.toml")])
 
 
 def test_parity_statistics():

@@ -58,6 +58,7 @@ class Coda:
     prefetch_weights: bool = knob(True, "fp8: the next weight pass issued at the optimizer step, on a side stream")
     cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
     optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream (one GPU)")
+    input_stream: bool = knob(False, "the batch's GPU copies on their own CUDA stream")
     step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers, each awaited by its blocks", low=0)
     fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW; one device")
     b2_c_stages: int = knob(2, "cute: B2's and bf16 B3's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)

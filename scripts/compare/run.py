@@ -46,20 +46,24 @@ def parse_log(text: str) -> list[dict]:
 
 
 def summarize(rows: list[dict], warmup: int, tokens_per_step: int) -> dict:
-    """Timing over the steps after ``warmup``; loss over all steps."""
-    timed = [r for r in rows if r["step"] > warmup]
+    """Timing over the steps after ``warmup``; loss over all steps. Each logged row's tokens/s is TorchTitan's
+    mean over the steps since the row before (``metrics.log_freq`` of them: a window), so each window's
+    step time weighs by its steps in the total (tokens/s); the median is over the windows."""
+    timed = [(r, r["step"] - prev["step"]) for prev, r in zip([{"step": 0}, *rows], rows) if r["step"] > warmup]
     if not timed:
         raise ValueError(f"no step after the {warmup} warm-up steps was logged")
-    step_s = [tokens_per_step / r["tps"] for r in timed]
+    step_s = [tokens_per_step / r["tps"] for r, _ in timed]
+    steps = sum(w for _, w in timed)
     return {
-        "steps": len(timed),
+        "steps": steps,
         "warmup_steps": warmup,
         "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step * len(timed) / sum(step_s),
+        "tokens_per_s": tokens_per_step * steps / sum(s * w for s, (_, w) in zip(step_s, timed)),
         "step_ms": 1e3 * statistics.median(step_s),
         "step_ms_raw": [round(1e3 * s, 3) for s in step_s],
+        **({"step_ms_steps": [r["step"] for r, _ in timed]} if any(w != 1 for _, w in timed) else {}),
         "peak_gib": max(r["memory_gib"] for r in rows),
-        "mfu": statistics.fmean(r["mfu"] for r in timed),
+        "mfu": statistics.fmean(r["mfu"] for r, _ in timed),
         "loss": [r["loss"] for r in rows],
         "first_step": rows[0]["step"],
     }
@@ -79,12 +83,18 @@ def launch_command(derived: Path, overrides: list[str], nproc: int = 1, entry=("
             "--local-ranks-filter", "0", *train]
 
 
-def _overrides(steps: int, run_dir: Path, sets: list[str], extra) -> list[str]:
-    """TorchTitan's command-line overrides of a comparison run: its steps, a metrics line per step, its
-    folder, no checkpoints, then ``--set`` KEY=VALUE pairs (booleans as TorchTitan's flags) and ``extra``."""
+def logged_steps(steps: int, log_freq: int) -> list[int]:
+    """The steps TorchTitan logs in a run of ``steps`` steps: the first and every ``log_freq``-th."""
+    return [s for s in range(1, steps + 1) if s == 1 or s % log_freq == 0]
+
+
+def _overrides(steps: int, run_dir: Path, sets: list[str], extra, log_freq: int = 1) -> list[str]:
+    """TorchTitan's command-line overrides of a comparison run: its steps, a metrics line every ``log_freq``
+    steps (each line's ``.item()`` calls wait for the GPU), its folder, no checkpoints, then ``--set``
+    KEY=VALUE pairs (booleans as TorchTitan's flags) and ``extra``."""
     overrides = [
         "--training.steps", str(steps),
-        "--metrics.log_freq", "1",
+        "--metrics.log_freq", str(log_freq),
         "--job.dump_folder", str(run_dir / "out"),
         "--checkpoint.no-enable",
     ]
@@ -107,7 +117,7 @@ def _phase_entry(phase_log: Path, env_extra: dict | None) -> tuple[tuple[str, ..
 
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
                nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False,
-               phases: bool = False) -> dict:
+               phases: bool = False, log_freq: int = 1) -> dict:
     """Train ``config`` for ``steps`` steps in a fresh process (``nproc`` > 1: under torchrun);
     returns the parsed log and run facts (``clocks``: also the GPU's clock samples and each step
     line's arrival time, for :func:`gpu_clocks.over_steps`; ``phases``, one process only: TorchTitan's
@@ -122,7 +132,7 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     run_dir.mkdir(parents=True, exist_ok=True)
     derived = run_dir / f"{stem}.toml"  # same stem: the W&B run name stays the config's
     derived.write_text(f"# {config} as run by python -m scripts.compare\n" + dump_toml(doc))
-    overrides = _overrides(steps, run_dir, sets, extra)
+    overrides = _overrides(steps, run_dir, sets, extra, log_freq)
     job = parse_config(str(derived), overrides)
     tokens_per_step = job.training.local_batch_size * job.training.seq_len
     phase_log = run_dir / "phases.jsonl" if phases and nproc == 1 else None
@@ -174,9 +184,10 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
         result.update(clock_samples=sampler.samples, step_times=step_times)
     if phase_log is not None and phase_log.exists():
         result["phase_rows"] = [json.loads(line) for line in phase_log.read_text().splitlines()]
-    if proc.returncode != 0 or len(rows) < steps:
+    expected = len(logged_steps(steps, log_freq))
+    if proc.returncode != 0 or len(rows) < expected:
         tail = "".join(lines[-15:])
-        result["error"] = f"exit {proc.returncode}, {len(rows)}/{steps} steps logged; log tail:\n{tail}"
+        result["error"] = f"exit {proc.returncode}, {len(rows)}/{expected} step lines logged; log tail:\n{tail}"
         _say(f"{stem} FAILED ({result['error'].splitlines()[0]})")
     result["wandb"] = _wandb_check(run_dir / "out", rows)
     return result
@@ -275,10 +286,11 @@ def compare(args) -> Path:
 
     doc = _header("compare")
     doc.update(tag=args.tag, steps=args.steps, warmup=args.warmup, attention=args.attention, sets=args.set, runs=[],
-               nproc=getattr(args, "nproc", 1))
+               nproc=getattr(args, "nproc", 1), log_freq=getattr(args, "log_freq", 1))
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.warmup + args.steps, workdir=Path(args.workdir), attention=args.attention,
-                       nproc=getattr(args, "nproc", 1), sets=args.set, timeout=args.timeout, clocks=True, phases=True)
+                       nproc=getattr(args, "nproc", 1), sets=args.set, timeout=args.timeout, clocks=True, phases=True,
+                       log_freq=getattr(args, "log_freq", 1))
         rows = r.pop("rows")
         phase_rows = r.pop("phase_rows", None)
         gpu = gpu_clocks.over_steps(r.pop("clock_samples"), r.pop("step_times"), args.warmup)

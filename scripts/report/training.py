@@ -30,7 +30,9 @@ def compare_table(doc: dict) -> str:
     lines = [
         f"{what}Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
         f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "
-        f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps · precision {doc.get('precision', 'bf16')} · "
+        f"{doc['steps']} timed steps after {doc['warmup']} warm-up steps"
+        + (f" (tokens/s over {doc['log_freq']}-step log windows, one GPU synchronization each)" if doc.get("log_freq", 1) > 1 else "")
+        + f" · precision {doc.get('precision', 'bf16')} · "
         f"seq {doc['runs'][0]['seq_len']} × local batch {doc['runs'][0]['local_batch_size']}"
         + (f" · {doc['nproc']} processes (GPUs) per run (torchrun, FSDP2 unless overridden; tokens/s per GPU)" if doc.get("nproc", 1) > 1 else ""),
         "",
@@ -106,7 +108,8 @@ SLOW_STEP = 1.1  # a timed step this many times its config's median step is list
 def _slow(run: dict) -> list[tuple[int, float]]:
     """(step number, ms) of each timed step of a compare run over ``SLOW_STEP`` x its median step (``step_ms``)."""
     raw, med, first = run.get("step_ms_raw") or [], run.get("step_ms"), run.get("warmup_steps", 0) + 1
-    return [(first + i, ms) for i, ms in enumerate(raw) if med and ms > SLOW_STEP * med]
+    steps = run.get("step_ms_steps") or range(first, first + len(raw))  # (log windows: their last steps)
+    return [(step, ms) for step, ms in zip(steps, raw) if med and ms > SLOW_STEP * med]
 
 
 def slow_steps(run: dict) -> list[float]:

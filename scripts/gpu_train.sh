@@ -239,11 +239,13 @@ for phase in "$@"; do
       echo "floor rc=$?"; grep -v "^    (" "$logs/floor.log" | tail -40
       ;;
     headline)
+      # (as the configs train: a metrics line, and its .item() wait, every LOG_FREQ steps; 1: every step, as
+      # every headline before the thirty-seventh session)
       floor_default
       $cmp configs/llama3_1b_fp8_baseline_compile.toml configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-50}" \
-        --warmup 10 --tag fp8_coda
+        --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag fp8_coda
       $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-50}" \
-        --warmup 10
+        --warmup 10 --log-freq "${LOG_FREQ:-10}"
       ;;
     check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_titan.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import compare
+from scripts.compare import run
 from scripts.report import training
 
 from .conftest import CONFIGS, ROOT
@@ -63,8 +64,6 @@ def test_summarize_weighs_log_windows_by_their_steps():
 
 
 def test_log_freq_reaches_torchtitan_and_the_expected_step_lines():
-    from scripts.compare import run
-
     o = run._overrides(60, Path("/tmp/x"), [], (), log_freq=10)
     assert o[o.index("--metrics.log_freq") + 1] == "10"
     assert run.logged_steps(60, 10) == [1, 10, 20, 30, 40, 50, 60] and run.logged_steps(3, 1) == [1, 2, 3]
@@ -343,10 +342,11 @@ def test_committed_results_are_complete_and_consistent(path):
         assert r["returncode"] == 0 and "error" not in r
         assert r["wandb"]["matches_console"] and r["wandb"]["loss_steps"] == len(r["loss"])
         assert all(math.isfinite(x) for x in r["loss"])
-        if doc["kind"] == "compare":
-            assert len(r["step_ms_raw"]) == r["steps"] == doc["steps"]
-            assert len(r["loss"]) == doc["steps"] + doc["warmup"]
-            assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] * r["steps"] / (sum(r["step_ms_raw"]) / 1e3), rel=1e-4)
+        if doc["kind"] == "compare":  # (log windows of log_freq steps each: --log-freq)
+            f = doc.get("log_freq", 1)
+            assert len(r["step_ms_raw"]) * f == r["steps"] == doc["steps"]
+            assert len(r["loss"]) == len(run.logged_steps(doc["steps"] + doc["warmup"], f))
+            assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] * r["steps"] / (f * sum(r["step_ms_raw"]) / 1e3), rel=1e-4)
         else:
             assert len(r["loss"]) == doc["steps"]
 

@@ -48,6 +48,7 @@
 #     pinab      stock + compile and CODA compiled with pin_memory = false against the configs (PREC=fp8 or bf16)
 #     inputstream stock + compile and CODA compiled, each as configured and with [coda] input_stream, logging every
 #                LOG_FREQ steps (default 10, the configs' own) (PREC=fp8 or bf16)
+#     inputstreameager the eager CODA fp8 config as configured (input_stream on) and with it off, LOG_FREQ as above
 #     b3stages   the kernel bench's B3 (bf16) on quack's epilogue and base against our copy at b2_c_stages's base, and B2
 #     fp8bench   python -m scripts.bench.kernels --precision fp8 at d = 2048 (1B); AT_CAP as bench
 #                (BENCH_OPS="op ..." benches those programs only)
@@ -315,6 +316,11 @@ for phase in "$@"; do
       { cat "configs/llama3_1b_${p}_baseline_compile.toml"; printf '\n[coda]\ninput_stream = true\n'; } > "$b"
       $cmp configs/llama3_1b_${p}_baseline_compile.toml "$b" configs/llama3_1b_${p}_coda_compile.toml "$a" \
         --log-freq "${LOG_FREQ:-10}" --steps "${STEPS:-50}" --warmup 10 --tag "input_stream_$p"
+      ;;
+    inputstreameager)
+      a=$(VARIANT_OF=configs/llama3_1b_fp8_coda.toml variant no_input_stream "input_stream = false") || exit 2
+      $cmp configs/llama3_1b_fp8_coda.toml "$a" --log-freq "${LOG_FREQ:-10}" --steps "${STEPS:-50}" --warmup 10 \
+        --tag input_stream_fp8_eager
       ;;
     b3stages)
       # B3 (bf16) on quack's epilogue and base (CODA_TITAN_B3_C_STAGES=0) against our copy at [coda] b2_c_stages's

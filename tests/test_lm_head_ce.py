@@ -23,6 +23,23 @@ def test_lm_head_ce_backward():
     assert torch.autograd.gradcheck(f, (x, gamma, w))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lm_head_ce_backward_scales_by_the_upstream_gradient_as_one_product_each(dtype):
+    """The backward's scaling of the forward's dX and dW by dloss (one multi-tensor product) gives the bits of
+    ``dx * g`` and ``dw * g`` in their dtype, g rounded to it first, and leaves the saved gradients as they
+    were (a second backward through the same graph scales them again from the same values)."""
+    x, gamma, w = (t.to(dtype).requires_grad_() for t in (rand64(M, D), rand64(D), rand64(V, D, scale=0.5)))
+    targets = torch.randint(0, V, (M,))
+    h, r = deferred_norm(x.detach(), gamma.detach())
+    loss = LMHeadCE.apply(h, r, x, gamma, w, targets, CFG, True)
+    _, dx0, _, dw0 = CFG.backend.lm_head_ce(h=h, rstd=r, x=x.detach(), gamma=gamma.detach(), weight=w.detach(),
+                                            targets=targets, chunk_rows=CFG.ce_chunk_rows, compute_grad=True)
+    g = torch.tensor(0.3711, dtype=torch.float64)
+    for _ in range(2):
+        gx, gw = torch.autograd.grad(loss, (x, w), g.to(loss.dtype), retain_graph=True)
+        assert torch.equal(gx, dx0 * g.to(loss.dtype).to(dtype)) and torch.equal(gw, dw0 * g.to(loss.dtype).to(dtype))
+
+
 def test_lm_head_ce_matches_full_logits_and_chunking():
     x, gamma, w = rand64(M, D), rand64(D), rand64(V, D)
     targets = torch.randint(0, V, (M,))

@@ -367,5 +367,9 @@ class LMHeadCE(torch.autograd.Function):
     def backward(ctx, dloss):
         dx, dgamma, dw = ctx.saved_tensors
         g = dloss.to(dgamma.dtype)
-        return _grads(LM_HEAD_CE_INPUTS, x=dx * g.to(dx.dtype), gamma=(dgamma * g).to(ctx.gamma_dtype),
-                      weight=dw * g.to(dw.dtype))
+        if dx.dtype == dw.dtype:  # (one multi-tensor kernel for both: a 0-dim device factor sent each through the
+            # broadcasting, unvectorized elementwise kernel, 0.78 ms a step on the 1B fp8 profile; same rounding)
+            dx_g, dw_g = torch._foreach_mul([dx, dw], g.to(dx.dtype))
+        else:
+            dx_g, dw_g = dx * g.to(dx.dtype), dw * g.to(dw.dtype)
+        return _grads(LM_HEAD_CE_INPUTS, x=dx_g, gamma=(dgamma * g).to(ctx.gamma_dtype), weight=dw_g)

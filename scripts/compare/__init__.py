@@ -6,10 +6,11 @@
     python -m scripts.compare --report          # tables, plots and README from the committed JSON
 
 Every run is a real ``coda-titan train`` in its own process (TorchTitan's Trainer, same data and seed),
-with ``metrics.log_freq = 1`` and its own output folder. The numbers are TorchTitan's own metrics as it
-prints them each step (loss, peak reserved memory, tokens/s, MFU); the step time is tokens per step /
-tokens/s. The first ``--warmup`` steps (compilation, autotuning, allocator growth) are excluded from the
-timing; the loss list holds every step. Each run's W&B history is read back from its offline run folder
+with ``metrics.log_freq = 1`` (``--log-freq N``: every N steps, as the configs log; each line's ``.item()``
+calls wait for the GPU) and its own output folder. The numbers are TorchTitan's own metrics as it prints
+them (loss, peak reserved memory, tokens/s over the steps since the line before, MFU); the step time is
+tokens per step / tokens/s. The first ``--warmup`` steps (compilation, autotuning, allocator growth) are
+excluded from the timing; the loss list holds every logged step. Each run's W&B history is read back from its offline run folder
 and checked to hold the loss series.
 
 ``--attention fa4|sdpa`` sets the attention of every config (the default keeps what each config says),

@@ -13,31 +13,13 @@ import torch
 from coda_titan.titan import input_stream
 from coda_titan.titan.job_config import Coda
 
-
-class _Cuda:
-    """A fake ``torch.cuda``: streams that log what they are asked; the log also holds the calls of the
-    stand-in Trainer below, with the stream current at each."""
-
-    def __init__(self):
-        self.log, self.current = [], "compute"
-
-    def current_stream(self, device=None):
-        return _Stream(self, self.current)
-
-    def set_stream(self, stream):
-        self.log.append(("set_stream", stream.name))
-        self.current = stream.name
-
-    def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
-        return _Stream(self, "input")
+from .helpers import FakeCuda
 
 
-class _Stream:
-    def __init__(self, cuda, name):
-        self.cuda, self.name = cuda, name
-
-    def wait_stream(self, other):
-        self.cuda.log.append(("wait_stream", self.name, other.name))
+def _cuda():
+    """A fake ``torch.cuda``; its log also holds the calls of the stand-in Trainer below, with the stream
+    current at each."""
+    return FakeCuda("compute", "input")
 
 
 class _Copy:
@@ -81,7 +63,7 @@ class _Trainer:
 
 
 def _run(microbatches=1, steps=2, **coda):
-    cuda = _Cuda()
+    cuda = _cuda()
     trainer = _Trainer(cuda, Coda(**coda), microbatches=microbatches)
     attached = input_stream.attach(trainer, cuda)
     it = trainer.batch_generator(range(steps * microbatches))
@@ -115,7 +97,7 @@ def test_later_microbatches_are_copied_on_the_compute_stream():
 
 @pytest.mark.parametrize("coda, device", [({"input_stream": False}, "cuda:0"), ({"input_stream": True}, "cpu")])
 def test_nothing_changes_with_the_knob_off_or_off_the_gpu(coda, device):
-    cuda = _Cuda()
+    cuda = _cuda()
     trainer = _Trainer(cuda, Coda(**coda), device=device)
     before = (trainer.batch_generator, trainer.forward_backward_step)
     assert not input_stream.attach(trainer, cuda)

@@ -17,30 +17,11 @@ from coda_titan.model.model import CodaTransformer
 from coda_titan.titan import opt_stream
 from coda_titan.titan.job_config import Coda
 
-
-class _Recorder:
-    """A fake ``torch.cuda`` for ``opt_stream``: streams and events that log what they are asked."""
-
-    def __init__(self):
-        self.log, self.current = [], "main"
-
-    def current_stream(self, device=None):
-        return _Stream(self, self.current)
-
-    def set_stream(self, stream):
-        self.log.append(("set_stream", stream.name))
-        self.current = stream.name
-
-    def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
-        return _Stream(self, "side")
+from .helpers import FakeCuda, FakeStream
 
 
-class _Stream:
-    def __init__(self, rec, name):
-        self.rec, self.name = rec, name
-
-    def wait_stream(self, other):
-        self.rec.log.append(("wait_stream", self.name, other.name))
+class _Stream(FakeStream):
+    """A ``FakeStream`` with the events ``opt_stream`` records and waits for."""
 
     def record_event(self):
         self.rec.log.append(("record_event", self.name))
@@ -48,6 +29,15 @@ class _Stream:
 
     def wait_event(self, event):
         self.rec.log.append(("wait_event", self.name, event.name, len(self.rec.hooks.held)))
+
+
+class _Recorder(FakeCuda):
+    """A fake ``torch.cuda`` for ``opt_stream``: streams and events that log what they are asked."""
+
+    stream_class = _Stream
+
+    def __init__(self):
+        super().__init__("main", "side")
 
 
 class _Grad:

@@ -21,13 +21,12 @@ for the GPU; ``host_overhead.host_us``). Writes ``$OUT/probe_host_layers_<gpu>.j
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.host_overhead import host_us, programs
+from scripts.probes.host_overhead import host_us, probe_args, programs
 
 
 def _coda_opdefs() -> dict:
@@ -103,12 +102,7 @@ def layers(fn, calls: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.probes.host_layers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--precision", nargs="+", choices=("bf16", "fp8"), default=["fp8", "bf16"])
-    ap.add_argument("--d", type=int, default=2048, help="hidden size (2048: the 1B model)")
-    ap.add_argument("--calls", type=int, default=20, help="calls enqueued behind the sleep")
-    args = ap.parse_args(argv)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    args = probe_args("scripts.probes.host_layers", __doc__, argv, precisions=("fp8", "bf16"))
     path = out_json("probe_host_layers")
     doc = {**header(), "kind": "probe_host_layers",
            "timing": "host us per program call, enqueued behind torch.cuda._sleep, at each layer: op (torch.ops.coda), "

@@ -73,13 +73,18 @@ def measure(program, setup: Setup, calls: int, precision: str) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.probes.host_overhead", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--precision", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
+def probe_args(prog: str, doc: str, argv, precisions=("bf16", "fp8")):
+    """The host probes' command line (``--precision``, ``--d``, ``--calls``), parsed; TF32 off."""
+    ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.split("\n\n")[0])
+    ap.add_argument("--precision", nargs="+", choices=("bf16", "fp8"), default=list(precisions))
     ap.add_argument("--d", type=int, default=2048, help="hidden size (2048: the 1B model)")
     ap.add_argument("--calls", type=int, default=20, help="calls enqueued behind the sleep")
-    args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = probe_args("scripts.probes.host_overhead", __doc__, argv)
     path = out_json("probe_host_overhead")
     doc = {**header(), "kind": "probe_host_overhead", "sleep_cycles": SLEEP_CYCLES,
            "timing": "host_us: wall time per call enqueued behind torch.cuda._sleep; gpu_us: do_bench median",

@@ -731,8 +731,10 @@ for phase in "$@"; do
         --steps "${PARITY_STEPS:-300}" --tag $tag
       ;;
     fp8profile)
-      [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep
-      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15 $keep
+      # (LOG_FREQ=10: the steps before the profiled one log, and so wait for the GPU, as the configs train)
+      [ -n "${SKIP_BASELINE:-}" ] || $cmp --profile configs/llama3_1b_fp8_baseline_compile.toml --steps 15 $keep \
+        --log-freq "${LOG_FREQ:-1}"
+      $cmp --profile configs/llama3_1b_fp8_coda_compile.toml --steps 15 $keep --log-freq "${LOG_FREQ:-1}"
       ;;
     hostoverhead)
       # probe: the host time of one call of each program (bf16 and fp8, d = 2048) beside its GPU time

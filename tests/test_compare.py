@@ -69,6 +69,26 @@ def test_log_freq_reaches_torchtitan_and_the_expected_step_lines():
     assert run.logged_steps(60, 10) == [1, 10, 20, 30, 40, 50, 60] and run.logged_steps(3, 1) == [1, 2, 3]
     with pytest.raises(SystemExit):  # (a warm-up that is not a multiple: its first window would mix warm-up steps)
         compare.main(["--log-freq", "3", "--warmup", "10", str(CONFIGS / "debug_cpu_coda.toml")])
+    with pytest.raises(SystemExit):  # (a loss curve needs every step's loss)
+        compare.main(["--loss-curve", "--log-freq", "10", str(CONFIGS / "debug_cpu_baseline.toml"),
+                      str(CONFIGS / "debug_cpu_coda.toml")])
+
+
+def test_profile_runs_with_the_log_freq_asked(tmp_path, monkeypatch):
+    """``--profile --log-freq 10``: the profiled run logs (and waits for the GPU) every 10 steps only."""
+    from scripts.compare import profile as profile_mode
+
+    seen = {}
+
+    def fake_run_config(cfg, **kw):
+        seen.update(kw)
+        return {"error": "stopped here", "rows": []}
+
+    monkeypatch.setattr(profile_mode, "run_config", fake_run_config)
+    with pytest.raises(SystemExit, match="no profiler trace"):
+        compare.main(["--profile", "--log-freq", "10", "--steps", "15", str(CONFIGS / "debug_cpu_coda.toml"),
+                      "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    assert seen["log_freq"] == 10 and seen["steps"] == 15
 
 
 def test_parity_statistics():

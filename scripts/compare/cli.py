@@ -30,9 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TorchTitan override for every run")
     ap.add_argument("--out", default=str(RESULTS), help="where result JSON and PNG go")
     ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
-    ap.add_argument("--log-freq", type=int, default=1, help="compare: TorchTitan's metrics.log_freq (1: a line, and a "
-                    "GPU synchronization, every step; N: tokens/s over N-step windows, as a config logging every N steps "
-                    "trains); the warm-up must be a multiple of it")
+    ap.add_argument("--log-freq", type=int, default=1, help="compare and profile: TorchTitan's metrics.log_freq (1: a line, "
+                    "and a GPU synchronization, every step; N: tokens/s over N-step windows, as a config logging every N "
+                    "steps trains, and a profiled step the host enqueued ahead); compare: the warm-up must be a multiple of it")
     ap.add_argument("--tag", default="", help="name part of the result file (compare_<tag>_<gpu>_<date>.json, loss_curve_<tag>_...)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     ap.add_argument("--nproc", type=int, default=1, help="compare and profile: GPUs of this host per run (torchrun; FSDP2 over all "
@@ -60,8 +60,9 @@ def main(argv=None) -> int:
     for kv in args.set:
         if "=" not in kv:
             ap.error(f"--set takes KEY=VALUE, got {kv!r}")
-    if args.log_freq < 1 or args.warmup % args.log_freq or (args.log_freq > 1 and (args.loss_curve or args.profile)):
-        ap.error("--log-freq takes a positive count that divides --warmup, and only in the step-time comparison")
+    if args.log_freq < 1 or (args.log_freq > 1 and args.loss_curve) or (not args.profile and args.warmup % args.log_freq):
+        ap.error("--log-freq takes a positive count (in the step-time comparison one that divides --warmup), "
+                 "not in the loss-curve mode")
     if args.nproc < 1 or (args.nproc > 1 and args.loss_curve):
         ap.error("--nproc takes a positive count, and only in the step-time comparison and the profile")
     from coda_titan.cli import UserError

@@ -219,13 +219,15 @@ def profile(args) -> Path:
     extra = ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
              "--profiling.profiler_warmup", "3", "--profiling.profiler_active", "1"]
     nproc = getattr(args, "nproc", 1)
+    log_freq = getattr(args, "log_freq", 1)  # (> 1: the steps before the profiled one wait for nothing)
     r = run_config(cfg, steps=steps, workdir=Path(args.workdir), attention=args.attention, sets=args.set,
-                   timeout=args.timeout, extra=extra, nproc=nproc)
+                   timeout=args.timeout, extra=extra, nproc=nproc, log_freq=log_freq)
     rows = r.pop("rows")
     traces = sorted(glob.glob(str(Path(args.workdir) / cfg.stem / "out" / "**" / "rank0_trace.json"), recursive=True))
     if not traces:
         raise SystemExit(f"no profiler trace was written for {cfg}: {r.get('error', '')}")
-    doc.update(config=r["config"], run=r, profiled_step=steps, summary=_summary(traces[-1], r["model"]), nproc=nproc)
+    doc.update(config=r["config"], run=r, profiled_step=steps, summary=_summary(traces[-1], r["model"]), nproc=nproc,
+               log_freq=log_freq)
     doc["run"]["loss"] = [x["loss"] for x in rows]
     # (a sharded run's profile, rank 0's, is filed apart: its step is not the one-GPU step of the tables)
     kind = f"fsdp{nproc}_profile" if nproc > 1 else "profile"

@@ -9,7 +9,9 @@ from pathlib import Path
 def profile_table(doc: dict, top: int = 12) -> str:
     s = doc["summary"]
     lines = [
-        f"Profile of `{Path(doc['config']).stem}` step {doc['profiled_step']} on {doc['device']}: "
+        f"Profile of `{Path(doc['config']).stem}` step {doc['profiled_step']}"
+        + (f" (metrics every {doc['log_freq']} steps: none waited for the GPU since the last)" if doc.get("log_freq", 1) > 1 else "")
+        + f" on {doc['device']}: "
         f"{s['gpu_kernel_ms']:.1f} ms of GPU kernel time in {s['kernel_launches']} launches "
         f"(span {s['gpu_span_ms']:.1f} ms).",
         "",

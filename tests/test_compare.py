@@ -597,6 +597,25 @@ def test_trace_summary_leaves_out_kernels_launched_before_the_profiled_step(tmp_
     assert "count them too" not in profile_table({**old, "run": {"config_run": "[coda]\n"}})
 
 
+def test_trace_summary_charges_small_kernels_to_the_op_that_launched_them(tmp_path):
+    """``outside_gemms_by_op``: each kernel outside the GEMMs under the innermost ``coda::`` op open at its
+    launch (here an amax inside B2 inside a compiled region), else the outermost op (a compiled region), else
+    "(no host op)"; GEMMs are not listed."""
+    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}  # noqa: E731
+    launch = lambda ts, corr: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,  # noqa: E731
+                               "args": {"correlation": corr}}
+    k = lambda name, ts, corr: {"cat": "kernel", "name": name, "ts": ts, "dur": 10, "args": {"correlation": corr}}  # noqa: E731
+    events = [op("Torch-Compiled Region: 4/0", 0, 100), op("coda::norm_residual_bwd_fp8", 10, 50), op("aten::amax", 20, 10),
+              launch(22, 1), k("reduce_kernel_amax", 200, 1), launch(40, 2), k("nvjet_sm90_gemm", 220, 2),
+              launch(70, 3), k("triton_poi_fused_cast_0", 240, 3), launch(150, 4), k("triton_poi_fused_cast_0", 260, 4),
+              launch(160, 5), k("reduce_kernel_amax", 280, 5)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    got = {(x["op"], x["kernel"]): (x["calls"], x["ms"]) for x in compare.summarize_trace(str(tmp_path / "t.json"))["outside_gemms_by_op"]}
+    assert got == {("coda::norm_residual_bwd_fp8", "reduce_kernel_amax"): (1, 0.01),
+                   ("Torch-Compiled Region: 4/0", "triton_poi_fused_cast_0"): (1, 0.01),
+                   ("(no host op)", "triton_poi_fused_cast_0"): (1, 0.01), ("(no host op)", "reduce_kernel_amax"): (1, 0.01)}
+
+
 def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):
     """``--resummarize PROFILE TRACE``: the summary is rebuilt by this checkout's code from the gzipped trace
     the run kept; the run's fields stay and the file says it was derived again."""

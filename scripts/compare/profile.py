@@ -22,6 +22,7 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
     of every sum and reported apart (``carried_in``)."""
     events = trace_events(trace_path)
     kernels, carried = _own_kernels(events)
+    stacks = _launch_stacks(events, cats=("cpu_op", "user_annotation"))  # (correlation id -> host ops at the launch)
     total = sum(e["dur"] for e in kernels)
     by_name: dict[str, list] = {}
     for e in kernels:
@@ -35,7 +36,7 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
         "gpu_kernel_ms": total / 1e3,
         "gpu_span_ms": span / 1e3,
         "kernel_launches": len(kernels),
-        **idle_gaps(events, kernels),
+        **idle_gaps(events, kernels, stacks),
         **communication(kernels),
         "carried_in": {"kernels": len(carried), "ms": round(sum(e["dur"] for e in carried) / 1e3, 3)},
         "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
@@ -50,7 +51,27 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
             {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d)}
             for n, d in ranked if kernel_category(n) in OUTSIDE
         ][:80],
+        "outside_gemms_by_op": outside_by_op(kernels, stacks),
     }
+
+
+def outside_by_op(kernels: list[dict], stacks: dict, top: int = 40) -> list[dict]:
+    """The kernels outside the GEMMs (``outside_gemms``) by the host op that launched them: the innermost
+    ``coda::`` op open at the launch, else the outermost one (a compiled region, ``Optimizer.step``), and
+    the kernel, ms and calls: which program's own small kernels (amaxes, casts, scalar math) cost what.
+    ``stacks``: ``families._launch_stacks`` of the trace."""
+    out: dict[tuple, list] = {}
+    for e in kernels:
+        if kernel_category(e["name"]) not in OUTSIDE:
+            continue
+        path = [str(o["name"]) for o in stacks.get(e.get("args", {}).get("correlation"), [])]
+        coda = [n for n in path if n.startswith("coda::")]
+        op = coda[-1] if coda else (path[0] if path else "(no host op)")
+        c = out.setdefault((op[:80], e["name"][:100]), [0, 0.0])
+        c[0] += 1
+        c[1] += e["dur"]
+    ranked = sorted(out.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"op": op, "kernel": k, "ms": round(v[1] / 1e3, 3), "calls": v[0]} for (op, k), v in ranked]
 
 
 OUTSIDE = ("triton (inductor)", "elementwise/reduction (eager)", "other")  # (kernel_category's non-GEMM work)
@@ -87,7 +108,7 @@ def communication(kernels: list[dict]) -> dict:
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 
 
-def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
+def idle_gaps(events: list[dict], kernels: list[dict], stacks: dict, top: int = 10) -> dict:
     """Where the GPU waited for the host: the time inside the step's kernel span covered by no
     kernel, its largest intervals with the kernels on both sides and the CPU ops running at the
     interval's middle (the host work the GPU waited for), and the blocking CUDA runtime calls."""
@@ -115,12 +136,12 @@ def idle_gaps(events: list[dict], kernels: list[dict], top: int = 10) -> dict:
         "blocking_runtime_calls": {"count": len(syncs), "ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
                                    "names": sorted({e["name"] for e in syncs})},
         "top_idle": tops,
-        **idle_attribution(events, [(g[0], g[1], ev) for g, ev in zip(gaps, nexts)]),
+        **idle_attribution(events, [(g[0], g[1], ev) for g, ev in zip(gaps, nexts)], stacks),
         "allocator_calls": _allocator_calls(runtime, lo, hi),
     }
 
 
-def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], top: int = 15) -> dict:
+def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], stacks: dict, top: int = 15) -> dict:
     """Each idle interval charged to the launch of the kernel that ended it (by correlation id): the
     phase of the step that launch belongs to (the autograd thread's launches are the backward's, the
     main thread's inside ``Optimizer.step`` the optimizer's, the rest of the main thread's the forward's
@@ -128,7 +149,6 @@ def idle_attribution(events: list[dict], gaps: list[tuple[float, float, dict]], 
     innermost). A launch made after the GPU had gone idle is host-bound: the GPU waited for it."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    stacks = _launch_stacks(events, cats=("cpu_op", "user_annotation"))
     steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep")]
     main = steps[0].get("tid") if steps else None
     corrs = [ev.get("args", {}).get("correlation") for _, _, ev in gaps]

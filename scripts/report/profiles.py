@@ -85,4 +85,11 @@ def _outside_lines(doc: dict) -> list[str]:
         for k in s["outside_gemms"][:10]:
             name = k["name"].replace("|", "/")
             out.append(f"| `{name if len(name) <= 70 else name[:67] + '...'}` | {k['category']} | {k['calls']} | {k['ms']:.2f} |")
+    if s.get("outside_gemms_by_op"):
+        out += ["", "| the same by the host op that launched them (innermost `coda::` op, else outermost) | kernel | calls | ms |",
+                "|---|---|---:|---:|"]
+        for k in s["outside_gemms_by_op"][:12]:
+            name = k["kernel"].replace("|", "/")
+            out.append(f"| {k['op'][:60].replace('|', '/')} | `{name if len(name) <= 50 else name[:47] + '...'}` | "
+                       f"{k['calls']} | {k['ms']:.2f} |")
     return out

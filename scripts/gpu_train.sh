@@ -37,6 +37,7 @@
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     hostlayers probe: each program's host time per call by layer (custom op, backend, our kernel, quack), no profiler
+#     lmheadscale probe: F4's backward scaling, two products against one foreach product (bits, ms)
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
@@ -747,6 +748,9 @@ for phase in "$@"; do
       python3 -m scripts.probes.step_phases ${CONFIGS:-configs/llama3_1b_fp8_coda_compile.toml \
         configs/llama3_1b_bf16_coda_compile.toml} --steps "${STEPS:-50}" --warmup 10 ${TAG:+--tag "$TAG"} \
         --workdir /tmp/compare 2>&1 | tail -4
+      ;;
+    lmheadscale)
+      python3 -m scripts.probes.lm_head_scale 2>&1 | tail -3
       ;;
     hostlayers)
       python3 -m scripts.probes.host_layers --precision ${PREC:-fp8 bf16} 2>&1 | tail -40

@@ -16,21 +16,13 @@ import statistics
 
 import torch
 
-from scripts.bench.common import header, out_json
+from scripts.bench.common import header, out_json, synced_ms
 
 
 def _ms(fn, reps: int = 20) -> list[float]:
     for _ in range(3):
         fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
+    return synced_ms(fn, reps)
 
 
 def main() -> int:

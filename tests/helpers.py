@@ -320,29 +320,29 @@ def run_interpreter_check(script: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-class FakeCuda:
-    """A stand-in of ``torch.cuda``'s stream API for the stream knobs' CPU tests: streams that log what they
-    are asked in ``log``; ``current`` names the current stream, ``new`` the one ``Stream()`` makes."""
-
-    stream_class = None  # (FakeStream unless a test's subclass adds methods)
-
-    def __init__(self, current: str, new: str):
-        self.log, self.current, self.new = [], current, new
-
-    def current_stream(self, device=None):
-        return (self.stream_class or FakeStream)(self, self.current)
-
-    def set_stream(self, stream):
-        self.log.append(("set_stream", stream.name))
-        self.current = stream.name
-
-    def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
-        return (self.stream_class or FakeStream)(self, self.new)
-
-
 class FakeStream:
     def __init__(self, cuda, name):
         self.rec, self.name = cuda, name
 
     def wait_stream(self, other):
         self.rec.log.append(("wait_stream", self.name, other.name))
+
+
+class FakeCuda:
+    """A stand-in of ``torch.cuda``'s stream API for the stream knobs' CPU tests: streams that log what they
+    are asked in ``log``; ``current`` names the current stream, ``new`` the one ``Stream()`` makes."""
+
+    stream_class = FakeStream  # (a test's subclass may add methods)
+
+    def __init__(self, current: str, new: str):
+        self.log, self.current, self.new = [], current, new
+
+    def current_stream(self, device=None):
+        return self.stream_class(self, self.current)
+
+    def set_stream(self, stream):
+        self.log.append(("set_stream", stream.name))
+        self.current = stream.name
+
+    def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
+        return self.stream_class(self, self.new)

@@ -54,8 +54,8 @@ def recording(calls: list, quack_calls: list):
     ops = _coda_opdefs()
     saved = {name: op._backend_fns["cuda"] for name, op in ops.items()}
     # (the epilogue modules' class only: quack's kernel classes have jitted __call__s a wrapper would break)
-    classes = [next(c for c in type(rms_partial_epi).__mro__ if "__call__" in vars(c))]
-    saved_calls = {c: c.__call__ for c in classes}
+    cls = next(c for c in type(rms_partial_epi).__mro__ if "__call__" in vars(c))
+    call = cls.__call__
 
     def wrap_op(name, fn):
         def w(*args, **kwargs):
@@ -63,23 +63,19 @@ def recording(calls: list, quack_calls: list):
             return fn(*args, **kwargs)
         return w
 
-    def wrap_call(cls, fn):
-        def w(self, *args, **kwargs):
-            quack_calls.append((fn, self, args, kwargs))
-            return fn(self, *args, **kwargs)
-        return w
+    def wrapped_call(self, *args, **kwargs):
+        quack_calls.append((call, self, args, kwargs))
+        return call(self, *args, **kwargs)
 
     for name, op in ops.items():
         op._backend_fns["cuda"] = wrap_op(name, saved[name])
-    for c in classes:
-        c.__call__ = wrap_call(c, saved_calls[c])
+    cls.__call__ = wrapped_call
     try:
         yield
     finally:
         for name, op in ops.items():
             op._backend_fns["cuda"] = saved[name]
-        for c in classes:
-            c.__call__ = saved_calls[c]
+        cls.__call__ = call
 
 
 def layers(fn, calls: int) -> dict:

@@ -38,6 +38,9 @@
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     hostlayers probe: each program's host time per call by layer (custom op, backend, our kernel, quack), no profiler
 #     lmheadscale probe: F4's backward scaling, two products against one foreach product (bits, ms)
+#     qgrad      GPU tests of quantize_grad's Triton passes, then scripts/probes/quantize_grad.py (bits, ms per call)
+#     qgradab    the compiled baseline and CODA compiled with those passes, then with the previous kernels
+#                (CODA_TITAN_QGRAD=inductor), PREC=fp8 (default), LOG_FREQ (default 10)
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
@@ -191,11 +194,11 @@ curves() {
 }
 # envab ON OFF VAR=VALUE: an A/B of an environment switch (PREC=fp8 or bf16): the compiled baseline and the
 # compiled CODA config as they are (tag ON), then the compiled CODA config under VAR=VALUE (tag OFF), one after the other
-envab() {
-  local p=${PREC:-fp8}
+envab() {  # (LOG_FREQ=N: both comparisons log every N steps, as the configs do)
+  local p=${PREC:-fp8} lf=${LOG_FREQ:+--log-freq $LOG_FREQ}
   $cmp configs/llama3_1b_${p}_baseline_compile.toml configs/llama3_1b_${p}_coda_compile.toml \
-    --steps "${STEPS:-50}" --warmup 10 --tag "$1"
-  env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --tag "$2"
+    --steps "${STEPS:-50}" --warmup 10 --tag "$1" $lf
+  env "$3" $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --tag "$2" $lf
 }
 # floor_default: the 1B floor with quack at its default config (a minute), its totals printed
 floor_default() {  # SKIP_FLOOR=1: none (a floor of this lease already in benchmarks/results serves)
@@ -751,6 +754,15 @@ for phase in "$@"; do
       ;;
     lmheadscale)
       python3 -m scripts.probes.lm_head_scale 2>&1 | tail -3
+      ;;
+    qgrad)
+      python3 -m pytest -q -m gpu tests/test_gemm.py -k "quantize_grad or transpose_8bit" 2>&1 | tail -3
+      python3 -m scripts.probes.quantize_grad 2>&1 | tail -3
+      ;;
+    qgradab)
+      # CODA fp8 compiled with quantize_grad's Triton passes (the default) against the previous kernels
+      # (CODA_TITAN_QGRAD=inductor), logging every LOG_FREQ steps (tables qgrad_triton, qgrad_inductor)
+      LOG_FREQ=${LOG_FREQ:-10} envab qgrad_triton qgrad_inductor CODA_TITAN_QGRAD=inductor
       ;;
     hostlayers)
       python3 -m scripts.probes.host_layers --precision ${PREC:-fp8 bf16} 2>&1 | tail -40

@@ -350,6 +350,65 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     assert got["token_major_refuses_an_unknown_mode"], got
 
 
+def test_grad_e5m2_passes_give_quantize_grads_codes_and_scale_in_the_interpreter():
+    """``quantize_grad``'s Triton passes (``grad_e5m2``: the amax over the bits of |x|, then the cast that derives
+    the power-of-two scale itself and stores the codes row-major and token-major) run by Triton's CPU
+    interpreter (``tests/grad_e5m2_interpreter_check.py``) against the reference ``quantize_grad``: the scale of
+    every amax a bf16 gradient can have (all 32,768 non-negative bit patterns, NaN and inf included) bit for
+    bit; on gradients of exact e5m2 values times a power of two, every code in both layouts and the scale;
+    a NaN anywhere makes the scale and every code NaN, as the reference's (not saturated away); an all-zero
+    gradient takes the amax floor's scale and zero codes; a strided or fp32 input is refused."""
+    got = run_interpreter_check("grad_e5m2_interpreter_check.py")
+    assert got.pop("scales") == {"n": 32768, "apart": 0, "nan_kept": True}
+    assert got.pop("nan") == {"s_nan": True, "ref_s_nan": True, "codes_nan": True, "t_codes_nan": True}
+    zeros = got.pop("zeros")
+    assert zeros["s"] == zeros["s_ref"] and 0 < zeros["s"] < 1e-12 / 57344 * 2 and zeros["codes_zero"], zeros
+    assert got.pop("refuses_torch.bfloat16_0") and got.pop("refuses_torch.float32_1"), got
+    assert len(got) == 6, got
+    for key, case in got.items():
+        m, k = (int(n) for n in key.split("_")[0].split("x"))
+        token_major = key.endswith("_1")
+        assert case["bytes_apart"] == 0 and case["shape"] == [m, k] and case["s"] == case["s_ref"], (key, case)
+        assert (case["t_bytes_apart"], case["t_contiguous"]) == ((0, True) if token_major else (None, None)), (key, case)
+
+
+@pytest.mark.gpu
+def test_cute_quantize_grad_passes_give_the_references_bits():
+    """``quantize_grad`` and ``quantize_grad_t`` on the GPU (``grad_e5m2``'s Triton passes) at the residual
+    stream's shape (16384 tokens x 2048): the reference's codes (``quantize_e5m2`` of the fp32 product at the
+    current amax's power-of-two scale: saturated, nearest even) and scale, bit for bit, the token-major codes
+    those codes transposed; the previous kernels (``CODA_TITAN_QGRAD=inductor``) give the same; and the scale
+    of every amax a bf16 gradient can have (each non-negative bit pattern as a one-element gradient) is the
+    reference's, bit for bit (NaN for NaN)."""
+    import os
+
+    from coda_titan.kernels import TORCH, get_backend
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    g = (torch.randn(16384, 2048, generator=gen, device="cuda") * 1e-4).to(torch.bfloat16)
+    g[::997, ::17] *= 3e3  # (a wide range of binades: some codes subnormal, the amax from a few rows)
+    want, s_want = TORCH.quantize_grad(t=g)
+    for env in ("triton", "inductor"):
+        os.environ["CODA_TITAN_QGRAD"] = env
+        try:
+            (q, s), (q2, q2_t, s2) = cute.quantize_grad(t=g), cute.quantize_grad_t(t=g)
+        finally:
+            os.environ.pop("CODA_TITAN_QGRAD")
+        for how, codes, scale in (("quantize_grad", q, s), ("quantize_grad_t", q2, s2)):
+            assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), f"{env} {how} codes"
+            assert scale.dtype == s_want.dtype and torch.equal(scale, s_want), (env, how, scale, s_want)
+        assert q2_t.is_contiguous() and torch.equal(q2_t.view(torch.uint8), want.t().contiguous().view(torch.uint8)), env
+    values = torch.arange(0, 0x8000, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
+    scales = torch.stack([cute.quantize_grad(t=values[i:i + 1].view(1, 1))[1] for i in range(values.numel())])
+    ref = torch.stack([TORCH.quantize_grad(t=values[i:i + 1].view(1, 1))[1] for i in range(0, values.numel(), 257)])
+    from coda_titan.kernels.scaling import E5M2_MAX, inv_scale_from_amax, pow2_floor
+    s_ref = pow2_floor(inv_scale_from_amax(values.float(), E5M2_MAX)).reciprocal()
+    assert torch.equal(ref, s_ref[::257]), "the reference's scale as a vector (the comparison's own check)"
+    same = (scales.view(torch.int32) == s_ref.view(torch.int32)) | (scales.isnan() & s_ref.isnan())
+    assert same.all(), f"{int((~same).sum())} scales apart, e.g. amax {values[~same][:4].tolist()}"
+
+
 @pytest.mark.gpu
 def test_cute_transpose_8bit_moves_the_bytes():
     """The 8-bit transpose pass on the GPU at B1's codes' shape (16384 tokens x 3072, e5m2) and o's (e4m3),

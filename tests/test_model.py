@@ -1053,7 +1053,8 @@ def test_on_by_default_fp8_variants_are_ignored_where_what_they_vary_does_not_ru
     kw = {**_MLP, **other}
     _, off = _models(**kw, **{knob: False})
     _, on = _models(**kw, **{knob: True})
-    spied = ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3", "quantize_grad", "swiglu_bwd_q_fp8")
+    spied = ("swiglu_bwd_e5m2_t", "swiglu_bwd_e5m2_t_q", "wgrad_fp8_e4m3", "quantize_grad", "quantize_grad_t",
+             "swiglu_bwd_q_fp8")
     calls, calls_off = _spy(on, spied), _spy(off, spied)
     tokens, labels = _batch(on.model_args.vocab_size)
     for _ in range(2):
@@ -1064,7 +1065,8 @@ def test_on_by_default_fp8_variants_are_ignored_where_what_they_vary_does_not_ru
     if knob == "fp8_mlp_da_t":
         assert not any(c.startswith("swiglu_bwd_e5m2_t") for c in calls), calls
     if knob == "fp8_down_dgrad":
-        assert not any(c in ("quantize_grad", "swiglu_bwd_q_fp8", "swiglu_bwd_e5m2_t_q") for c in calls), calls
+        assert not any(c in ("quantize_grad", "quantize_grad_t", "swiglu_bwd_q_fp8", "swiglu_bwd_e5m2_t_q")
+                       for c in calls), calls
     g_off, g_on = _grads(off), _grads(on)
     for k in g_on:
         assert torch.equal(g_on[k], g_off[k]), k
@@ -1103,14 +1105,15 @@ def test_fp8_down_dgrad_with_da_t_runs_the_transposed_b3_on_its_fp8_gemm(down_wg
 
 def test_dw2_reuses_b3s_e5m2_d_bit_for_bit(monkeypatch):
     """With ``fp8_down_dgrad`` and ``fp8_down_wgrad`` (the defaults), dW2 takes the e5m2 D that B3's fp8
-    GEMM was given (``quantize_grad``: the current amax's scale rounded down to a power of two) instead
-    of casting D again: ``wgrad_fp8_e4m3``'s own cast of D is that same cast (the same amax, scale and
-    codes), so every gradient is bit for bit the recasting model's (``CODA_TITAN_DW2_RECAST=1``), with
-    one cast of D per layer instead of two."""
+    GEMM was given (``quantize_grad_t``: the current amax's scale rounded down to a power of two, the codes
+    also token-major for dW2) instead of casting D again: ``wgrad_fp8_e4m3``'s own cast of D is that same
+    cast (the same amax, scale and codes), so every gradient is bit for bit the recasting model's
+    (``CODA_TITAN_DW2_RECAST=1``, whose B3 takes ``quantize_grad``'s row-major codes only), with one cast
+    of D per layer instead of two."""
     kw = dict(**_MLP, fp8_down_dgrad=True, fp8_mlp_da_t=True, fp8_down_wgrad=True)
     _, reuse = _models(**kw)
     _, recast = _models(**kw)
-    names = ("wgrad_fp8_q", "wgrad_fp8_e4m3", "quantize_grad")
+    names = ("wgrad_fp8_q", "wgrad_fp8_e4m3", "quantize_grad", "quantize_grad_t")
     calls, calls_recast = _spy(reuse, names), _spy(recast, names)
     tokens, labels = _batch(reuse.model_args.vocab_size)
     n = len(reuse.layers)
@@ -1124,7 +1127,7 @@ def test_dw2_reuses_b3s_e5m2_d_bit_for_bit(monkeypatch):
             m.zero_grad()
             m(tokens, labels=labels).backward()
         if step:
-            assert sorted(calls) == sorted(["quantize_grad", "wgrad_fp8_q"] * n), calls
+            assert sorted(calls) == sorted(["quantize_grad_t", "wgrad_fp8_q"] * n), calls
             assert sorted(calls_recast) == sorted(["quantize_grad", "wgrad_fp8_e4m3"] * n), calls_recast
     g, g_recast = _grads(reuse), _grads(recast)
     assert all(torch.equal(g[k], g_recast[k]) for k in g)
@@ -1228,15 +1231,15 @@ def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_do
 
 
 def test_fp8_out_bwd_runs_the_w_o_backward_on_one_e5m2_cast_and_keeps_the_e4m3_o():
-    """``fp8_out_bwd``: the out-projection's backward casts its gradient once (``quantize_grad``), and
-    both GEMMs read those codes: the dgrad with the weight pass's e4m3 W_o^T (``dgrad_fp8_q``), dW_o with
+    """``fp8_out_bwd``: the out-projection's backward casts its gradient once (``quantize_grad_t``: the codes
+    row-major and token-major), and both GEMMs read those codes: the dgrad with the weight pass's e4m3 W_o^T (``dgrad_fp8_q``), dW_o with
     the e4m3 o the forward multiplied (``wgrad_fp8_q``), which the Function keeps instead of o. The
     forward is bit for bit the model's without it; W_o's gradient moves (and, through dX, every one
     computed after it); the model tracks the bf16 model."""
     kw = dict(fp8_out_proj=True)
     bf16, off = _models(**kw)
     _, on = _models(**kw, fp8_out_bwd=True)
-    names = ("quantize_grad", "dgrad_fp8_q", "wgrad_fp8_q", "dgrad")
+    names = ("quantize_grad_t", "dgrad_fp8_q", "wgrad_fp8_q", "dgrad")
     calls = _spy(on, names, lambda name, k: (name, k.get("weight_tq", k.get("inpq"))))
     tokens, labels = _batch(on.model_args.vocab_size)
     n, dim = len(on.layers), on.model_args.dim
@@ -1244,7 +1247,7 @@ def test_fp8_out_bwd_runs_the_w_o_backward_on_one_e5m2_cast_and_keeps_the_e4m3_o
         calls.clear()
         saved = _saved_bytes({"bf16": bf16, "off": off, "on": on}, tokens, labels)
         counts = {name: sum(c[0] == name for c in calls) for name in names}
-        assert counts == {"quantize_grad": n, "dgrad_fp8_q": n, "wgrad_fp8_q": n, "dgrad": 0}, counts
+        assert counts == {"quantize_grad_t": n, "dgrad_fp8_q": n, "wgrad_fp8_q": n, "dgrad": 0}, counts
     for name, t in calls:
         if name == "dgrad_fp8_q":  # W_o^T from the weight pass, K-major
             assert t.dtype == E4M3 and t.shape == (dim, dim) and t.is_contiguous()

@@ -79,6 +79,7 @@ class Backend:
     swiglu_bwd_e5m2_t: Callable  # the same also writing da^T (fp8_mlp_da_t)
     swiglu_bwd_e5m2_t_q: Callable  # that B3 on an fp8 GEMM (fp8_down_dgrad with fp8_mlp_da_t)
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
+    quantize_grad_t: Callable  # the same with the codes' token-major copy (a weight gradient's operand)
     wgrad_fp8: Callable
     wgrad_fp8_e5m2: Callable  # dW13 on B3's e5m2 da
     wgrad_fp8_e4m3: Callable  # dW2 on B3's e4m3 y (fp8_down_wgrad)
@@ -127,6 +128,7 @@ TORCH = Backend(
     swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t,
     swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q,
     quantize_grad=gemm.quantize_grad,
+    quantize_grad_t=gemm.quantize_grad_t,
     wgrad_fp8=gemm.wgrad_fp8,
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
     wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3,
@@ -173,6 +175,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t_op,
         swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q_op,
         quantize_grad=gemm.quantize_grad_op,
+        quantize_grad_t=gemm.quantize_grad_t_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
         wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3_op,

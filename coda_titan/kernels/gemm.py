@@ -129,6 +129,13 @@ def quantize_grad(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _pow2_cast(t.to(compute_dtype(t.dtype)), None, quantize_e5m2, E5M2_MAX)
 
 
+def quantize_grad_t(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tq, tq_t, s): ``quantize_grad``'s codes and scale with the codes' token-major (transposed, contiguous)
+    copy, the operand of the weight gradient on the same codes (the out-projection's dW_o, the MLP's dW2)."""
+    tq, s = quantize_grad(t=t)
+    return tq, tq.t().contiguous(), s
+
+
 def wgrad_fp8_operands(
     grad: torch.Tensor, grad_amax: torch.Tensor | None, inp: torch.Tensor, inp_amax: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,6 +323,17 @@ def quantize_grad_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @quantize_grad_op.register_fake
 def _(t):
     return t.new_empty(t.shape, dtype=E5M2), t.new_empty((), dtype=compute_dtype(t.dtype))
+
+
+@program_op("quantize_grad_t")
+def quantize_grad_t_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_grad_t(t=t)
+
+
+@quantize_grad_t_op.register_fake
+def _(t):
+    return (t.new_empty(t.shape, dtype=E5M2), t.new_empty((t.shape[1], t.shape[0]), dtype=E5M2),
+            t.new_empty((), dtype=compute_dtype(t.dtype)))
 
 
 @program_op("wgrad_fp8")

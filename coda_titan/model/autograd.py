@@ -181,11 +181,12 @@ class ResidualRMS(torch.autograd.Function):
     def backward(ctx, dx, *_):
         y, weight, w_t, s_w, inv_y = ctx.saved_tensors
         be = ctx.cfg.backend
-        if w_t is not None:  # fp8_out_bwd: one cast of dX for both GEMMs
-            dq, s_d = be.quantize_grad(t=dx)
+        if w_t is not None:  # fp8_out_bwd: one cast of dX for both GEMMs (row-major codes, and token-major for dW)
+            dq, dq_t, s_d = be.quantize_grad_t(t=dx)
             dy = be.dgrad_fp8_q(gradq=dq, grad_scale=s_d, weight_tq=_weight_t(ctx.cfg, w_t), w_scale=s_w,
                                 out_dtype=dx.dtype)
-            dw = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y, inp_scale=inv_y.reciprocal(), out_dtype=weight.dtype)
+            dw = be.wgrad_fp8_q(gradq=dq_t.t(), grad_scale=s_d, inpq=y, inp_scale=inv_y.reciprocal(),
+                                out_dtype=weight.dtype)
         else:
             dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, dx, y, weight.dtype)
@@ -292,9 +293,12 @@ class NormSwiGLUResidual(torch.autograd.Function):
         be = ctx.cfg.backend
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
-        daq_t = dq = None
+        daq_t = dq = dq_t = None
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
-            dq, s_d = be.quantize_grad(t=dx_out)
+            if lean and ctx.cfg.fp8_da_t and inv_y is not None and os.environ.get(DW2_RECAST_ENV) != "1":
+                dq, dq_t, s_d = be.quantize_grad_t(t=dx_out)  # (dW2 on the same codes, below: token-major too)
+            else:
+                dq, s_d = be.quantize_grad(t=dx_out)
             q = dict(doutq=dq, w_down_tq=_weight_t(ctx.cfg, w2q_t), scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd,
                      inv_scale=grad_inv_scale)
             if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
@@ -323,7 +327,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and os.environ.get(DW2_RECAST_ENV) != "1":  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
-            dw2 = be.wgrad_fp8_q(gradq=dq, grad_scale=s_d, inpq=y if daq_t is None else y.t(),
+            dw2 = be.wgrad_fp8_q(gradq=dq if dq_t is None else dq_t.t(), grad_scale=s_d, inpq=y if daq_t is None else y.t(),
                                  inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         elif y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
             dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),

@@ -9,8 +9,10 @@ fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``; W2
 fp8_weight_t         an e4m3 weight's transpose by ``transpose_8bit``'s pass, in the backward (``fp8_weight_t_bwd``)
 quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
                      inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
-quantize_grad        a gradient's amax (one eager reduction) and power-of-two e5m2 scale, its e5m2 cast
-                     inductor-fused
+quantize_grad        a gradient's amax and power-of-two e5m2 scale and its e5m2 cast: ``transpose_8bit``'s
+                     ``grad_e5m2`` passes (``CODA_TITAN_QGRAD=inductor``: the eager amax and scale, the cast
+                     inductor-fused, as before)
+quantize_grad_t      the same also storing the codes token-major (no ``transpose_8bit`` copy after it)
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -25,13 +27,17 @@ dgrad_fp8_q          cuBLAS ``_scaled_mm`` of an e5m2 gradient and the e4m3 W^T 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import gemm as ref
 from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
                        quantize_e5m2)
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
-from .transpose_8bit import cast_transpose_e5m2, token_major, transpose_8bit
+from .transpose_8bit import cast_transpose_e5m2, grad_e5m2, token_major, transpose_8bit
+
+QGRAD_ENV = "CODA_TITAN_QGRAD"  # A/B switch: "inductor" (the eager amax, scale ops and fused cast, then the copy)
 
 
 def _mm(a, b, out_dtype):
@@ -113,10 +119,36 @@ def quantize_delayed_traced(*, t, inv_scale):
     return ref.quantize_delayed(t=t, inv_scale=inv_scale)
 
 
-@torch.library.register_kernel("coda::quantize_grad", "cuda")
-def _quantize_grad(t):
+def _quantize_grad_inductor(t):
+    """The previous kernels (``CODA_TITAN_QGRAD=inductor``, the A/B's other arm): the eager amax and scale
+    ops, then the inductor-fused cast."""
     inv = pow2_floor(inv_scale_from_amax(amax_abs(t).to(compute_dtype(t.dtype)), E5M2_MAX))
     return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
+
+
+def _qgrad_pass(t) -> bool:
+    """Whether ``quantize_grad`` runs ``grad_e5m2``'s Triton passes: a contiguous 2-d bf16 gradient, unless
+    ``CODA_TITAN_QGRAD=inductor`` asks for the previous kernels."""
+    mode = os.environ.get(QGRAD_ENV, "triton")
+    if mode not in ("triton", "inductor"):
+        raise ValueError(f"{QGRAD_ENV}={mode!r}: 'triton' (the default) or 'inductor'")
+    return mode == "triton" and t.dim() == 2 and t.dtype == torch.bfloat16 and t.is_contiguous()
+
+
+@torch.library.register_kernel("coda::quantize_grad", "cuda")
+def _quantize_grad(t):
+    if _qgrad_pass(t):
+        tq, _, s = grad_e5m2(t, token_major=False)
+        return tq, s
+    return _quantize_grad_inductor(t)
+
+
+@torch.library.register_kernel("coda::quantize_grad_t", "cuda")
+def _quantize_grad_t(t):
+    if _qgrad_pass(t):
+        return grad_e5m2(t, token_major=True)
+    tq, s = _quantize_grad_inductor(t)
+    return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), s
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

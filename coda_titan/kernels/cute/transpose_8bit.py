@@ -16,6 +16,14 @@ cast at the current amax B1 reduced; inductor's transposing cast ran 0.347 ms a 
 
 Both are ``torch.library.triton_op``s: a compiled caller traces into them and inductor launches the kernel
 itself, with nothing fused into it.
+
+``grad_e5m2`` is ``coda::quantize_grad``'s kernels (a residual-stream gradient to e5m2 at its current amax,
+the scale rounded down to a power of two): one pass for the amax (an integer max over the bits of |x|, so
+a NaN wins as in the reference, then one atomic per program) and one that derives the scale from it, casts,
+and stores the codes row-major and, for ``quantize_grad_t``, token-major too (the weight gradient's operand,
+which ``transpose_8bit`` copied from the row-major codes before). Where the eager op ran eight kernels (the
+amax, five on the 0-dim scale, the cast, its reciprocal) and the copy, it runs three: the amax's zeroing, the
+amax and the cast.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..scaling import E5M2, E5M2_MAX
+from ..scaling import AMAX_EPS, E5M2, E5M2_MAX
 
 T8_ENV = "CODA_TITAN_T8"  # A/B switch: "inductor" (every copy .t().contiguous()), "triton" (every copy this pass)
 BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
@@ -50,6 +58,62 @@ def cast_t_e5m2_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.c
     tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     q = tl.clamp(tile * tl.load(inv_ptr), -FMAX, FMAX).to(tl.float8e5, fp_downcast_rounding="rtne")
     tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
+def amax_bits_kernel(x_ptr, amax_ptr, N, BLOCK: tl.constexpr):
+    """The largest |x| of each BLOCK, as the int32 bits of its fp32 value, atomically maxed into amax_ptr
+    (zeroed): for |x| >= 0 the bits order as the values, and a NaN's above +inf."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_ptr, tl.max(bits, axis=0))
+
+
+@triton.jit
+def pow2_inv_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr):
+    """``scaling.pow2_floor(inv_scale_from_amax(amax, FMAX))`` in fp32: FMAX / max(amax, EPS) (IEEE division,
+    a NaN amax kept), its exponent bits only (the largest power of two <= it; 0 stays 0, NaN stays NaN)."""
+    inv = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), tl.where(amax < EPS, EPS, amax))
+    floor = (inv.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(inv != inv, inv, floor)
+
+
+@triton.jit
+def cast_e5m2_kernel(x_ptr, amax_ptr, y_ptr, yt_ptr, s_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                     TOKEN_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    inv = pow2_inv_scale(tl.load(amax_ptr).to(tl.float32, bitcast=True), FMAX, EPS)
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(tile * inv, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5, fp_downcast_rounding="rtne")
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+    if TOKEN_MAJOR:
+        tl.store(yt_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(s_ptr, 1.0 / inv)
+
+
+AMAX_BLOCK = 8192  # (elements per program of the amax pass)
+
+
+def grad_e5m2(x: torch.Tensor, token_major: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(codes (M, K), their (K, M) contiguous copy or None, s = 1 / inv) of a contiguous 2-d bf16 gradient
+    ``x``: ``quantize_grad``'s e5m2 cast at the current amax, the scale a power of two."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"grad_e5m2 takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
+                         f"with strides {x.stride()}")
+    m, k = x.shape
+    amax = torch.zeros((), device=x.device, dtype=torch.int32)
+    wrap_triton(amax_bits_kernel)[(triton.cdiv(m * k, AMAX_BLOCK),)](x, amax, m * k, BLOCK=AMAX_BLOCK, num_warps=8)
+    y = torch.empty((m, k), device=x.device, dtype=E5M2)
+    yt = torch.empty((k, m), device=x.device, dtype=E5M2) if token_major else None
+    s = torch.empty((), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
+    wrap_triton(cast_e5m2_kernel)[grid](x, amax, y, y if yt is None else yt, s, m, k, FMAX=E5M2_MAX, EPS=AMAX_EPS,
+                                        TOKEN_MAJOR=token_major, BM=BLOCK, BK=BLOCK, num_warps=4)
+    return y, yt, s
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""Probe (GPU): ``quantize_grad``'s Triton passes (``grad_e5m2``) against the previous kernels, at the residual
+stream's gradient (16384 x 2048 bf16, the 1B step's 32 sites a step).
+
+    python3 -m scripts.probes.quantize_grad
+
+Why: the 1B fp8 profile (``profile_llama3_1b_fp8_coda_compile_…2026-11-27.json``, ``outside_gemms_by_op``)
+charges ``coda::quantize_grad`` an eager amax (1.06 ms a step), the inductor cast (1.07-1.37 ms) and a few
+0-dim scale kernels, and its codes' token-major copy (``transpose_8bit``, 0.72 ms with o's codes' copies)
+to the weight gradients after it. Times, per call (CUDA events, median of 30 after 3 warm-up calls):
+``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the previous), and ``quantize_grad_t``
+against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what the model ran before). Checks
+the bits of both paths against each other. Writes ``$OUT/probe_quantize_grad_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+from scripts.bench.common import header, out_json, synced_ms
+
+
+def _ms(fn, reps: int = 30) -> list[float]:
+    for _ in range(3):
+        fn()
+    return synced_ms(fn, reps)
+
+
+def _under(env: str, fn):
+    def call():
+        os.environ["CODA_TITAN_QGRAD"] = env
+        try:
+            return fn()
+        finally:
+            os.environ.pop("CODA_TITAN_QGRAD")
+    return call
+
+
+def main() -> int:
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels.cute.transpose_8bit import transpose_8bit
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = (torch.randn(16384, 2048, device="cuda", generator=gen) * 1e-4).to(torch.bfloat16)
+    arms = {
+        "quantize_grad_previous": _under("inductor", lambda: cute.quantize_grad(t=g)),
+        "quantize_grad": _under("triton", lambda: cute.quantize_grad(t=g)),
+        "quantize_grad_then_copy_previous": _under("inductor", lambda: transpose_8bit(cute.quantize_grad(t=g)[0])),
+        "quantize_grad_t": _under("triton", lambda: cute.quantize_grad_t(t=g)),
+    }
+    (q0, s0), (q1, s1) = arms["quantize_grad_previous"](), arms["quantize_grad"]()
+    qt = arms["quantize_grad_t"]()
+    same = (torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+            and torch.equal(qt[1].view(torch.uint8), q0.t().contiguous().view(torch.uint8)))
+    times = {name: _ms(fn) for name, fn in arms.items()}
+    doc = {**header(), "kind": "probe_quantize_grad", "shape": list(g.shape), "same_bits": same, "ms": times,
+           "median_ms": {name: statistics.median(t) for name, t in times.items()}}
+    path = out_json("probe_quantize_grad")
+    with open(path, "w") as f:
+        f.write(json.dumps(doc, indent=1) + "\n")
+    print(doc["same_bits"], doc["median_ms"], "->", path, flush=True)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

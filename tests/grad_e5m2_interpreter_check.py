@@ -1,0 +1,66 @@
+"""Run by tests/test_gemm.py in a subprocess with TRITON_INTERPRET=1: ``quantize_grad``'s Triton passes
+(``grad_e5m2`` in ``kernels/cute/transpose_8bit.py``) on CPU tensors through Triton's interpreter, against
+the reference ``quantize_grad`` (``kernels/gemm.py``). Prints one JSON line of measurements; the test
+judges them. The interpreter's own fp32 -> e5m2 conversion is not the hardware's rounding (the GPU test
+checks that), so the codes are compared on values whose scaled value is an e5m2 number."""
+
+import json
+
+import torch
+import triton
+import triton.language as tl
+from interpreter_stub import cute_module
+
+from coda_titan.kernels import gemm as ref
+from coda_titan.kernels.scaling import AMAX_EPS, E5M2_MAX, inv_scale_from_amax, pow2_floor
+
+tr = cute_module("transpose_8bit")
+
+
+@triton.jit
+def _inv_of(amax_ptr, inv_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    amax = tl.load(amax_ptr + offs, mask=offs < N, other=1.0)
+    tl.store(inv_ptr + offs, tr.pow2_inv_scale(amax, E5M2_MAX, AMAX_EPS), mask=offs < N)
+
+
+got = {}
+# the scale of every amax a bf16 gradient can have (every non-negative bf16 bit pattern: zero, subnormals,
+# normals, inf, NaN) against the reference's pow2_floor(E5M2_MAX / max(amax, 1e-12)), bit for bit
+amax = torch.arange(0, 0x8000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+inv = torch.empty_like(amax)
+_inv_of[(triton.cdiv(amax.numel(), 1024),)](amax, inv, amax.numel(), BLOCK=1024)
+want = pow2_floor(inv_scale_from_amax(amax, E5M2_MAX))
+same = (inv.view(torch.int32) == want.view(torch.int32)) | (inv.isnan() & want.isnan())
+got["scales"] = {"n": amax.numel(), "apart": int((~same).sum()), "nan_kept": bool(inv[amax.isnan()].isnan().all())}
+
+torch.manual_seed(0)
+for m, k, scale in ((128, 192, 2.0**-7), (100, 70, 2.0**9), (1, 65, 1.0)):
+    codes = torch.randint(0, 256, (m, k), dtype=torch.uint8).view(torch.float8_e5m2).float()
+    x = (torch.where(codes.isfinite(), codes, 0.0) * scale).to(torch.bfloat16)  # (exact codes times a power of two)
+    for token_major in (False, True):
+        y, yt, s = tr.grad_e5m2(x, token_major=token_major)
+        yq, s_ref = ref.quantize_grad(t=x)
+        got[f"{m}x{k}_{token_major:d}"] = {
+            "bytes_apart": int((y.view(torch.uint8) != yq.view(torch.uint8)).sum()),
+            "t_bytes_apart": None if yt is None else int((yt.view(torch.uint8) != yq.t().contiguous().view(torch.uint8)).sum()),
+            "t_contiguous": None if yt is None else yt.is_contiguous(),
+            "s": float(s), "s_ref": float(s_ref), "shape": list(y.shape),
+        }
+# a NaN anywhere: the amax and the scale are NaN, as the reference's (nothing saturates it away)
+x = torch.ones(64, 96, dtype=torch.bfloat16)
+x[37, 5] = float("nan")
+y, yt, s = tr.grad_e5m2(x, token_major=True)
+got["nan"] = {"s_nan": bool(s.isnan()), "ref_s_nan": bool(ref.quantize_grad(t=x)[1].isnan()),
+              "codes_nan": bool(y.float().isnan().all()), "t_codes_nan": bool(yt.float().isnan().all())}
+# an all-zero gradient: the floor 1e-12 on the amax, zero codes
+y, _, s = tr.grad_e5m2(torch.zeros(16, 32, dtype=torch.bfloat16), token_major=False)
+got["zeros"] = {"s": float(s), "s_ref": float(ref.quantize_grad(t=torch.zeros(16, 32, dtype=torch.bfloat16))[1]),
+                "codes_zero": bool((y.view(torch.uint8) == 0).all())}
+for bad in (x.t(), x.float()):
+    try:
+        tr.grad_e5m2(bad, token_major=False)
+        got[f"refuses_{bad.dtype}_{bad.is_contiguous():d}"] = False
+    except ValueError as e:
+        got[f"refuses_{bad.dtype}_{bad.is_contiguous():d}"] = "contiguous 2-d bf16" in str(e)
+print(json.dumps(got))

@@ -6,10 +6,12 @@ stream's gradient (16384 x 2048 bf16, the 1B step's 32 sites a step).
 Why: the 1B fp8 profile (``profile_llama3_1b_fp8_coda_compile_…2026-11-27.json``, ``outside_gemms_by_op``)
 charges ``coda::quantize_grad`` an eager amax (1.06 ms a step), the inductor cast (1.07-1.37 ms) and a few
 0-dim scale kernels, and its codes' token-major copy (``transpose_8bit``, 0.72 ms with o's codes' copies)
-to the weight gradients after it. Times, per call (CUDA events, median of 30 after 3 warm-up calls):
-``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the previous), and ``quantize_grad_t``
-against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what the model ran before). Checks
-the bits of both paths against each other. Writes ``$OUT/probe_quantize_grad_<gpu>.json``.
+to the weight gradients after it. Times ``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the
+previous), and ``quantize_grad_t`` against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what
+the model ran before), two ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
+back to back, L2 flushed between them) and per call synced (CUDA events around one call each, median of 30
+after 3 warm-up calls: the host's launches count). Checks the bits of both paths against each other.
+Writes ``$OUT/probe_quantize_grad_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import statistics
 
 import torch
 
-from scripts.bench.common import header, out_json, synced_ms
+from scripts.bench.common import bench, header, out_json, synced_ms
 
 
 def _ms(fn, reps: int = 30) -> list[float]:
@@ -57,12 +59,13 @@ def main() -> int:
     same = (torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
             and torch.equal(qt[1].view(torch.uint8), q0.t().contiguous().view(torch.uint8)))
     times = {name: _ms(fn) for name, fn in arms.items()}
-    doc = {**header(), "kind": "probe_quantize_grad", "shape": list(g.shape), "same_bits": same, "ms": times,
-           "median_ms": {name: statistics.median(t) for name, t in times.items()}}
+    gpu = {name: bench(fn) for name, fn in arms.items()}
+    doc = {**header(), "kind": "probe_quantize_grad", "shape": list(g.shape), "same_bits": same, "gpu_ms": gpu,
+           "synced_ms": times, "synced_median_ms": {name: statistics.median(t) for name, t in times.items()}}
     path = out_json("probe_quantize_grad")
     with open(path, "w") as f:
         f.write(json.dumps(doc, indent=1) + "\n")
-    print(doc["same_bits"], doc["median_ms"], "->", path, flush=True)
+    print(doc["same_bits"], "gpu", doc["gpu_ms"], "synced", doc["synced_median_ms"], "->", path, flush=True)
     return 0 if same else 1
 
 

@@ -19,11 +19,10 @@ itself, with nothing fused into it.
 
 ``grad_e5m2`` is ``coda::quantize_grad``'s kernels (a residual-stream gradient to e5m2 at its current amax,
 the scale rounded down to a power of two): one pass for the amax (an integer max over the bits of |x|, so
-a NaN wins as in the reference, then one atomic per program) and one that derives the scale from it, casts,
+a NaN wins as in the reference, into 512 partials) and one that reduces those, derives the scale, casts,
 and stores the codes row-major and, for ``quantize_grad_t``, token-major too (the weight gradient's operand,
 which ``transpose_8bit`` copied from the row-major codes before). Where the eager op ran eight kernels (the
-amax, five on the 0-dim scale, the cast, its reciprocal) and the copy, it runs three: the amax's zeroing, the
-amax and the cast.
+amax, five on the 0-dim scale, the cast, its reciprocal) and the copy, it runs two: the amax and the cast.
 """
 
 from __future__ import annotations
@@ -61,13 +60,17 @@ def cast_t_e5m2_kernel(x_ptr, inv_ptr, y_ptr, M, K, FMAX: tl.constexpr, BM: tl.c
 
 
 @triton.jit
-def amax_bits_kernel(x_ptr, amax_ptr, N, BLOCK: tl.constexpr):
-    """The largest |x| of each BLOCK, as the int32 bits of its fp32 value, atomically maxed into amax_ptr
-    (zeroed): for |x| >= 0 the bits order as the values, and a NaN's above +inf."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_ptr, tl.max(bits, axis=0))
+def amax_bits_kernel(x_ptr, part_ptr, N, NPART: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p's largest |x| over the BLOCKs p, p + NPART, ..., as the int32 bits of its fp32 value, into
+    part_ptr[p]: for |x| >= 0 the bits order as the values, and a NaN's above +inf. (No atomics: one address
+    taking every program's atomic serializes them, 0.3 ms at the residual stream's gradient.)"""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for start in range(pid * BLOCK, N, NPART * BLOCK):
+        offs = tl.arange(0, BLOCK).to(tl.int64) + start
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.store(part_ptr + pid, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -80,9 +83,10 @@ def pow2_inv_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def cast_e5m2_kernel(x_ptr, amax_ptr, y_ptr, yt_ptr, s_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                     TOKEN_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    inv = pow2_inv_scale(tl.load(amax_ptr).to(tl.float32, bitcast=True), FMAX, EPS)
+def cast_e5m2_kernel(x_ptr, part_ptr, y_ptr, yt_ptr, s_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                     NPART: tl.constexpr, TOKEN_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    amax = tl.max(tl.load(part_ptr + tl.arange(0, NPART)), axis=0)  # (the amax pass's partials, from L2)
+    inv = pow2_inv_scale(amax.to(tl.float32, bitcast=True), FMAX, EPS)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -95,7 +99,8 @@ def cast_e5m2_kernel(x_ptr, amax_ptr, y_ptr, yt_ptr, s_ptr, M, K, FMAX: tl.const
         tl.store(s_ptr, 1.0 / inv)
 
 
-AMAX_BLOCK = 8192  # (elements per program of the amax pass)
+AMAX_BLOCK = 4096  # (elements per program and iteration of the amax pass)
+AMAX_PARTS = 512  # (its programs: each cast program reduces their partials again)
 
 
 def grad_e5m2(x: torch.Tensor, token_major: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -105,14 +110,16 @@ def grad_e5m2(x: torch.Tensor, token_major: bool) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"grad_e5m2 takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
                          f"with strides {x.stride()}")
     m, k = x.shape
-    amax = torch.zeros((), device=x.device, dtype=torch.int32)
-    wrap_triton(amax_bits_kernel)[(triton.cdiv(m * k, AMAX_BLOCK),)](x, amax, m * k, BLOCK=AMAX_BLOCK, num_warps=8)
+    if m * k > 2**31 - AMAX_PARTS * AMAX_BLOCK:  # (the amax pass's int32 loop offsets)
+        raise ValueError(f"grad_e5m2 takes fewer than 2^31 - 2^21 elements, got {tuple(x.shape)}")
+    part = torch.empty(AMAX_PARTS, device=x.device, dtype=torch.int32)
+    wrap_triton(amax_bits_kernel)[(AMAX_PARTS,)](x, part, m * k, NPART=AMAX_PARTS, BLOCK=AMAX_BLOCK, num_warps=8)
     y = torch.empty((m, k), device=x.device, dtype=E5M2)
     yt = torch.empty((k, m), device=x.device, dtype=E5M2) if token_major else None
     s = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
-    wrap_triton(cast_e5m2_kernel)[grid](x, amax, y, y if yt is None else yt, s, m, k, FMAX=E5M2_MAX, EPS=AMAX_EPS,
-                                        TOKEN_MAJOR=token_major, BM=BLOCK, BK=BLOCK, num_warps=4)
+    wrap_triton(cast_e5m2_kernel)[grid](x, part, y, y if yt is None else yt, s, m, k, FMAX=E5M2_MAX, EPS=AMAX_EPS,
+                                        NPART=AMAX_PARTS, TOKEN_MAJOR=token_major, BM=BLOCK, BK=BLOCK, num_warps=4)
     return y, yt, s
 
 

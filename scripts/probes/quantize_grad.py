@@ -9,7 +9,8 @@ charges ``coda::quantize_grad`` an eager amax (1.06 ms a step), the inductor cas
 to the weight gradients after it. Times ``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the
 previous), and ``quantize_grad_t`` against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what
 the model ran before), two ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
-back to back, L2 flushed between them) and per call synced (CUDA events around one call each, median of 30
+back to back, L2 flushed between them; where the host launches slower than the GPU runs, its time), the
+kernels' own time per call (the profiler's kernel events) and per call synced (CUDA events around one call each, median of 30
 after 3 warm-up calls: the host's launches count). Checks the bits of both paths against each other.
 Writes ``$OUT/probe_quantize_grad_<gpu>.json``.
 """
@@ -41,6 +42,29 @@ def _under(env: str, fn):
     return call
 
 
+def _kernels(fn, reps: int = 20) -> dict:
+    """The GPU kernels of ``reps`` calls of ``fn`` under the profiler (its chrome trace's kernel events): the
+    kernel time per call in total and by kernel name (us), free of the host's launch time."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    by_name: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / reps
+    return {"us_per_call": sum(by_name.values()), "by_kernel_us": by_name}
+
+
 def main() -> int:
     from coda_titan.kernels import get_backend
     from coda_titan.kernels.cute.transpose_8bit import transpose_8bit
@@ -60,12 +84,17 @@ def main() -> int:
             and torch.equal(qt[1].view(torch.uint8), q0.t().contiguous().view(torch.uint8)))
     times = {name: _ms(fn) for name, fn in arms.items()}
     gpu = {name: bench(fn) for name, fn in arms.items()}
-    doc = {**header(), "kind": "probe_quantize_grad", "shape": list(g.shape), "same_bits": same, "gpu_ms": gpu,
-           "synced_ms": times, "synced_median_ms": {name: statistics.median(t) for name, t in times.items()}}
+    kernels = {name: _kernels(fn) for name, fn in arms.items()}
+    doc = {**header(), "kind": "probe_quantize_grad", "shape": list(g.shape), "same_bits": same,
+           "kernel_us": kernels, "gpu_ms": gpu, "synced_ms": times,
+           "synced_median_ms": {name: statistics.median(t) for name, t in times.items()}}
     path = out_json("probe_quantize_grad")
     with open(path, "w") as f:
         f.write(json.dumps(doc, indent=1) + "\n")
-    print(doc["same_bits"], "gpu", doc["gpu_ms"], "synced", doc["synced_median_ms"], "->", path, flush=True)
+    print(doc["same_bits"], "kernels us", {k: round(v["us_per_call"], 1) for k, v in kernels.items()}, "gpu", doc["gpu_ms"],
+          "synced", doc["synced_median_ms"], "->", path, flush=True)
+    for name, k in kernels.items():
+        print(name, {n: round(us, 1) for n, us in k["by_kernel_us"].items()}, flush=True)
     return 0 if same else 1
 
 

@@ -374,8 +374,8 @@ def test_grad_e5m2_passes_give_quantize_grads_codes_and_scale_in_the_interpreter
 
 @pytest.mark.gpu
 def test_cute_quantize_grad_passes_give_the_references_bits():
-    """``quantize_grad`` and ``quantize_grad_t`` on the GPU (``grad_e5m2``'s Triton passes) at the residual
-    stream's shape (16384 tokens x 2048): the reference's codes (``quantize_e5m2`` of the fp32 product at the
+    """``quantize_grad`` and ``quantize_grad_t`` on the GPU (``grad_e5m2``'s Triton passes), eager and traced
+    into a compiled caller, at the residual stream's shape (16384 tokens x 2048): the reference's codes (``quantize_e5m2`` of the fp32 product at the
     current amax's power-of-two scale: saturated, nearest even) and scale, bit for bit, the token-major codes
     those codes transposed; the previous kernels (``CODA_TITAN_QGRAD=inductor``) give the same; and the scale
     of amaxes across the bf16 range (every 16th non-negative bit pattern as a one-element gradient, inf and NaN
@@ -399,6 +399,13 @@ def test_cute_quantize_grad_passes_give_the_references_bits():
             assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), f"{env} {how} codes"
             assert scale.dtype == s_want.dtype and torch.equal(scale, s_want), (env, how, scale, s_want)
         assert q2_t.is_contiguous() and torch.equal(q2_t.view(torch.uint8), want.t().contiguous().view(torch.uint8)), env
+    # as a compiled backward runs them (TRACED: grad_e5m2's triton_ops, whose kernels inductor launches)
+    import coda_titan.kernels.cute as cute_pkg
+    for name in ("quantize_grad", "quantize_grad_t"):
+        got = torch.compile(lambda **kw: cute_pkg.TRACED[name](**kw), fullgraph=True, dynamic=False)(t=g)
+        assert torch.equal(got[0].view(torch.uint8), want.view(torch.uint8)) and torch.equal(got[-1], s_want), name
+        if name == "quantize_grad_t":
+            assert torch.equal(got[1].view(torch.uint8), want.t().contiguous().view(torch.uint8)), name
     bits = torch.cat([torch.arange(0, 0x8000, 16), torch.tensor([0x7F80, 0x7FC0])])  # (+inf, NaN)
     values = bits.to(device="cuda", dtype=torch.int16).view(torch.bfloat16)
     scales = torch.stack([cute.quantize_grad(t=values[i:i + 1].view(1, 1))[1] for i in range(values.numel())])

@@ -8,7 +8,7 @@ charges ``coda::quantize_grad`` an eager amax (1.06 ms a step), the inductor cas
 0-dim scale kernels, and its codes' token-major copy (``transpose_8bit``, 0.72 ms with o's codes' copies)
 to the weight gradients after it. Times ``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the
 previous), and ``quantize_grad_t`` against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what
-the model ran before), two ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
+the model ran before), and ``quantize_grad_t`` traced into a compiled caller (inductor launches its kernels), three ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
 back to back, L2 flushed between them; where the host launches slower than the GPU runs, its time), the
 kernels' own time per call (the profiler's kernel events) and per call synced (CUDA events around one call each, median of 30
 after 3 warm-up calls: the host's launches count). Checks the bits of both paths against each other.
@@ -67,6 +67,7 @@ def _kernels(fn, reps: int = 20) -> dict:
 
 def main() -> int:
     from coda_titan.kernels import get_backend
+    from coda_titan.kernels.cute import TRACED
     from coda_titan.kernels.cute.transpose_8bit import transpose_8bit
 
     cute = get_backend("cute")
@@ -77,6 +78,7 @@ def main() -> int:
         "quantize_grad": _under("triton", lambda: cute.quantize_grad(t=g)),
         "quantize_grad_then_copy_previous": _under("inductor", lambda: transpose_8bit(cute.quantize_grad(t=g)[0])),
         "quantize_grad_t": _under("triton", lambda: cute.quantize_grad_t(t=g)),
+        "quantize_grad_t_traced": torch.compile(lambda: TRACED["quantize_grad_t"](t=g), fullgraph=True, dynamic=False),
     }
     (q0, s0), (q1, s1) = arms["quantize_grad_previous"](), arms["quantize_grad"]()
     qt = arms["quantize_grad_t"]()

@@ -15,7 +15,8 @@ Caches (on disk, so a training start does not re-tune what was tuned before):
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
 
 ``TRACED``: the programs without an epilogue of their own (B1's pass, the plain and the fp8 weight
-and input gradients, the delayed e4m3 cast of an F1 input) as plain torch code. Under
+and input gradients, the delayed e4m3 cast of an F1 input, the e5m2 casts of the residual stream's
+gradients) as plain torch code or ``triton_op``s. Under
 ``torch.compile`` the model traces them into its graph, where inductor fuses them with their
 neighbours, instead of calling their op: an opaque op
 whose body calls a compiled pass of its own costs 0.2-0.5 ms of host time per call (guards, wrappers,
@@ -65,4 +66,6 @@ TRACED = {
     "wgrad_fp8_q": gemm.wgrad_fp8_q_traced,
     "dgrad_fp8_q": gemm.dgrad_fp8_q_traced,
     "quantize_delayed": gemm.quantize_delayed_traced,
+    "quantize_grad": gemm.quantize_grad_traced,
+    "quantize_grad_t": gemm.quantize_grad_t_traced,
 }

@@ -151,6 +151,17 @@ def _quantize_grad_t(t):
     return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), s
 
 
+def quantize_grad_traced(*, t):
+    """``coda::quantize_grad`` as code a compiled caller traces (``TRACED``): ``grad_e5m2``'s ``triton_op``, whose
+    kernels inductor launches (or, under ``CODA_TITAN_QGRAD=inductor``, the op as before)."""
+    return torch.ops.coda.grad_e5m2(t) if _qgrad_pass(t) else ref.quantize_grad_op(t)
+
+
+def quantize_grad_t_traced(*, t):
+    """``coda::quantize_grad_t`` as code a compiled caller traces (``TRACED``), as ``quantize_grad_traced``."""
+    return torch.ops.coda.grad_e5m2_t(t) if _qgrad_pass(t) else ref.quantize_grad_t_op(t)
+
+
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):
     gq, s_g, xq, s_x = ref.wgrad_fp8_operands(grad, grad_amax, inp, inp_amax)
     return gq.t().contiguous(), s_g, xq.t().contiguous(), s_x

@@ -40,7 +40,7 @@
 #     lmheadscale probe: F4's backward scaling, two products against one foreach product (bits, ms)
 #     qgrad      GPU tests of quantize_grad's Triton passes, then scripts/probes/quantize_grad.py (bits, ms per call)
 #     qgradab    the compiled baseline and CODA compiled with those passes, then with the previous kernels
-#                (CODA_TITAN_QGRAD=inductor), PREC=fp8 (default), LOG_FREQ (default 10)
+#                (CODA_TITAN_CAST_PASS=inductor), PREC=fp8 (default), LOG_FREQ (default 10)
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
@@ -761,8 +761,8 @@ for phase in "$@"; do
       ;;
     qgradab)
       # CODA fp8 compiled with quantize_grad's Triton passes (the default) against the previous kernels
-      # (CODA_TITAN_QGRAD=inductor), logging every LOG_FREQ steps (tables qgrad_triton, qgrad_inductor)
-      LOG_FREQ=${LOG_FREQ:-10} envab qgrad_triton qgrad_inductor CODA_TITAN_QGRAD=inductor
+      # (CODA_TITAN_CAST_PASS=inductor), logging every LOG_FREQ steps (tables qgrad_triton, qgrad_inductor)
+      LOG_FREQ=${LOG_FREQ:-10} envab qgrad_triton qgrad_inductor CODA_TITAN_CAST_PASS=inductor
       ;;
     hostlayers)
       python3 -m scripts.probes.host_layers --precision ${PREC:-fp8 bf16} 2>&1 | tail -40

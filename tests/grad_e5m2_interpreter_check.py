@@ -63,4 +63,28 @@ for bad in (x.t(), x.float()):
         got[f"refuses_{bad.dtype}_{bad.is_contiguous():d}"] = False
     except ValueError as e:
         got[f"refuses_{bad.dtype}_{bad.is_contiguous():d}"] = "contiguous 2-d bf16" in str(e)
+# the delayed e4m3 cast of an activation (delayed_e4m3_t): exact e4m3 values times a power-of-two scale, codes
+# in both layouts against the reference quantize_delayed with that scale, and the amax; values beyond the
+# range saturate; a NaN is the amax (as the reference's)
+for m, k in ((128, 192), (100, 70)):
+    codes = torch.randint(0, 256, (m, k), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    x = (torch.where(codes.isfinite(), codes, 0.0) / 4.0).to(torch.bfloat16)
+    x[0, :2] = torch.tensor([1e4, -1e4])
+    inv = torch.tensor([4.0])
+    y, yt, amax = tr.delayed_e4m3_t(x, inv)
+    yq, amax_ref = ref.quantize_delayed(t=x, inv_scale=inv.reshape(()))
+    got[f"delayed_{m}x{k}"] = {
+        "bytes_apart": int((y.view(torch.uint8) != yq.view(torch.uint8)).sum()),
+        "t_bytes_apart": int((yt.view(torch.uint8) != yq.t().contiguous().view(torch.uint8)).sum()),
+        "t_contiguous": yt.is_contiguous(), "amax": float(amax), "amax_ref": float(amax_ref),
+        "amax_dtype": str(amax.dtype), "saturated": [float(v) for v in y[0, :2].float()]}
+x = torch.ones(64, 96, dtype=torch.bfloat16)
+x[3, 70] = float("nan")
+got["delayed_nan_amax"] = bool(tr.delayed_e4m3_t(x, torch.tensor([1.0]))[2].isnan())
+for bad, inv in ((x.t(), torch.tensor([1.0])), (x, torch.tensor([1.0, 2.0]))):
+    try:
+        tr.delayed_e4m3_t(bad, inv)
+        got[f"delayed_refuses_{bad.is_contiguous():d}_{inv.numel()}"] = False
+    except ValueError as e:
+        got[f"delayed_refuses_{bad.is_contiguous():d}_{inv.numel()}"] = "delayed_e4m3_t takes" in str(e)
 print(json.dumps(got))

@@ -350,20 +350,30 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     assert got["token_major_refuses_an_unknown_mode"], got
 
 
-def test_grad_e5m2_passes_give_quantize_grads_codes_and_scale_in_the_interpreter():
+def test_cast_passes_give_the_references_codes_and_scales_in_the_interpreter():
     """``quantize_grad``'s Triton passes (``grad_e5m2``: the amax over the bits of |x|, then the cast that derives
     the power-of-two scale itself and stores the codes row-major and token-major) run by Triton's CPU
     interpreter (``tests/grad_e5m2_interpreter_check.py``) against the reference ``quantize_grad``: the scale of
     every amax a bf16 gradient can have (all 32,768 non-negative bit patterns, NaN and inf included) bit for
     bit; on gradients of exact e5m2 values times a power of two, every code in both layouts and the scale;
     a NaN anywhere makes the scale and every code NaN, as the reference's (not saturated away); an all-zero
-    gradient takes the amax floor's scale and zero codes; a strided or fp32 input is refused."""
+    gradient takes the amax floor's scale and zero codes; a strided or fp32 input is refused. And
+    ``quantize_delayed_t``'s one pass (``delayed_e4m3_t``) likewise (below)."""
     got = run_interpreter_check("grad_e5m2_interpreter_check.py")
     assert got.pop("scales") == {"n": 32768, "apart": 0, "nan_kept": True}
     assert got.pop("nan") == {"s_nan": True, "ref_s_nan": True, "codes_nan": True, "t_codes_nan": True}
     zeros = got.pop("zeros")
     assert zeros["s"] == zeros["s_ref"] and 0 < zeros["s"] < 1e-12 / 57344 * 2 and zeros["codes_zero"], zeros
     assert got.pop("refuses_torch.bfloat16_0") and got.pop("refuses_torch.float32_1"), got
+    # the delayed e4m3 cast (delayed_e4m3_t, quantize_delayed_t's one pass): the reference's codes in both layouts
+    # and its amax (fp32), saturated beyond the range; a NaN is the amax; a strided input or a scale of more
+    # than one element is refused
+    for shape in ("128x192", "100x70"):
+        case = got.pop(f"delayed_{shape}")
+        assert case["bytes_apart"] == 0 and case["t_bytes_apart"] == 0 and case["t_contiguous"], (shape, case)
+        assert case["amax"] == case["amax_ref"] == 9984.0 and case["amax_dtype"] == "torch.float32", (shape, case)
+        assert case["saturated"] == [448.0, -448.0], (shape, case)
+    assert got.pop("delayed_nan_amax") and got.pop("delayed_refuses_0_1") and got.pop("delayed_refuses_1_2"), got
     assert len(got) == 6, got
     for key, case in got.items():
         m, k = (int(n) for n in key.split("_")[0].split("x"))
@@ -377,7 +387,7 @@ def test_cute_quantize_grad_passes_give_the_references_bits():
     """``quantize_grad`` and ``quantize_grad_t`` on the GPU (``grad_e5m2``'s Triton passes), eager and traced
     into a compiled caller, at the residual stream's shape (16384 tokens x 2048): the reference's codes (``quantize_e5m2`` of the fp32 product at the
     current amax's power-of-two scale: saturated, nearest even) and scale, bit for bit, the token-major codes
-    those codes transposed; the previous kernels (``CODA_TITAN_QGRAD=inductor``) give the same; and the scale
+    those codes transposed; the previous kernels (``CODA_TITAN_CAST_PASS=inductor``) give the same; and the scale
     of amaxes across the bf16 range (every 16th non-negative bit pattern as a one-element gradient, inf and NaN
     included; the interpreter test takes all of them) is the reference's, bit for bit (NaN for NaN)."""
     import os
@@ -390,11 +400,11 @@ def test_cute_quantize_grad_passes_give_the_references_bits():
     g[::997, ::17] *= 3e3  # (a wide range of binades: some codes subnormal, the amax from a few rows)
     want, s_want = TORCH.quantize_grad(t=g)
     for env in ("triton", "inductor"):
-        os.environ["CODA_TITAN_QGRAD"] = env
+        os.environ["CODA_TITAN_CAST_PASS"] = env
         try:
             (q, s), (q2, q2_t, s2) = cute.quantize_grad(t=g), cute.quantize_grad_t(t=g)
         finally:
-            os.environ.pop("CODA_TITAN_QGRAD")
+            os.environ.pop("CODA_TITAN_CAST_PASS")
         for how, codes, scale in (("quantize_grad", q, s), ("quantize_grad_t", q2, s2)):
             assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), f"{env} {how} codes"
             assert scale.dtype == s_want.dtype and torch.equal(scale, s_want), (env, how, scale, s_want)
@@ -415,6 +425,39 @@ def test_cute_quantize_grad_passes_give_the_references_bits():
     assert torch.equal(ref, s_ref[::67]), "the reference's scale as a vector (the comparison's own check)"
     same = (scales.view(torch.int32) == s_ref.view(torch.int32)) | (scales.isnan() & s_ref.isnan())
     assert same.all(), f"{int((~same).sum())} scales apart, e.g. amax {values[~same][:4].tolist()}"
+
+
+@pytest.mark.gpu
+def test_cute_quantize_delayed_t_gives_the_references_bits():
+    """``quantize_delayed_t`` on the GPU (``delayed_e4m3_t``'s one pass) at the out-projection input's shape
+    (16384 tokens x 2048), eager and traced into a compiled caller: with a delayed scale, the reference's codes
+    (``quantize_e4m3`` of the fp32 product: saturated, nearest even) row-major and token-major, bit for bit,
+    and its amax; calibrating (no scale), the reference's math; ``CODA_TITAN_CAST_PASS=inductor`` the same."""
+    import os
+
+    import coda_titan.kernels.cute as cute_pkg
+    from coda_titan.kernels import TORCH, get_backend
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    o = (torch.randn(16384, 2048, generator=gen, device="cuda") * 0.3).to(torch.bfloat16)
+    o[::1009, ::7] *= 40.0
+    for inv in (448.0 / (o.float().abs().amax() * 0.7), None):  # (a delayed scale some values exceed; calibration)
+        want, amax_want = TORCH.quantize_delayed(t=o, inv_scale=inv)
+        assert inv is None or (want.float().abs() == 448.0).any()  # (saturation is exercised)
+        for env in ("triton", "inductor"):
+            torch._dynamo.reset()  # (the switch is read while tracing: a graph of the other arm must not be reused)
+            traced = torch.compile(lambda **kw: cute_pkg.TRACED["quantize_delayed_t"](**kw), fullgraph=True, dynamic=False)
+            os.environ["CODA_TITAN_CAST_PASS"] = env
+            try:
+                runs = (("eager", cute.quantize_delayed_t(t=o, inv_scale=inv)), ("traced", traced(t=o, inv_scale=inv)))
+            finally:
+                os.environ.pop("CODA_TITAN_CAST_PASS")
+            for how, (q, q_t, amax) in runs:
+                key = (env, how, inv is None)
+                assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), key
+                assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), want.t().contiguous().view(torch.uint8)), key
+                assert amax.dtype == amax_want.dtype and torch.equal(amax, amax_want), (key, amax, amax_want)
 
 
 @pytest.mark.gpu

@@ -63,6 +63,7 @@ class Backend:
     fp8_weights: Callable  # the weight pass of one kind (W2)
     fp8_weight_t: Callable  # an e4m3 weight's transpose, made in the backward (fp8_weight_t_bwd)
     quantize_delayed: Callable  # an activation to e4m3 with its delayed scale (y for the down-projection)
+    quantize_delayed_t: Callable  # the same with the codes' token-major copy (o for dW_o, fp8_out_bwd)
     rms_partial_fp8: Callable
     residual_rms_fp8: Callable
     residual_rms_q: Callable  # F1 with an fp8 mainloop (fp8_down_proj / fp8_out_proj, no e4m3 H after it)
@@ -92,8 +93,8 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
 TRACEABLE: tuple[str, ...] = ("rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
-                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "dgrad_fp8_q", "quantize_delayed", "quantize_grad",
-                               "quantize_grad_t")
+                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "dgrad_fp8_q", "quantize_delayed", "quantize_delayed_t",
+                               "quantize_grad", "quantize_grad_t")
 
 TORCH = Backend(
     name="torch",
@@ -113,6 +114,7 @@ TORCH = Backend(
     fp8_weights=gemm.fp8_weights,
     fp8_weight_t=gemm.fp8_weight_t,
     quantize_delayed=gemm.quantize_delayed,
+    quantize_delayed_t=gemm.quantize_delayed_t,
     rms_partial_fp8=rms_partial.rms_partial_fp8,
     residual_rms_fp8=residual_rms.residual_rms_fp8,
     residual_rms_q=residual_rms.residual_rms_q,
@@ -160,6 +162,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         fp8_weights=gemm.fp8_weights_op,
         fp8_weight_t=gemm.fp8_weight_t_op,
         quantize_delayed=gemm.quantize_delayed_op,
+        quantize_delayed_t=gemm.quantize_delayed_t_op,
         rms_partial_fp8=rms_partial.rms_partial_fp8_op,
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,
         residual_rms_q=residual_rms.residual_rms_q_op,

@@ -111,6 +111,14 @@ def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tupl
     return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
 
 
+def quantize_delayed_t(*, t: torch.Tensor, inv_scale: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tq, tq_t, amax |t|): ``quantize_delayed`` with the codes' token-major (transposed, contiguous) copy, the
+    weight gradient's operand on the same codes (dW_o on o's, ``fp8_out_bwd``)."""
+    tq, amax = quantize_delayed(t=t, inv_scale=inv_scale)
+    return tq, tq.t().contiguous(), amax
+
+
 def pow2_inv_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """The tensorwise inverse scale fmax / amax rounded down to a power of two (the weight gradients' recipe)."""
     return pow2_floor(inv_scale_from_amax(amax, fmax))
@@ -313,6 +321,18 @@ def quantize_delayed_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> t
 @quantize_delayed_op.register_fake
 def _(t, inv_scale):
     return t.new_empty(t.shape, dtype=E4M3), t.new_empty((), dtype=acc_dtype(t))
+
+
+@program_op("quantize_delayed_t")
+def quantize_delayed_t_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_delayed_t(t=t, inv_scale=inv_scale)
+
+
+@quantize_delayed_t_op.register_fake
+def _(t, inv_scale):
+    return (t.new_empty(t.shape, dtype=E4M3), t.new_empty((t.shape[1], t.shape[0]), dtype=E4M3),
+            t.new_empty((), dtype=acc_dtype(t)))
 
 
 @program_op("quantize_grad")

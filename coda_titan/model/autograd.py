@@ -165,11 +165,12 @@ class ResidualRMS(torch.autograd.Function):
     def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None,
                 fp8_in: Fp8Input | None = None):
         be, saved = cfg.backend, (y, weight, None, None, None)
-        if cfg.fp8_out_bwd and fp8_in is not None and fp8_in.w_t is not None:  # (the same cast _f1 makes)
-            yq, amax_y = be.quantize_delayed(t=y, inv_scale=fp8_in.inv)
+        if cfg.fp8_out_bwd and fp8_in is not None and fp8_in.w_t is not None:  # (the same cast _f1 makes, and
+            # the codes token-major: dW_o's operand, kept instead of the row-major codes F1's GEMM reads)
+            yq, yq_t, amax_y = be.quantize_delayed_t(t=y, inv_scale=fp8_in.inv)
             outs = _f1(be, yq, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in, amax_y)
             inv_y = inv_scale_from_amax(amax_y) if fp8_in.inv is None else fp8_in.inv
-            saved = (yq, weight, fp8_in.w_t, fp8_in.s_w, inv_y)
+            saved = (yq_t.t(), weight, fp8_in.w_t, fp8_in.s_w, inv_y)
         else:
             outs = _f1(be, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
         ctx.mark_non_differentiable(*outs[1:])

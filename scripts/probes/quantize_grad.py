@@ -6,9 +6,11 @@ stream's gradient (16384 x 2048 bf16, the 1B step's 32 sites a step).
 Why: the 1B fp8 profile (``profile_llama3_1b_fp8_coda_compile_…2026-11-27.json``, ``outside_gemms_by_op``)
 charges ``coda::quantize_grad`` an eager amax (1.06 ms a step), the inductor cast (1.07-1.37 ms) and a few
 0-dim scale kernels, and its codes' token-major copy (``transpose_8bit``, 0.72 ms with o's codes' copies)
-to the weight gradients after it. Times ``quantize_grad`` by each path (``CODA_TITAN_QGRAD=inductor`` the
+to the weight gradients after it. Times ``quantize_grad`` by each path (``CODA_TITAN_CAST_PASS=inductor`` the
 previous), and ``quantize_grad_t`` against the previous ``quantize_grad`` followed by ``transpose_8bit`` (what
-the model ran before), and ``quantize_grad_t`` traced into a compiled caller (inductor launches its kernels), three ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
+the model ran before), and ``quantize_grad_t`` traced into a compiled caller (inductor launches its kernels); and
+the out-projection input's delayed e4m3 cast (``quantize_delayed_t``) traced, against the previous traced cast
+and its codes' copy; three ways: the GPU's time per call (``bench``: triton's ``do_bench``, calls queued
 back to back, L2 flushed between them; where the host launches slower than the GPU runs, its time), the
 kernels' own time per call (the profiler's kernel events) and per call synced (CUDA events around one call each, median of 30
 after 3 warm-up calls: the host's launches count). Checks the bits of both paths against each other.
@@ -34,11 +36,11 @@ def _ms(fn, reps: int = 30) -> list[float]:
 
 def _under(env: str, fn):
     def call():
-        os.environ["CODA_TITAN_QGRAD"] = env
+        os.environ["CODA_TITAN_CAST_PASS"] = env
         try:
             return fn()
         finally:
-            os.environ.pop("CODA_TITAN_QGRAD")
+            os.environ.pop("CODA_TITAN_CAST_PASS")
     return call
 
 
@@ -73,17 +75,29 @@ def main() -> int:
     cute = get_backend("cute")
     gen = torch.Generator(device="cuda").manual_seed(0)
     g = (torch.randn(16384, 2048, device="cuda", generator=gen) * 1e-4).to(torch.bfloat16)
+    o = torch.randn(16384, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    inv_o = 448.0 / (o.float().abs().amax() * 1.2)
+    quantize_delayed_inductor = torch.compile(lambda **kw: TRACED["quantize_delayed"](**kw), fullgraph=True, dynamic=False)
+    copy_inductor = torch.compile(lambda q: q.t().contiguous(), fullgraph=True, dynamic=False)  # (the backward's copy)
     arms = {
         "quantize_grad_previous": _under("inductor", lambda: cute.quantize_grad(t=g)),
         "quantize_grad": _under("triton", lambda: cute.quantize_grad(t=g)),
         "quantize_grad_then_copy_previous": _under("inductor", lambda: transpose_8bit(cute.quantize_grad(t=g)[0])),
         "quantize_grad_t": _under("triton", lambda: cute.quantize_grad_t(t=g)),
         "quantize_grad_t_traced": torch.compile(lambda: TRACED["quantize_grad_t"](t=g), fullgraph=True, dynamic=False),
+        # the out-projection input's delayed e4m3 cast: inductor's amax and cast, then its token-major copy (what
+        # the model ran, the copy in the backward), against delayed_e4m3_t's one pass
+        "quantize_delayed_then_copy_previous": lambda: copy_inductor(quantize_delayed_inductor(t=o, inv_scale=inv_o)[0]),
+        "quantize_delayed_t_traced": torch.compile(lambda: TRACED["quantize_delayed_t"](t=o, inv_scale=inv_o),
+                                                   fullgraph=True, dynamic=False),
     }
     (q0, s0), (q1, s1) = arms["quantize_grad_previous"](), arms["quantize_grad"]()
     qt = arms["quantize_grad_t"]()
+    d0, (d1, d1_t, _) = quantize_delayed_inductor(t=o, inv_scale=inv_o)[0], arms["quantize_delayed_t_traced"]()
     same = (torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
-            and torch.equal(qt[1].view(torch.uint8), q0.t().contiguous().view(torch.uint8)))
+            and torch.equal(qt[1].view(torch.uint8), q0.t().contiguous().view(torch.uint8))
+            and torch.equal(d0.view(torch.uint8), d1.view(torch.uint8))
+            and torch.equal(d1_t.view(torch.uint8), d0.t().contiguous().view(torch.uint8)))
     times = {name: _ms(fn) for name, fn in arms.items()}
     gpu = {name: bench(fn) for name, fn in arms.items()}
     kernels = {name: _kernels(fn) for name, fn in arms.items()}

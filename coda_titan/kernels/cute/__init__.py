@@ -66,6 +66,7 @@ TRACED = {
     "wgrad_fp8_q": gemm.wgrad_fp8_q_traced,
     "dgrad_fp8_q": gemm.dgrad_fp8_q_traced,
     "quantize_delayed": gemm.quantize_delayed_traced,
+    "quantize_delayed_t": gemm.quantize_delayed_t_traced,
     "quantize_grad": gemm.quantize_grad_traced,
     "quantize_grad_t": gemm.quantize_grad_t_traced,
 }

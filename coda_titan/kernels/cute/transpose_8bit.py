@@ -23,6 +23,11 @@ a NaN wins as in the reference, into 512 partials) and one that reduces those, d
 and stores the codes row-major and, for ``quantize_grad_t``, token-major too (the weight gradient's operand,
 which ``transpose_8bit`` copied from the row-major codes before). Where the eager op ran eight kernels (the
 amax, five on the 0-dim scale, the cast, its reciprocal) and the copy, it runs two: the amax and the cast.
+
+``delayed_e4m3_t`` is ``coda::quantize_delayed_t``'s kernel (the out-projection's input o cast to e4m3 with
+its site's delayed scale, ``fp8_out_bwd``): with the scale known before the pass, one read of o gives the
+codes row-major (F1's GEMM), token-major (dW_o's operand, which inductor copied in the backward) and each
+tile's amax for the site's history, where inductor ran the amax and the cast as two passes over o.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..scaling import AMAX_EPS, E5M2, E5M2_MAX
+from ..scaling import AMAX_EPS, E4M3, E4M3_MAX, E5M2, E5M2_MAX
 
 T8_ENV = "CODA_TITAN_T8"  # A/B switch: "inductor" (every copy .t().contiguous()), "triton" (every copy this pass)
 BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_transpose_8bit_…json)
@@ -140,6 +145,54 @@ def grad_e5m2_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def grad_e5m2_t_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``grad_e5m2(x, token_major=True)`` for a compiled caller: (codes, token-major codes, s)."""
     return _grad_e5m2(x, True, wrap_triton)
+
+
+@triton.jit
+def cast_e4m3_delayed_kernel(x_ptr, inv_ptr, y_ptr, yt_ptr, part_ptr, M, K, FMAX: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr):
+    """One tile of an activation cast with its delayed scale: e4m3 codes row-major and token-major, and the
+    tile's largest |x| (int32 bits, as ``amax_bits_kernel``) into part_ptr[program]: one read of x for both."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(tile * tl.load(inv_ptr), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL).to(
+        tl.float8e4nv, fp_downcast_rounding="rtne")
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+    tl.store(yt_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    bits = tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(tl.max(bits, axis=1), axis=0))
+
+
+def _delayed_e4m3_t(x: torch.Tensor, inv_scale: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"delayed_e4m3_t takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
+                         f"with strides {x.stride()}")
+    if inv_scale.numel() != 1 or inv_scale.dtype != torch.float32:
+        raise ValueError(f"delayed_e4m3_t takes a one-element fp32 inverse scale, got {inv_scale.dtype} "
+                         f"{tuple(inv_scale.shape)}")
+    m, k = x.shape
+    grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
+    y = torch.empty((m, k), device=x.device, dtype=E4M3)
+    yt = torch.empty((k, m), device=x.device, dtype=E4M3)
+    part = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.int32)
+    wrap(cast_e4m3_delayed_kernel)[grid](x, inv_scale, y, yt, part, m, k, FMAX=E4M3_MAX, BM=BLOCK, BK=BLOCK, num_warps=4)
+    return y, yt, part
+
+
+def delayed_e4m3_t(x: torch.Tensor, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (M, K), their (K, M) contiguous copy, amax |x| (fp32, 0-dim)) of a contiguous 2-d bf16 activation
+    cast to e4m3 with its delayed ``inv_scale`` (one-element fp32), as ``gemm.quantize_delayed`` with the
+    token-major copy of ``quantize_delayed_t``: one pass (the amax needs no scale first). Eager launch, as
+    ``grad_e5m2``; a compiled caller traces ``coda::delayed_e4m3_t``."""
+    y, yt, part = _delayed_e4m3_t(x, inv_scale, lambda kernel: kernel)
+    return y, yt, part.amax().view(torch.float32)
+
+
+@triton_op("coda::delayed_e4m3_t", mutates_args={})
+def delayed_e4m3_t_op(x: torch.Tensor, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``delayed_e4m3_t`` for a compiled caller: (codes, token-major codes, the tiles' amax bits (int32))."""
+    return _delayed_e4m3_t(x, inv_scale, wrap_triton)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:

@@ -756,7 +756,7 @@ for phase in "$@"; do
       python3 -m scripts.probes.lm_head_scale 2>&1 | tail -3
       ;;
     qgrad)
-      python3 -m pytest -q -m gpu tests/test_gemm.py -k "quantize_grad or transpose_8bit" 2>&1 | tail -3
+      python3 -m pytest -q -m gpu tests/test_gemm.py -k "quantize or transpose_8bit" 2>&1 | tail -3
       python3 -m scripts.probes.quantize_grad 2>&1 | tail -3
       ;;
     qgradab)

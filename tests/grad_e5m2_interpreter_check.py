@@ -1,6 +1,6 @@
 """Run by tests/test_gemm.py in a subprocess with TRITON_INTERPRET=1: ``quantize_grad``'s Triton passes
 (``grad_e5m2`` in ``kernels/cute/transpose_8bit.py``) on CPU tensors through Triton's interpreter, against
-the reference ``quantize_grad`` (``kernels/gemm.py``). Prints one JSON line of measurements; the test
+the reference ``quantize_grad`` (``kernels/casts.py``). Prints one JSON line of measurements; the test
 judges them. The interpreter's own fp32 -> e5m2 conversion is not the hardware's rounding (the GPU test
 checks that), so the codes are compared on values whose scaled value is an e5m2 number."""
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from interpreter_stub import cute_module
 
-from coda_titan.kernels import gemm as ref
+from coda_titan.kernels import casts as ref
 from coda_titan.kernels.scaling import AMAX_EPS, E5M2_MAX, inv_scale_from_amax, pow2_floor
 
 tr = cute_module("transpose_8bit")

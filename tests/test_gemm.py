@@ -254,7 +254,8 @@ def test_first_call_gives_the_autotune_memory_back_once_per_shape(monkeypatch, r
 
 @pytest.mark.parametrize("inv", [None, 8.0])
 def test_quantize_delayed_and_fp8_weights(inv):
-    """y to e4m3 with its site's delayed scale (None: the current amax) and its amax; the weight pass
+    """y to e4m3 with its site's delayed scale (None: the current amax) and its amax, and with the codes'
+    token-major copy (``quantize_delayed_t``); a gradient's e5m2 codes with theirs (``quantize_grad_t``); the weight pass
     of one kind: per layer the tensorwise e4m3 weight and its scale, as ``quantize_tensorwise``, and
     with ``transposed`` the same codes transposed (W2^T for B3's fp8 GEMM)."""
     from coda_titan.kernels import TORCH
@@ -270,6 +271,16 @@ def test_quantize_delayed_and_fp8_weights(inv):
     if inv is not None:  # an older, smaller amax: the outliers saturate
         assert q.float().abs().max() == E4M3_MAX
     opcheck(torch.ops.coda.quantize_delayed.default, (t, inv_t), test_utils=("test_faketensor",))
+    # with the codes' token-major copy (o's for dW_o): the same codes and amax, transposed and contiguous
+    q2, q2_t, amax2 = TORCH.quantize_delayed_t(t=t, inv_scale=inv_t)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(amax2, amax)
+    assert q2_t.is_contiguous() and torch.equal(q2_t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    opcheck(torch.ops.coda.quantize_delayed_t.default, (t, inv_t), test_utils=("test_faketensor",))
+    g = torch.randn(24, 32, generator=gen).to(torch.bfloat16)
+    (gq, s_g), (gq2, gq2_t, s_g2) = TORCH.quantize_grad(t=g), TORCH.quantize_grad_t(t=g)
+    assert torch.equal(gq2.view(torch.uint8), gq.view(torch.uint8)) and torch.equal(s_g2, s_g)
+    assert gq2_t.is_contiguous() and torch.equal(gq2_t.view(torch.uint8), gq.t().contiguous().view(torch.uint8))
+    opcheck(torch.ops.coda.quantize_grad_t.default, (g,), test_utils=("test_faketensor",))
     ws = [torch.randn(16, 8, generator=gen) * (i + 1) for i in range(3)]
     qs, scales, none = TORCH.fp8_weights(ws=ws)
     qs2, scales2, qts = TORCH.fp8_weights(ws=ws, transposed=True)

@@ -12,7 +12,7 @@ from coda_titan.kernels import PROGRAMS, TORCH, Backend, op_backend
 
 from .conftest import ROOT
 
-FAMILIES = ("rms_partial", "residual_rms", "norm_swiglu", "norm_rope", "norm_residual_bwd", "lm_head_ce", "gemm")
+FAMILIES = ("rms_partial", "residual_rms", "norm_swiglu", "norm_rope", "norm_residual_bwd", "lm_head_ce", "gemm", "casts")
 
 
 def _py(folder):

@@ -10,6 +10,7 @@ every precision (keyword-only functions), and its ``torch.ops.coda`` custom ops 
     norm_residual_bwd  B2: dgrad GEMM + norm/residual backward + dgamma, bf16 and fp8
     lm_head_ce         F4: chunked LM head + cross-entropy with its gradient
     gemm               wgrad / dgrad, the fp8 weight pass, the fp8 weight gradient
+    casts              the fp8 casts of activations (delayed scale) and gradients (current, power of two)
     scaling            fp8 formats and scale math
 
 ``cute/`` holds the CUDA kernels of the same ops, in files of the same names.
@@ -27,7 +28,7 @@ import importlib.util
 import os
 from typing import Callable
 
-from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial
+from . import casts, gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial
 
 __all__ = ["Backend", "BackendUnavailable", "TORCH", "TRACEABLE", "cute_unavailable_reason", "get_backend", "op_backend",
            "resolve_backend"]
@@ -113,8 +114,8 @@ TORCH = Backend(
     quantize_tensorwise=gemm.quantize_tensorwise,
     fp8_weights=gemm.fp8_weights,
     fp8_weight_t=gemm.fp8_weight_t,
-    quantize_delayed=gemm.quantize_delayed,
-    quantize_delayed_t=gemm.quantize_delayed_t,
+    quantize_delayed=casts.quantize_delayed,
+    quantize_delayed_t=casts.quantize_delayed_t,
     rms_partial_fp8=rms_partial.rms_partial_fp8,
     residual_rms_fp8=residual_rms.residual_rms_fp8,
     residual_rms_q=residual_rms.residual_rms_q,
@@ -130,8 +131,8 @@ TORCH = Backend(
     swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2,
     swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t,
     swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q,
-    quantize_grad=gemm.quantize_grad,
-    quantize_grad_t=gemm.quantize_grad_t,
+    quantize_grad=casts.quantize_grad,
+    quantize_grad_t=casts.quantize_grad_t,
     wgrad_fp8=gemm.wgrad_fp8,
     wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2,
     wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3,
@@ -161,8 +162,8 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         quantize_tensorwise=gemm.quantize_tensorwise_op,
         fp8_weights=gemm.fp8_weights_op,
         fp8_weight_t=gemm.fp8_weight_t_op,
-        quantize_delayed=gemm.quantize_delayed_op,
-        quantize_delayed_t=gemm.quantize_delayed_t_op,
+        quantize_delayed=casts.quantize_delayed_op,
+        quantize_delayed_t=casts.quantize_delayed_t_op,
         rms_partial_fp8=rms_partial.rms_partial_fp8_op,
         residual_rms_fp8=residual_rms.residual_rms_fp8_op,
         residual_rms_q=residual_rms.residual_rms_q_op,
@@ -178,8 +179,8 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2_op,
         swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t_op,
         swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q_op,
-        quantize_grad=gemm.quantize_grad_op,
-        quantize_grad_t=gemm.quantize_grad_t_op,
+        quantize_grad=casts.quantize_grad_op,
+        quantize_grad_t=casts.quantize_grad_t_op,
         wgrad_fp8=gemm.wgrad_fp8_op,
         wgrad_fp8_e5m2=gemm.wgrad_fp8_e5m2_op,
         wgrad_fp8_e4m3=gemm.wgrad_fp8_e4m3_op,

@@ -102,23 +102,6 @@ def fp8_weight_t(*, w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def quantize_delayed(*, t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sat(t * inv) as e4m3, amax |t|): an activation quantized with its site's delayed scale
-    (``inv_scale``; None = the current amax, the calibration step), reporting the amax for the
-    site's history."""
-    tf = t.to(acc_dtype(t))
-    amax = tf.abs().amax()
-    return quantize_e4m3(tf, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
-
-
-def quantize_delayed_t(*, t: torch.Tensor, inv_scale: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tq, tq_t, amax |t|): ``quantize_delayed`` with the codes' token-major (transposed, contiguous) copy, the
-    weight gradient's operand on the same codes (dW_o on o's, ``fp8_out_bwd``)."""
-    tq, amax = quantize_delayed(t=t, inv_scale=inv_scale)
-    return tq, tq.t().contiguous(), amax
-
-
 def pow2_inv_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """The tensorwise inverse scale fmax / amax rounded down to a power of two (the weight gradients' recipe)."""
     return pow2_floor(inv_scale_from_amax(amax, fmax))
@@ -129,19 +112,6 @@ def _pow2_cast(t: torch.Tensor, amax: torch.Tensor | None, quantize, fmax: float
     (None: t's own) rounded down to a power of two, and its dequantization scale s = 1/inv."""
     inv = pow2_inv_scale(t.abs().amax() if amax is None else amax.to(t.dtype), fmax)
     return quantize(t, inv), inv.reciprocal()
-
-
-def quantize_grad(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tq, s): a gradient as e5m2 with its current tensorwise scale rounded down to a power of two
-    (torchao's dynamic recipe, as ``wgrad_fp8_operands``), and its dequantization scale s = 1/inv."""
-    return _pow2_cast(t.to(compute_dtype(t.dtype)), None, quantize_e5m2, E5M2_MAX)
-
-
-def quantize_grad_t(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tq, tq_t, s): ``quantize_grad``'s codes and scale with the codes' token-major (transposed, contiguous)
-    copy, the operand of the weight gradient on the same codes (the out-projection's dW_o, the MLP's dW2)."""
-    tq, s = quantize_grad(t=t)
-    return tq, tq.t().contiguous(), s
 
 
 def wgrad_fp8_operands(
@@ -311,49 +281,6 @@ def fp8_weight_t_op(w: torch.Tensor) -> torch.Tensor:
 @fp8_weight_t_op.register_fake
 def _(w):
     return w.new_empty((w.shape[1], w.shape[0]))
-
-
-@program_op("quantize_delayed")
-def quantize_delayed_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_delayed(t=t, inv_scale=inv_scale)
-
-
-@quantize_delayed_op.register_fake
-def _(t, inv_scale):
-    return t.new_empty(t.shape, dtype=E4M3), t.new_empty((), dtype=acc_dtype(t))
-
-
-@program_op("quantize_delayed_t")
-def quantize_delayed_t_op(t: torch.Tensor, inv_scale: Optional[torch.Tensor]
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_delayed_t(t=t, inv_scale=inv_scale)
-
-
-@quantize_delayed_t_op.register_fake
-def _(t, inv_scale):
-    return (t.new_empty(t.shape, dtype=E4M3), t.new_empty((t.shape[1], t.shape[0]), dtype=E4M3),
-            t.new_empty((), dtype=acc_dtype(t)))
-
-
-@program_op("quantize_grad")
-def quantize_grad_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_grad(t=t)
-
-
-@quantize_grad_op.register_fake
-def _(t):
-    return t.new_empty(t.shape, dtype=E5M2), t.new_empty((), dtype=compute_dtype(t.dtype))
-
-
-@program_op("quantize_grad_t")
-def quantize_grad_t_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_grad_t(t=t)
-
-
-@quantize_grad_t_op.register_fake
-def _(t):
-    return (t.new_empty(t.shape, dtype=E5M2), t.new_empty((t.shape[1], t.shape[0]), dtype=E5M2),
-            t.new_empty((), dtype=compute_dtype(t.dtype)))
 
 
 @program_op("wgrad_fp8")

@@ -42,7 +42,7 @@ FP8 (precision = "fp8"):
                      copy pass and comes out as [dW1; dW3]; with ``inv_y`` its e4m3 y comes
                      transposed too, (F, M), dW2's input with no copy pass
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
-                     (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``gemm.quantize_grad``)
+                     (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``casts.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
     swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``fp8_down_dgrad`` with the e5m2-only B3)
 """

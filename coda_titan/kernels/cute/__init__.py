@@ -53,7 +53,7 @@ from . import overlap, stages  # noqa: E402
 
 overlap.install()  # (inert unless a call asks for overlapped epilogues: overlap.requested())
 stages.install()  # (after overlap's: inert unless a call asks for a C-stage base, stages.capped())
-from . import gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
+from . import casts, gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
 
 TRACED = {
     "rope_bwd": norm_rope.rope_bwd_traced,
@@ -65,8 +65,8 @@ TRACED = {
     "wgrad_fp8_e4m3": gemm.wgrad_fp8_e4m3_traced,
     "wgrad_fp8_q": gemm.wgrad_fp8_q_traced,
     "dgrad_fp8_q": gemm.dgrad_fp8_q_traced,
-    "quantize_delayed": gemm.quantize_delayed_traced,
-    "quantize_delayed_t": gemm.quantize_delayed_t_traced,
-    "quantize_grad": gemm.quantize_grad_traced,
-    "quantize_grad_t": gemm.quantize_grad_t_traced,
+    "quantize_delayed": casts.quantize_delayed_traced,
+    "quantize_delayed_t": casts.quantize_delayed_t_traced,
+    "quantize_grad": casts.quantize_grad_traced,
+    "quantize_grad_t": casts.quantize_grad_t_traced,
 }

@@ -7,14 +7,6 @@ fp8_layer_weights    every layer's weight pass in one compiled call: per weight 
                      and one pass that interleaves (W13) or concatenates (W_qkv) while it casts
 fp8_weights          the same for one weight kind (W2 with ``fp8_down_proj``; W2^T for B3's fp8 GEMM)
 fp8_weight_t         an e4m3 weight's transpose by ``transpose_8bit``'s pass, in the backward (``fp8_weight_t_bwd``)
-quantize_delayed     an activation's amax and scale (eager, the reference's roundings), its e4m3 cast
-                     inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
-quantize_grad        a gradient's amax and power-of-two e5m2 scale and its e5m2 cast: ``transpose_8bit``'s
-                     ``grad_e5m2`` passes (``CODA_TITAN_CAST_PASS=inductor``: the eager amax and scale, the cast
-                     inductor-fused, as before)
-quantize_grad_t      the same also storing the codes token-major (no ``transpose_8bit`` copy after it)
-quantize_delayed_t   an activation's e4m3 cast with its delayed scale, its codes row-major and token-major and
-                     its amax in one pass (``delayed_e4m3_t``; calibrating: the reference's math, then a copy)
 wgrad_fp8            e5m2 / e4m3 token-major copies of both operands (one inductor cast-and-transpose
                      pass each, current power-of-two scales), then cuBLAS ``_scaled_mm`` with slow
                      accumulation, as torchao's weight gradients: SM90 fp8 MMAs read K-major
@@ -29,17 +21,12 @@ dgrad_fp8_q          cuBLAS ``_scaled_mm`` of an e5m2 gradient and the e4m3 W^T 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import gemm as ref
-from ..scaling import (E4M3, E5M2, E5M2_MAX, amax_abs, compute_dtype, inv_scale_from_amax, pow2_floor, quantize_e4m3,
-                       quantize_e5m2)
+from ..scaling import E4M3, E5M2, E5M2_MAX
 from ._dispatch import KERNEL_DTYPES, fallback, first_call, fused, unsupported, unsupported_fp8
-from .transpose_8bit import cast_transpose_e5m2, delayed_e4m3_t, grad_e5m2, token_major, transpose_8bit
-
-CAST_PASS_ENV = "CODA_TITAN_CAST_PASS"  # A/B switch: "inductor" (the eager amax, scale ops and fused cast, then the copy)
+from .transpose_8bit import cast_transpose_e5m2, token_major, transpose_8bit
 
 
 def _mm(a, b, out_dtype):
@@ -99,95 +86,6 @@ def _fp8_weight_t(w):
     if w.element_size() != 1 or not w.is_contiguous() or w.dim() != 2:
         return fallback(ref.fp8_weight_t_op, f"a {w.dtype} weight of stride {w.stride()} (need contiguous 8-bit)", w)
     return transpose_8bit(w)
-
-
-def _fused_cast(quantize, t, inv):
-    """``quantize``(t in its compute dtype, inv), one inductor pass. The amax and the scale are taken
-    in eager ops before it, as the reference rounds them (a calibration step's scale must be the one
-    the caller derives from the returned amax): only the cast is fused."""
-    return fused(quantize.__name__, lambda a, i: quantize(a.to(compute_dtype(a.dtype)), i))(t, inv)
-
-
-@torch.library.register_kernel("coda::quantize_delayed", "cuda")
-def _quantize_delayed(t, inv_scale):
-    amax = amax_abs(t).to(compute_dtype(t.dtype))
-    return _fused_cast(quantize_e4m3, t, inv_scale_from_amax(amax) if inv_scale is None else inv_scale), amax
-
-
-def quantize_delayed_traced(*, t, inv_scale):
-    """``coda::quantize_delayed`` as code a compiled caller traces (``TRACED``): the amax reduction and
-    the cast in the caller's graph, one read of ``t`` each and no ``|t|`` stored, instead of the op's
-    eager amax and nested compiled cast (two dynamo calls' host time per F1 input)."""
-    return ref.quantize_delayed(t=t, inv_scale=inv_scale)
-
-
-def _quantize_grad_inductor(t):
-    """The previous kernels (``CODA_TITAN_CAST_PASS=inductor``, the A/B's other arm): the eager amax and scale
-    ops, then the inductor-fused cast."""
-    inv = pow2_floor(inv_scale_from_amax(amax_abs(t).to(compute_dtype(t.dtype)), E5M2_MAX))
-    return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
-
-
-def _cast_pass(t) -> bool:
-    """Whether ``quantize_grad`` runs ``grad_e5m2``'s Triton passes: a contiguous 2-d bf16 gradient, unless
-    ``CODA_TITAN_CAST_PASS=inductor`` asks for the previous kernels."""
-    mode = os.environ.get(CAST_PASS_ENV, "triton")
-    if mode not in ("triton", "inductor"):
-        raise ValueError(f"{CAST_PASS_ENV}={mode!r}: 'triton' (the default) or 'inductor'")
-    return mode == "triton" and t.dim() == 2 and t.dtype == torch.bfloat16 and t.is_contiguous()
-
-
-@torch.library.register_kernel("coda::quantize_grad", "cuda")
-def _quantize_grad(t):
-    if _cast_pass(t):
-        tq, _, s = grad_e5m2(t, token_major=False)
-        return tq, s
-    return _quantize_grad_inductor(t)
-
-
-@torch.library.register_kernel("coda::quantize_grad_t", "cuda")
-def _quantize_grad_t(t):
-    if _cast_pass(t):
-        return grad_e5m2(t, token_major=True)
-    tq, s = _quantize_grad_inductor(t)
-    return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), s
-
-
-def _delayed_pass(t, inv_scale) -> bool:
-    """Whether ``quantize_delayed_t`` runs ``delayed_e4m3_t``'s one pass: a delayed scale (the calibration step
-    needs the amax first: the reference's math) and a contiguous 2-d bf16 activation, unless
-    ``CODA_TITAN_CAST_PASS=inductor``."""
-    return inv_scale is not None and _cast_pass(t)
-
-
-@torch.library.register_kernel("coda::quantize_delayed_t", "cuda")
-def _quantize_delayed_t(t, inv_scale):
-    if _delayed_pass(t, inv_scale):
-        return delayed_e4m3_t(t, inv_scale.float().reshape(1))
-    tq, amax = _quantize_delayed(t, inv_scale)
-    return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), amax
-
-
-def quantize_delayed_t_traced(*, t, inv_scale):
-    """``coda::quantize_delayed_t`` as code a compiled caller traces (``TRACED``): ``delayed_e4m3_t``'s
-    ``triton_op`` and the max of its tiles' amaxes; calibrating (no scale yet), the reference's math traced
-    (as ``quantize_delayed_traced``) and the codes' copy, inductor's; so too under
-    ``CODA_TITAN_CAST_PASS=inductor`` (the A/B's other arm: inductor's amax, cast and copy)."""
-    if _delayed_pass(t, inv_scale):
-        y, yt, part = torch.ops.coda.delayed_e4m3_t(t, inv_scale.float().reshape(1))
-        return y, yt, part.amax().view(torch.float32)
-    return ref.quantize_delayed_t(t=t, inv_scale=inv_scale)
-
-
-def quantize_grad_traced(*, t):
-    """``coda::quantize_grad`` as code a compiled caller traces (``TRACED``): ``grad_e5m2``'s ``triton_op``, whose
-    kernels inductor launches (or, under ``CODA_TITAN_CAST_PASS=inductor``, the op as before)."""
-    return torch.ops.coda.grad_e5m2(t) if _cast_pass(t) else ref.quantize_grad_op(t)
-
-
-def quantize_grad_t_traced(*, t):
-    """``coda::quantize_grad_t`` as code a compiled caller traces (``TRACED``), as ``quantize_grad_traced``."""
-    return torch.ops.coda.grad_e5m2_t(t) if _cast_pass(t) else ref.quantize_grad_t_op(t)
 
 
 def _wgrad_fp8_operands_t(grad, grad_amax, inp, inp_amax):

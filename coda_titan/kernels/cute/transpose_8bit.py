@@ -182,7 +182,7 @@ def _delayed_e4m3_t(x: torch.Tensor, inv_scale: torch.Tensor, wrap) -> tuple[tor
 
 def delayed_e4m3_t(x: torch.Tensor, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes (M, K), their (K, M) contiguous copy, amax |x| (fp32, 0-dim)) of a contiguous 2-d bf16 activation
-    cast to e4m3 with its delayed ``inv_scale`` (one-element fp32), as ``gemm.quantize_delayed`` with the
+    cast to e4m3 with its delayed ``inv_scale`` (one-element fp32), as ``casts.quantize_delayed`` with the
     token-major copy of ``quantize_delayed_t``: one pass (the amax needs no scale first). Eager launch, as
     ``grad_e5m2``; a compiled caller traces ``coda::delayed_e4m3_t``."""
     y, yt, part = _delayed_e4m3_t(x, inv_scale, lambda kernel: kernel)

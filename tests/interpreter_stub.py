@@ -28,3 +28,12 @@ def cute_function(file: str, start: str, stop: str, ns: dict):
     src = (CUTE_DIR / file).read_text()
     exec(src[src.index(start):src.index(stop)], ns)
     return ns[start.removeprefix("def ").strip()]
+
+
+def refuses(fn, *args, says: str) -> bool:
+    """Whether ``fn(*args)`` raises a ValueError whose message contains ``says``."""
+    try:
+        fn(*args)
+    except ValueError as e:
+        return says in str(e)
+    return False

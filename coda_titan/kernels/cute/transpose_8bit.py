@@ -104,14 +104,22 @@ def cast_e5m2_kernel(x_ptr, part_ptr, y_ptr, yt_ptr, s_ptr, M, K, FMAX: tl.const
         tl.store(s_ptr, 1.0 / inv)
 
 
+def _check_cast_inputs(name: str, x: torch.Tensor, inv_scale: torch.Tensor | None = None) -> None:
+    """What the cast passes read: a contiguous 2-d bf16 tensor (and a one-element fp32 inverse scale)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"{name} takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
+                         f"with strides {x.stride()}")
+    if inv_scale is not None and (inv_scale.numel() != 1 or inv_scale.dtype != torch.float32):
+        raise ValueError(f"{name} takes a one-element fp32 inverse scale, got {inv_scale.dtype} "
+                         f"{tuple(inv_scale.shape)}")
+
+
 AMAX_BLOCK = 8192  # (elements per program and iteration of the amax pass)
 AMAX_PARTS = 512  # (its programs: each cast program reduces their partials again)
 
 
 def _grad_e5m2(x: torch.Tensor, token_major: bool, wrap) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"grad_e5m2 takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
-                         f"with strides {x.stride()}")
+    _check_cast_inputs("grad_e5m2", x)
     m, k = x.shape
     if m * k > 2**31 - AMAX_PARTS * AMAX_BLOCK:  # (the amax pass's int32 loop offsets)
         raise ValueError(f"grad_e5m2 takes fewer than 2^31 - 2^22 elements, got {tuple(x.shape)}")
@@ -165,12 +173,7 @@ def cast_e4m3_delayed_kernel(x_ptr, inv_ptr, y_ptr, yt_ptr, part_ptr, M, K, FMAX
 
 
 def _delayed_e4m3_t(x: torch.Tensor, inv_scale: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"delayed_e4m3_t takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
-                         f"with strides {x.stride()}")
-    if inv_scale.numel() != 1 or inv_scale.dtype != torch.float32:
-        raise ValueError(f"delayed_e4m3_t takes a one-element fp32 inverse scale, got {inv_scale.dtype} "
-                         f"{tuple(inv_scale.shape)}")
+    _check_cast_inputs("delayed_e4m3_t", x, inv_scale)
     m, k = x.shape
     grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
     y = torch.empty((m, k), device=x.device, dtype=E4M3)
@@ -218,12 +221,7 @@ def transpose_8bit(x: torch.Tensor) -> torch.Tensor:
 def cast_transpose_e5m2(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) contiguous bf16, inv_scale a one-element fp32 tensor -> (K, M) contiguous e5m2 codes of
     sat(x * inv_scale) (``quantize_e5m2(x.float(), inv_scale).t().contiguous()``)."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"cast_transpose_e5m2 takes a contiguous 2-d bf16 tensor, got {x.dtype} {tuple(x.shape)} "
-                         f"with strides {x.stride()}")
-    if inv_scale.numel() != 1 or inv_scale.dtype != torch.float32:
-        raise ValueError(f"cast_transpose_e5m2 takes a one-element fp32 inverse scale, got {inv_scale.dtype} "
-                         f"{tuple(inv_scale.shape)}")
+    _check_cast_inputs("cast_transpose_e5m2", x, inv_scale)
     m, k = x.shape
     out = torch.empty((k, m), device=x.device, dtype=E5M2)
     grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))

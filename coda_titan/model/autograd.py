@@ -295,8 +295,9 @@ class NormSwiGLUResidual(torch.autograd.Function):
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
         daq_t = dq = dq_t = None
+        recast = os.environ.get(DW2_RECAST_ENV) == "1"  # (dW2 casting D again, not on B3's codes of it)
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
-            if lean and ctx.cfg.fp8_da_t and inv_y is not None and os.environ.get(DW2_RECAST_ENV) != "1":
+            if lean and ctx.cfg.fp8_da_t and inv_y is not None and not recast:
                 dq, dq_t, s_d = be.quantize_grad_t(t=dx_out)  # (dW2 on the same codes, below: token-major too)
             else:
                 dq, s_d = be.quantize_grad(t=dx_out)
@@ -326,10 +327,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                                   scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
-        if y.dtype == E4M3 and dq is not None and os.environ.get(DW2_RECAST_ENV) != "1":  # and on B3's e5m2 D:
+        if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
-            dw2 = be.wgrad_fp8_q(gradq=dq if dq_t is None else dq_t.t(), grad_scale=s_d, inpq=y if daq_t is None else y.t(),
-                                 inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
+            dw2 = be.wgrad_fp8_q(gradq=dq if dq_t is None else dq_t.t(), grad_scale=s_d,
+                                 inpq=y if daq_t is None else y.t(), inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)
         elif y.dtype == E4M3:  # fp8_down_wgrad: dW2 on the e4m3 y B3 wrote (y^T with fp8_mlp_da_t)
             dw2 = be.wgrad_fp8_e4m3(grad=dx_out, grad_amax=None, inpq=y if daq_t is None else y.t(),
                                     inp_scale=inv_y.reciprocal(), out_dtype=w2.dtype)

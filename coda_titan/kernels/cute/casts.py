@@ -75,7 +75,7 @@ def _quantize_grad_t(t):
     if _cast_pass(t):
         return grad_e5m2(t, token_major=True)
     tq, s = _quantize_grad_inductor(t)
-    return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), s
+    return tq, transpose_8bit(tq) if tq.is_contiguous() else tq.t().contiguous(), s  # (the pass reads dense rows)
 
 
 def _delayed_pass(t, inv_scale) -> bool:
@@ -90,7 +90,7 @@ def _quantize_delayed_t(t, inv_scale):
     if _delayed_pass(t, inv_scale):
         return delayed_e4m3_t(t, inv_scale.float().reshape(1))
     tq, amax = _quantize_delayed(t, inv_scale)
-    return tq, transpose_8bit(tq) if tq.dim() == 2 else tq.t().contiguous(), amax
+    return tq, transpose_8bit(tq) if tq.is_contiguous() else tq.t().contiguous(), amax
 
 
 def quantize_delayed_t_traced(*, t, inv_scale):

@@ -616,6 +616,27 @@ def test_trace_summary_charges_small_kernels_to_the_op_that_launched_them(tmp_pa
                    ("(no host op)", "triton_poi_fused_cast_0"): (1, 0.01), ("(no host op)", "reduce_kernel_amax"): (1, 0.01)}
 
 
+def test_trace_summary_counts_a_multi_tensor_kernel_of_the_backward_as_the_models_not_the_optimizers(tmp_path):
+    """A multi-tensor kernel launched by the autograd engine (F4's backward scaling of dX and dW by one
+    ``_foreach_mul``) is the model's elementwise work: outside the GEMMs, under its op, not in "optimizer";
+    the same kernel launched by ``Optimizer.step`` stays the optimizer's."""
+    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}  # noqa: E731
+    launch = lambda ts, corr: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,  # noqa: E731
+                               "args": {"correlation": corr}}
+    k = lambda ts, dur, corr: {"cat": "kernel", "name": "multi_tensor_apply_kernel<mul>", "ts": ts, "dur": dur,  # noqa: E731
+                               "args": {"correlation": corr}}
+    events = [op("autograd::engine::evaluate_function: LMHeadCEBackward", 0, 50), op("aten::_foreach_mul", 10, 10),
+              launch(12, 1), k(100, 30, 1), op("Optimizer.step#AdamW.step", 60, 40), launch(70, 2), k(200, 70, 2)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    s = compare.summarize_trace(str(tmp_path / "t.json"))
+    assert s["categories_ms"] == {"optimizer": 0.07, "elementwise/reduction (eager)": 0.03}, s["categories_ms"]
+    assert [(x["name"], x["category"], x["ms"]) for x in s["outside_gemms"]] == [
+        ("multi_tensor_apply_kernel<mul>", "elementwise/reduction (eager)", 0.03)]
+    assert [(x["op"], x["ms"]) for x in s["outside_gemms_by_op"]] == [
+        ("autograd::engine::evaluate_function: LMHeadCEBackward", 0.03)]
+    assert {(x["category"], x["ms"]) for x in s["top_kernels"]} == {("optimizer", 0.07), ("elementwise/reduction (eager)", 0.03)}
+
+
 def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):
     """``--resummarize PROFILE TRACE``: the summary is rebuilt by this checkout's code from the gzipped trace
     the run kept; the run's fields stay and the file says it was derived again."""

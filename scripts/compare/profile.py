@@ -24,13 +24,13 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
     kernels, carried = _own_kernels(events)
     stacks = _launch_stacks(events, cats=("cpu_op", "user_annotation"))  # (correlation id -> host ops at the launch)
     total = sum(e["dur"] for e in kernels)
-    by_name: dict[str, list] = {}
+    by_name: dict[tuple, list] = {}  # ((name, category) -> durations: a name can fall in two categories)
     for e in kernels:
-        by_name.setdefault(e["name"], []).append(e["dur"])
+        by_name.setdefault((e["name"], launch_category(e, stacks)), []).append(e["dur"])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     cats: dict[str, float] = {}
-    for name, durs in by_name.items():
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + sum(durs)
+    for (_, cat), durs in by_name.items():
+        cats[cat] = cats.get(cat, 0.0) + sum(durs)
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
     return {
         "gpu_kernel_ms": total / 1e3,
@@ -41,15 +41,15 @@ def summarize_trace(trace_path: str, top: int = 25) -> dict:
         "carried_in": {"kernels": len(carried), "ms": round(sum(e["dur"] for e in carried) / 1e3, 3)},
         "categories_ms": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
-            {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d),
+            {"name": n[:160], "category": cat, "ms": round(sum(d) / 1e3, 3), "calls": len(d),
              "pct": round(100 * sum(d) / total, 2)}
-            for n, d in ranked[:top]
+            for (n, cat), d in ranked[:top]
         ],
         # every kernel outside the GEMMs, attention, the optimizer and collectives (issue 19's "elementwise"),
         # not only those among the top: what the next fusion could remove, by name
         "outside_gemms": [
-            {"name": n[:160], "category": kernel_category(n), "ms": round(sum(d) / 1e3, 3), "calls": len(d)}
-            for n, d in ranked if kernel_category(n) in OUTSIDE
+            {"name": n[:160], "category": cat, "ms": round(sum(d) / 1e3, 3), "calls": len(d)}
+            for (n, cat), d in ranked if cat in OUTSIDE
         ][:80],
         "outside_gemms_by_op": outside_by_op(kernels, stacks),
     }
@@ -62,7 +62,7 @@ def outside_by_op(kernels: list[dict], stacks: dict, top: int = 40) -> list[dict
     ``stacks``: ``families._launch_stacks`` of the trace."""
     out: dict[tuple, list] = {}
     for e in kernels:
-        if kernel_category(e["name"]) not in OUTSIDE:
+        if launch_category(e, stacks) not in OUTSIDE:
             continue
         path = [str(o["name"]) for o in stacks.get(e.get("args", {}).get("correlation"), [])]
         coda = [n for n in path if n.startswith("coda::")]
@@ -75,6 +75,17 @@ def outside_by_op(kernels: list[dict], stacks: dict, top: int = 40) -> list[dict
 
 
 OUTSIDE = ("triton (inductor)", "elementwise/reduction (eager)", "other")  # (kernel_category's non-GEMM work)
+
+
+def launch_category(e: dict, stacks: dict) -> str:
+    """``kernel_category`` of a kernel event, but a multi-tensor kernel that the autograd engine launched (a
+    program's backward, as F4's dX and dW scaling by one ``_foreach_mul``) is the model's elementwise work,
+    not the optimizer's: the optimizer and the gradient clip never run inside the backward."""
+    cat = kernel_category(e["name"])
+    if cat == "optimizer" and any(str(o["name"]).startswith("autograd::engine::evaluate_function")
+                                  for o in stacks.get(e.get("args", {}).get("correlation"), [])):
+        return "elementwise/reduction (eager)"
+    return cat
 
 
 def _merged(ivs: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -26,6 +26,7 @@ import statistics
 import torch
 
 from scripts.bench.common import bench, header, out_json, synced_ms
+from scripts.compare.families import trace_events
 
 
 def _ms(fn, reps: int = 30) -> list[float]:
@@ -35,12 +36,14 @@ def _ms(fn, reps: int = 30) -> list[float]:
 
 
 def _under(env: str, fn):
+    from coda_titan.kernels.cute.casts import CAST_PASS_ENV
+
     def call():
-        os.environ["CODA_TITAN_CAST_PASS"] = env
+        os.environ[CAST_PASS_ENV] = env
         try:
             return fn()
         finally:
-            os.environ.pop("CODA_TITAN_CAST_PASS")
+            os.environ.pop(CAST_PASS_ENV)
     return call
 
 
@@ -59,7 +62,7 @@ def _kernels(fn, reps: int = 20) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = trace_events(f.name)
     by_name: dict[str, float] = {}
     for e in events:
         if e.get("cat") == "kernel":

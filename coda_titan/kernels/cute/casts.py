@@ -62,6 +62,12 @@ def _cast_pass(t) -> bool:
     return mode == "triton" and t.dim() == 2 and t.dtype == torch.bfloat16 and t.is_contiguous()
 
 
+def _with_token_major(tq, *rest):
+    """(tq, its token-major copy, *rest) for the previous kernels' codes: ``transpose_8bit``'s pass where the codes
+    are dense rows, which it reads, else ``.t().contiguous()``."""
+    return tq, transpose_8bit(tq) if tq.is_contiguous() else tq.t().contiguous(), *rest
+
+
 @torch.library.register_kernel("coda::quantize_grad", "cuda")
 def _quantize_grad(t):
     if _cast_pass(t):
@@ -74,8 +80,7 @@ def _quantize_grad(t):
 def _quantize_grad_t(t):
     if _cast_pass(t):
         return grad_e5m2(t, token_major=True)
-    tq, s = _quantize_grad_inductor(t)
-    return tq, transpose_8bit(tq) if tq.is_contiguous() else tq.t().contiguous(), s  # (the pass reads dense rows)
+    return _with_token_major(*_quantize_grad_inductor(t))
 
 
 def _delayed_pass(t, inv_scale) -> bool:
@@ -89,8 +94,7 @@ def _delayed_pass(t, inv_scale) -> bool:
 def _quantize_delayed_t(t, inv_scale):
     if _delayed_pass(t, inv_scale):
         return delayed_e4m3_t(t, inv_scale.float().reshape(1))
-    tq, amax = _quantize_delayed(t, inv_scale)
-    return tq, transpose_8bit(tq) if tq.is_contiguous() else tq.t().contiguous(), amax
+    return _with_token_major(*_quantize_delayed(t, inv_scale))
 
 
 def quantize_delayed_t_traced(*, t, inv_scale):

@@ -9,7 +9,7 @@ from coda_titan.kernels.scaling import inv_scale_from_amax
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .helpers import DIMS, TORCH, check_cute_matches_reference, op_cases, rel
+from .helpers import DIMS, TORCH, check_cute_matches_reference, op_cases, rel, run_interpreter_check
 
 
 def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
@@ -62,6 +62,21 @@ def test_fp8_ops_schemas_and_fakes():
         opcheck(torch.ops.coda.norm_residual_bwd_fp8.default,
                 (daq, wt, torch.tensor(0.5), res, g, torch.rand(16), torch.randn(16), dres),
                 test_utils=("test_faketensor",))
+
+
+def test_b2_vectors_in_one_launch_give_the_eager_ops_bits():
+    """B2's epilogue vectors from one Triton launch (``kernels/cute/row_vectors.py``), run by Triton's CPU
+    interpreter (``tests/b2_vectors_interpreter_check.py``): corr = -(r^2/d) zdz and gamma (times the fp8
+    scale) bit for bit as the eager ops the B2 op ran (aten divides by a scalar through its fp32 reciprocal;
+    at a power-of-two d that is the division itself), for rstd / zdz as (M,) and (M, 1), gamma in bf16 and
+    fp32, M above and below d; and its refusals of mismatched shapes and a non-fp32 scale."""
+    got = run_interpreter_check("b2_vectors_interpreter_check.py")
+    cases = [v for k, v in got.items() if k != "refusals"]
+    assert len(cases) == 3
+    for case in cases:
+        assert case["corr_apart"] == 0 and case["w_apart"] == 0 and case["w_sc_apart"] == 0, case
+        assert case["pow2_matches_division"] and case["dtypes"] == ["torch.float32"] * 2, case
+    assert all(got["refusals"].values()), got["refusals"]
 
 
 @pytest.mark.gpu

@@ -5,6 +5,8 @@ norm_residual_bwd      quack's ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc
 norm_residual_bwd_fp8  the same epilogue on e5m2 da x e4m3 W^T; s_da * s_w rides the gamma row
                        vector and multiplies the dgamma partials once, after their reduction
 
+Both make their epilogue's vectors (corr and gamma, scaled) in one Triton launch (``row_vectors``).
+
 With ``CODA_TITAN_EPI_C_STAGES`` set (``stages``: a lower base for the epilogue's C-load stages, so
 that wide tiles keep their mainloop stages; ``[coda] b2_c_stages`` sets it, 2 by default, measured in
 docs/cute_backend.md), both run the same math as our own epilogues (``epilogues.norm_residual_bwd_epi``)
@@ -20,6 +22,7 @@ from .. import norm_residual_bwd as ref
 from ..scaling import E4M3, E5M2
 from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from .row_vectors import b2_vectors
 
 
 def epilogue(last: bool):
@@ -32,11 +35,10 @@ def epilogue(last: bool):
     return (epilogues.norm_residual_bwd_last_epi if last else epilogues.norm_residual_bwd_epi), base
 
 
-def _apply(name, a, b_kn, x, w, rstd, zdz, dresidual):
-    """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma partial sums)."""
-    d = x.shape[1]
-    r = rstd.float()
-    corr = -(r * r / d) * zdz.float()
+def _apply(name, a, b_kn, x, gamma, rstd, zdz, dresidual, sc=None):
+    """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma partial sums). Its vectors (corr, and
+    gamma times ``sc`` where given) come from one launch (``row_vectors``)."""
+    corr, w = b2_vectors(rstd, zdz, gamma, x.shape[1], sc)
     out = torch.empty_like(x)
     epi, base = epilogue(last=dresidual is None)
     with first_call(name, a, b_kn), stages.capped(base):
@@ -49,7 +51,7 @@ def _norm_residual_bwd(da, weight, x, gamma, rstd, zdz, dresidual):
     why = unsupported(*((da, weight, x) if dresidual is None else (da, weight, x, dresidual)))
     if why:
         return fallback(ref.norm_residual_bwd_op, why, da, weight, x, gamma, rstd, zdz, dresidual)
-    return _apply("norm_residual_bwd", da, weight, x, gamma.float(), rstd, zdz, dresidual)
+    return _apply("norm_residual_bwd", da, weight, x, gamma, rstd, zdz, dresidual)
 
 
 @torch.library.register_kernel("coda::norm_residual_bwd_fp8", "cuda")
@@ -59,5 +61,5 @@ def _norm_residual_bwd_fp8(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual
     if why:
         return fallback(ref.norm_residual_bwd_fp8_op, why, daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual)
     sc = scalar32(scale)
-    out, dgamma = _apply("norm_residual_bwd_fp8", daq, weight_tq.t(), x, gamma.float() * sc, rstd, zdz, dresidual)
+    out, dgamma = _apply("norm_residual_bwd_fp8", daq, weight_tq.t(), x, gamma, rstd, zdz, dresidual, sc)
     return out, dgamma * sc

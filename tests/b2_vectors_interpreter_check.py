@@ -1,0 +1,44 @@
+"""Run by tests/test_norm_residual_bwd.py in a subprocess with TRITON_INTERPRET=1: B2's epilogue vectors in one
+Triton launch (``kernels/cute/row_vectors.py``) on CPU tensors, through Triton's interpreter, against the eager
+ops the B2 op ran before (``-(r * r / d) * zdz`` and ``gamma.float() * sc``), bit for bit. Prints one JSON line
+of measurements; the test judges them."""
+
+import json
+
+import torch
+from interpreter_stub import cute_module, refuses
+
+rv = cute_module("row_vectors")
+
+
+def bits_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int32) != b.view(torch.int32)).sum())
+
+
+torch.manual_seed(0)
+got = {}
+# rows past d and columns past M (both orders of M and d), gamma in bf16 and fp32, rstd / zdz as (M,) and (M, 1)
+for m, d, gdt, col in ((3000, 2048, torch.bfloat16, False), (1000, 2048, torch.float32, True), (70, 3072, torch.bfloat16, True)):
+    rstd = torch.rand(m) * 4 + 0.05
+    zdz = torch.randn(m) * 1e3
+    gamma = (torch.randn(d) * 0.5 + 1).to(gdt)
+    sc = torch.tensor([2.0**-9 * 1.37])
+    r2 = (rstd[:, None], zdz[:, None]) if col else (rstd, zdz)
+    corr, w = rv.b2_vectors(*r2, gamma, d)
+    _, w_sc = rv.b2_vectors(*r2, gamma, d, sc)
+    want = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz
+    got[f"{m}x{d}_{gdt}"] = {
+        "corr_apart": bits_apart(corr, want), "w_apart": bits_apart(w, gamma.float()),
+        "w_sc_apart": bits_apart(w_sc, gamma.float() * sc), "shapes": [list(corr.shape), list(w.shape)],
+        "dtypes": [str(corr.dtype), str(w.dtype)],
+        # the division the CPU reference computes: the same value where 1 / d is exact
+        "pow2_matches_division": d & (d - 1) != 0 or bits_apart(corr, -(rstd * rstd / d) * zdz) == 0,
+    }
+g = torch.ones(8)
+got["refusals"] = {
+    "gamma_shape": refuses(rv.b2_vectors, torch.ones(4), torch.ones(4), g, 16, says="gamma (d,)"),
+    "zdz_count": refuses(rv.b2_vectors, torch.ones(4), torch.ones(5), g, 8, says="rstd and zdz"),
+    "scale_dtype": refuses(rv.b2_vectors, torch.ones(4), torch.ones(4), g, 8, torch.ones(1, dtype=torch.float64),
+                           says="fp32 scale"),
+}
+print(json.dumps(got))

@@ -41,6 +41,8 @@
 #     qgrad      GPU tests of quantize_grad's Triton passes, then scripts/probes/quantize_grad.py (bits, ms per call)
 #     qgradab    the compiled baseline and CODA compiled with those passes, then with the previous kernels
 #                (CODA_TITAN_CAST_PASS=inductor), PREC=fp8 (default), LOG_FREQ (default 10)
+#     pkgab      CODA compiled with an earlier commit's package (.gpu/base.tgz, carried), as checked out, with
+#                ENV_B="NAME=VALUE" if given, and the earlier package again (PREC, STEPS, LOG_FREQ, TAG)
 #     profile8b one profiled step of the 8B bf16 pair with compile and full AC (one GPU)
 #     sustained  probe: bf16 B3, F2 and B2 tile configs in a short burst and at the power cap (calls back to back)
 #     b3ab8b   the 8B bf16 CODA config (compiled) with B3 on quack's epilogue and base, then the 8B pair as configured
@@ -763,6 +765,23 @@ for phase in "$@"; do
       # CODA fp8 compiled with quantize_grad's Triton passes (the default) against the previous kernels
       # (CODA_TITAN_CAST_PASS=inductor), logging every LOG_FREQ steps (tables qgrad_triton, qgrad_inductor)
       LOG_FREQ=${LOG_FREQ:-10} envab qgrad_triton qgrad_inductor CODA_TITAN_CAST_PASS=inductor
+      ;;
+    pkgab)
+      # CODA compiled (PREC, default fp8) with the package of an earlier commit (.gpu/base.tgz, made here before the
+      # call by `git archive BASE coda_titan | gzip`; carried), run from a copy of this checkout whose coda_titan is
+      # that one (a training process imports coda_titan from its working directory first), then as this checkout
+      # runs it, then (ENV_B="NAME=VALUE", where given) this checkout with that switch, then the earlier package
+      # again: tables TAG_base, TAG_new, TAG_env, TAG_base2 (TAG default pkg); LOG_FREQ (default 10), STEPS (40)
+      [ -f .gpu/base.tgz ] || { echo "pkgab needs .gpu/base.tgz (git archive BASE coda_titan | gzip)" >&2; exit 2; }
+      rm -rf /tmp/basetree && mkdir -p /tmp/basetree && cp -r scripts configs /tmp/basetree/ \
+        && tar xzf .gpu/base.tgz -C /tmp/basetree || exit 2
+      pab() { python3 -m scripts.compare --out "$out" --workdir /tmp/compare \
+        configs/llama3_1b_${PREC:-fp8}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --log-freq "${LOG_FREQ:-10}" --tag "${TAG:-pkg}_$1"; }
+      (cd /tmp/basetree && pab base)
+      pab new
+      [ -z "${ENV_B:-}" ] || (export "${ENV_B?}"; pab env)
+      (cd /tmp/basetree && pab base2)
       ;;
     hostlayers)
       python3 -m scripts.probes.host_layers --precision ${PREC:-fp8 bf16} 2>&1 | tail -40

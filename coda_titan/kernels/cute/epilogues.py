@@ -23,6 +23,16 @@ from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through
 _target_idx = ColVecLoad("target")
 
 
+def _amax():
+    """A per-row amax |x| sink whose per-tile partials (M, n_tiles) come back unfolded: every caller folds
+    them whole (``.amax()``), one reduction kernel, where quack's per-row fold (``host_finalize``) first was a
+    second (about 6 us and a launch gap each, four to five a layer). Max is exact in any order: the same value.
+    (As quack's own ``gemm_rms`` leaves its sum-of-squares partials raw.)"""
+    reduce = ColVecReduce("amax", combine="max_abs")
+    reduce.host_finalize = None
+    return reduce
+
+
 @gemm_epilogue(
     ops={"rstd": ColVecLoad("rstd")},
     outs={
@@ -67,7 +77,7 @@ def dswiglu_rstd_preact_epi(acc, c, rstd):
 @gemm_epilogue(
     outputs=("resid_out", "hq"),
     ops={"weight": RowVecLoad("weight"), "inv_scale": Scalar("inv_scale")},
-    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": _amax()},
 )
 def rms_partial_fp8_epi(acc, c, weight, inv_scale):
     """F1's epilogue for precision = "fp8": X = acc + residual (resid_out), H = X * gamma (D, bf16),
@@ -93,7 +103,7 @@ def rms_partial_scaled_epi(acc, c, weight, scale):
 @gemm_epilogue(
     outputs=("resid_out", "hq"),
     ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": _amax()},
 )
 def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
     """``rms_partial_scaled_epi`` that also writes the next consumer's e4m3 Hq = sat(H * inv) and the
@@ -106,7 +116,7 @@ def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
 @gemm_epilogue(
     outputs=("resid_out", "hq", _T("hqt")),
     ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": _amax()},
 )
 def rms_partial_scaled_fp8_t_epi(acc, c, weight, scale, inv_scale):
     """``rms_partial_scaled_fp8_epi`` also storing the same e4m3 values through an M-major 8-bit output
@@ -160,7 +170,7 @@ class GatedNarrowStore(TileStore):
 @gemm_epilogue(
     outputs=(GatedNarrowStore("postact", gated=True),),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_y": Scalar("inv_y")},
-    reduces={"amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"amax": _amax()},
     mode="acc_pair",
 )
 def fp8_rstd_swiglu_q_epi(acc, rstd, scale, inv_y):
@@ -230,7 +240,7 @@ _bf16_hi = _bits_op("and.b32 $0, $1, 0xFFFF0000;")
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
@@ -241,7 +251,7 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
@@ -260,7 +270,7 @@ def _dswiglu_e5m2_words(c, rstd, dy, inv_scale, transposed=False):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
@@ -272,7 +282,7 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_epi`` storing y as e4m3 (``fp8_down_wgrad``): postact = sat(y * inv_y)
@@ -285,7 +295,7 @@ def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
@@ -297,7 +307,7 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_epi`` with y as e4m3 (sat(y * inv_y)); the call gives ``postact`` an
@@ -310,7 +320,7 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     """``dswiglu_rstd_preact_e5m2_t_epi`` after an fp8 GEMM (``swiglu_bwd_e5m2_t_q``): dy = scale * acc,
@@ -322,7 +332,7 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
          "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""

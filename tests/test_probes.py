@@ -71,3 +71,42 @@ def test_the_pin_thread_probe_reads_the_state_each_batch_carries(cache_dir, monk
     doc = measure(batches=4, seq_len=64, batch=2)
     assert len(doc["batches"]) == 4 and all(r["pin_python_ms"] > 0 for r in doc["batches"])
     assert all(0 <= r["token_buffer"] for r in doc["batches"]) and max(r["token_buffer"] for r in doc["batches"]) > 0
+
+
+def test_the_step_timeline_reads_a_trace_from_one_optimizer_phase_to_the_next(tmp_path):
+    """A synthetic chrome trace: the optimizer on a side stream at 0 and 1000 us (two phases), the main stream's
+    forward (two attention forwards 300 us apart, small kernels with gaps) and backward, a weight pass on a third
+    stream. Every figure of the probe's JSON is checked against the hand count."""
+    import gzip
+
+    from scripts.probes.step_timeline import main as timeline_main
+
+    def k(name, tid, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "tid": tid, "ts": ts, "dur": dur}
+
+    opt = "multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>"
+    events = [k(opt, 9, 0, 50), k(opt, 9, 60, 40),  # phase 1 (0-100 us), phase 2 at 30,000 us (> 20 ms later)
+              k("gather", 7, 120, 5), k("flash_fwd_sm90", 7, 130, 200), k("amax", 7, 340, 4),  # forward
+              k("flash_fwd_sm90", 7, 430, 200), k("gemm", 7, 640, 100),
+              k("FlashAttentionBackwardSm90", 7, 800, 300), k("fill", 7, 1110, 2), k("gemm", 7, 1120, 500),  # backward
+              k("cast", 17, 90, 30), k("outside", 7, 40_000, 10), k(opt, 9, 30_000, 50)]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 1})
+    trace = tmp_path / "trace_x.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events, "deviceProperties": [{"name": "GPU X"}]}, f)
+    os.environ["OUT"] = str(tmp_path)
+    try:
+        timeline_main([str(trace)])
+    finally:
+        del os.environ["OUT"]
+    doc = json.loads((tmp_path / "timeline_x.json").read_text())
+    assert doc["device"] == "GPU X" and doc["window"] == "optimizer to optimizer" and doc["step_ms"] == 30.0
+    fwd, bwd, main = doc["forward"], doc["backward"], doc["main_stream"]
+    assert fwd["kernels"] == 5 and fwd["busy_ms"] == pytest.approx(0.509) and fwd["small_kernels"] == 2
+    assert fwd["idle_ms"] == pytest.approx((5 + 10 + 86 + 10) / 1e3) and fwd["gaps_before_small_ms"] == pytest.approx(0.010)
+    assert bwd["kernels"] == 3 and bwd["small_kernels"] == 1 and bwd["idle_ms"] == pytest.approx(0.018)
+    assert main["kernels"] == 8 and main["first_kernel_after_ms"] == pytest.approx(0.12)  # ("outside" is past the window)
+    assert doc["layer_forward_ms"] == [0.3] and doc["first_attention_after_ms"] == pytest.approx(0.13)
+    assert doc["optimizer"]["kernels"] == 2 and doc["optimizer"]["span_ms"] == pytest.approx(0.1)
+    assert doc["optimizer"]["main_stream_kernel_ms_inside"] == 0.0 and not doc["optimizer"]["on_main_stream"]
+    assert doc["other_streams_kernel_ms"] == {"9": pytest.approx(0.09), "17": pytest.approx(0.03)}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch._inductor.config
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ac, apply_compile, apply_ddp
 from torchtitan.tools.logging import logger
@@ -25,9 +24,6 @@ from ..kernels import EPI_C_STAGES_ENV as STAGES_ENV
 from ..kernels import recompute
 from . import fused_clip, opt_stream
 
-# A/B switch: "1" turns on inductor's combo kernels for the compiled blocks (the scale arithmetic between the
-# opaque programs runs as one-element kernels, several a layer, each a launch and a gap on the GPU)
-COMBO_ENV = "CODA_TITAN_COMBO_KERNELS"
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
              "activation checkpointing and compile")
 
@@ -55,9 +51,6 @@ def parallelize_coda(model, parallel_dims, job_config):
     # (docs/design.md "Activation checkpointing with compile"). Around, the block keeps only its
     # inputs and reruns its compiled forward in the backward, as full AC does without compile.
     compile_first = model_compile and ac.mode == "full"
-    if model_compile and os.environ.get(COMBO_ENV) == "1":  # (an A/B switch; this process's inductor only)
-        torch._inductor.config.combo_kernels = True
-        logger.info(f"{COMBO_ENV}=1: inductor combines independent small kernels of the compiled blocks (combo_kernels)")
     if compile_first:  # in place (nn.Module.compile): no _orig_mod in the checkpoint FQNs under the wrapper
         for block in model.layers.children():
             block.compile(backend=job_config.compile.backend, fullgraph=True)

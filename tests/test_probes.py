@@ -101,6 +101,8 @@ def test_the_step_timeline_reads_a_trace_from_one_optimizer_phase_to_the_next(tm
         del os.environ["OUT"]
     doc = json.loads((tmp_path / "timeline_x.json").read_text())
     assert doc["device"] == "GPU X" and doc["window"] == "optimizer to optimizer" and doc["step_ms"] == 30.0
+    # any stream busy: 0-50, 60-125 (the optimizer, the weight pass 90-120, the gather), then the main stream's
+    assert doc["gpu_busy_ms"] == pytest.approx((50 + 65 + 200 + 4 + 200 + 100 + 300 + 2 + 500) / 1e3)
     fwd, bwd, main = doc["forward"], doc["backward"], doc["main_stream"]
     assert fwd["kernels"] == 5 and fwd["busy_ms"] == pytest.approx(0.509) and fwd["small_kernels"] == 2
     assert fwd["idle_ms"] == pytest.approx((5 + 10 + 86 + 10) / 1e3) and fwd["gaps_before_small_ms"] == pytest.approx(0.010)

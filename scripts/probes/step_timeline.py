@@ -8,7 +8,7 @@ around it. Its summary adds kernel time over every stream; this probe reads the 
 * the step: from the first fused-optimizer kernel of one step to the first of the next (a step that runs
   its optimizer on a side stream, ``[coda] optimizer_stream``, overlaps it with the next forward, so the
   step's boundary is the optimizer's start, not the profiler's step range); without two optimizer phases,
-  the whole trace;
+  the whole trace; and the time in it during which any stream runs a kernel (the rest: the GPU idle);
 * the main stream (the one with the most kernel time): busy and idle time, split into the forward (to
   the first attention-backward kernel) and the backward; in each, the kernels shorter than ``--small-us``
   (scale arithmetic, reductions of epilogue partials, fills), their time and the gaps before them;
@@ -96,6 +96,19 @@ def _overlap(a: list[dict], b: list[dict]) -> float:
     return total
 
 
+def union_ms(ks: list[dict], w0: float, w1: float) -> float:
+    """The time within [w0, w1) during which any stream runs a kernel (ms)."""
+    spans = sorted((max(k["ts"], w0), min(k["ts"] + k["dur"], w1)) for k in ks if k["ts"] < w1 and k["ts"] + k["dur"] > w0)
+    busy, cur = 0.0, None
+    for a, b in spans:
+        if cur is None or a > cur[1]:
+            busy += 0.0 if cur is None else cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    return (busy + (cur[1] - cur[0] if cur else 0.0)) / 1e3
+
+
 def timeline(path: str, small_us: float = 15.0) -> dict:
     ks, device = load_trace(path)
     w0, w1, n_phases = step_window(ks)
@@ -116,6 +129,7 @@ def timeline(path: str, small_us: float = 15.0) -> dict:
         "derived": datetime.date.today().isoformat(),
         "window": "optimizer to optimizer" if n_phases >= 2 else "whole trace",
         "step_ms": (w1 - w0) / 1e3,
+        "gpu_busy_ms": union_ms(ks, w0, w1),  # (any stream running a kernel; the rest of the step the GPU is idle)
         "small_kernel_us": small_us,
         "main_stream": {**segment(main, small_us), "first_kernel_after_ms": (main[0]["ts"] - w0) / 1e3 if main else None},
         "forward": segment(fwd, small_us),
@@ -147,7 +161,7 @@ def main(argv=None) -> None:
         path = out / f"timeline_{stem}.json"
         path.write_text(json.dumps(doc, indent=1) + "\n")
         m, f, b = doc["main_stream"], doc["forward"], doc["backward"]
-        print(f"{path}: step {doc['step_ms']:.1f} ms; main stream busy {m['busy_ms']:.1f}, idle {m['idle_ms']:.1f} "
+        print(f"{path}: step {doc['step_ms']:.1f} ms, GPU busy {doc['gpu_busy_ms']:.1f}; main stream busy {m['busy_ms']:.1f}, idle {m['idle_ms']:.1f} "
               f"(forward {f.get('idle_ms', 0):.1f}, backward {b.get('idle_ms', 0):.1f}); small kernels "
               f"{m['small_kernels']} ({m['small_kernel_ms']:.2f} ms + {m['gaps_before_small_ms']:.2f} ms of gaps)")
 

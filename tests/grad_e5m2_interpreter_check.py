@@ -41,11 +41,15 @@ for m, k, scale in ((128, 192, 2.0**-7), (100, 70, 2.0**9), (1, 65, 1.0)):
     for token_major in (False, True):
         y, yt, s = tr.grad_e5m2(x, token_major=token_major)
         yq, s_ref = ref.quantize_grad(t=x)
+        # and with the amax given (its producer's, ``edges.amax_token``): the cast pass alone, the same bytes
+        y2, yt2, s2 = tr.grad_e5m2(x, token_major=token_major, amax=x.float().abs().amax())
         got[f"{m}x{k}_{token_major:d}"] = {
             "bytes_apart": int((y.view(torch.uint8) != yq.view(torch.uint8)).sum()),
             "t_bytes_apart": None if yt is None else int((yt.view(torch.uint8) != yq.t().contiguous().view(torch.uint8)).sum()),
             "t_contiguous": None if yt is None else yt.is_contiguous(),
             "s": float(s), "s_ref": float(s_ref), "shape": list(y.shape),
+            "given_same": bool(torch.equal(y2.view(torch.uint8), y.view(torch.uint8)) and torch.equal(s2, s)
+                               and (yt is None or torch.equal(yt2.view(torch.uint8), yt.view(torch.uint8)))),
         }
 # a NaN anywhere: the amax and the scale are NaN, as the reference's (nothing saturates it away)
 x = torch.ones(64, 96, dtype=torch.bfloat16)
@@ -59,6 +63,8 @@ got["zeros"] = {"s": float(s), "s_ref": float(ref.quantize_grad(t=torch.zeros(16
                 "codes_zero": bool((y.view(torch.uint8) == 0).all())}
 for bad in (x.t(), x.float()):
     got[f"refuses_{bad.dtype}_{bad.is_contiguous():d}"] = refuses(tr.grad_e5m2, bad, False, says="contiguous 2-d bf16")
+got["refuses_amax"] = all(refuses(tr.grad_e5m2, x, False, a, says="one-element fp32 amax")
+                          for a in (torch.ones(2), torch.ones((), dtype=torch.float64)))
 # the delayed e4m3 cast of an activation (delayed_e4m3_t): exact e4m3 values times a power-of-two scale, codes
 # in both layouts against the reference quantize_delayed with that scale, and the amax; values beyond the
 # range saturate; a NaN is the amax (as the reference's)

@@ -368,14 +368,15 @@ def test_cast_passes_give_the_references_codes_and_scales_in_the_interpreter():
     every amax a bf16 gradient can have (all 32,768 non-negative bit patterns, NaN and inf included) bit for
     bit; on gradients of exact e5m2 values times a power of two, every code in both layouts and the scale;
     a NaN anywhere makes the scale and every code NaN, as the reference's (not saturated away); an all-zero
-    gradient takes the amax floor's scale and zero codes; a strided or fp32 input is refused. And
+    gradient takes the amax floor's scale and zero codes; a strided or fp32 input is refused; with the amax
+    given (its producer's), the same codes and scale, and an amax not one fp32 element is refused. And
     ``quantize_delayed_t``'s one pass (``delayed_e4m3_t``) likewise (below)."""
     got = run_interpreter_check("grad_e5m2_interpreter_check.py")
     assert got.pop("scales") == {"n": 32768, "apart": 0, "nan_kept": True}
     assert got.pop("nan") == {"s_nan": True, "ref_s_nan": True, "codes_nan": True, "t_codes_nan": True}
     zeros = got.pop("zeros")
     assert zeros["s"] == zeros["s_ref"] and 0 < zeros["s"] < 1e-12 / 57344 * 2 and zeros["codes_zero"], zeros
-    assert got.pop("refuses_torch.bfloat16_0") and got.pop("refuses_torch.float32_1"), got
+    assert got.pop("refuses_torch.bfloat16_0") and got.pop("refuses_torch.float32_1") and got.pop("refuses_amax"), got
     # the delayed e4m3 cast (delayed_e4m3_t, quantize_delayed_t's one pass): the reference's codes in both layouts
     # and its amax (fp32), saturated beyond the range; a NaN is the amax; a strided input or a scale of more
     # than one element is refused
@@ -390,6 +391,7 @@ def test_cast_passes_give_the_references_codes_and_scales_in_the_interpreter():
         m, k = (int(n) for n in key.split("_")[0].split("x"))
         token_major = key.endswith("_1")
         assert case["bytes_apart"] == 0 and case["shape"] == [m, k] and case["s"] == case["s_ref"], (key, case)
+        assert case["given_same"], (key, case)  # (the amax given: the same codes and scale)
         assert (case["t_bytes_apart"], case["t_contiguous"]) == ((0, True) if token_major else (None, None)), (key, case)
 
 
@@ -420,13 +422,21 @@ def test_cute_quantize_grad_passes_give_the_references_bits():
             assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), f"{env} {how} codes"
             assert scale.dtype == s_want.dtype and torch.equal(scale, s_want), (env, how, scale, s_want)
         assert q2_t.is_contiguous() and torch.equal(q2_t.view(torch.uint8), want.t().contiguous().view(torch.uint8)), env
-    # as a compiled backward runs them (TRACED: grad_e5m2's triton_ops, whose kernels inductor launches)
+        # with the amax given (the fp8 B2's, edges.amax_token): no amax pass, the same codes and scale
+        amax = g.float().abs().amax()
+        (q3, s3), (q4, q4_t, s4) = cute.quantize_grad(t=g, amax=amax), cute.quantize_grad_t(t=g, amax=amax)
+        for codes, scale in ((q3, s3), (q4, s4)):
+            assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale, s_want), env
+        assert torch.equal(q4_t.view(torch.uint8), want.t().contiguous().view(torch.uint8)), env
+    # as a compiled backward runs them (TRACED: grad_e5m2's triton_ops, whose kernels inductor launches), with and
+    # without the amax given
     import coda_titan.kernels.cute as cute_pkg
     for name in ("quantize_grad", "quantize_grad_t"):
-        got = torch.compile(lambda **kw: cute_pkg.TRACED[name](**kw), fullgraph=True, dynamic=False)(t=g)
-        assert torch.equal(got[0].view(torch.uint8), want.view(torch.uint8)) and torch.equal(got[-1], s_want), name
-        if name == "quantize_grad_t":
-            assert torch.equal(got[1].view(torch.uint8), want.t().contiguous().view(torch.uint8)), name
+        for given in ({}, {"amax": g.float().abs().amax()}):
+            got = torch.compile(lambda **kw: cute_pkg.TRACED[name](**kw), fullgraph=True, dynamic=False)(t=g, **given)
+            assert torch.equal(got[0].view(torch.uint8), want.view(torch.uint8)) and torch.equal(got[-1], s_want), name
+            if name == "quantize_grad_t":
+                assert torch.equal(got[1].view(torch.uint8), want.t().contiguous().view(torch.uint8)), name
     bits = torch.cat([torch.arange(0, 0x8000, 16), torch.tensor([0x7F80, 0x7FC0])])  # (+inf, NaN)
     values = bits.to(device="cuda", dtype=torch.int16).view(torch.bfloat16)
     scales = torch.stack([cute.quantize_grad(t=values[i:i + 1].view(1, 1))[1] for i in range(values.numel())])

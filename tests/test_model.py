@@ -924,6 +924,41 @@ def _spy(model, names, record=lambda name, kw: name) -> list:
     return calls
 
 
+def test_fp8_gradient_casts_take_the_amax_of_the_function_that_made_the_gradient(monkeypatch):
+    """The residual-stream gradient casts (W_o's under ``fp8_out_bwd``, the MLP's under ``fp8_down_dgrad``) take
+    amax |dX| from the Function that made dX (``edges.amax_token``: the fp8 B2's amax) instead of reducing dX
+    again: every such cast but the last layer's MLP's (its gradient comes from the LM head), each given amax
+    exactly dX's own, in the calibration step and after it."""
+    from coda_titan.kernels.scaling import amax_abs, compute_dtype
+    from coda_titan.model import model as model_mod
+
+    calls = []
+
+    def spy(fn):
+        def call(*, t, amax=None):
+            calls.append((amax, amax_abs(t).to(compute_dtype(t.dtype))))
+            return fn(t=t, amax=amax)
+        return call
+
+    be = dataclasses.replace(kernels.TORCH, quantize_grad=spy(kernels.TORCH.quantize_grad),
+                             quantize_grad_t=spy(kernels.TORCH.quantize_grad_t))
+    monkeypatch.setattr(model_mod, "get_backend", lambda *a, **k: be)
+    args = copy.deepcopy(coda_llama3_args["debugmodel"])
+    args.coda = Coda(backend="torch", precision="fp8")
+    torch.manual_seed(0)
+    model = CodaTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    tokens, labels = _batch(args.vocab_size)
+    n = args.n_layers
+    for _ in range(2):  # (the calibration step, then the delayed scales)
+        calls.clear()
+        model(tokens, labels=labels).backward()
+        given = [(a, b) for a, b in calls if a is not None]
+        assert len(calls) == 2 * n and len(given) == 2 * n - 1, [a is None for a, _ in calls]
+        assert all(a.dtype == b.dtype and torch.equal(a.reshape(()), b.reshape(())) for a, b in given), given
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for_the_bf16_dgrad(precision, monkeypatch):
     """The MLP's backward hands w1's and w3's gradients over contiguous (the bf16 dW13's interleaved rows
@@ -933,7 +968,7 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
     from coda_titan.model import autograd
 
     built, returned = [], []
-    interleave, grads = autograd.interleave_rows, autograd._grads
+    interleave, grads = autograd.interleave_rows, autograd.grads
     monkeypatch.setattr(autograd, "interleave_rows", lambda a, b: built.append(torch.is_grad_enabled()) or interleave(a, b))
 
     def spy_grads(inputs, **given):
@@ -941,7 +976,7 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
             returned.append((given["w1"].is_contiguous(), given["w3"].is_contiguous()))
         return grads(inputs, **given)
 
-    monkeypatch.setattr(autograd, "_grads", spy_grads)
+    monkeypatch.setattr(autograd, "grads", spy_grads)
     args = copy.deepcopy(coda_llama3_args["debugmodel"])
     args.coda = Coda(backend="torch", precision=precision)
     torch.manual_seed(0)

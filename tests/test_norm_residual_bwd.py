@@ -28,10 +28,11 @@ def test_b2_fp8_matches_fp64_emulation_and_its_bf16_twin():
     scale = s_w / inv_da
     for dresidual in (dres, None):
         kw = dict(x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
-        out, dgamma = TORCH.norm_residual_bwd_fp8(daq=daq, weight_tq=wq.t().contiguous(), scale=scale, **kw)
+        out, dgamma, amax = TORCH.norm_residual_bwd_fp8(daq=daq, weight_tq=wq.t().contiguous(), scale=scale, **kw)
         acc = (daq.double() @ wq.double()) * scale.double()  # exact products, fp64 sum
         want, want_dg = norm_residual_apply(acc, **{k: (v.double() if v is not None else None) for k, v in kw.items()})
         assert rel(out, want) < 1e-6 and rel(dgamma, want_dg) < 1e-6
+        assert amax.dtype == torch.float32 and amax.shape == () and torch.equal(amax, out.abs().amax())  # (D's own)
         ref, ref_dg = TORCH.norm_residual_bwd(da=da, weight=w, **kw)  # no quantization
         assert 1e-4 < rel(out, ref) < 0.1 and rel(dgamma, ref_dg) < 0.1
     with pytest.raises(TypeError, match="e5m2/e4m3"):

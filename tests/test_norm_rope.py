@@ -187,8 +187,10 @@ def test_cute_fp8_qkv_dgrad_matches_reference():
     for dresidual in (dres, None):
         bkw = dict(daq=daq_r, weight_tq=wq8.t().contiguous(), scale=s_da_r * s_w, x=x, gamma=gamma, rstd=rstd,
                    zdz=zdz_r, dresidual=dresidual)
-        out, dg = cute.norm_residual_bwd_fp8(**bkw)
-        out_r, dg_r = TORCH.norm_residual_bwd_fp8(**bkw)
+        out, dg, am = cute.norm_residual_bwd_fp8(**bkw)
+        out_r, dg_r, _ = TORCH.norm_residual_bwd_fp8(**bkw)
+        # (the epilogue's amax of the fp32 D, rounded as D's stores are: D's own amax, bit for bit)
+        assert am.dtype == torch.float32 and torch.equal(am, out.float().abs().amax()), (am, out.float().abs().amax())
         bf, bf_dg = TORCH.norm_residual_bwd(da=da_r, weight=w, x=x, gamma=gamma, rstd=rstd, zdz=zdz_r, dresidual=dresidual)
         effect = rel(out_r - (dres if dresidual is not None else 0), bf - (dres if dresidual is not None else 0))
         print(f"B2 fp8 (residual {dresidual is not None}): kernel vs reference {rel(out, out_r):.3g} / dgamma "

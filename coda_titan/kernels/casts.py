@@ -7,6 +7,8 @@
                         power of two (torchao's recipe for gradients), for an fp8 dgrad
     quantize_grad_t     the same with the codes' token-major copy (dW_o's and dW2's operand on the same codes)
 
+Both take the gradient's amax where its producer reduced it (the fp8 B2 returns amax |D|), else reduce it.
+
 References here (any device, fp64 for the tests), their ``torch.ops.coda`` ops and fakes; ``cute/casts.py`` holds
 the CUDA kernels (Triton passes, ``cute/transpose_8bit.py``).
 """
@@ -39,16 +41,18 @@ def quantize_delayed_t(*, t: torch.Tensor, inv_scale: torch.Tensor | None
     return tq, tq.t().contiguous(), amax
 
 
-def quantize_grad(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_grad(*, t: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tq, s): a gradient as e5m2 with its current tensorwise scale rounded down to a power of two
-    (torchao's dynamic recipe, as ``wgrad_fp8_operands``), and its dequantization scale s = 1/inv."""
-    return _pow2_cast(t.to(compute_dtype(t.dtype)), None, quantize_e5m2, E5M2_MAX)
+    (torchao's dynamic recipe, as ``wgrad_fp8_operands``), and its dequantization scale s = 1/inv.
+    ``amax``: amax |t| where its producer reduced it already (the fp8 B2's epilogue); None: t's own."""
+    return _pow2_cast(t.to(compute_dtype(t.dtype)), amax, quantize_e5m2, E5M2_MAX)
 
 
-def quantize_grad_t(*, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_grad_t(*, t: torch.Tensor, amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tq, tq_t, s): ``quantize_grad``'s codes and scale with the codes' token-major (transposed, contiguous)
     copy, the operand of the weight gradient on the same codes (the out-projection's dW_o, the MLP's dW2)."""
-    tq, s = quantize_grad(t=t)
+    tq, s = quantize_grad(t=t, amax=amax)
     return tq, tq.t().contiguous(), s
 
 
@@ -75,21 +79,22 @@ def _(t, inv_scale):
 
 
 @program_op("quantize_grad")
-def quantize_grad_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_grad(t=t)
+def quantize_grad_op(t: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_grad(t=t, amax=amax)
 
 
 @quantize_grad_op.register_fake
-def _(t):
+def _(t, amax=None):
     return t.new_empty(t.shape, dtype=E5M2), t.new_empty((), dtype=compute_dtype(t.dtype))
 
 
 @program_op("quantize_grad_t")
-def quantize_grad_t_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_grad_t(t=t)
+def quantize_grad_t_op(t: torch.Tensor, amax: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_grad_t(t=t, amax=amax)
 
 
 @quantize_grad_t_op.register_fake
-def _(t):
+def _(t, amax=None):
     return (t.new_empty(t.shape, dtype=E5M2), t.new_empty((t.shape[1], t.shape[0]), dtype=E5M2),
             t.new_empty((), dtype=compute_dtype(t.dtype)))

@@ -17,6 +17,9 @@ D is returned in X's dtype, dgamma in the accumulator dtype.
 ``norm_residual_bwd_fp8`` (precision = "fp8", ``fp8_dgrad`` / ``fp8_mlp_dgrad``): the same epilogue
 behind acc = daq @ W^T on an e5m2 gradient and the e4m3 transposed weight of the weight pass, in
 units of s_da * s_w; the kernel folds that scale into the gamma row vector and the dgamma partials.
+It also returns amax |D| (of D as returned, in the compute dtype): D is the residual-stream gradient
+the layer below casts to e5m2 at its current amax (``casts.quantize_grad``), which takes this one
+instead of reducing D again (the epilogue reduces it per tile).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from typing import Optional
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .scaling import E4M3, E5M2, compute_dtype
+from .scaling import E4M3, E5M2, amax_abs, compute_dtype
 
 
 def norm_residual_bwd(
@@ -64,17 +67,18 @@ def norm_residual_apply(
 def norm_residual_bwd_fp8(
     *, daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
     rstd: torch.Tensor, zdz: torch.Tensor, dresidual: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """B2 on fp8 operands: acc = daq @ weight_tq^T (e5m2 or e4m3 x e4m3, exact products, fp32 sum;
     weight_tq is W^T, (d, N)), in units of ``scale`` = s_da * s_w, then ``norm_residual_bwd``'s
-    epilogue."""
+    epilogue: (D, dgamma, amax |D|)."""
     check_2d("daq", daq, weight_tq.shape[1])
     check_2d("x", x, weight_tq.shape[0])
     if daq.dtype not in (E4M3, E5M2) or weight_tq.dtype != E4M3:
         raise TypeError(f"B2 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {daq.dtype} and {weight_tq.dtype}")
     ct = compute_dtype(x.dtype)
     acc = (daq.to(ct) @ weight_tq.to(ct).t()) * scale.to(ct)
-    return norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+    dx, dgamma = norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
+    return dx, dgamma, amax_abs(dx).to(ct)
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -97,7 +101,7 @@ def _(da, weight, x, gamma, rstd, zdz, dresidual):
 def norm_residual_bwd_fp8_op(
     daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
     rstd: torch.Tensor, zdz: torch.Tensor, dresidual: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return norm_residual_bwd_fp8(
         daq=daq, weight_tq=weight_tq, scale=scale, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual
     )
@@ -105,4 +109,5 @@ def norm_residual_bwd_fp8_op(
 
 @norm_residual_bwd_fp8_op.register_fake
 def _(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
-    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=compute_dtype(x.dtype))
+    ct = compute_dtype(x.dtype)
+    return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=ct), x.new_empty((), dtype=ct)

@@ -18,7 +18,7 @@ chunk by chunk, and its backward only scales them by the incoming scalar.
 precision = "fp8": each Function takes its fp8 operands as one optional frozen record (``QuantizeH``,
 ``Fp8Operands``, ``MlpFp8``). Quantization is straight-through: the backward is the bf16 one on the
 same saved bf16 tensors, except where a record asks for an fp8 dgrad or weight gradient. Backward
-returns name their gradients (``_grads``); nothing counts positions.
+returns name their gradients (``edges.grads``); nothing counts positions; ``edges`` also has the amax tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from ..kernels import Backend
 from ..kernels._common import deinterleave_rows, interleave_rows
 from ..kernels.scaling import E4M3, E5M2_MAX, dequant_scale, inv_scale_from_amax
+from .edges import amax_grad, amax_token, grads, needs
 
 DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
 
@@ -92,6 +93,7 @@ class Fp8Input:
     s_w: torch.Tensor
     inv: torch.Tensor | None
     w_t: torch.Tensor | None = None
+    grad_amax: bool = False  # (``fp8_out_bwd``) the consumer of X reports amax |dX| (``edges.amax_token``)
 
 
 def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
@@ -133,6 +135,7 @@ class MlpFp8:
     w2_t: torch.Tensor | None = None
     s_w2: torch.Tensor | None = None
     hq_t: torch.Tensor | None = None  # F1's Hq^T (``fp8_mlp_h_t``): dW13 reads it, and H is not saved
+    grad_amax: bool = False  # the next layer's F3 Function reports amax |dX_out| (``edges.amax_token``, last output)
 
 
 def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype,
@@ -142,13 +145,6 @@ def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torc
     if fp8:
         return be.wgrad_fp8(grad=grad, grad_amax=grad_amax, inp=inp, inp_amax=inp_amax, out_dtype=out_dtype)
     return be.wgrad(grad=grad, inp=inp, out_dtype=out_dtype)
-
-
-def _grads(inputs: tuple[str, ...], **given) -> tuple:
-    """The backward's return: the gradient named for each forward input, None for the others."""
-    unknown = set(given) - set(inputs)
-    assert not unknown, f"gradients for inputs that do not exist: {unknown}"
-    return tuple(given.get(name) for name in inputs)
 
 
 RESIDUAL_RMS_INPUTS = ("y", "weight", "residual", "gamma_next", "cfg", "quantize", "fp8_in")  # ResidualRMS.forward's inputs, in order
@@ -174,16 +170,19 @@ class ResidualRMS(torch.autograd.Function):
         else:
             outs = _f1(be, y, weight, residual, gamma_next, cfg.tile_n, quantize, fp8_in)
         ctx.mark_non_differentiable(*outs[1:])
+        ctx.grad_amax = fp8_in is not None and fp8_in.grad_amax
+        if ctx.grad_amax:
+            outs = (*outs, amax_token(y))
         ctx.save_for_backward(*saved)
         ctx.cfg = cfg
         return outs
 
     @staticmethod
-    def backward(ctx, dx, *_):
+    def backward(ctx, dx, *rest):
         y, weight, w_t, s_w, inv_y = ctx.saved_tensors
         be = ctx.cfg.backend
         if w_t is not None:  # fp8_out_bwd: one cast of dX for both GEMMs (row-major codes, and token-major for dW)
-            dq, dq_t, s_d = be.quantize_grad_t(t=dx)
+            dq, dq_t, s_d = be.quantize_grad_t(t=dx, amax=rest[-1] if ctx.grad_amax else None)
             dy = be.dgrad_fp8_q(gradq=dq, grad_scale=s_d, weight_tq=_weight_t(ctx.cfg, w_t), w_scale=s_w,
                                 out_dtype=dx.dtype)
             dw = be.wgrad_fp8_q(gradq=dq_t.t(), grad_scale=s_d, inpq=y, inp_scale=inv_y.reciprocal(),
@@ -191,11 +190,11 @@ class ResidualRMS(torch.autograd.Function):
         else:
             dy = be.dgrad(grad=dx, weight=weight, out_dtype=y.dtype)
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, dx, y, weight.dtype)
-        return _grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
+        return grads(RESIDUAL_RMS_INPUTS, y=dy, weight=dw, residual=dx)
 
 
 NORM_ROPE_INPUTS = ("h", "rstd", "x", "gamma", "wq", "wk", "wv", "freqs", "seqlen", "cfg", "n_rope_heads", "head_dim",
-              "fp8", "grad_sink")  # NormRoPE.forward's inputs, in order
+              "fp8", "grad_sink", "amax_tok")  # NormRoPE.forward's inputs, in order
 
 
 class NormRoPE(torch.autograd.Function):
@@ -207,7 +206,8 @@ class NormRoPE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
-                head_dim: int, fp8: Fp8Operands | None = None, grad_sink: torch.Tensor | None = None):
+                head_dim: int, fp8: Fp8Operands | None = None, grad_sink: torch.Tensor | None = None,
+                amax_tok: torch.Tensor | None = None):
         rope = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         if fp8 is None:
             qkv = cfg.backend.norm_rope(h=h, rstd=rstd, weight=torch.cat([wq, wk, wv]), **rope)
@@ -229,13 +229,13 @@ class NormRoPE(torch.autograd.Function):
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
         w = torch.cat([wq, wk, wv])
-        sink = daq = None
+        sink = daq = amax_dx = None
         if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2 (delayed scale), B2 runs on it and W_qkv,q^T
             da, zdz, daq, amax = be.rope_bwd_fp8(**rope, inv_scale=inv_g)
             inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_g is None else inv_g
-            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w8_t), scale=dequant_scale(inv, s_w),
-                                                  zdz=zdz, **norm)
-            sink = amax.float().reshape(()) if ctx.needs_input_grad[-1] else None
+            dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w8_t),
+                                                           scale=dequant_scale(inv, s_w), zdz=zdz, **norm)
+            sink = amax.float().reshape(()) if needs(ctx, NORM_ROPE_INPUTS, "grad_sink") else None
         else:
             da, zdz = be.rope_bwd(**rope)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
@@ -246,10 +246,13 @@ class NormRoPE(torch.autograd.Function):
         else:
             dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)
         dwq, dwk, dwv = dw.split([wq.shape[0], wk.shape[0], wv.shape[0]])
-        return _grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv, grad_sink=sink)
+        tok = amax_grad(dx, amax_dx) if needs(ctx, NORM_ROPE_INPUTS, "amax_tok") else None  # (the MLP below casts dx)
+        return grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv, grad_sink=sink,
+                      amax_tok=tok)
 
 
-NORM_SWIGLU_RESIDUAL_INPUTS = ("h", "rstd", "x", "gamma", "w1", "w3", "w2", "gamma_next", "cfg", "fp8", "grad_sink")  # NormSwiGLUResidual.forward's inputs, in order
+NORM_SWIGLU_RESIDUAL_INPUTS = ("h", "rstd", "x", "gamma", "w1", "w3", "w2", "gamma_next", "cfg", "fp8", "grad_sink",
+                               "amax_tok")  # NormSwiGLUResidual.forward's inputs, in order
 
 
 class NormSwiGLUResidual(torch.autograd.Function):
@@ -263,7 +266,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
-                grad_sink: torch.Tensor | None = None):
+                grad_sink: torch.Tensor | None = None, amax_tok: torch.Tensor | None = None):
         be = cfg.backend
         y_amax = None
         if fp8 is None:
@@ -286,10 +289,11 @@ class NormSwiGLUResidual(torch.autograd.Function):
                 if ctx.e5m2 else (None,) * 9)
         ctx.save_for_backward(None if h_t is not None else h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
         ctx.cfg = cfg
-        return outs
+        ctx.grad_amax = fp8 is not None and fp8.grad_amax
+        return (*outs, amax_token(x)) if ctx.grad_amax else outs
 
     @staticmethod
-    def backward(ctx, dx_out, *_):
+    def backward(ctx, dx_out, *rest):
         h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y, h_t, inv_h = ctx.saved_tensors
         be = ctx.cfg.backend
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
@@ -297,10 +301,11 @@ class NormSwiGLUResidual(torch.autograd.Function):
         daq_t = dq = dq_t = None
         recast = os.environ.get(DW2_RECAST_ENV) == "1"  # (dW2 casting D again, not on B3's codes of it)
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
+            amax_d = rest[-1] if ctx.grad_amax else None  # (amax |D| from the next layer's B2, where it reports it)
             if lean and ctx.cfg.fp8_da_t and inv_y is not None and not recast:
-                dq, dq_t, s_d = be.quantize_grad_t(t=dx_out)  # (dW2 on the same codes, below: token-major too)
+                dq, dq_t, s_d = be.quantize_grad_t(t=dx_out, amax=amax_d)  # (dW2 on the same codes: token-major too)
             else:
-                dq, s_d = be.quantize_grad(t=dx_out)
+                dq, s_d = be.quantize_grad(t=dx_out, amax=amax_d)
             q = dict(doutq=dq, w_down_tq=_weight_t(ctx.cfg, w2q_t), scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd,
                      inv_scale=grad_inv_scale)
             if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
@@ -322,9 +327,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
             da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
             amax = None
         inv_g = inv_scale_from_amax(amax, E5M2_MAX) if ctx.e5m2 and grad_inv_scale is None else grad_inv_scale
+        amax_dx = None
         if w13q_t is not None:  # fp8_mlp_dgrad: B2 on e5m2 da x e4m3 W13^T
-            dx, dgamma = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
-                                                  scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
+            dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
+                                                           scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
@@ -347,9 +353,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
         # (da^T: [gate; up] rows, two contiguous halves; else every other row, copied here: a compiled backward
         # fuses the copy, where AccumulateGrad's own copy of a strided gradient ran as two eager kernels)
         dw1, dw3 = (t.contiguous() for t in deinterleave_rows(dw13)) if daq_t is None else dw13.chunk(2)
-        sink = amax.float().reshape(()) if amax is not None and ctx.needs_input_grad[-1] else None
-        return _grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,
-                      grad_sink=sink)
+        sink = amax.float().reshape(()) if amax is not None and needs(ctx, NORM_SWIGLU_RESIDUAL_INPUTS, "grad_sink") else None
+        tok = amax_grad(dx, amax_dx) if needs(ctx, NORM_SWIGLU_RESIDUAL_INPUTS, "amax_tok") else None  # (W_o's cast)
+        return grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,
+                      grad_sink=sink, amax_tok=tok)
 
 
 LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "compute_grad")  # LMHeadCE.forward's inputs, in order
@@ -378,4 +385,4 @@ class LMHeadCE(torch.autograd.Function):
             dx_g, dw_g = torch._foreach_mul([dx, dw], g.to(dx.dtype))
         else:
             dx_g, dw_g = dx * g.to(dx.dtype), dw * g.to(dw.dtype)
-        return _grads(LM_HEAD_CE_INPUTS, x=dx_g, gamma=(dgamma * g).to(ctx.gamma_dtype), weight=dw_g)
+        return grads(LM_HEAD_CE_INPUTS, x=dx_g, gamma=(dgamma * g).to(ctx.gamma_dtype), weight=dw_g)

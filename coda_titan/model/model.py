@@ -66,21 +66,25 @@ class LayerFp8:
     mlp_h_t: bool = False  # the out-projection's F1 also writes Hq^T, dW13's input (fp8_mlp_h_t)
     qkv_grad_sink: torch.Tensor | None = None  # F3's gradient site's amax sink (fp8_dgrad; its scale: attn.grad_inv)
     qkv_h_t: bool = False  # the down-projection's F1 also writes Hq^T, the next layer's dW_qkv input (fp8_qkv_wgrad)
+    mlp_amax: bool = False  # the MLP casts dX_out at the amax the next layer's F3 returns to its token
+    amax_tok: torch.Tensor | None = None  # the layer below's MLP amax token: F3's backward returns amax |dX| to it
 
 
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8: LayerFp8 | None = None):
-        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next):
+        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok):
         the e4m3 H of the next layer, the amaxes of this layer's MLP input, of the next layer's input and
-        (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs, and with
-        ``fp8.qkv_h_t`` the next layer's Hq^T (hq_next, amax_next and hq_t_next None on the last layer)."""
+        (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs, with
+        ``fp8.qkv_h_t`` the next layer's Hq^T (hq_next, amax_next and hq_t_next None on the last layer), and the
+        MLP's amax token for the next layer's F3 (``edges.amax_token``; None unless ``fp8.mlp_amax``)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
-                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd, *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink)))
+                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd,
+                                *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink, fp8.amax_tok)))
         o = attention_on_packed(attn.inner_attention, qkv, seqlen, n_q, n_kv, attn.enable_gqa)  # (M, n_heads * head_dim)
         ff = self.feed_forward
         mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
@@ -91,6 +95,7 @@ class CodaTransformerBlock(TransformerBlock):
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
             return x, h, rstd
         out = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg, QuantizeH(fp8.inv_ffn, fp8.mlp_h_t), fp8.out)
+        out, tok_o = (out[:-1], out[-1]) if fp8.out is not None and fp8.out.grad_amax else (out, None)
         x, h, s, hq, amax_ffn = out[:5]
         amax_o, hq_t = out[-1] if fp8.out is not None else None, out[5] if fp8.mlp_h_t else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
@@ -99,15 +104,16 @@ class CodaTransformerBlock(TransformerBlock):
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next, fp8.qkv_h_t),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
-            w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t,
+            w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t, grad_amax=fp8.mlp_amax,
         )
-        out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink)
+        out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink, tok_o)
+        out, tok = (out[:-1], out[-1]) if fp8.mlp_amax else (out, None)
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if fp8.last else out[3:5]
         amax_y = out[-1] if fp8.down is not None else None
         hq_t_next = out[5] if fp8.qkv_h_t and not fp8.last else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next
+        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok
 
 
 def _no_wait(layer: int | None) -> None:
@@ -359,9 +365,13 @@ class CodaTransformer(Transformer):
         (inv_g, sinks), (inv_q, sinks_q) = sites["mlp"], sites["qkv"]
         inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs}
         amaxes_in = {site: [] for site in inputs}
+        tok = None  # (the layer below's MLP amax token)
         for i, layer in enumerate(layers):
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in, w2_t = layer_weights(i, layer)
-            f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i], w_t=w_t) for site, (w, sc, w_t) in w_in.items()}
+            # (edges.amax_token: W_o's gradient cast takes the MLP's B2's amax, the MLP's the next layer's F3's)
+            f1_in = {site: Fp8Input(w=w, s_w=sc, inv=inv_in[site][i], w_t=w_t,
+                                    grad_amax=site == "out" and coda.fp8_out_bwd and w_t is not None)
+                     for site, (w, sc, w_t) in w_in.items()}
             last = i + 1 == len(layers)
             gamma_next = self.norm.weight if last else gammas[i + 1]
             # calibration step: the producer quantized with the current amax, and so must the consumer
@@ -374,9 +384,11 @@ class CodaTransformer(Transformer):
                 grad_inv_scale=inv_g[i], grad_sink=sinks[i], mlp_wgrad=mlp_wgrad,
                 down=f1_in.get("down"), out=f1_in.get("out"),
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], mlp_h_t=h_t,
+                mlp_amax=not last and sinks[i] is not None and w2_t is not None, amax_tok=tok,
             )
             step_wait(i)
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o, hq_t = blocks[i](x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o, hq_t, tok = blocks[i](
+                x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
             for site, amax in (("down", amax_y), ("out", amax_o)):
                 if site in inputs:

@@ -4,7 +4,8 @@ quantize_delayed     an activation's amax and scale (eager, the reference's roun
                      inductor-fused; traced whole into a compiled caller (``quantize_delayed_traced``)
 quantize_grad        a gradient's amax and power-of-two e5m2 scale and its e5m2 cast: ``transpose_8bit``'s
                      ``grad_e5m2`` passes
-quantize_grad_t      the same also storing the codes token-major (no ``transpose_8bit`` copy after it)
+quantize_grad_t      the same also storing the codes token-major (no ``transpose_8bit`` copy after it); both
+                     skip the amax pass where the gradient's producer gave its amax (the fp8 B2's)
 quantize_delayed_t   an activation's e4m3 cast with its delayed scale, its codes row-major and token-major and
                      its amax in one pass (``delayed_e4m3_t``; calibrating: the reference's math, then a copy)
 
@@ -46,11 +47,17 @@ def quantize_delayed_traced(*, t, inv_scale):
     return ref.quantize_delayed(t=t, inv_scale=inv_scale)
 
 
-def _quantize_grad_inductor(t):
-    """The previous kernels (``CODA_TITAN_CAST_PASS=inductor``, the A/B's other arm): the eager amax and scale
-    ops, then the inductor-fused cast."""
-    inv = pow2_floor(inv_scale_from_amax(amax_abs(t).to(compute_dtype(t.dtype)), E5M2_MAX))
+def _quantize_grad_inductor(t, amax=None):
+    """The previous kernels (``CODA_TITAN_CAST_PASS=inductor``, the A/B's other arm): the eager amax (unless
+    given) and scale ops, then the inductor-fused cast."""
+    amax = amax_abs(t) if amax is None else amax
+    inv = pow2_floor(inv_scale_from_amax(amax.to(compute_dtype(t.dtype)), E5M2_MAX))
     return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
+
+
+def _given(amax, t) -> bool:
+    """Whether the Triton pass takes ``amax`` as given: one element in t's compute dtype (fp32)."""
+    return amax is not None and amax.numel() == 1 and amax.dtype == compute_dtype(t.dtype)
 
 
 def _cast_pass(t) -> bool:
@@ -69,18 +76,18 @@ def _with_token_major(tq, *rest):
 
 
 @torch.library.register_kernel("coda::quantize_grad", "cuda")
-def _quantize_grad(t):
-    if _cast_pass(t):
-        tq, _, s = grad_e5m2(t, token_major=False)
+def _quantize_grad(t, amax=None):
+    if _cast_pass(t) and (amax is None or _given(amax, t)):
+        tq, _, s = grad_e5m2(t, token_major=False, amax=amax)
         return tq, s
-    return _quantize_grad_inductor(t)
+    return _quantize_grad_inductor(t, amax)
 
 
 @torch.library.register_kernel("coda::quantize_grad_t", "cuda")
-def _quantize_grad_t(t):
-    if _cast_pass(t):
-        return grad_e5m2(t, token_major=True)
-    return _with_token_major(*_quantize_grad_inductor(t))
+def _quantize_grad_t(t, amax=None):
+    if _cast_pass(t) and (amax is None or _given(amax, t)):
+        return grad_e5m2(t, token_major=True, amax=amax)
+    return _with_token_major(*_quantize_grad_inductor(t, amax))
 
 
 def _delayed_pass(t, inv_scale) -> bool:
@@ -108,12 +115,17 @@ def quantize_delayed_t_traced(*, t, inv_scale):
     return ref.quantize_delayed_t(t=t, inv_scale=inv_scale)
 
 
-def quantize_grad_traced(*, t):
+def quantize_grad_traced(*, t, amax=None):
     """``coda::quantize_grad`` as code a compiled caller traces (``TRACED``): ``grad_e5m2``'s ``triton_op``, whose
-    kernels inductor launches (or, under ``CODA_TITAN_CAST_PASS=inductor``, the op as before)."""
-    return torch.ops.coda.grad_e5m2(t) if _cast_pass(t) else ref.quantize_grad_op(t)
+    kernels inductor launches (``_amax``: with the producer's amax, no amax pass), or, under
+    ``CODA_TITAN_CAST_PASS=inductor``, the op as before."""
+    if not _cast_pass(t) or (amax is not None and not _given(amax, t)):
+        return ref.quantize_grad_op(t, amax)
+    return torch.ops.coda.grad_e5m2(t) if amax is None else torch.ops.coda.grad_e5m2_amax(t, amax.reshape(1))
 
 
-def quantize_grad_t_traced(*, t):
+def quantize_grad_t_traced(*, t, amax=None):
     """``coda::quantize_grad_t`` as code a compiled caller traces (``TRACED``), as ``quantize_grad_traced``."""
-    return torch.ops.coda.grad_e5m2_t(t) if _cast_pass(t) else ref.quantize_grad_t_op(t)
+    if not _cast_pass(t) or (amax is not None and not _given(amax, t)):
+        return ref.quantize_grad_t_op(t, amax)
+    return torch.ops.coda.grad_e5m2_t(t) if amax is None else torch.ops.coda.grad_e5m2_t_amax(t, amax.reshape(1))

@@ -63,6 +63,23 @@ def norm_residual_bwd_last_epi(acc, y, w, corr):
     return {"D": acc * w + y * corr, "dw": (acc, y)}
 
 
+@gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
+               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
+def norm_residual_bwd_amax_epi(acc, c, y, w, corr):
+    """``norm_residual_bwd_epi`` also reducing amax |D| (the fp8 B2: the layer below casts D to e5m2 at that
+    amax). A NaN in D does not reach it (max.abs), where the reference's amax would be NaN."""
+    d = acc * w + c + y * corr
+    return {"D": d, "dw": (acc, y), "amax": d}
+
+
+@gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
+               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
+def norm_residual_bwd_last_amax_epi(acc, y, w, corr):
+    """``norm_residual_bwd_last_epi`` also reducing amax |D|."""
+    d = acc * w + y * corr
+    return {"D": d, "dw": (acc, y), "amax": d}
+
+
 @gemm_epilogue(outputs=("postact",), ops={"rstd": ColVecLoad("rstd")}, reduces={"dsum": ColVecReduce("dsum")},
                mode="packed_cd_b16x2")
 def dswiglu_rstd_preact_epi(acc, c, rstd):

@@ -118,28 +118,37 @@ AMAX_BLOCK = 8192  # (elements per program and iteration of the amax pass)
 AMAX_PARTS = 512  # (its programs: each cast program reduces their partials again)
 
 
-def _grad_e5m2(x: torch.Tensor, token_major: bool, wrap) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _grad_e5m2(x: torch.Tensor, token_major: bool, wrap, amax: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     _check_cast_inputs("grad_e5m2", x)
     m, k = x.shape
     if m * k > 2**31 - AMAX_PARTS * AMAX_BLOCK:  # (the amax pass's int32 loop offsets)
         raise ValueError(f"grad_e5m2 takes fewer than 2^31 - 2^22 elements, got {tuple(x.shape)}")
-    part = torch.empty(AMAX_PARTS, device=x.device, dtype=torch.int32)
-    wrap(amax_bits_kernel)[(AMAX_PARTS,)](x, part, m * k, NPART=AMAX_PARTS, BLOCK=AMAX_BLOCK, num_warps=8)
+    if amax is None:
+        part, npart = torch.empty(AMAX_PARTS, device=x.device, dtype=torch.int32), AMAX_PARTS
+        wrap(amax_bits_kernel)[(AMAX_PARTS,)](x, part, m * k, NPART=AMAX_PARTS, BLOCK=AMAX_BLOCK, num_warps=8)
+    else:  # (its producer's amax, >= 0 or NaN: its fp32 bits are the one partial the cast reduces)
+        if amax.numel() != 1 or amax.dtype != torch.float32:
+            raise ValueError(f"grad_e5m2 takes a one-element fp32 amax, got {amax.dtype} {tuple(amax.shape)}")
+        part, npart = amax.reshape(1).contiguous().view(torch.int32), 1
     y = torch.empty((m, k), device=x.device, dtype=E5M2)
     yt = torch.empty((k, m), device=x.device, dtype=E5M2) if token_major else None
     s = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))
     wrap(cast_e5m2_kernel)[grid](x, part, y, y if yt is None else yt, s, m, k, FMAX=E5M2_MAX, EPS=AMAX_EPS,
-                                 NPART=AMAX_PARTS, TOKEN_MAJOR=token_major, BM=BLOCK, BK=BLOCK, num_warps=4)
+                                 NPART=npart, TOKEN_MAJOR=token_major, BM=BLOCK, BK=BLOCK, num_warps=4)
     return y, yt, s
 
 
-def grad_e5m2(x: torch.Tensor, token_major: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def grad_e5m2(x: torch.Tensor, token_major: bool, amax: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(codes (M, K), their (K, M) contiguous copy or None, s = 1 / inv) of a contiguous 2-d bf16 gradient
-    ``x``: ``quantize_grad``'s e5m2 cast at the current amax, the scale a power of two. Eager: the kernels
-    launched by Triton itself (through ``wrap_triton`` outside a trace, a call took 0.4 ms of host time,
-    ``probe_quantize_grad_…json``); a compiled caller traces ``coda::grad_e5m2`` / ``coda::grad_e5m2_t``."""
-    return _grad_e5m2(x, token_major, lambda kernel: kernel)
+    ``x``: ``quantize_grad``'s e5m2 cast at the current amax, the scale a power of two; ``amax`` (one fp32
+    element): that amax as its producer reduced it, and no amax pass. Eager: the kernels launched by Triton
+    itself (through ``wrap_triton`` outside a trace, a call took 0.4 ms of host time,
+    ``probe_quantize_grad_…json``); a compiled caller traces ``coda::grad_e5m2`` / ``coda::grad_e5m2_t``
+    (``_amax`` with a given amax)."""
+    return _grad_e5m2(x, token_major, lambda kernel: kernel, amax)
 
 
 @triton_op("coda::grad_e5m2", mutates_args={})
@@ -153,6 +162,19 @@ def grad_e5m2_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def grad_e5m2_t_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``grad_e5m2(x, token_major=True)`` for a compiled caller: (codes, token-major codes, s)."""
     return _grad_e5m2(x, True, wrap_triton)
+
+
+@triton_op("coda::grad_e5m2_amax", mutates_args={})
+def grad_e5m2_amax_op(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_e5m2(x, token_major=False, amax=amax)`` for a compiled caller: (codes, s)."""
+    y, _, s = _grad_e5m2(x, False, wrap_triton, amax)
+    return y, s
+
+
+@triton_op("coda::grad_e5m2_t_amax", mutates_args={})
+def grad_e5m2_t_amax_op(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad_e5m2(x, token_major=True, amax=amax)`` for a compiled caller: (codes, token-major codes, s)."""
+    return _grad_e5m2(x, True, wrap_triton, amax)
 
 
 @triton.jit

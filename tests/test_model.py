@@ -924,6 +924,17 @@ def _spy(model, names, record=lambda name, kw: name) -> list:
     return calls
 
 
+def _debug_coda(precision: str):
+    """(model, tokens, labels): the debug CODA model on the torch backend, initialized (seed 0), and a batch."""
+    args = copy.deepcopy(coda_llama3_args["debugmodel"])
+    args.coda = Coda(backend="torch", precision=precision)
+    torch.manual_seed(0)
+    model = CodaTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return (model, *_batch(args.vocab_size))
+
+
 def test_fp8_gradient_casts_take_the_amax_of_the_function_that_made_the_gradient(monkeypatch):
     """The residual-stream gradient casts (W_o's under ``fp8_out_bwd``, the MLP's under ``fp8_down_dgrad``) take
     amax |dX| from the Function that made dX (``edges.amax_token``: the fp8 B2's amax) instead of reducing dX
@@ -943,14 +954,8 @@ def test_fp8_gradient_casts_take_the_amax_of_the_function_that_made_the_gradient
     be = dataclasses.replace(kernels.TORCH, quantize_grad=spy(kernels.TORCH.quantize_grad),
                              quantize_grad_t=spy(kernels.TORCH.quantize_grad_t))
     monkeypatch.setattr(model_mod, "get_backend", lambda *a, **k: be)
-    args = copy.deepcopy(coda_llama3_args["debugmodel"])
-    args.coda = Coda(backend="torch", precision="fp8")
-    torch.manual_seed(0)
-    model = CodaTransformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    tokens, labels = _batch(args.vocab_size)
-    n = args.n_layers
+    model, tokens, labels = _debug_coda("fp8")
+    n = len(model.layers)
     for _ in range(2):  # (the calibration step, then the delayed scales)
         calls.clear()
         model(tokens, labels=labels).backward()
@@ -977,14 +982,8 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
         return grads(inputs, **given)
 
     monkeypatch.setattr(autograd, "grads", spy_grads)
-    args = copy.deepcopy(coda_llama3_args["debugmodel"])
-    args.coda = Coda(backend="torch", precision=precision)
-    torch.manual_seed(0)
-    model = CodaTransformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    tokens, labels = _batch(args.vocab_size)
-    n = args.n_layers
+    model, tokens, labels = _debug_coda(precision)
+    n = len(model.layers)
     for _ in range(2):  # (fp8: the calibration step, then the delayed scales)
         built.clear()
         returned.clear()

@@ -155,7 +155,7 @@ class ResidualRMS(torch.autograd.Function):
     amax |H|; with ``fp8_in``: the GEMM on e4m3 y, and amax |y| last). Backward: dgrad (bf16) +
     wgrad (bf16, or on fp8 with ``cfg.fp8_wgrads``); with ``cfg.fp8_out_bwd`` and ``fp8_in.w_t``, both
     on fp8: dX cast once to e5m2 (current power-of-two scale) times W^T's and the forward's e4m3 y,
-    kept instead of y."""
+    kept instead of y; with ``fp8_in.grad_amax`` at amax |dX| from its consumer (an amax token, last output)."""
 
     @staticmethod
     def forward(ctx, y, weight, residual, gamma_next, cfg: ProgramConfig, quantize: QuantizeH | None = None,
@@ -202,7 +202,8 @@ class NormRoPE(torch.autograd.Function):
     zdz, which also casts da to e5m2 with ``fp8.grad_inv`` when ``fp8.w_t`` is given, returning amax
     |da| as the gradient of ``grad_sink``) -> B2 -> wgrad (bf16; with ``cfg.fp8_qkv_wgrad`` on fp8, on
     the e4m3 H F3 read, kept instead of the bf16 H (its producer's H^T if given), times da cast with its
-    current scale, from the amax B1 reduced where it has one)."""
+    current scale, from the amax B1 reduced where it has one). Given the layer below's MLP amax token
+    (``amax_tok``), returns amax |dX| (B2's) as its gradient."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, wq, wk, wv, freqs, seqlen, cfg: ProgramConfig, n_rope_heads: int,
@@ -262,6 +263,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
     (D @ W2 + SwiGLU bwd + zdz), dW2, B2 (da @ W13 + norm/residual bwd), dW13. On fp8 (``fp8``),
     the backward returns amax |da| as the gradient of ``grad_sink``: the model reads it there to
     update the gradient site's amax history (a side channel through autograd, so it works compiled).
+    Amax tokens (``edges``): given the out-projection's (``amax_tok``), it returns amax |dX| (B2's) to it;
+    with ``fp8.grad_amax`` its last output is its own, and its cast of dX_out takes the amax returned there.
     """
 
     @staticmethod

@@ -655,3 +655,6 @@ def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):
     assert doc["run"]["x"] == 1 and "stale" not in doc["summary"] and doc["resummarized"]["trace"] == trace.name
     assert doc["summary"]["carried_in"] == {"kernels": 1, "ms": 0.3} and doc["summary"]["gpu_kernel_ms"] == 0.05
     assert "gemm_families" in doc["summary"]
+    # (and the step as a timeline: no optimizer phase here, so the whole trace: 300 + 50 us of kernels)
+    t = doc["summary"]["step_timeline"]
+    assert t["window"] == "whole trace" and t["step_ms"] == 0.45 and t["gpu_busy_ms"] == 0.35, t

@@ -232,8 +232,13 @@ def kernel_category(name: str) -> str:
 
 
 def _summary(trace_path: str, model: str) -> dict:
-    """``summarize_trace`` with the GPU ms per GEMM family (scripts/compare/families.py) for the family table."""
+    """``summarize_trace`` with the GPU ms per GEMM family (scripts/compare/families.py) for the family table,
+    and the step read as a timeline (``scripts/probes/step_timeline.py``: from one optimizer phase to the next,
+    the time any stream runs a kernel, the main stream's busy and idle time, its small kernels)."""
+    from scripts.probes.step_timeline import timeline
+
     s = summarize_trace(trace_path)
+    s["step_timeline"] = {k: v for k, v in timeline(trace_path).items() if k not in ("trace", "derived", "device")}
     try:
         s["gemm_families"] = trace_families(trace_path, model.split("/")[-1])
     except KeyError as e:

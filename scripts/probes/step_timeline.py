@@ -41,7 +41,7 @@ def load_trace(path: str) -> tuple[list[dict], str | None]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
-    ks = [{"name": e["name"], "stream": e["tid"], "ts": float(e["ts"]), "dur": float(e["dur"])}
+    ks = [{"name": e["name"], "stream": e.get("tid", 0), "ts": float(e["ts"]), "dur": float(e["dur"])}
           for e in trace["traceEvents"] if e.get("cat") == "kernel"]
     device = next((d.get("name") for d in trace.get("deviceProperties") or []), None)
     return sorted(ks, key=lambda k: k["ts"]), device
@@ -111,6 +111,8 @@ def union_ms(ks: list[dict], w0: float, w1: float) -> float:
 
 def timeline(path: str, small_us: float = 15.0) -> dict:
     ks, device = load_trace(path)
+    if not ks:
+        return {"trace": str(path), "device": device, "kernels": 0}
     w0, w1, n_phases = step_window(ks)
     inside = [k for k in ks if w0 <= k["ts"] < w1]
     per_stream = defaultdict(float)

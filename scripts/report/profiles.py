@@ -20,6 +20,14 @@ def profile_table(doc: dict, top: int = 12) -> str:
         b = s["blocking_runtime_calls"]
         lines += [f"GPU idle inside the span: {s['gpu_idle_ms']:.1f} ms in {s['gpu_idle_intervals']} intervals; "
                   f"blocking CUDA runtime calls: {b['count']} ({b['ms']:.1f} ms).", ""]
+    t = s.get("step_timeline") or {}
+    if t.get("main_stream"):
+        m, f, b = t["main_stream"], t["forward"], t["backward"]
+        lines += [f"The step as a timeline ({t['window']}, `scripts/probes/step_timeline.py`): {t['step_ms']:.1f} ms, of "
+                  f"which some stream runs a kernel for {t['gpu_busy_ms']:.1f} (the GPU idle {t['step_ms'] - t['gpu_busy_ms']:.1f}); "
+                  f"the main stream busy {m['busy_ms']:.1f} and idle {m['idle_ms']:.1f} (forward {f.get('idle_ms', 0):.1f}, "
+                  f"backward {b.get('idle_ms', 0):.1f}); its {m['small_kernels']} kernels under {t['small_kernel_us']:.0f} us "
+                  f"take {m['small_kernel_ms']:.2f} ms, with {m['gaps_before_small_ms']:.2f} ms of gaps before them.", ""]
     if "carried_in" not in s and "optimizer_stream = true" in doc.get("run", {}).get("config_run", ""):
         lines += ["Summarized before profiles left out the step before's kernels: with `optimizer_stream` that step's "
                   "optimizer and fp8 weight pass ran into this window, so the optimizer and outside-GEMM sums below "

@@ -237,14 +237,15 @@ def gemm_families(events: list[dict], weights: dict) -> dict:
             "unattributed_gemm_ms": round(unattributed / 1e3, 3), "attention_ms": round(attention / 1e3, 3)}
 
 
-def trace_events(trace_path: str) -> list[dict]:
-    """A chrome trace's events, from the profiler's JSON or its gzipped copy (``--keep-trace``)."""
+def trace_doc(trace_path: str) -> dict:
+    """A chrome trace, from the profiler's JSON or its gzipped copy (``--keep-trace``)."""
     import gzip
 
     opener = gzip.open if str(trace_path).endswith(".gz") else open
     with opener(trace_path, "rt") as f:
-        return json.load(f)["traceEvents"]
+        return json.load(f)
 
 
-def trace_families(trace_path: str, flavor: str) -> dict:
-    return gemm_families(trace_events(trace_path), model_weights(flavor))
+def trace_events(trace_path: str) -> list[dict]:
+    """A chrome trace's events (``trace_doc``)."""
+    return trace_doc(trace_path)["traceEvents"]

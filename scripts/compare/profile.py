@@ -11,16 +11,16 @@ import shutil
 from pathlib import Path
 
 from scripts.compare.common import _header, _out_path, _say
-from scripts.compare.families import _launch_stacks, _own_kernels, trace_events, trace_families
+from scripts.compare.families import _launch_stacks, _own_kernels, gemm_families, model_weights, trace_events
 from scripts.compare.run import run_config
 
 
-def summarize_trace(trace_path: str, top: int = 25) -> dict:
+def summarize_trace(trace_path: str, top: int = 25, events: list[dict] | None = None) -> dict:
     """GPU kernel time by kernel name from a chrome trace (one profiled step). Kernels launched before the
     profiler started (no launch of theirs in the trace: the previous step's work still running on a stream
     of its own, as ``optimizer_stream``'s step and fp8 weight pass) are not the step's: they are left out
-    of every sum and reported apart (``carried_in``)."""
-    events = trace_events(trace_path)
+    of every sum and reported apart (``carried_in``). ``events``: the trace's, where the caller read them."""
+    events = trace_events(trace_path) if events is None else events
     kernels, carried = _own_kernels(events)
     stacks = _launch_stacks(events, cats=("cpu_op", "user_annotation"))  # (correlation id -> host ops at the launch)
     total = sum(e["dur"] for e in kernels)
@@ -98,20 +98,26 @@ def _merged(ivs: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def _covered(ivs: list[tuple[float, float]], others: list[tuple[float, float]]) -> float:
+    """The time of the merged intervals ``ivs`` that the merged intervals ``others`` cover too."""
+    covered, j = 0.0, 0
+    for a, b in ivs:
+        while j < len(others) and others[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(others) and others[k][0] < b:
+            covered += min(b, others[k][1]) - max(a, others[k][0])
+            k += 1
+    return covered
+
+
 def communication(kernels: list[dict]) -> dict:
     """Collective kernels (NCCL) of the step: their time, and the part of it no other kernel covers
     (communication the step waits on rather than overlaps: an FSDP all-gather or reduce-scatter that
     did not run beside compute). Sums over the merged intervals, us -> ms."""
     comm = _merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_category(e["name"]) == "communication"])
     rest = _merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_category(e["name"]) != "communication"])
-    covered, j = 0.0, 0
-    for a, b in comm:
-        while j < len(rest) and rest[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(rest) and rest[k][0] < b:
-            covered += min(b, rest[k][1]) - max(a, rest[k][0])
-            k += 1
+    covered = _covered(comm, rest)
     total = sum(b - a for a, b in comm)
     return {"communication_ms": round(total / 1e3, 3), "communication_exposed_ms": round((total - covered) / 1e3, 3)}
 
@@ -235,12 +241,13 @@ def _summary(trace_path: str, model: str) -> dict:
     """``summarize_trace`` with the GPU ms per GEMM family (scripts/compare/families.py) for the family table,
     and the step read as a timeline (``scripts/probes/step_timeline.py``: from one optimizer phase to the next,
     the time any stream runs a kernel, the main stream's busy and idle time, its small kernels)."""
-    from scripts.probes.step_timeline import timeline
+    from scripts.probes.step_timeline import step_timeline
 
-    s = summarize_trace(trace_path)
-    s["step_timeline"] = {k: v for k, v in timeline(trace_path).items() if k not in ("trace", "derived", "device")}
+    events = trace_events(trace_path)  # (read once for the three)
+    s = summarize_trace(trace_path, events=events)
+    s["step_timeline"] = step_timeline(events)
     try:
-        s["gemm_families"] = trace_families(trace_path, model.split("/")[-1])
+        s["gemm_families"] = gemm_families(events, model_weights(model.split("/")[-1]))
     except KeyError as e:
         _say(f"no GEMM-family attribution for {model} (unknown flavor {e})")
     return s

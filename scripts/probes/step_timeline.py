@@ -24,27 +24,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from scripts.compare.families import trace_doc
+from scripts.compare.profile import _covered, _merged
 
 OPTIMIZER = "FusedOptimizer"  # (torch's fused AdamW: multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>)
 ATTN_FWD = ("flash_fwd", "FlashAttentionForward", "flash_attn_fwd")
 ATTN_BWD = ("flash_bwd", "FlashAttentionBackward", "flash_attn_bwd")
 
 
-def load_trace(path: str) -> tuple[list[dict], str | None]:
-    """The trace's GPU kernels, (name, stream, start, duration in us), in start order, and its GPU's name."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
+def kernels_of(events: list[dict]) -> list[dict]:
+    """A trace's GPU kernels, (name, stream, start, duration in us), in start order."""
     ks = [{"name": e["name"], "stream": e.get("tid", 0), "ts": float(e["ts"]), "dur": float(e["dur"])}
-          for e in trace["traceEvents"] if e.get("cat") == "kernel"]
-    device = next((d.get("name") for d in trace.get("deviceProperties") or []), None)
-    return sorted(ks, key=lambda k: k["ts"]), device
+          for e in events if e.get("cat") == "kernel"]
+    return sorted(ks, key=lambda k: k["ts"])
 
 
 def step_window(ks: list[dict]) -> tuple[float, float, int]:
@@ -82,37 +81,24 @@ def segment(seq: list[dict], small_us: float) -> dict:
     }
 
 
-def _overlap(a: list[dict], b: list[dict]) -> float:
-    """Time (us) during which a kernel of ``a`` and one of ``b`` run at once (each list's kernels disjoint)."""
-    total, j = 0.0, 0
-    for x in a:
-        x0, x1 = x["ts"], x["ts"] + x["dur"]
-        while j < len(b) and b[j]["ts"] + b[j]["dur"] <= x0:
-            j += 1
-        k = j
-        while k < len(b) and b[k]["ts"] < x1:
-            total += min(x1, b[k]["ts"] + b[k]["dur"]) - max(x0, b[k]["ts"])
-            k += 1
-    return total
-
-
-def union_ms(ks: list[dict], w0: float, w1: float) -> float:
-    """The time within [w0, w1) during which any stream runs a kernel (ms)."""
-    spans = sorted((max(k["ts"], w0), min(k["ts"] + k["dur"], w1)) for k in ks if k["ts"] < w1 and k["ts"] + k["dur"] > w0)
-    busy, cur = 0.0, None
-    for a, b in spans:
-        if cur is None or a > cur[1]:
-            busy += 0.0 if cur is None else cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    return (busy + (cur[1] - cur[0] if cur else 0.0)) / 1e3
+def _spans(ks: list[dict], w0: float = -math.inf, w1: float = math.inf) -> list[tuple[float, float]]:
+    """The kernels' run times clipped to [w0, w1), merged where they overlap (us)."""
+    return _merged([(max(k["ts"], w0), min(k["ts"] + k["dur"], w1)) for k in ks if k["ts"] < w1 and k["ts"] + k["dur"] > w0])
 
 
 def timeline(path: str, small_us: float = 15.0) -> dict:
-    ks, device = load_trace(path)
+    """``step_timeline`` of the trace at ``path``, with the path, its GPU's name and today's date."""
+    doc = trace_doc(path)
+    device = next((d.get("name") for d in doc.get("deviceProperties") or []), None)
+    return {"trace": str(path), "device": device, "derived": datetime.date.today().isoformat(),
+            **step_timeline(doc["traceEvents"], small_us)}
+
+
+def step_timeline(events: list[dict], small_us: float = 15.0) -> dict:
+    """The step's timeline from a trace's events (the module's docstring says what is in it)."""
+    ks = kernels_of(events)
     if not ks:
-        return {"trace": str(path), "device": device, "kernels": 0}
+        return {"kernels": 0}
     w0, w1, n_phases = step_window(ks)
     inside = [k for k in ks if w0 <= k["ts"] < w1]
     per_stream = defaultdict(float)
@@ -126,12 +112,9 @@ def timeline(path: str, small_us: float = 15.0) -> dict:
     opt = [k for k in inside if OPTIMIZER in k["name"]]
     opt_end = max((k["ts"] + k["dur"] for k in opt), default=w0)
     return {
-        "trace": str(path),
-        "device": device,
-        "derived": datetime.date.today().isoformat(),
         "window": "optimizer to optimizer" if n_phases >= 2 else "whole trace",
         "step_ms": (w1 - w0) / 1e3,
-        "gpu_busy_ms": union_ms(ks, w0, w1),  # (any stream running a kernel; the rest of the step the GPU is idle)
+        "gpu_busy_ms": sum(b - a for a, b in _spans(ks, w0, w1)) / 1e3,  # (any stream running a kernel; the rest of the step the GPU is idle)
         "small_kernel_us": small_us,
         "main_stream": {**segment(main, small_us), "first_kernel_after_ms": (main[0]["ts"] - w0) / 1e3 if main else None},
         "forward": segment(fwd, small_us),
@@ -140,7 +123,8 @@ def timeline(path: str, small_us: float = 15.0) -> dict:
         "first_attention_after_ms": (attn[0] - w0) / 1e3 if attn else None,
         "optimizer": {
             "kernels": len(opt), "kernel_ms": sum(k["dur"] for k in opt) / 1e3, "span_ms": (opt_end - w0) / 1e3,
-            "main_stream_kernel_ms_inside": _overlap(opt, main) / 1e3 if opt and opt[0]["stream"] != main_id else 0.0,
+            "main_stream_kernel_ms_inside": _covered(_spans(opt), _spans(main)) / 1e3 if opt and opt[0]["stream"] != main_id
+            else 0.0,
             "on_main_stream": bool(opt) and opt[0]["stream"] == main_id,
         },
         "other_streams_kernel_ms": {str(s): v / 1e3 for s, v in per_stream.items() if s != main_id},

@@ -34,11 +34,27 @@ for m, d, gdt, col in ((3000, 2048, torch.bfloat16, False), (1000, 2048, torch.f
         # the division the CPU reference computes: the same value where 1 / d is exact
         "pow2_matches_division": d & (d - 1) != 0 or bits_apart(corr, -(rstd * rstd / d) * zdz) == 0,
     }
+# the fp8 B2's amax fold: partials >= 0 of a few shapes (the last block ragged), against the three eager ops
+for shape, dt in (((3000, 11), torch.bfloat16), ((64, 16), torch.float16), ((5, 3), torch.bfloat16)):
+    parts = torch.rand(shape) * torch.exp2(torch.randint(-20, 10, shape).float())
+    want = parts.amax().to(dt).float()
+    got[f"fold_{shape[0]}x{shape[1]}_{dt}"] = {"apart": bits_apart(rv.fold_amax(parts, dt).reshape(1), want.reshape(1)),
+                                               "dtype": str(rv.fold_amax(parts, dt).dtype)}
+# maxima halfway between two bf16 values (nearest even: down, then up)
+got["fold_ties_apart"] = sum(bits_apart(rv.fold_amax(torch.tensor(v)).reshape(1), torch.tensor(v).amax().bfloat16().float().reshape(1))
+                             for v in ([0.5, 1 + 2.0**-8], [1 + 3 * 2.0**-8, 0.25]))
+parts = torch.rand(100, 7)
+parts[3, 2], parts[50, 1] = float("inf"), float("nan")
+got["fold_nan_wins"] = bool(rv.fold_amax(parts).isnan()) and bool(parts.amax().isnan())
+parts[50, 1] = 1.0
+got["fold_inf"] = float(rv.fold_amax(parts)) == float("inf")
 g = torch.ones(8)
 got["refusals"] = {
     "gamma_shape": refuses(rv.b2_vectors, torch.ones(4), torch.ones(4), g, 16, says="gamma (d,)"),
     "zdz_count": refuses(rv.b2_vectors, torch.ones(4), torch.ones(5), g, 8, says="rstd and zdz"),
     "scale_dtype": refuses(rv.b2_vectors, torch.ones(4), torch.ones(4), g, 8, torch.ones(1, dtype=torch.float64),
                            says="fp32 scale"),
+    "fold_dtype": refuses(rv.fold_amax, torch.ones(4, dtype=torch.bfloat16), says="fp32 partials"),
+    "fold_round_to": refuses(rv.fold_amax, torch.ones(4), torch.float32, says="bf16 or fp16"),
 }
 print(json.dumps(got))

@@ -1,41 +1,72 @@
 """Run by tests/test_lm_head_ce.py in a subprocess with TRITON_INTERPRET=1 (set before triton loads): F4's
 in-place gradient pass (``kernels/cute/ce_grad_pass.py``) on CPU tensors, through Triton's interpreter,
-against the arithmetic of the inductor program it replaces (``kernels/cute/lm_head_ce._ce_grad_math``).
+against the arithmetic of the inductor program it replaces (``kernels/cute/lm_head_ce._ce_grad_math``) and the
+aten ops around it (``torch.logsumexp`` of the epilogue's per-N-tile partials, the loss term, B2's corr).
 Prints one JSON line of measurements; the test judges them. (``coda_titan.kernels.cute`` imports quack,
 which a CPU install lacks: its package is stood in for, so that only the Triton module loads.)"""
 
 import json
 
 import torch
-from interpreter_stub import cute_function, cute_module
+from interpreter_stub import cute_function, cute_module, refuses
 
 from coda_titan.kernels import lm_head_ce as ref
 
 ce_pass = cute_module("ce_grad_pass")
 ce_grad_math = cute_function("lm_head_ce.py", "def _ce_grad_math", "@torch.library.register_kernel",
                              {"torch": torch, "ref": ref})
+U = 2.0**-24  # (one fp32 unit, relative)
 
 torch.manual_seed(0)
-rows, vocab = 6, 5000  # two blocks of 4096 columns, the second one partly masked
+rows, vocab, tile, d = 6, 5000, 1024, 2048  # two blocks of 4096 columns, the second one partly masked
 logits = (torch.randn(rows, vocab) * 3).bfloat16()
 targets = torch.tensor([3, ref.IGNORE_INDEX, vocab - 1, 4095, 4096, 0])
 rstd = torch.rand(rows) + 0.5
 lf = logits.float()
-lse = torch.logsumexp(lf, -1)
+# the epilogue's partials: each N tile's log-sum-exp (the last tile ragged), one row's last tile empty (-inf)
+parts = torch.stack([torch.logsumexp(lf[:, s:s + tile], -1) for s in range(0, vocab, tile)], -1)
+parts_empty = torch.cat([parts, torch.full((rows, 1), -float("inf"))], -1)
+lse = torch.logsumexp(parts, -1)  # (what quack's host fold returned)
 tgt_logit = lf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
 da_r, zdz_r = ce_grad_math(logits, lse, tgt_logit, targets, rstd)
 p = torch.exp(lf - lse[:, None])
 onehot = torch.arange(vocab)[None, :] == targets[:, None]
-da_f = (p - onehot.float()) * torch.where(targets != ref.IGNORE_INDEX, rstd, 0.0)[:, None]  # before the bf16 rounding
-buf = logits.clone()
-da, zdz = ce_pass.ce_grad_inplace(buf, lse, tgt_logit, targets, rstd, ref.IGNORE_INDEX)
-# one bf16 rounding of a value whose fp32 inputs (exp) may differ by a few fp32 units: within 2^-7 |da_f|
-# (bf16's spacing relative to the value, either rounding direction) plus 4 fp32 units of it
-bound = (2.0**-7 + 4 * 2.0**-24) * da_f.abs()
-print(json.dumps({
-    "in_place": da.data_ptr() == buf.data_ptr(), "da_dtype": str(da.dtype),
-    "da_err_over_bound": float(((da.float() - da_f).abs() / bound.clamp(min=1e-30)).max()),
-    "ignored_row_zero": bool((da[1] == 0).all()) and float(zdz[1]) == 0.0,
-    # a sum of vocab fp32 terms in another order: at most 2 (vocab - 1) u times the sum of their magnitudes
-    "zdz_err_over_bound": float(((zdz - zdz_r).abs() / (2 * (vocab - 1) * 2.0**-24 * (p * lf).abs().sum(-1) + 1e-30)).max()),
-}))
+valid = targets != ref.IGNORE_INDEX
+r = torch.where(valid, rstd, 0.0)
+da_f = (p - onehot.float()) * r[:, None]  # (before the bf16 rounding)
+loss_r = torch.where(valid, lse - tgt_logit, 0.0)
+# lse from n partials in another fold: exp's and log's roundings (1 unit each), the n - 1 additions of the sum
+# (at most n units of it, relative, so n absolute in its log) and the final addition: n + 3 units plus 2 units
+# of |lse| and of the max
+n = parts_empty.shape[1]
+lse_bound = (n + 3) * U + 2 * U * (lse.abs() + parts.amax(-1).abs())
+got = {}
+for name, given in (("parts", parts_empty), ("lse", lse[:, None])):
+    buf, loss_rows = logits.clone(), torch.full((rows,), float("nan"))
+    da, corr = ce_pass.ce_grad_inplace(buf, given, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, loss_rows)
+    lse_k = torch.where(valid, loss_rows + tgt_logit, lse)  # (the kernel's lse, read back through its loss term)
+    dl = (lse_k - lse).abs()
+    # da: one bf16 rounding of a value (within 2^-7 of it, either direction) whose p = exp(l - lse) is off by
+    # exp's 4 units and the kernel's lse error dl (relative, in p), times r
+    bound = 2.0**-7 * da_f.abs() + (4 * U + dl[:, None]) * p * r[:, None]
+    # corr = -(r^2 / d) zdz: zdz in another order (2 (V - 1) units of the sum of |terms|), and its terms' p off
+    # by dl; then two roundings of the product
+    zb = (2 * (vocab - 1) * U + dl) * (p * lf).abs().sum(-1)
+    corr_r = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_r
+    got[name] = {
+        "in_place": da.data_ptr() == buf.data_ptr(), "da_dtype": str(da.dtype),
+        "lse_err_over_bound": float((dl / lse_bound)[valid].max()),
+        "loss_err_over_bound": float(((loss_rows - loss_r).abs() / (lse_bound + U * loss_r.abs())).max()),
+        "ignored_loss_zero": float(loss_rows[1]) == 0.0,
+        "da_err_over_bound": float(((da.float() - da_f).abs() / bound.clamp(min=1e-30)).max()),
+        "ignored_row_zero": bool((da[1] == 0).all()) and float(corr[1]) == 0.0,
+        "corr_err_over_bound": float(((corr - corr_r).abs() / (rstd * rstd / d * zb + 2 * U * corr_r.abs() + 1e-30)).max()),
+    }
+
+got["refusals"] = {
+    "parts_rows": refuses(ce_pass.ce_grad_inplace, logits.clone(), parts[:2], tgt_logit, targets, rstd,
+                          ref.IGNORE_INDEX, d, says="log-sum-exp partials"),
+    "loss_dtype": refuses(ce_pass.ce_grad_inplace, logits.clone(), parts, tgt_logit, targets, rstd,
+                          ref.IGNORE_INDEX, d, torch.zeros(rows, dtype=torch.float64), says="loss_rows"),
+}
+print(json.dumps(got))

@@ -86,13 +86,22 @@ def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
 def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():
     """F4's in-place gradient pass (``kernels/cute/ce_grad_pass.py``) run by Triton's CPU interpreter
     (``tests/ce_interpreter_check.py``, a subprocess: TRITON_INTERPRET is read at import) against the
-    fp32 arithmetic of the inductor program it replaces, on rows of two column blocks (the second one
-    masked), targets in either block, at the last column and ignored. da is written over the logits
-    buffer; each element is within one bf16 step of the fp32 value (the interpreter truncates, the GPU
-    rounds to nearest: the GPU tests) plus 4 fp32 units for exp's own rounding; an ignored row is all
-    zero with zdz 0; zdz differs only by the row sum's order: at most 2 (V - 1) fp32 units of the sum of
-    its terms' magnitudes."""
+    fp32 arithmetic of the inductor program it replaces and of the aten ops it absorbed, on rows of two
+    column blocks (the second one masked), targets in either block, at the last column and ignored; given
+    the epilogue's per-N-tile log-sum-exp partials (one of them empty, -inf), and given a finished lse.
+    The row's lse (read back through its loss term) is within the rounding of its fold over n partials
+    ((n + 3) fp32 units plus 2 units of |lse| and of the max), the loss term within that plus one unit;
+    da is written over the logits buffer, each element within one bf16 step of the fp32 value (the
+    interpreter truncates, the GPU rounds to nearest: the GPU tests) plus what exp's 4 units and the lse
+    error move p; corr = -(r^2 / d) zdz within its zdz's error (the row sum in another order, 2 (V - 1)
+    units of the sum of its terms' magnitudes, and the terms' p) plus two roundings; an ignored row has
+    da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
+    are refused."""
     got = run_interpreter_check("ce_interpreter_check.py")
-    assert got["in_place"] and got["da_dtype"] == "torch.bfloat16", got
-    assert got["da_err_over_bound"] <= 1.0 and got["ignored_row_zero"], got
-    assert got["zdz_err_over_bound"] <= 1.0, got
+    for case in ("parts", "lse"):
+        g = got[case]
+        assert g["in_place"] and g["da_dtype"] == "torch.bfloat16", (case, g)
+        assert g["lse_err_over_bound"] <= 1.0 and g["loss_err_over_bound"] <= 1.0, (case, g)
+        assert g["da_err_over_bound"] <= 1.0 and g["ignored_row_zero"] and g["ignored_loss_zero"], (case, g)
+        assert g["corr_err_over_bound"] <= 1.0, (case, g)
+    assert all(got["refusals"].values()), got["refusals"]

@@ -70,13 +70,19 @@ def test_b2_vectors_in_one_launch_give_the_eager_ops_bits():
     interpreter (``tests/b2_vectors_interpreter_check.py``): corr = -(r^2/d) zdz and gamma (times the fp8
     scale) bit for bit as the eager ops the B2 op ran (aten divides by a scalar through its fp32 reciprocal;
     at a power-of-two d that is the division itself), for rstd / zdz as (M,) and (M, 1), gamma in bf16 and
-    fp32, M above and below d; and its refusals of mismatched shapes and a non-fp32 scale."""
+    fp32, M above and below d; the fp8 B2's amax fold (``fold_amax``, one launch) bit for bit as
+    ``partials.amax().to(dtype).float()`` for bf16 and fp16, a ragged last block and ties, a NaN partial winning as
+    in torch.amax and an infinite one kept; and its refusals of mismatched shapes, a non-fp32 scale, non-fp32
+    partials and a rounding dtype other than bf16 / fp16."""
     got = run_interpreter_check("b2_vectors_interpreter_check.py")
-    cases = [v for k, v in got.items() if k != "refusals"]
+    cases = [v for k, v in got.items() if k != "refusals" and not k.startswith("fold")]
     assert len(cases) == 3
     for case in cases:
         assert case["corr_apart"] == 0 and case["w_apart"] == 0 and case["w_sc_apart"] == 0, case
         assert case["pow2_matches_division"] and case["dtypes"] == ["torch.float32"] * 2, case
+    folds = [v for k, v in got.items() if k.startswith("fold_") and isinstance(v, dict)]
+    assert len(folds) == 3 and all(f["apart"] == 0 and f["dtype"] == "torch.float32" for f in folds), folds
+    assert got["fold_ties_apart"] == 0 and got["fold_nan_wins"] and got["fold_inf"], got
     assert all(got["refusals"].values()), got["refusals"]
 
 

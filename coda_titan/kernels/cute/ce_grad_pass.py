@@ -1,5 +1,5 @@
 """F4's gradient pass in place: a Triton kernel that turns a chunk's logits into da = r * (softmax - onehot)
-in the same buffer, and reduces zdz = sum_n logits_n (softmax_n - onehot_n) beside it.
+in the same buffer, and makes the row's B2 vector and loss term beside it.
 
 The inductor program of the same arithmetic (``lm_head_ce._ce_grad_math``) reads the logits and writes da
 to a buffer of its own: 3.1 ms a step at 1B (eight 2048-row chunks, one read and one write each), and
@@ -8,24 +8,36 @@ row streams the row's logits in blocks: p = exp(l - lse), zdz's terms summed in 
 and stored over the logits it was made from (each element is read before the same program writes it).
 Rows whose target is the ignore index get da = 0 and zdz = 0, as the reference. Same arithmetic as the
 reference in fp32; the row sum's order differs, as any kernel's may (the GPU tests' derived bounds).
+
+The same program also does the per-row work that ran as aten ops around it, about 19 launches a chunk:
+the log-sum-exp fold of the GEMM epilogue's per-N-tile partials (``torch.logsumexp``'s: the max, zero
+where infinite, the sum of exp(x - max), its log plus the max), the row's loss term (lse - target logit,
+0 where ignored) and B2's row vector corr = -(r * r / d) * zdz (aten's division by a Python scalar: r * r
+times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same way).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def ce_grad_pass_kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, zdz_ptr, V, IGNORE: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
+                        IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
     row = tl.program_id(0)
+    pcols = tl.arange(0, PBLOCK)
+    parts = tl.load(parts_ptr + row.to(tl.int64) * NT + pcols, mask=pcols < NT, other=-float("inf"))
+    pmax = tl.max(parts, axis=0)
+    pmax = tl.where(tl.abs(pmax) == float("inf"), 0.0, pmax)
+    lse = tl.log(tl.sum(tl.exp(parts - pmax), axis=0)) + pmax
     base = logits_ptr + row.to(tl.int64) * V
-    lse = tl.load(lse_ptr + row)
     target = tl.load(target_ptr + row)
     valid = target != IGNORE
-    r = tl.where(valid, tl.load(rstd_ptr + row), 0.0)
+    rstd = tl.load(rstd_ptr + row)
+    r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -35,19 +47,35 @@ def ce_grad_pass_kernel(logits_ptr, lse_ptr, tlogit_ptr, target_ptr, rstd_ptr, z
         acc += p * lf
         da = (p - tl.where(cols == target, 1.0, 0.0)) * r
         tl.store(base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
-    tl.store(zdz_ptr + row, tl.where(valid, tl.sum(acc, axis=0) - tl.load(tlogit_ptr + row), 0.0))
+    tlogit = tl.load(tlogit_ptr + row)
+    zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
+    tl.store(corr_ptr + row, -((rstd * rstd) * inv_d) * zdz)
+    tl.store(loss_ptr + row, tl.where(valid, lse - tlogit, 0.0))
 
 
-def ce_grad_inplace(logits: torch.Tensor, lse: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
-                    rstd: torch.Tensor, ignore_index: int, block: int = 4096,
-                    num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, zdz): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
-    lse, tgt_logit, rstd (rows,) fp32, targets (rows,) integer. ``block`` columns per step of a row's
-    program, ``num_warps`` per program (``scripts/probes/ce_pass.py`` times the choices)."""
+def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
+                    rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
+                    block: int = 4096, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
+    corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
+    log-sum-exp partials (a finished lse is its own single partial: (rows, 1)); tgt_logit, rstd (rows,) fp32,
+    targets (rows,) integer. Each row's loss term (lse - target logit, 0 where ignored) goes to ``loss_rows``
+    (rows,) fp32 when given. ``block`` columns per step of a row's program, ``num_warps`` per program
+    (``scripts/probes/ce_pass.py`` times the choices)."""
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the in-place CE gradient takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
-    zdz = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    ce_grad_pass_kernel[(rows,)](logits, lse.float(), tgt_logit.float(), targets, rstd.float(), zdz, vocab,
-                                 IGNORE=ignore_index, BLOCK=block, num_warps=num_warps)
-    return logits, zdz
+    if lse_parts.dim() != 2 or lse_parts.shape[0] != rows:
+        raise ValueError(f"the in-place CE gradient takes (rows, n) log-sum-exp partials for its {rows} rows, got "
+                         f"{tuple(lse_parts.shape)}")
+    corr = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    loss_rows = torch.empty_like(corr) if loss_rows is None else loss_rows
+    if loss_rows.shape != (rows,) or loss_rows.dtype != torch.float32 or not loss_rows.is_contiguous():
+        raise ValueError(f"loss_rows must be a contiguous fp32 ({rows},) tensor, got {loss_rows.dtype} "
+                         f"{tuple(loss_rows.shape)}")
+    parts = lse_parts.float().contiguous()
+    inv_d = float(np.float32(1.0) / np.float32(dim))  # (fp32 1/d, as aten's tensor / scalar; exact for powers of two)
+    ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
+                                 parts.shape[1], inv_d, IGNORE=ignore_index, BLOCK=block,
+                                 PBLOCK=triton.next_power_of_2(parts.shape[1]), num_warps=num_warps)
+    return logits, corr

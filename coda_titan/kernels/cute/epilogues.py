@@ -33,17 +33,26 @@ def _amax():
     return reduce
 
 
+def _lse_partials():
+    """quack's online log-sum-exp sink with its per-N-tile partials (M, n_tiles) left unfolded: F4's gradient
+    pass folds each row's in the same program that reads the row (``ce_grad_pass``), where
+    ``torch.logsumexp`` over them was nine aten kernels a chunk; the loss-only path folds them as quack would."""
+    reduce = OnlineLSEReduce("lse")
+    reduce.host_finalize = None
+    return reduce
+
+
 @gemm_epilogue(
     ops={"rstd": ColVecLoad("rstd")},
     outs={
-        "lse": OnlineLSEReduce("lse"),
+        "lse": _lse_partials(),
         "target_logit": ColVecSelect("target_logit", idx_op=_target_idx),
     },
     extra_ops=(_target_idx,),
 )
 def rstd_lse_target_epi(acc, rstd):
-    """F4's epilogue: logits = r * acc (deferred final-norm rstd), written as D; the online
-    (max, sum exp) partials of each row; the row's target logit gathered exactly in fp32 (rows
+    """F4's epilogue: logits = r * acc (deferred final-norm rstd), written as D; each row's log-sum-exp
+    over each N tile (``_lse_partials``); the row's target logit gathered exactly in fp32 (rows
     whose target is -100 are left untouched)."""
     v = acc * rstd
     return {"D": v, "lse": v, "target_logit": v}

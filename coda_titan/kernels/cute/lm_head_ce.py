@@ -1,10 +1,12 @@
 """CUDA kernel of F4 (``coda_titan.kernels.lm_head_ce``).
 
-Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) and
-the target logit in the epilogue); one Triton pass (``ce_grad_pass``) turns the logits into da = r *
-(softmax - onehot) in place and reduces zdz; then B2 (``rms_bwd_apply_last_epi``; with
+Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) per N tile
+and the target logit in the epilogue); one Triton pass (``ce_grad_pass``) folds the row's log-sum-exp
+partials, turns the logits into da = r * (softmax - onehot) in place and writes B2's row vector and the
+row's loss term; then B2 (``rms_bwd_apply_last_epi``; with
 ``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s) and the dW_out GEMM, accumulated over
-chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass).
+chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass). The loss is
+one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
 """
@@ -46,7 +48,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
     m, d = h.shape
     vocab = weight.shape[0]
-    loss = torch.zeros((), device=h.device, dtype=torch.float32)
+    loss_rows = torch.empty(m, device=h.device, dtype=torch.float32)
     rstd = rstd.float()
     gamma32 = gamma.float()
     in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
@@ -63,15 +65,16 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         logits = logits_buf[: stop - start]
         with first_call("lm_head_ce", hc, weight):
             res = gemm(rstd_lse_target_epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
-        lse, tl = res["lse"], res["target_logit"]
-        loss = loss + torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0).sum()
-        if not compute_grad:
-            continue
-        if in_place:
-            da, zdz = ce_grad_inplace(logits, lse, tl, t, r, ref.IGNORE_INDEX)
+        parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
+        if compute_grad and in_place:
+            da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop])
         else:
+            lse = torch.logsumexp(parts, dim=-1)
+            loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)
+            if not compute_grad:
+                continue
             da, zdz = grad_fn(logits, lse, tl, t, r)
-        corr = -(r * r / d) * zdz
+            corr = -(r * r / d) * zdz
         with stages.capped(base):
             out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
         dgamma += out["dw"]
@@ -82,6 +85,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
             quack_gemm(da.t(), hc, out=dw, tuned=TUNE)
         else:
             gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
+    loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)

@@ -20,10 +20,10 @@ import torch
 from quack.epilogue.library import rms_bwd_apply_epi, rms_bwd_apply_last_epi
 
 from .. import norm_residual_bwd as ref
-from ..scaling import E4M3, E5M2, compute_dtype
+from ..scaling import E4M3, E5M2
 from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .row_vectors import b2_vectors
+from .row_vectors import b2_vectors, fold_amax
 
 
 def epilogue(last: bool, amax: bool = False):
@@ -68,4 +68,4 @@ def _norm_residual_bwd_fp8(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual
     sc = scalar32(scale)
     out, dgamma, amax = _apply("norm_residual_bwd_fp8", daq, weight_tq.t(), x, gamma, rstd, zdz, dresidual, sc)
     # (the fp32 D's largest |value| rounded as D's stores are: the amax of D as returned, the reference's)
-    return out, dgamma * sc, amax.amax().to(out.dtype).to(compute_dtype(out.dtype))
+    return out, dgamma * sc, fold_amax(amax, out.dtype)

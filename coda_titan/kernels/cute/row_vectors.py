@@ -1,5 +1,6 @@
 """B2's epilogue vectors in one Triton launch: the row vector corr = -(r^2 / d) * zdz and the column vector
-w = gamma (times the fp8 dgrad's dequantization scale s_da * s_w), both fp32.
+w = gamma (times the fp8 dgrad's dequantization scale s_da * s_w), both fp32; and the fp8 B2's amax |D|
+from its epilogue's per-tile partials in one launch (``fold_amax``).
 
 As aten ops inside the B2 op these were six to eight kernels a call (``rstd.float()``, ``r * r``, ``/ d``,
 the negation, ``* zdz``, ``gamma.float()``, ``* sc``), each a launch of a few microseconds with a gap after
@@ -54,3 +55,54 @@ def b2_vectors(rstd: torch.Tensor, zdz: torch.Tensor, gamma: torch.Tensor, d: in
     b2_vectors_kernel[(triton.cdiv(max(m, d), BLOCK),)](rstd, zdz, gamma, corr if sc is None else sc, corr, w, inv_d,
                                                         m, d, HAS_SC=sc is not None, BLOCK=BLOCK)
     return corr, w
+
+
+FOLD_PROGRAMS, FOLD_BLOCK = 64, 2048
+
+
+@triton.jit
+def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, FP16: tl.constexpr, NPROG: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Each of NPROG programs: the largest of its blocks of N partials >= 0 (or NaN) through their int32 bits
+    (which order as the values, a NaN's above +inf) into scratch; the program that finishes last (a count
+    taken atomically) folds the NPROG of them, rounds the value to bf16 (FP16: to fp16), nearest even, widens
+    it back into out_ptr[0], and sets the count back to 0 for the next call."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for start in range(pid * BLOCK, N, NPROG * BLOCK):
+        offs = tl.arange(0, BLOCK).to(tl.int64) + start
+        acc = tl.maximum(acc, tl.load(part_ptr + offs, mask=offs < N, other=0.0).to(tl.int32, bitcast=True))
+    tl.store(scratch_ptr + pid, tl.max(acc, axis=0))
+    tl.debug_barrier()  # (the program's store before its count: the atomic's release then covers it)
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NPROG - 1:
+        bits = tl.max(tl.load(scratch_ptr + tl.arange(0, NPROG), volatile=True), axis=0)
+        if FP16:
+            amax = bits.to(tl.float32, bitcast=True).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+        else:  # (bf16 nearest even on the bits, as the GPU's conversion: exact in Triton's interpreter as well)
+            b = bits.to(tl.int64)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.int32)
+            amax = tl.where(bits > 0x7F800000, bits, b).to(tl.float32, bitcast=True)
+        tl.store(out_ptr, amax)
+        tl.store(count_ptr, 0)
+
+
+_FOLD_STATE: dict = {}  # device -> (scratch, count): the count is 0 between calls
+
+
+def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """amax as a one-element fp32 tensor from an epilogue's fp32 amax |x| partials (any shape, each >= 0: the
+    max.abs sink clears the sign), rounded as a store to ``dtype`` (bf16 or fp16) rounds: the amax of the
+    tensor those fp32 values were stored as (rounding is monotonic), what ``partials.amax().to(dtype).float()``
+    gave in three launches (the reduction, the two conversions). One launch; its programs share a count and a
+    scratch per device, so calls must not run on two streams at once (B2's run on the main stream)."""
+    if partials.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fold_amax takes fp32 partials rounded to bf16 or fp16, got {partials.dtype} to {dtype}")
+    parts = partials.reshape(-1).contiguous()
+    if parts.device not in _FOLD_STATE:
+        _FOLD_STATE[parts.device] = (torch.zeros(FOLD_PROGRAMS, device=parts.device, dtype=torch.int32),
+                                     torch.zeros(1, device=parts.device, dtype=torch.int32))
+    scratch, count = _FOLD_STATE[parts.device]
+    out = torch.empty((), device=parts.device, dtype=torch.float32)
+    fold_amax_kernel[(FOLD_PROGRAMS,)](parts, scratch, count, out, parts.numel(), FP16=dtype == torch.float16,
+                                       NPROG=FOLD_PROGRAMS, BLOCK=FOLD_BLOCK, num_warps=4)
+    return out

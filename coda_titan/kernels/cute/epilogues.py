@@ -23,23 +23,32 @@ from .tstore import TransposedNarrowStore as _T  # M-major 8-bit outputs through
 _target_idx = ColVecLoad("target")
 
 
-def _amax():
-    """A per-row amax |x| sink whose per-tile partials (M, n_tiles) come back unfolded: every caller folds
-    them whole (``.amax()``), one reduction kernel, where quack's per-row fold (``host_finalize``) first was a
-    second (about 6 us and a launch gap each, four to five a layer). Max is exact in any order: the same value.
-    (As quack's own ``gemm_rms`` leaves its sum-of-squares partials raw.)"""
-    reduce = ColVecReduce("amax", combine="max_abs")
+def _raw(reduce):
+    """``reduce`` with its per-tile partials returned unfolded (quack's ``host_finalize`` off, as its own
+    ``gemm_rms`` leaves its sum-of-squares partials raw): the caller folds them in one launch of its own
+    (``row_vectors``) with what it does to the result, where quack's fold and then the caller's arithmetic
+    were two or three launches (about 6 us and a launch gap each)."""
     reduce.host_finalize = None
     return reduce
+
+
+def _amax():
+    """A per-row amax |x| sink, unfolded: every caller folds the (M, n_tiles) partials whole
+    (``row_vectors.fold_amax``). Max is exact in any order: the same value."""
+    return _raw(ColVecReduce("amax", combine="max_abs"))
+
+
+def _dsum():
+    """B3's per-row dsum sink, unfolded: the caller sums each row's (M, n_tiles) partials times its rstd
+    (``row_vectors.row_sum_times``)."""
+    return _raw(ColVecReduce("dsum"))
 
 
 def _lse_partials():
-    """quack's online log-sum-exp sink with its per-N-tile partials (M, n_tiles) left unfolded: F4's gradient
-    pass folds each row's in the same program that reads the row (``ce_grad_pass``), where
-    ``torch.logsumexp`` over them was nine aten kernels a chunk; the loss-only path folds them as quack would."""
-    reduce = OnlineLSEReduce("lse")
-    reduce.host_finalize = None
-    return reduce
+    """quack's online log-sum-exp sink, unfolded: F4's gradient pass folds each row's (M, n_tiles) partials
+    in the same program that reads the row (``ce_grad_pass``), where ``torch.logsumexp`` over them was nine
+    aten kernels a chunk; the loss-only path folds them as quack would."""
+    return _raw(OnlineLSEReduce("lse"))
 
 
 @gemm_epilogue(
@@ -73,7 +82,7 @@ def norm_residual_bwd_last_epi(acc, y, w, corr):
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
-               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
+               reduces={"dw": _raw(RowVecReduce("dw", scaled=True)), "amax": _amax()})
 def norm_residual_bwd_amax_epi(acc, c, y, w, corr):
     """``norm_residual_bwd_epi`` also reducing amax |D| (the fp8 B2: the layer below casts D to e5m2 at that
     amax). A NaN in D does not reach it (max.abs), where the reference's amax would be NaN."""
@@ -82,7 +91,7 @@ def norm_residual_bwd_amax_epi(acc, c, y, w, corr):
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
-               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
+               reduces={"dw": _raw(RowVecReduce("dw", scaled=True)), "amax": _amax()})
 def norm_residual_bwd_last_amax_epi(acc, y, w, corr):
     """``norm_residual_bwd_last_epi`` also reducing amax |D|."""
     d = acc * w + y * corr
@@ -266,7 +275,7 @@ _bf16_hi = _bits_op("and.b32 $0, $1, 0xFFFF0000;")
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
@@ -277,7 +286,7 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
@@ -296,7 +305,7 @@ def _dswiglu_e5m2_words(c, rstd, dy, inv_scale, transposed=False):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
@@ -308,7 +317,7 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_epi`` storing y as e4m3 (``fp8_down_wgrad``): postact = sat(y * inv_y)
@@ -321,7 +330,7 @@ def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
@@ -333,7 +342,7 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_epi`` with y as e4m3 (sat(y * inv_y)); the call gives ``postact`` an
@@ -346,7 +355,7 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     """``dswiglu_rstd_preact_e5m2_t_epi`` after an fp8 GEMM (``swiglu_bwd_e5m2_t_q``): dy = scale * acc,
@@ -358,7 +367,7 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
          "inv_y": Scalar("inv_y")},
-    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+    reduces={"dsum": _dsum(), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""

@@ -24,6 +24,7 @@ from ..recompute import skip_tail
 from ..scaling import E4M3
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi, rms_partial_scaled_fp8_t_epi
+from .row_vectors import fold_amax
 
 
 @torch.library.register_kernel("coda::residual_rms", "cuda")
@@ -57,7 +58,7 @@ def _residual_rms_fp8(y, weight, residual, gamma, tile_n, inv_scale):
             rms_partial_fp8_epi, y, weight.t(), residual, {"D": h, "resid_out": x, "hq": hq},
             weight=gamma.float(), inv_scale=scalar32(inv_scale),
         )
-    return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
+    return x, h, res["sqsum"].unsqueeze(1), hq, fold_amax(res["amax"], torch.float32)
 
 
 def _q_unsupported(yq, wq, residual) -> str | None:
@@ -97,7 +98,7 @@ def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale, **more_out):
     with first_call(name, yq, wq):
         res = gemm(epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq, **more_out},
                    weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
-    return x, h, res["sqsum"].unsqueeze(1), hq, res["amax"].amax()
+    return x, h, res["sqsum"].unsqueeze(1), hq, fold_amax(res["amax"], torch.float32)
 
 
 @torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")

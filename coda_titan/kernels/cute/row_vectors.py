@@ -1,6 +1,7 @@
 """B2's epilogue vectors in one Triton launch: the row vector corr = -(r^2 / d) * zdz and the column vector
-w = gamma (times the fp8 dgrad's dequantization scale s_da * s_w), both fp32; and the fp8 B2's amax |D|
-from its epilogue's per-tile partials in one launch (``fold_amax``).
+w = gamma (times the fp8 dgrad's dequantization scale s_da * s_w), both fp32; and the folds of the fp8
+epilogues' per-tile partials, one launch each: amax |D| (``fold_amax``), B2's dgamma (``col_sum_times``),
+B3's zdz (``row_sum_times``).
 
 As aten ops inside the B2 op these were six to eight kernels a call (``rstd.float()``, ``r * r``, ``/ d``,
 the negation, ``* zdz``, ``gamma.float()``, ``* sc``), each a launch of a few microseconds with a gap after
@@ -61,12 +62,12 @@ FOLD_PROGRAMS, FOLD_BLOCK = 64, 2048
 
 
 @triton.jit
-def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, FP16: tl.constexpr, NPROG: tl.constexpr,
+def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, ROUND: tl.constexpr, NPROG: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Each of NPROG programs: the largest of its blocks of N partials >= 0 (or NaN) through their int32 bits
     (which order as the values, a NaN's above +inf) into scratch; the program that finishes last (a count
-    taken atomically) folds the NPROG of them, rounds the value to bf16 (FP16: to fp16), nearest even, widens
-    it back into out_ptr[0], and sets the count back to 0 for the next call."""
+    taken atomically) folds the NPROG of them, rounds the value to bf16 (ROUND 1) or fp16 (ROUND 2), nearest
+    even, or not at all (ROUND 0), into out_ptr[0] as fp32, and sets the count back to 0 for the next call."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), tl.int32)
     for start in range(pid * BLOCK, N, NPROG * BLOCK):
@@ -76,7 +77,9 @@ def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, FP16: tl.cons
     tl.debug_barrier()  # (the program's store before its count: the atomic's release then covers it)
     if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NPROG - 1:
         bits = tl.max(tl.load(scratch_ptr + tl.arange(0, NPROG), volatile=True), axis=0)
-        if FP16:
+        if ROUND == 0:
+            amax = bits.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
             amax = bits.to(tl.float32, bitcast=True).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
         else:  # (bf16 nearest even on the bits, as the GPU's conversion: exact in Triton's interpreter as well)
             b = bits.to(tl.int64)
@@ -89,20 +92,68 @@ def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, FP16: tl.cons
 _FOLD_STATE: dict = {}  # device -> (scratch, count): the count is 0 between calls
 
 
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """amax as a one-element fp32 tensor from an epilogue's fp32 amax |x| partials (any shape, each >= 0: the
     max.abs sink clears the sign), rounded as a store to ``dtype`` (bf16 or fp16) rounds: the amax of the
     tensor those fp32 values were stored as (rounding is monotonic), what ``partials.amax().to(dtype).float()``
-    gave in three launches (the reduction, the two conversions). One launch; its programs share a count and a
-    scratch per device, so calls must not run on two streams at once (B2's run on the main stream)."""
-    if partials.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fold_amax takes fp32 partials rounded to bf16 or fp16, got {partials.dtype} to {dtype}")
+    gave in three launches (the reduction, the two conversions); ``dtype`` fp32: ``partials.amax()``. One
+    launch; its programs share a count and a scratch per device, so calls must not run on two streams at once
+    (the epilogues' callers run on the main stream)."""
+    if partials.dtype != torch.float32 or dtype not in _ROUND:
+        raise ValueError(f"fold_amax takes fp32 partials rounded to bf16, fp16 or fp32, got {partials.dtype} to {dtype}")
     parts = partials.reshape(-1).contiguous()
     if parts.device not in _FOLD_STATE:
         _FOLD_STATE[parts.device] = (torch.zeros(FOLD_PROGRAMS, device=parts.device, dtype=torch.int32),
                                      torch.zeros(1, device=parts.device, dtype=torch.int32))
     scratch, count = _FOLD_STATE[parts.device]
     out = torch.empty((), device=parts.device, dtype=torch.float32)
-    fold_amax_kernel[(FOLD_PROGRAMS,)](parts, scratch, count, out, parts.numel(), FP16=dtype == torch.float16,
+    fold_amax_kernel[(FOLD_PROGRAMS,)](parts, scratch, count, out, parts.numel(), ROUND=_ROUND[dtype],
                                        NPROG=FOLD_PROGRAMS, BLOCK=FOLD_BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def sum_times_kernel(part_ptr, f_ptr, out_ptr, R, C, stride_r, stride_c, ROWS_OUT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """out[i] = (sum over j of part[i, j] in order j = 0, 1, ...) * f[i or 0]: over the columns of each row
+    (ROWS_OUT, R outputs) or, with the strides swapped by the caller, over the rows of each column."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < R
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(0, C):
+        acc += tl.load(part_ptr + offs.to(tl.int64) * stride_r + j * stride_c, mask=inside, other=0.0)
+    f = tl.load(f_ptr + offs, mask=inside, other=0.0) if ROWS_OUT else tl.load(f_ptr)
+    tl.store(out_ptr + offs, acc * f, mask=inside)
+
+
+def _sum_times(name: str, partials: torch.Tensor, f: torch.Tensor, rows_out: bool) -> torch.Tensor:
+    if partials.dtype != torch.float32 or f.dtype != torch.float32:
+        raise ValueError(f"{name} takes fp32 partials and factor, got {partials.dtype} and {f.dtype}")
+    p = partials.reshape((-1, 1) if rows_out else (1, -1)) if partials.dim() == 1 else partials
+    r, c = (p.shape if rows_out else (p.shape[1], p.shape[0])) if p.dim() == 2 else (-1, -1)
+    if p.dim() != 2 or f.numel() != (r if rows_out else 1):
+        raise ValueError(f"{name} takes 2-d partials ({'rows' if rows_out else 'columns'} out) and "
+                         f"{'one factor a row' if rows_out else 'one factor'}, got {tuple(partials.shape)} and "
+                         f"{tuple(f.shape)}")
+    sr, sc = p.stride() if rows_out else (p.stride(1), p.stride(0))
+    out = torch.empty(r, device=p.device, dtype=torch.float32)
+    sum_times_kernel[(triton.cdiv(r, FOLD_BLOCK // 4),)](p, f.reshape(-1).contiguous(), out, r, c, sr, sc,
+                                                        ROWS_OUT=rows_out, BLOCK=FOLD_BLOCK // 4)
+    return out
+
+
+def row_sum_times(partials: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """(M,) fp32: each row's partials (M, n) (or (M,): one each) summed in column order, times r (M,): B3's
+    zdz from its epilogue's per-N-tile dsum partials and the rows' rstd, in one launch (was quack's fold
+    and a product)."""
+    return _sum_times("row_sum_times", partials, r, True)
+
+
+def col_sum_times(partials: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """(d,) fp32: each column's partials (T, d) summed in row order, times the one-element sc: the fp8 B2's
+    dgamma from its epilogue's per-M-tile partials and the GEMM's dequantization scale, in one launch (was
+    quack's fold and a product)."""
+    return _sum_times("col_sum_times", partials, sc, False)

@@ -18,10 +18,11 @@ times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from .row_vectors import fp32_reciprocal
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
         raise ValueError(f"loss_rows must be a contiguous fp32 ({rows},) tensor, got {loss_rows.dtype} "
                          f"{tuple(loss_rows.shape)}")
     parts = lse_parts.float().contiguous()
-    inv_d = float(np.float32(1.0) / np.float32(dim))  # (fp32 1/d, as aten's tensor / scalar; exact for powers of two)
+    inv_d = fp32_reciprocal(dim)
     ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
                                  parts.shape[1], inv_d, IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), num_warps=num_warps)

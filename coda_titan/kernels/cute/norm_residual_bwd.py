@@ -41,8 +41,8 @@ def epilogue(last: bool, amax: bool = False):
 
 def _apply(name, a, b_kn, x, gamma, rstd, zdz, dresidual, sc=None):
     """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma, and with ``sc`` (fp8) the partials of
-    amax |D|; dgamma then as its per-M-tile partials, unfolded: the caller folds them times ``sc``). Its vectors (corr, and gamma times ``sc`` where given) come from one launch
-    (``row_vectors``)."""
+    amax |D|; dgamma then as its per-M-tile partials, unfolded: the caller folds them times ``sc``). Its
+    vectors (corr, and gamma times ``sc`` where given) come from one launch (``row_vectors``)."""
     corr, w = b2_vectors(rstd, zdz, gamma, x.shape[1], sc)
     out = torch.empty_like(x)
     epi, base = epilogue(last=dresidual is None, amax=sc is not None)

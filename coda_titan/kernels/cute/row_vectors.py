@@ -39,6 +39,12 @@ def b2_vectors_kernel(rstd_ptr, zdz_ptr, gamma_ptr, sc_ptr, corr_ptr, w_ptr, inv
     tl.store(w_ptr + offs, g, mask=cols)
 
 
+def fp32_reciprocal(d: int) -> float:
+    """1 / d in fp32 (as a Python float): what aten multiplies by when it divides a tensor by the Python
+    scalar d (exact for powers of two)."""
+    return float(np.float32(1.0) / np.float32(d))
+
+
 def b2_vectors(rstd: torch.Tensor, zdz: torch.Tensor, gamma: torch.Tensor, d: int,
                sc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(corr (M,), w (d,)), fp32: corr = -(r * r / d) * zdz, w = gamma (* sc, a one-element fp32 tensor);
@@ -52,7 +58,7 @@ def b2_vectors(rstd: torch.Tensor, zdz: torch.Tensor, gamma: torch.Tensor, d: in
     m = rstd.shape[0]
     corr = torch.empty(m, device=rstd.device, dtype=torch.float32)
     w = torch.empty(d, device=rstd.device, dtype=torch.float32)
-    inv_d = float(np.float32(1.0) / np.float32(d))  # (fp32 1/d, as aten's tensor / scalar; exact for powers of two)
+    inv_d = fp32_reciprocal(d)
     b2_vectors_kernel[(triton.cdiv(max(m, d), BLOCK),)](rstd, zdz, gamma, corr if sc is None else sc, corr, w, inv_d,
                                                         m, d, HAS_SC=sc is not None, BLOCK=BLOCK)
     return corr, w

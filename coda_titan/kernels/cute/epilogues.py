@@ -38,12 +38,6 @@ def _amax():
     return _raw(ColVecReduce("amax", combine="max_abs"))
 
 
-def _dsum():
-    """B3's per-row dsum sink, unfolded: the caller sums each row's (M, n_tiles) partials times its rstd
-    (``row_vectors.row_sum_times``)."""
-    return _raw(ColVecReduce("dsum"))
-
-
 def _lse_partials():
     """quack's online log-sum-exp sink, unfolded: F4's gradient pass folds each row's (M, n_tiles) partials
     in the same program that reads the row (``ce_grad_pass``), where ``torch.logsumexp`` over them was nine
@@ -82,7 +76,7 @@ def norm_residual_bwd_last_epi(acc, y, w, corr):
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
-               reduces={"dw": _raw(RowVecReduce("dw", scaled=True)), "amax": _amax()})
+               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
 def norm_residual_bwd_amax_epi(acc, c, y, w, corr):
     """``norm_residual_bwd_epi`` also reducing amax |D| (the fp8 B2: the layer below casts D to e5m2 at that
     amax). A NaN in D does not reach it (max.abs), where the reference's amax would be NaN."""
@@ -91,7 +85,7 @@ def norm_residual_bwd_amax_epi(acc, c, y, w, corr):
 
 
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")},
-               reduces={"dw": _raw(RowVecReduce("dw", scaled=True)), "amax": _amax()})
+               reduces={"dw": RowVecReduce("dw", scaled=True), "amax": _amax()})
 def norm_residual_bwd_last_amax_epi(acc, y, w, corr):
     """``norm_residual_bwd_last_epi`` also reducing amax |D|."""
     d = acc * w + y * corr
@@ -275,7 +269,7 @@ _bf16_hi = _bits_op("and.b32 $0, $1, 0xFFFF0000;")
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
@@ -286,7 +280,7 @@ def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
 def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
@@ -305,7 +299,7 @@ def _dswiglu_e5m2_words(c, rstd, dy, inv_scale, transposed=False):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
@@ -317,7 +311,7 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=("postact", "daq"),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_epi`` storing y as e4m3 (``fp8_down_wgrad``): postact = sat(y * inv_y)
@@ -330,7 +324,7 @@ def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
@@ -342,7 +336,7 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "inv_y": Scalar("inv_y")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_epi`` with y as e4m3 (sat(y * inv_y)); the call gives ``postact`` an
@@ -355,7 +349,7 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
 @gemm_epilogue(
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     """``dswiglu_rstd_preact_e5m2_t_epi`` after an fp8 GEMM (``swiglu_bwd_e5m2_t_q``): dy = scale * acc,
@@ -367,7 +361,7 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
     ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
          "inv_y": Scalar("inv_y")},
-    reduces={"dsum": _dsum(), "amax": _amax()},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
 )
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""

@@ -23,7 +23,7 @@ from .. import norm_residual_bwd as ref
 from ..scaling import E4M3, E5M2
 from . import epilogues, stages
 from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
-from .row_vectors import b2_vectors, col_sum_times, fold_amax
+from .row_vectors import b2_vectors, fold_amax
 
 
 def epilogue(last: bool, amax: bool = False):
@@ -40,9 +40,9 @@ def epilogue(last: bool, amax: bool = False):
 
 
 def _apply(name, a, b_kn, x, gamma, rstd, zdz, dresidual, sc=None):
-    """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma, and with ``sc`` (fp8) the partials of
-    amax |D|; dgamma then as its per-M-tile partials, unfolded: the caller folds them times ``sc``). Its
-    vectors (corr, and gamma times ``sc`` where given) come from one launch (``row_vectors``)."""
+    """B2's GEMM a @ b_kn with the norm/residual epilogue: (D, dgamma partial sums, and with ``sc`` (fp8) the
+    partials of amax |D|). Its vectors (corr, and gamma times ``sc`` where given) come from one launch
+    (``row_vectors``)."""
     corr, w = b2_vectors(rstd, zdz, gamma, x.shape[1], sc)
     out = torch.empty_like(x)
     epi, base = epilogue(last=dresidual is None, amax=sc is not None)
@@ -68,4 +68,4 @@ def _norm_residual_bwd_fp8(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual
     sc = scalar32(scale)
     out, dgamma, amax = _apply("norm_residual_bwd_fp8", daq, weight_tq.t(), x, gamma, rstd, zdz, dresidual, sc)
     # (the fp32 D's largest |value| rounded as D's stores are: the amax of D as returned, the reference's)
-    return out, col_sum_times(dgamma, sc), fold_amax(amax, out.dtype)  # (dgamma: its unfolded partials)
+    return out, dgamma * sc, fold_amax(amax, out.dtype)

@@ -40,7 +40,7 @@ from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
-from .row_vectors import fold_amax, row_sum_times
+from .row_vectors import fold_amax
 
 
 @torch.library.register_kernel("coda::norm_swiglu", "cuda")
@@ -125,7 +125,7 @@ def _b3_e5m2(name, epi, dout, b_kn, a, rstd, **ops):
     with first_call(name, dout, b_kn):
         res = epi(dout, b_kn, a, out={"D": da, "postact": y, "daq": daq}, tuned=False, config=_b3_fp8_config(a.device),
                   rstd=r, **ops)
-    return da, y, row_sum_times(res["dsum"], r), daq.view(E5M2), fold_amax(res["amax"], torch.float32)
+    return da, y, res["dsum"] * r, daq.view(E5M2), fold_amax(res["amax"], torch.float32)
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
@@ -156,7 +156,7 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
     with first_call("swiglu_bwd_e5m2", dout, w_down):
         res = epi(dout, w_down, a.view(torch.float32), out={"postact": y, "daq": daq}, store_d=False, tuned=False,
                   config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
-    return y, row_sum_times(res["dsum"], r), daq.view(E5M2), fold_amax(res["amax"], torch.float32)
+    return y, res["dsum"] * r, daq.view(E5M2), fold_amax(res["amax"], torch.float32)
 
 
 @functools.cache
@@ -190,7 +190,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):
         res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config, rstd=r,
                   inv_scale=scalar32(inv_scale), **ops)
-    return y, row_sum_times(res["dsum"], r), daq.view(E5M2), daq_t, fold_amax(res["amax"], torch.float32)
+    return y, res["dsum"] * r, daq.view(E5M2), daq_t, fold_amax(res["amax"], torch.float32)
 
 
 def _b3_t_unsupported(a, inv_scale):

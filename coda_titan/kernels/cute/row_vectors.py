@@ -1,7 +1,6 @@
 """B2's epilogue vectors in one Triton launch: the row vector corr = -(r^2 / d) * zdz and the column vector
 w = gamma (times the fp8 dgrad's dequantization scale s_da * s_w), both fp32; and the folds of the fp8
-epilogues' per-tile partials, one launch each: amax |D| (``fold_amax``), B2's dgamma (``col_sum_times``),
-B3's zdz (``row_sum_times``).
+epilogues' amax |x| partials in one launch (``fold_amax``).
 
 As aten ops inside the B2 op these were six to eight kernels a call (``rstd.float()``, ``r * r``, ``/ d``,
 the negation, ``* zdz``, ``gamma.float()``, ``* sc``), each a launch of a few microseconds with a gap after
@@ -119,47 +118,3 @@ def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     fold_amax_kernel[(FOLD_PROGRAMS,)](parts, scratch, count, out, parts.numel(), ROUND=_ROUND[dtype],
                                        NPROG=FOLD_PROGRAMS, BLOCK=FOLD_BLOCK, num_warps=4)
     return out
-
-
-@triton.jit
-def sum_times_kernel(part_ptr, f_ptr, out_ptr, R, C, stride_r, stride_c, ROWS_OUT: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """out[i] = (sum over j of part[i, j] in order j = 0, 1, ...) * f[i or 0]: over the columns of each row
-    (ROWS_OUT, R outputs) or, with the strides swapped by the caller, over the rows of each column."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < R
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in range(0, C):
-        acc += tl.load(part_ptr + offs.to(tl.int64) * stride_r + j * stride_c, mask=inside, other=0.0)
-    f = tl.load(f_ptr + offs, mask=inside, other=0.0) if ROWS_OUT else tl.load(f_ptr)
-    tl.store(out_ptr + offs, acc * f, mask=inside)
-
-
-def _sum_times(name: str, partials: torch.Tensor, f: torch.Tensor, rows_out: bool) -> torch.Tensor:
-    if partials.dtype != torch.float32 or f.dtype != torch.float32:
-        raise ValueError(f"{name} takes fp32 partials and factor, got {partials.dtype} and {f.dtype}")
-    p = partials.reshape((-1, 1) if rows_out else (1, -1)) if partials.dim() == 1 else partials
-    r, c = (p.shape if rows_out else (p.shape[1], p.shape[0])) if p.dim() == 2 else (-1, -1)
-    if p.dim() != 2 or f.numel() != (r if rows_out else 1):
-        raise ValueError(f"{name} takes 2-d partials ({'rows' if rows_out else 'columns'} out) and "
-                         f"{'one factor a row' if rows_out else 'one factor'}, got {tuple(partials.shape)} and "
-                         f"{tuple(f.shape)}")
-    sr, sc = p.stride() if rows_out else (p.stride(1), p.stride(0))
-    out = torch.empty(r, device=p.device, dtype=torch.float32)
-    sum_times_kernel[(triton.cdiv(r, FOLD_BLOCK // 4),)](p, f.reshape(-1).contiguous(), out, r, c, sr, sc,
-                                                        ROWS_OUT=rows_out, BLOCK=FOLD_BLOCK // 4)
-    return out
-
-
-def row_sum_times(partials: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """(M,) fp32: each row's partials (M, n) (or (M,): one each) summed in column order, times r (M,): B3's
-    zdz from its epilogue's per-N-tile dsum partials and the rows' rstd, in one launch (was quack's fold
-    and a product)."""
-    return _sum_times("row_sum_times", partials, r, True)
-
-
-def col_sum_times(partials: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    """(d,) fp32: each column's partials (T, d) summed in row order, times the one-element sc: the fp8 B2's
-    dgamma from its epilogue's per-M-tile partials and the GEMM's dequantization scale, in one launch (was
-    quack's fold and a product)."""
-    return _sum_times("col_sum_times", partials, sc, False)

@@ -88,6 +88,8 @@
 #                  compiled with the program, PREC=fp8 (default) or bf16 (two tables: ce_triton_PREC, ce_inductor_PREC)
 #     b1probe      scripts/probes/b1_pass.py: B1's Triton pass (a program per row) against a rewrite over blocks of heads
 #                  (2, 4, 8 warps; dropped), bf16 and fp8, bits and GPU ms beside the memory time
+#     foldsprobe   scripts/probes/folds.py: the fp8 epilogues' partial folds as the step runs them against one launch
+#                  (amax: fold_amax; B3's zdz and B2's dgamma: a 2-d tile a program), time and agreement
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
@@ -429,6 +431,10 @@ for phase in "$@"; do
     b1probe)
       python3 -m scripts.probes.b1_pass > "$logs/b1_pass.log" 2>&1
       echo "b1probe rc=$?"; grep -E '"variant"' "$logs/b1_pass.log" | cut -c1-400
+      ;;
+    foldsprobe)
+      python3 -m scripts.probes.folds > "$logs/folds.log" 2>&1
+      echo "foldsprobe rc=$?"; grep -E '"fold"' "$logs/folds.log" | cut -c1-400
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass

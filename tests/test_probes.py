@@ -112,3 +112,16 @@ def test_the_step_timeline_reads_a_trace_from_one_optimizer_phase_to_the_next(tm
     assert doc["optimizer"]["kernels"] == 2 and doc["optimizer"]["span_ms"] == pytest.approx(0.1)
     assert doc["optimizer"]["main_stream_kernel_ms_inside"] == 0.0 and not doc["optimizer"]["on_main_stream"]
     assert doc["other_streams_kernel_ms"] == {"9": pytest.approx(0.09), "17": pytest.approx(0.03)}
+
+
+def test_the_folds_probes_one_launch_sums_are_sums_within_the_probes_bound():
+    """``scripts/probes/folds.py``'s one-launch candidates (B3's zdz and B2's dgamma from their epilogues'
+    partials, a 2-d tile a program) in Triton's interpreter (``tests/folds_interpreter_check.py``): within
+    the bound the probe judges them by (two fp32 sums of n terms in different orders: 2 (n - 1) units of the
+    sum of the terms' magnitudes times the factor, plus a unit of the product), on ragged row and column
+    blocks and rows wider than one tile; a result 0.1% off is far over that bound."""
+    from .helpers import run_interpreter_check
+
+    got = run_interpreter_check("folds_interpreter_check.py")
+    assert all(v <= 1.0 for k, v in got.items() if k != "wrong_over_bound"), got
+    assert got["wrong_over_bound"] > 10, got

@@ -55,18 +55,15 @@ def _quantize_grad_inductor(t, amax=None):
     return _fused_cast(quantize_e5m2, t, inv), inv.reciprocal()
 
 
-def _given(amax, t) -> bool:
-    """Whether the Triton pass takes ``amax`` as given: one element in t's compute dtype (fp32)."""
-    return amax is not None and amax.numel() == 1 and amax.dtype == compute_dtype(t.dtype)
-
-
-def _cast_pass(t) -> bool:
-    """Whether ``quantize_grad`` runs ``grad_e5m2``'s Triton passes: a contiguous 2-d bf16 gradient, unless
+def _cast_pass(t, amax=None) -> bool:
+    """Whether ``quantize_grad`` runs ``grad_e5m2``'s Triton passes: a contiguous 2-d bf16 gradient, with no
+    amax or one it takes as given (one element in t's compute dtype, fp32), unless
     ``CODA_TITAN_CAST_PASS=inductor`` asks for the previous kernels."""
     mode = os.environ.get(CAST_PASS_ENV, "triton")
     if mode not in ("triton", "inductor"):
         raise ValueError(f"{CAST_PASS_ENV}={mode!r}: 'triton' (the default) or 'inductor'")
-    return mode == "triton" and t.dim() == 2 and t.dtype == torch.bfloat16 and t.is_contiguous()
+    given = amax is None or (amax.numel() == 1 and amax.dtype == compute_dtype(t.dtype))
+    return mode == "triton" and t.dim() == 2 and t.dtype == torch.bfloat16 and t.is_contiguous() and given
 
 
 def _with_token_major(tq, *rest):
@@ -77,7 +74,7 @@ def _with_token_major(tq, *rest):
 
 @torch.library.register_kernel("coda::quantize_grad", "cuda")
 def _quantize_grad(t, amax=None):
-    if _cast_pass(t) and (amax is None or _given(amax, t)):
+    if _cast_pass(t, amax):
         tq, _, s = grad_e5m2(t, token_major=False, amax=amax)
         return tq, s
     return _quantize_grad_inductor(t, amax)
@@ -85,7 +82,7 @@ def _quantize_grad(t, amax=None):
 
 @torch.library.register_kernel("coda::quantize_grad_t", "cuda")
 def _quantize_grad_t(t, amax=None):
-    if _cast_pass(t) and (amax is None or _given(amax, t)):
+    if _cast_pass(t, amax):
         return grad_e5m2(t, token_major=True, amax=amax)
     return _with_token_major(*_quantize_grad_inductor(t, amax))
 
@@ -119,13 +116,13 @@ def quantize_grad_traced(*, t, amax=None):
     """``coda::quantize_grad`` as code a compiled caller traces (``TRACED``): ``grad_e5m2``'s ``triton_op``, whose
     kernels inductor launches (``_amax``: with the producer's amax, no amax pass), or, under
     ``CODA_TITAN_CAST_PASS=inductor``, the op as before."""
-    if not _cast_pass(t) or (amax is not None and not _given(amax, t)):
+    if not _cast_pass(t, amax):
         return ref.quantize_grad_op(t, amax)
     return torch.ops.coda.grad_e5m2(t) if amax is None else torch.ops.coda.grad_e5m2_amax(t, amax.reshape(1))
 
 
 def quantize_grad_t_traced(*, t, amax=None):
     """``coda::quantize_grad_t`` as code a compiled caller traces (``TRACED``), as ``quantize_grad_traced``."""
-    if not _cast_pass(t) or (amax is not None and not _given(amax, t)):
+    if not _cast_pass(t, amax):
         return ref.quantize_grad_t_op(t, amax)
     return torch.ops.coda.grad_e5m2_t(t) if amax is None else torch.ops.coda.grad_e5m2_t_amax(t, amax.reshape(1))

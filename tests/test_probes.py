@@ -125,3 +125,16 @@ def test_the_folds_probes_one_launch_sums_are_sums_within_the_probes_bound():
     got = run_interpreter_check("folds_interpreter_check.py")
     assert all(v <= 1.0 for k, v in got.items() if k != "wrong_over_bound"), got
     assert got["wrong_over_bound"] > 10, got
+
+
+def test_the_b1_probes_chunked_pass_writes_the_shipped_passs_bits():
+    """``scripts/probes/b1_pass.py``'s chunked candidate (rows a program, the row in column blocks: a ragged
+    last block, blocks inside a head, one row) in Triton's interpreter (``tests/b1_chunk_interpreter_check.py``)
+    against the shipped row pass: da, the e5m2 codes and the row amax bit for bit, zdz within 1e-6 relative
+    (the same terms in another order, fp32, a row of 40)."""
+    from .helpers import run_interpreter_check
+
+    got = run_interpreter_check("b1_chunk_interpreter_check.py")
+    assert len(got) == 18, got
+    assert all(v for k, v in got.items() if k.endswith("_equal")), got
+    assert all(v <= 1e-6 for k, v in got.items() if k.endswith("_zdz_rel")), got

@@ -2,7 +2,9 @@
 power-of-two block of the row, each element's pair partner loaded again, the cos / sin tables gathered per
 element) against a rewrite tried and dropped in the twenty-sixth session (kept here, ``_heads_kernel``): a
 program per row over blocks of whole heads, each pair split from its partner in registers, the table row
-loaded once and shared by every head, with 2, 4 or 8 warps. The 1B shape, bf16 and fp8 (the e5m2 codes
+loaded once and shared by every head (4 warps; 2 and 8 were slower), and the shipped kernel at 4 and 16 warps
+and a chunked form (``_chunk_kernel``: ROWS rows a program, the row in blocks of CH columns, no power-of-two
+tail; ``CHUNKED``), the forty-first session's candidates. The 1B shape, bf16 and fp8 (the e5m2 codes
 and row amax).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.b1_pass        (gpu_train.sh b1probe)
@@ -61,6 +63,69 @@ def _heads_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zd
         tl.store(amax_ptr + row, tl.max(tl.reshape(amax, [2 * HALF * HEADS]), axis=0))
 
 
+@triton.jit
+def _chunk_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen,
+                  s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, CH: tl.constexpr,
+                  ROWS: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
+    """The shipped pass's arithmetic over ROWS rows a program and the row in blocks of CH columns (no
+    masked-off tail of a power-of-two block; the row sums kept per element until the end)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows64 = rows.to(tl.int64)[:, None]
+    r = tl.load(rstd_ptr + rows)[:, None]
+    pos = (rows % seqlen)[:, None]
+    zdz = tl.zeros([ROWS, CH], tl.float32)
+    amax = tl.zeros([ROWS, CH], tl.float32)
+    for b in tl.static_range((Q + CH - 1) // CH):
+        cols = b * CH + tl.arange(0, CH)[None, :]
+        inside = (cols < Q) & (rows[:, None] >= 0)
+        dy = tl.load(dy_ptr + rows64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
+        zdz += tl.load(y_ptr + rows64 * s_y + cols, mask=inside, other=0.0).to(tl.float32) * dy
+        partner = tl.load(dy_ptr + rows64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
+        rope = inside & (cols < ROT)
+        pair = (cols % (2 * HALF)) // 2
+        c = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
+        s = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
+        back = tl.where((cols % 2) == 0, dy * c + partner * s, dy * c - partner * s)
+        da = tl.where(rope, back, dy) * r
+        tl.store(da_ptr + rows64 * Q + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
+        if FP8:
+            amax = tl.maximum(amax, tl.where(inside, tl.abs(da), 0.0))
+            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+            tl.store(daq_ptr + rows64 * Q + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
+    tl.store(zdz_ptr + rows, tl.sum(zdz, axis=1))
+    if FP8:
+        tl.store(amax_ptr + rows, tl.max(amax, axis=1))
+
+
+def _chunk_launch(dy, y, rstd, cos, sin, rot: int, inv, ch: int, rows: int, num_warps: int):
+    from coda_titan.kernels.cute.rope_bwd_pass import outputs
+
+    m, q = dy.shape
+    fp8 = inv is not None
+    da, zdz, daq, amax = outputs(dy, fp8)
+    _chunk_kernel[(m // rows,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
+                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], CH=ch, ROWS=rows,
+                                FP8=fp8, FMAX=E5M2_MAX, num_warps=num_warps)
+    return da, zdz, daq, amax
+
+
+def _row_launch(dy, y, rstd, cos, sin, rot: int, inv, num_warps: int):
+    """The shipped kernel at another warp count."""
+    from coda_titan.kernels.cute.rope_bwd_pass import outputs, rope_bwd_pass_kernel
+
+    m, q = dy.shape
+    fp8 = inv is not None
+    da, zdz, daq, amax = outputs(dy, fp8)
+    rope_bwd_pass_kernel[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
+                               dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1],
+                               BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=num_warps)
+    return da, zdz, daq, amax
+
+
+# (columns a block, rows a program, warps): the chunked variants timed
+CHUNKED = ((1024, 1, 4), (1024, 1, 8), (1024, 2, 8), (512, 4, 8), (1024, 4, 16))
+
+
 def heads_per_block(q: int, half: int) -> int:
     """Heads per block of the pass: the largest power of two (at most 8) that divides the row's head count."""
     heads = q // (2 * half)
@@ -88,8 +153,12 @@ def _variants(inv):
         sfx = "_fp8" if fp8 else ""
         scale = inv if fp8 else None
         out[f"row{sfx}"] = lambda dy, y, r, c, s, scale=scale: _launch(dy, y, r, c, s, ROT, scale)
-        for w in (2, 4, 8):
-            out[f"heads_w{w}{sfx}"] = lambda dy, y, r, c, s, scale=scale, w=w: _heads_launch(dy, y, r, c, s, ROT, scale, w)
+        for w in (4, 16):
+            out[f"row_w{w}{sfx}"] = lambda dy, y, r, c, s, scale=scale, w=w: _row_launch(dy, y, r, c, s, ROT, scale, w)
+        for ch, rows, w in CHUNKED:
+            out[f"chunk{ch}_r{rows}_w{w}{sfx}"] = (lambda dy, y, r, c, s, scale=scale, ch=ch, rows=rows, w=w:
+                                                   _chunk_launch(dy, y, r, c, s, ROT, scale, ch, rows, w))
+        out[f"heads_w4{sfx}"] = lambda dy, y, r, c, s, scale=scale: _heads_launch(dy, y, r, c, s, ROT, scale, 4)
     return out
 
 

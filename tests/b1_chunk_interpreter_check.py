@@ -1,20 +1,16 @@
-"""Run by tests/test_probes.py in a subprocess with TRITON_INTERPRET=1: the chunked B1 pass of
-``scripts/probes/b1_pass.py`` (``_chunk_kernel``: rows a program, the row in column blocks) against the
-shipped row pass (``kernels/cute/rope_bwd_pass.py``) on CPU tensors, through Triton's interpreter: da, the
+"""Run by tests/test_probes.py in a subprocess with TRITON_INTERPRET=1: B1's pass (``kernels/cute/rope_bwd_pass.py``)
+at other shapes (rows a program, the row in column blocks) against one power-of-two block of a row a program,
+the pass's form until the forty-first session, on CPU tensors, through Triton's interpreter: da, the
 e5m2 codes and the row amax compared bit for bit, zdz by its largest relative difference (another order).
 Prints one JSON line of measurements; the test judges them."""
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 from interpreter_stub import cute_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the checkout: ``scripts`` is not installed)
 cute_module("rope_bwd_pass")  # (quack stood in for, as tests/b1_interpreter_check.py)
 from coda_titan.kernels.cute.rope_bwd_pass import _launch  # noqa: E402
-from scripts.probes import b1_pass  # noqa: E402
 
 torch.manual_seed(0)
 m, half, seqlen = 8, 4, 4  # (rows of 3 q heads, 1 k head, 1 v head of 8; q and k rotated)
@@ -27,9 +23,9 @@ cos, sin = ang.cos(), ang.sin()
 inv = torch.tensor([2.0**20])
 got = {}
 for fp8 in (False, True):
-    want = _launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None)
+    want = _launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None, (64, 1, 8))
     for ch, rows in ((16, 2), (8, 4), (32, 1)):  # (a ragged last block; blocks inside a head; one row)
-        da, zdz, daq, amax = b1_pass._chunk_launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None, ch, rows, 4)
+        da, zdz, daq, amax = _launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None, (ch, rows, 4))
         key = f"{'fp8_' if fp8 else ''}ch{ch}_r{rows}"
         got[key + "_da_equal"] = torch.equal(da, want[0])
         got[key + "_zdz_rel"] = float(((zdz - want[1]).abs() / want[1].abs()).max())

@@ -1,15 +1,15 @@
-"""Probe (GPU): B1's Triton pass (``kernels/cute/rope_bwd_pass.py``: a program per token row over one
-power-of-two block of the row, each element's pair partner loaded again, the cos / sin tables gathered per
-element) against a rewrite tried and dropped in the twenty-sixth session (kept here, ``_heads_kernel``): a
-program per row over blocks of whole heads, each pair split from its partner in registers, the table row
-loaded once and shared by every head (4 warps; 2 and 8 were slower), and the shipped kernel at 4 and 16 warps
-and a chunked form (``_chunk_kernel``: ROWS rows a program, the row in blocks of CH columns, no power-of-two
-tail; ``CHUNKED``), the forty-first session's candidates. The 1B shape, bf16 and fp8 (the e5m2 codes
-and row amax).
+"""Probe (GPU): B1's Triton pass (``kernels/cute/rope_bwd_pass.py``: ROWS token rows a program, each row in
+blocks of CH columns, each element's pair partner loaded again, the cos / sin tables gathered per element) at
+the (CH, ROWS, warps) shapes of ``SHAPES``: (4096, 1, 8) is the pass as it was until the forty-first session
+(one power-of-two block of the 3072-column row), ``rope_bwd_pass.SHAPE`` the one it ships with; against a
+rewrite tried and dropped in the twenty-sixth session (kept here, ``_heads_kernel``): a program per row over
+blocks of whole heads, each pair split from its partner in registers, the table row loaded once and shared by
+every head (4 warps; 2 and 8 were slower). The 1B shape, bf16 and fp8 (the e5m2 codes and row amax). Each
+launch is the kernel's own (no ``wrap_triton``, whose eager dispatch made the host, not the GPU, the measure).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.b1_pass        (gpu_train.sh b1probe)
 
-Each variant's da, codes and amax are compared bit for bit with the shipped pass's, zdz by its largest
+Each variant's da, codes and amax are compared bit for bit with the (4096, 1, 8) pass's, zdz by its largest
 relative difference (another summation order). Timing: 20 calls enqueued back to back after 3 warm-up
 calls, GPU ms per call, in 5 alternations of the variants (``epi_stages._streamed``), beside the time
 reading dy and y and writing da (and the codes) would take at ``BANDWIDTH_TBS``. Writes
@@ -63,67 +63,16 @@ def _heads_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zd
         tl.store(amax_ptr + row, tl.max(tl.reshape(amax, [2 * HALF * HEADS]), axis=0))
 
 
-@triton.jit
-def _chunk_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr, seqlen,
-                  s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, CH: tl.constexpr,
-                  ROWS: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
-    """The shipped pass's arithmetic over ROWS rows a program and the row in blocks of CH columns (no
-    masked-off tail of a power-of-two block; the row sums kept per element until the end)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rows64 = rows.to(tl.int64)[:, None]
-    r = tl.load(rstd_ptr + rows)[:, None]
-    pos = (rows % seqlen)[:, None]
-    zdz = tl.zeros([ROWS, CH], tl.float32)
-    amax = tl.zeros([ROWS, CH], tl.float32)
-    for b in tl.static_range((Q + CH - 1) // CH):
-        cols = b * CH + tl.arange(0, CH)[None, :]
-        inside = (cols < Q) & (rows[:, None] >= 0)
-        dy = tl.load(dy_ptr + rows64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
-        zdz += tl.load(y_ptr + rows64 * s_y + cols, mask=inside, other=0.0).to(tl.float32) * dy
-        partner = tl.load(dy_ptr + rows64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
-        rope = inside & (cols < ROT)
-        pair = (cols % (2 * HALF)) // 2
-        c = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
-        s = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
-        back = tl.where((cols % 2) == 0, dy * c + partner * s, dy * c - partner * s)
-        da = tl.where(rope, back, dy) * r
-        tl.store(da_ptr + rows64 * Q + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
-        if FP8:
-            amax = tl.maximum(amax, tl.where(inside, tl.abs(da), 0.0))
-            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
-            tl.store(daq_ptr + rows64 * Q + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
-    tl.store(zdz_ptr + rows, tl.sum(zdz, axis=1))
-    if FP8:
-        tl.store(amax_ptr + rows, tl.max(amax, axis=1))
+# (columns a block, rows a program, warps) of the shipped kernel timed: the earlier pass (one power-of-two block
+# of the row, 8 warps), its shipped shape (``rope_bwd_pass.SHAPE``) and the other candidates of the forty-first session
+SHAPES = ((4096, 1, 8), (4096, 1, 4), (4096, 1, 16), (1024, 1, 2), (1024, 1, 4), (1024, 1, 8), (1024, 2, 4),
+          (1024, 2, 8), (512, 1, 2), (512, 4, 8))
 
 
-def _chunk_launch(dy, y, rstd, cos, sin, rot: int, inv, ch: int, rows: int, num_warps: int):
-    from coda_titan.kernels.cute.rope_bwd_pass import outputs
+def _shape_launch(dy, y, rstd, cos, sin, rot: int, inv, shape):
+    from coda_titan.kernels.cute.rope_bwd_pass import _launch
 
-    m, q = dy.shape
-    fp8 = inv is not None
-    da, zdz, daq, amax = outputs(dy, fp8)
-    _chunk_kernel[(m // rows,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                                dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1], CH=ch, ROWS=rows,
-                                FP8=fp8, FMAX=E5M2_MAX, num_warps=num_warps)
-    return da, zdz, daq, amax
-
-
-def _row_launch(dy, y, rstd, cos, sin, rot: int, inv, num_warps: int):
-    """The shipped kernel at another warp count."""
-    from coda_titan.kernels.cute.rope_bwd_pass import outputs, rope_bwd_pass_kernel
-
-    m, q = dy.shape
-    fp8 = inv is not None
-    da, zdz, daq, amax = outputs(dy, fp8)
-    rope_bwd_pass_kernel[(m,)](dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0],
-                               dy.stride(0), y.stride(0), Q=q, ROT=rot, HALF=cos.shape[1],
-                               BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=num_warps)
-    return da, zdz, daq, amax
-
-
-# (columns a block, rows a program, warps): the chunked variants timed
-CHUNKED = ((1024, 1, 4), (1024, 1, 8), (1024, 2, 8), (512, 4, 8), (1024, 4, 16))
+    return _launch(dy, y, rstd, cos, sin, rot, inv, shape, wrap=lambda k: k)
 
 
 def heads_per_block(q: int, half: int) -> int:
@@ -146,18 +95,13 @@ def _heads_launch(dy, y, rstd, cos, sin, rot: int, inv, num_warps: int = 4):
 
 
 def _variants(inv):
-    from coda_titan.kernels.cute.rope_bwd_pass import _launch
-
     out = {}
     for fp8 in (False, True):
         sfx = "_fp8" if fp8 else ""
         scale = inv if fp8 else None
-        out[f"row{sfx}"] = lambda dy, y, r, c, s, scale=scale: _launch(dy, y, r, c, s, ROT, scale)
-        for w in (4, 16):
-            out[f"row_w{w}{sfx}"] = lambda dy, y, r, c, s, scale=scale, w=w: _row_launch(dy, y, r, c, s, ROT, scale, w)
-        for ch, rows, w in CHUNKED:
-            out[f"chunk{ch}_r{rows}_w{w}{sfx}"] = (lambda dy, y, r, c, s, scale=scale, ch=ch, rows=rows, w=w:
-                                                   _chunk_launch(dy, y, r, c, s, ROT, scale, ch, rows, w))
+        for sh in SHAPES:
+            out["chunk{}_r{}_w{}{}".format(*sh, sfx)] = (lambda dy, y, r, c, s, scale=scale, sh=sh:
+                                                         _shape_launch(dy, y, r, c, s, ROT, scale, sh))
         out[f"heads_w4{sfx}"] = lambda dy, y, r, c, s, scale=scale: _heads_launch(dy, y, r, c, s, ROT, scale, 4)
     return out
 
@@ -183,7 +127,7 @@ def main() -> int:
     inv = torch.tensor([2.0 ** 20], device="cuda")
     fns = _variants(inv)
     args = (dy, y, rstd, cos, sin)
-    want = {fp8: fns["row_fp8" if fp8 else "row"](*args) for fp8 in (False, True)}
+    want = {fp8: fns["chunk4096_r1_w8_fp8" if fp8 else "chunk4096_r1_w8"](*args) for fp8 in (False, True)}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():

@@ -4,10 +4,10 @@ delayed scale, da's e5m2 codes and row amax (``fp8_dgrad``).
 Inductor compiles B1's arithmetic (``norm_rope._rope_bwd_f32``) to two kernels, the rotation at 0.147 ms
 a layer and the row sum at 0.065 (1B, H100, the fp8 profile); rewrites of it measured 0.165 ms at best
 against 0.189 for both, and 0.180 against 0.240 with the cast (``probe_rope_bwd_…json``), where reading
-dy and y and writing da take about 0.09 ms. Here one program handles one token row: it loads dy and y
-(and each element's pair partner, from L1), rotates the q and k heads back by -theta, passes the v
-heads through, scales by r, stores da in bf16, and reduces zdz = sum(y * dy) and, for fp8, amax |da|
-beside it. Same arithmetic as the reference in fp32; the row sum's order and the compiler's contraction
+dy and y and writing da take about 0.09 ms. Here one program handles ``ROWS`` token rows, each in blocks of
+``CH`` columns: it loads dy and y (and each element's pair partner, from L1), rotates the q and k heads
+back by -theta, passes the v heads through, scales by r, stores da in bf16, and reduces zdz = sum(y * dy)
+and, for fp8, amax |da| beside it (``SHAPE``: the probe's fastest). Same arithmetic as the reference in fp32; the row sum's order and the compiler's contraction
 of x0 c + x1 s differ, as any kernel's may (the GPU tests' derived bounds).
 
 ``rope_bwd_op`` and ``rope_bwd_fp8_op`` are ``torch.library.triton_op``s: a compiled caller traces into
@@ -26,31 +26,40 @@ from ..scaling import E5M2, E5M2_MAX
 
 @triton.jit
 def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr, amax_ptr,
-                         seqlen, s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                         FP8: tl.constexpr, FMAX: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < Q
-    row64 = row.to(tl.int64)
-    base = row64 * Q  # (da and its codes: dense rows; dy and y: rows s_dy and s_y elements apart)
-    dy = tl.load(dy_ptr + row64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row64 * s_y + cols, mask=inside, other=0.0).to(tl.float32)
-    zdz = tl.sum(y * dy, axis=0)
-    partner = tl.load(dy_ptr + row64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
-    rope = inside & (cols < ROT)
-    pair = (cols % (2 * HALF)) // 2
-    pos = row % seqlen
-    c = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
-    s = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
-    # (x0 c + x1 s, x1 c - x0 s) for the pair (x0, x1): the element is x0 at even columns, x1 at odd
-    back = tl.where((cols % 2) == 0, dy * c + partner * s, dy * c - partner * s)
-    da = tl.where(rope, back, dy) * tl.load(rstd_ptr + row)
-    tl.store(da_ptr + base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
-    tl.store(zdz_ptr + row, zdz)
+                         seqlen, s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, CH: tl.constexpr,
+                         ROWS: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows64 = rows.to(tl.int64)[:, None]  # (da and its codes: dense rows; dy and y: rows s_dy and s_y elements apart)
+    r = tl.load(rstd_ptr + rows)[:, None]
+    pos = (rows % seqlen)[:, None]
+    zdz = tl.zeros([ROWS, CH], tl.float32)  # (the row sums kept per element until the row's end)
+    amax = tl.zeros([ROWS, CH], tl.float32)
+    for b in tl.static_range((Q + CH - 1) // CH):
+        cols = b * CH + tl.arange(0, CH)[None, :]
+        inside = (cols < Q) & (rows[:, None] >= 0)
+        dy = tl.load(dy_ptr + rows64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
+        zdz += tl.load(y_ptr + rows64 * s_y + cols, mask=inside, other=0.0).to(tl.float32) * dy
+        partner = tl.load(dy_ptr + rows64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)
+        rope = inside & (cols < ROT)
+        pair = (cols % (2 * HALF)) // 2
+        c = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
+        s = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
+        # (x0 c + x1 s, x1 c - x0 s) for the pair (x0, x1): the element is x0 at even columns, x1 at odd
+        back = tl.where((cols % 2) == 0, dy * c + partner * s, dy * c - partner * s)
+        da = tl.where(rope, back, dy) * r
+        tl.store(da_ptr + rows64 * Q + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
+        if FP8:
+            amax = tl.maximum(amax, tl.where(inside, tl.abs(da), 0.0))
+            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+            tl.store(daq_ptr + rows64 * Q + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
+    tl.store(zdz_ptr + rows, tl.sum(zdz, axis=1))
     if FP8:
-        tl.store(amax_ptr + row, tl.max(tl.where(inside, tl.abs(da), 0.0), axis=0))
-        q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
-        tl.store(daq_ptr + base + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=inside)
+        tl.store(amax_ptr + rows, tl.max(amax, axis=1))
+
+
+# (columns a block, rows a program, warps): the fastest of the forty-first session's probe
+# (``probe_b1_pass_…json``: fp8 0.145 ms a layer against 0.163-0.18 for one power-of-two block of the row)
+SHAPE = (1024, 1, 4)
 
 
 def outputs(dy, fp8: bool) -> tuple:
@@ -66,15 +75,18 @@ def unit_columns(*ts: torch.Tensor) -> bool:
     return all(t.stride(-1) == 1 for t in ts)
 
 
-def _launch(dy, y, rstd, cos, sin, rot: int, inv):
+def _launch(dy, y, rstd, cos, sin, rot: int, inv, shape=SHAPE, wrap=wrap_triton):
+    """The pass's outputs; ``shape`` (columns a block, rows a program dividing the row count, warps); ``wrap``
+    the launcher's wrapper (the probe launches the kernel itself: ``lambda k: k``)."""
     if not unit_columns(dy, y):
         raise ValueError(f"B1's pass reads rows of consecutive elements, got strides {dy.stride()} and {y.stride()}")
     m, q = dy.shape
+    ch, rows, warps = shape
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8)
-    wrap_triton(rope_bwd_pass_kernel)[(m,)](
+    wrap(rope_bwd_pass_kernel)[(triton.cdiv(m, rows),)](
         dy, y, rstd, cos, sin, inv if fp8 else rstd, da, zdz, daq, amax, cos.shape[0], dy.stride(0), y.stride(0),
-        Q=q, ROT=rot, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(q), FP8=fp8, FMAX=E5M2_MAX, num_warps=8)
+        Q=q, ROT=rot, HALF=cos.shape[1], CH=ch, ROWS=rows, FP8=fp8, FMAX=E5M2_MAX, num_warps=warps)
     return da, zdz, daq, amax
 
 

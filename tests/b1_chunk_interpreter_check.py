@@ -24,7 +24,7 @@ inv = torch.tensor([2.0**20])
 got = {}
 for fp8 in (False, True):
     want = _launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None, (64, 1, 8))
-    for ch, rows in ((16, 2), (8, 4), (32, 1)):  # (a ragged last block; blocks inside a head; one row)
+    for ch, rows in ((16, 2), (8, 4), (32, 1), (None, 2)):  # (a ragged last block; blocks in a head; a row; pow2)
         da, zdz, daq, amax = _launch(dy, y, rstd, cos, sin, rot, inv if fp8 else None, (ch, rows, 4))
         key = f"{'fp8_' if fp8 else ''}ch{ch}_r{rows}"
         got[key + "_da_equal"] = torch.equal(da, want[0])

@@ -57,9 +57,10 @@ def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_
         tl.store(amax_ptr + rows, tl.max(amax, axis=1))
 
 
-# (columns a block, rows a program, warps): the fastest of the forty-first session's probe
-# (``probe_b1_pass_…json``: fp8 0.145 ms a layer against 0.163-0.18 for one power-of-two block of the row)
-SHAPE = (1024, 1, 4)
+# (columns a block, None: the row's power of two; rows a program; warps): the fastest in the forty-first
+# session's probe (``probe_b1_pass_…json``, 1B: 0.141 ms a layer fp8 and 0.110 bf16, against 0.148 and 0.120 at
+# 8 warps, and 0.146-0.147 / 0.111 in blocks of 1024 columns)
+SHAPE = (None, 1, 4)
 
 
 def outputs(dy, fp8: bool) -> tuple:
@@ -82,6 +83,7 @@ def _launch(dy, y, rstd, cos, sin, rot: int, inv, shape=SHAPE, wrap=wrap_triton)
         raise ValueError(f"B1's pass reads rows of consecutive elements, got strides {dy.stride()} and {y.stride()}")
     m, q = dy.shape
     ch, rows, warps = shape
+    ch = ch or triton.next_power_of_2(q)
     fp8 = inv is not None
     da, zdz, daq, amax = outputs(dy, fp8)
     wrap(rope_bwd_pass_kernel)[(triton.cdiv(m, rows),)](

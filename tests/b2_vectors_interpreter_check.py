@@ -35,7 +35,8 @@ for m, d, gdt, col in ((3000, 2048, torch.bfloat16, False), (1000, 2048, torch.f
         "pow2_matches_division": d & (d - 1) != 0 or bits_apart(corr, -(rstd * rstd / d) * zdz) == 0,
     }
 # the fp8 B2's amax fold: partials >= 0 of a few shapes (the last block ragged), against the three eager ops
-for shape, dt in (((3000, 11), torch.bfloat16), ((64, 16), torch.float16), ((5, 3), torch.bfloat16)):
+for shape, dt in (((3000, 11), torch.bfloat16), ((64, 16), torch.float16), ((5, 3), torch.bfloat16),
+                  ((2049, 300), torch.bfloat16)):  # (the last: past 128 blocks, rv.FOLD_PROGRAMS_LARGE programs)
     parts = torch.rand(shape) * torch.exp2(torch.randint(-20, 10, shape).float())
     want = parts.amax().to(dt).float()
     got[f"fold_{shape[0]}x{shape[1]}_{dt}"] = {"apart": bits_apart(rv.fold_amax(parts, dt).reshape(1), want.reshape(1)),
@@ -46,6 +47,12 @@ got["fold_ties_apart"] = sum(bits_apart(rv.fold_amax(torch.tensor(v)).reshape(1)
 # unrounded (fp32): the partials' own largest value
 pr = torch.randn(3000, 11) * 1e3
 got["fold_fp32_apart"] = bits_apart(rv.fold_amax(pr.abs(), torch.float32).reshape(1), pr.abs().amax().reshape(1))
+pr = torch.randn(16384, 20) * 1e3  # (past 128 blocks: the larger program count, the count reset for the next call)
+pr[16383, 19] = 1e6  # (the largest in the last, ragged block)
+got["fold_fp32_large_apart"] = bits_apart(rv.fold_amax(pr.abs(), torch.float32).reshape(1), pr.abs().amax().reshape(1))
+got["fold_programs"] = [rv.fold_programs(n) for n in (2048 * 128, 2048 * 128 + 1, 16384 * 20)]
+got["fold_after_large_apart"] = bits_apart(rv.fold_amax(torch.tensor([[0.5, 3.0]]), torch.float32).reshape(1),
+                                           torch.tensor([3.0]))
 parts = torch.rand(100, 7)
 parts[3, 2], parts[50, 1] = float("inf"), float("nan")
 got["fold_nan_wins"] = bool(rv.fold_amax(parts).isnan()) and bool(parts.amax().isnan())

@@ -71,7 +71,8 @@ def test_b2_vectors_in_one_launch_give_the_eager_ops_bits():
     scale) bit for bit as the eager ops the B2 op ran (aten divides by a scalar through its fp32 reciprocal;
     at a power-of-two d that is the division itself), for rstd / zdz as (M,) and (M, 1), gamma in bf16 and
     fp32, M above and below d; the fp8 B2's amax fold (``fold_amax``, one launch) bit for bit as
-    ``partials.amax().to(dtype).float()`` for bf16 and fp16, a ragged last block and ties, a NaN partial winning as
+    ``partials.amax().to(dtype).float()`` for bf16 and fp16, a ragged last block and ties, past 128 blocks (more
+    programs, the count reset for the next call), a NaN partial winning as
     in torch.amax and an infinite one kept, and unrounded (fp32) as ``partials.amax()``; and the refusals of
     mismatched shapes, a non-fp32 scale, non-fp32 partials and a rounding dtype other than bf16 / fp16 / fp32."""
     got = run_interpreter_check("b2_vectors_interpreter_check.py")
@@ -81,8 +82,11 @@ def test_b2_vectors_in_one_launch_give_the_eager_ops_bits():
         assert case["corr_apart"] == 0 and case["w_apart"] == 0 and case["w_sc_apart"] == 0, case
         assert case["pow2_matches_division"] and case["dtypes"] == ["torch.float32"] * 2, case
     folds = [v for k, v in got.items() if k.startswith("fold_") and isinstance(v, dict)]
-    assert len(folds) == 3 and all(f["apart"] == 0 and f["dtype"] == "torch.float32" for f in folds), folds
+    assert len(folds) == 4 and all(f["apart"] == 0 and f["dtype"] == "torch.float32" for f in folds), folds
     assert got["fold_ties_apart"] == 0 and got["fold_fp32_apart"] == 0 and got["fold_nan_wins"] and got["fold_inf"], got
+    # past 128 blocks of partials the fold runs on more programs, and leaves the count at 0 for the next call
+    assert got["fold_programs"] == [64, 256, 256], got
+    assert got["fold_fp32_large_apart"] == 0 and got["fold_after_large_apart"] == 0, got
     assert all(got["refusals"].values()), got["refusals"]
 
 

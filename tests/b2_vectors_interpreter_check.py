@@ -50,6 +50,9 @@ got["fold_fp32_apart"] = bits_apart(rv.fold_amax(pr.abs(), torch.float32).reshap
 pr = torch.randn(16384, 20) * 1e3  # (past 128 blocks: the larger program count, the count reset for the next call)
 pr[16383, 19] = 1e6  # (the largest in the last, ragged block)
 got["fold_fp32_large_apart"] = bits_apart(rv.fold_amax(pr.abs(), torch.float32).reshape(1), pr.abs().amax().reshape(1))
+inv = torch.tensor([57344.0 / 3.7])  # (B3's: partials in units of an e5m2 scale, divided by it, rounded to nearest)
+got["fold_div_apart"] = bits_apart(rv.fold_amax(pr.abs() * inv, torch.float32, div=inv).reshape(1),
+                                   ((pr.abs() * inv).amax() / inv).reshape(1))
 got["fold_programs"] = [rv.fold_programs(n) for n in (2048 * 128, 2048 * 128 + 1, 16384 * 20)]
 got["fold_after_large_apart"] = bits_apart(rv.fold_amax(torch.tensor([[0.5, 3.0]]), torch.float32).reshape(1),
                                            torch.tensor([3.0]))
@@ -65,6 +68,7 @@ got["refusals"] = {
     "scale_dtype": refuses(rv.b2_vectors, torch.ones(4), torch.ones(4), g, 8, torch.ones(1, dtype=torch.float64),
                            says="fp32 scale"),
     "fold_dtype": refuses(rv.fold_amax, torch.ones(4, dtype=torch.bfloat16), says="fp32 partials"),
+    "fold_div_rounded": refuses(rv.fold_amax, torch.ones(4), torch.bfloat16, torch.ones(1), says="unrounded fp32"),
     "fold_round_to": refuses(rv.fold_amax, torch.ones(4), torch.float64, says="bf16, fp16 or fp32"),
 }
 print(json.dumps(got))

@@ -87,6 +87,7 @@ def test_b2_vectors_in_one_launch_give_the_eager_ops_bits():
     # past 128 blocks of partials the fold runs on more programs, and leaves the count at 0 for the next call
     assert got["fold_programs"] == [64, 256, 256], got
     assert got["fold_fp32_large_apart"] == 0 and got["fold_after_large_apart"] == 0, got
+    assert got["fold_div_apart"] == 0, got  # (B3's amax: divided by its scale, as partials.amax() / div)
     assert all(got["refusals"].values()), got["refusals"]
 
 

@@ -125,7 +125,7 @@ def _diag_epis():
         reduces={"dsum": ColVecReduce("dsum"), "amax": ColVecReduce("amax", combine="max_abs")},
     )
     def nt_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
-        out = P._dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale)
+        out = P._dswiglu_e5m2_words(c, rstd, acc * (rstd * (scale * inv_scale)))
         out["postact"] = out["postact"] * inv_y
         return out
 
@@ -172,7 +172,7 @@ def _b3_child(idx: int, kernels) -> dict:
         "b3_bf16": lambda: dswiglu_rstd_preact_mod(t["dout"], t["w2"], t["a"], out={"D": da, "postact": y}, config=cfg,
                                                    tuned=False, rstd=r),
         "b3_fp8": lambda: P.dswiglu_rstd_preact_fp8_epi(t["dout"], t["w2"], t["a"], out={"D": da, "postact": y, "daq": daq},
-                                                        config=cfg, tuned=False, rstd=r, inv_scale=inv),
+                                                        config=cfg, tuned=False, rstd=r, inv_scale=inv, da_scale=1.0 / inv),
         # B3's fp8 GEMM with nothing in its epilogue (the mainloop's share), and the defaults' B3 (da, da^T and
         # y^T in 8 bits; bf16 GEMM) and the same on the fp8 GEMM (fp8_down_dgrad)
         "plain_fp8": lambda: plain_epi(doutq, w2q_kn, None, out={"D": y}, config=cfg, tuned=False),

@@ -49,13 +49,13 @@ def _universal_epis():
 
     @gemm_epilogue(outputs=("postact", "daq", "dagt", "daut"), ops=ops("inv_scale", "inv_y"), reduces=reduces())
     def t_yq_universal_epi(acc, c, rstd, inv_scale, inv_y):
-        out = P._dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+        out = P._dswiglu_e5m2_words(c, rstd, acc * (rstd * inv_scale), transposed=True)
         out["postact"] = out["postact"] * inv_y
         return out
 
     @gemm_epilogue(outputs=("postact", "daq", "dagt", "daut"), ops=ops("scale", "inv_scale", "inv_y"), reduces=reduces())
     def t_yq_q_universal_epi(acc, c, rstd, scale, inv_scale, inv_y):
-        out = P._dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+        out = P._dswiglu_e5m2_words(c, rstd, acc * (rstd * (scale * inv_scale)), transposed=True)
         out["postact"] = out["postact"] * inv_y
         return out
 

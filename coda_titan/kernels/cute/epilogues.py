@@ -232,22 +232,25 @@ def _e5m2x2_as_f16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
-def _dswiglu_e5m2(g, u, rstd, dy, inv_scale, transposed=False):
-    """B3's epilogue outputs from dy and the (gate, up) pre-activation pair (quack's
-    ``dgated_rstd_preact_mod("swiglu")``) plus da as e5m2: daq = sat(da * inv_scale) for the pair,
-    packed into the 16-bit ``daq`` buffer in da's interleaved order, and the per-row amax |da|."""
-    gs, us = g * rstd, u * rstd
-    dgs, dus, s = dswiglu(gs, us, dy)
-    dg, du = dgs * rstd, dus * rstd
+def _dswiglu_e5m2(g, u, rstd, dyk, transposed=False, da_scale=None):
+    """B3's epilogue outputs from the (gate, up) pre-activation pair (quack's ``dgated_rstd_preact_mod("swiglu")``)
+    with da as e5m2, from ``dyk`` = dy r inv_scale: dswiglu's gradients are linear in dy, so they come out
+    as da's e5m2 values da inv_scale = (dg_s, du_s) r inv_scale directly, four multiplies an element fewer
+    than scaling them after. daq = sat(of those) for the pair, packed into the 16-bit ``daq`` buffer in da's
+    interleaved order; dsum (the rstd gradient's per-row partials) and the per-row amax are in the same
+    units, r inv_scale times the unscaled ones: the caller divides zdz = r sum(dg_s g + du_s u) and amax |da|
+    by inv_scale (``_b3_outputs``). ``da_scale`` (1 / inv_scale) adds da itself as D."""
+    dgq, duq, s = dswiglu(g * rstd, u * rstd, dyk)
     out = {
-        "D": pack(dg, du),
         "postact": s,
-        "dsum": dgs * g + dus * u,
-        "daq": _e5m2x2_as_f16(dg * inv_scale, du * inv_scale),
-        "amax": cute.arch.fmax(dg, du, abs=True),
+        "dsum": dgq * g + duq * u,
+        "daq": _e5m2x2_as_f16(dgq, duq),
+        "amax": cute.arch.fmax(dgq, duq, abs=True),
     }
     if transposed:  # the same scaled values, stored by 8-bit outputs of their own (``dagt``, ``daut``)
-        out["dagt"], out["daut"] = dg * inv_scale, du * inv_scale
+        out["dagt"], out["daut"] = dgq, duq
+    if da_scale is not None:
+        out["D"] = pack(dgq * da_scale, duq * da_scale)
     return out
 
 
@@ -268,32 +271,32 @@ _bf16_hi = _bits_op("and.b32 $0, $1, 0xFFFF0000;")
 
 @gemm_epilogue(
     outputs=("postact", "daq"),
-    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale")},
+    ops={"rstd": ColVecLoad("rstd"), "inv_scale": Scalar("inv_scale"), "da_scale": Scalar("da_scale")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
-def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale):
-    """B3's epilogue (bf16 GEMM) that also writes da as e5m2 for B2's fp8 dgrad (``_dswiglu_e5m2``)."""
-    return _dswiglu_e5m2(*unpack(c), rstd, acc, inv_scale)
+def dswiglu_rstd_preact_fp8_epi(acc, c, rstd, inv_scale, da_scale):
+    """B3's epilogue (bf16 GEMM) that also writes da as e5m2 for B2's fp8 dgrad (``_dswiglu_e5m2``);
+    da_scale = 1 / inv_scale."""
+    return _dswiglu_e5m2(*unpack(c), rstd, acc * (rstd * inv_scale), da_scale=da_scale)
 
 
 @gemm_epilogue(
     outputs=("postact", "daq"),
-    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
+         "da_scale": Scalar("da_scale")},
     reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
     mode="packed_cd_b16x2",
 )
-def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale):
+def dswiglu_rstd_preact_q_fp8_epi(acc, c, rstd, scale, inv_scale, da_scale):
     """The same after an fp8 GEMM (``fp8_down_dgrad``): dy = scale * acc, with scale = s_D * s_W2 the
-    dequantization of the e5m2 D and the e4m3 W2."""
-    return _dswiglu_e5m2(*unpack(c), rstd, acc * scale, inv_scale)
+    dequantization of the e5m2 D and the e4m3 W2 (folded into dyk's per-row factor)."""
+    return _dswiglu_e5m2(*unpack(c), rstd, acc * (rstd * (scale * inv_scale)), da_scale=da_scale)
 
 
-def _dswiglu_e5m2_words(c, rstd, dy, inv_scale, transposed=False):
-    """``_dswiglu_e5m2`` with the (gate, up) pair as one 32-bit word of C (a's float32 view), less D."""
-    out = _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, dy, inv_scale, transposed)
-    del out["D"]
-    return out
+def _dswiglu_e5m2_words(c, rstd, dyk, transposed=False):
+    """``_dswiglu_e5m2`` with the (gate, up) pair as one 32-bit word of C (a's float32 view), no D."""
+    return _dswiglu_e5m2(_bf16_lo(c), _bf16_hi(c), rstd, dyk, transposed)
 
 
 @gemm_epilogue(
@@ -305,7 +308,7 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_fp8_epi`` without the bf16 da (``swiglu_bwd_e5m2``): one accumulator
     element per (gate, up) pair, whose pre-activations come as one 32-bit word of C (a's float32
     view), and no D (the call passes ``store_d=False``)."""
-    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale)
+    return _dswiglu_e5m2_words(c, rstd, acc * (rstd * inv_scale))
 
 
 @gemm_epilogue(
@@ -316,7 +319,7 @@ def dswiglu_rstd_preact_e5m2_epi(acc, c, rstd, inv_scale):
 def dswiglu_rstd_preact_e5m2_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_epi`` storing y as e4m3 (``fp8_down_wgrad``): postact = sat(y * inv_y)
     from the fp32 y (an 8-bit output buffer; the f32 -> e4m3 store converts with saturation)."""
-    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale)
+    out = _dswiglu_e5m2_words(c, rstd, acc * (rstd * inv_scale))
     out["postact"] = out["postact"] * inv_y
     return out
 
@@ -330,7 +333,7 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
     """``dswiglu_rstd_preact_e5m2_epi`` also storing the gate and up halves of da as e5m2 through two
     M-major (transposed) 8-bit outputs ``dagt`` / ``daut`` (``swiglu_bwd_e5m2_t``): ``tstore``'s
     ``stmatrix.trans`` register-to-shared copy and a TMA store of the transposed tile."""
-    return _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+    return _dswiglu_e5m2_words(c, rstd, acc * (rstd * inv_scale), transposed=True)
 
 
 @gemm_epilogue(
@@ -341,7 +344,7 @@ def dswiglu_rstd_preact_e5m2_t_epi(acc, c, rstd, inv_scale):
 def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_epi`` with y as e4m3 (sat(y * inv_y)); the call gives ``postact`` an
     M-major buffer, so y is stored transposed as well."""
-    out = _dswiglu_e5m2_words(c, rstd, acc, inv_scale, transposed=True)
+    out = _dswiglu_e5m2_words(c, rstd, acc * (rstd * inv_scale), transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out
 
@@ -354,7 +357,7 @@ def dswiglu_rstd_preact_e5m2_t_yq_epi(acc, c, rstd, inv_scale, inv_y):
 def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
     """``dswiglu_rstd_preact_e5m2_t_epi`` after an fp8 GEMM (``swiglu_bwd_e5m2_t_q``): dy = scale * acc,
     scale = s_D * s_W2, as ``dswiglu_rstd_preact_q_fp8_epi``."""
-    return _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+    return _dswiglu_e5m2_words(c, rstd, acc * (rstd * (scale * inv_scale)), transposed=True)
 
 
 @gemm_epilogue(
@@ -365,6 +368,6 @@ def dswiglu_rstd_preact_e5m2_t_q_epi(acc, c, rstd, scale, inv_scale):
 )
 def dswiglu_rstd_preact_e5m2_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     """``dswiglu_rstd_preact_e5m2_t_yq_epi`` after an fp8 GEMM (dy = scale * acc)."""
-    out = _dswiglu_e5m2_words(c, rstd, acc * scale, inv_scale, transposed=True)
+    out = _dswiglu_e5m2_words(c, rstd, acc * (rstd * (scale * inv_scale)), transposed=True)
     out["postact"] = out["postact"] * inv_y
     return out

@@ -17,7 +17,7 @@ swiglu_bwd_e5m2_t ``epilogues.dswiglu_rstd_preact_e5m2_t_epi``: also da's gate a
                  outputs, views of the rows of one (2F, M) buffer; with inv_y, ``..._t_yq_epi`` and y^T as
                  e4m3 through an M-major view of an (F, M) buffer
 swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswiglu_rstd_preact_q_fp8_epi``
-                 scales the accumulator first), the same pinned config
+                 folds the dequantization into dy's per-row factor), the same pinned config
 swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``epilogues.dswiglu_rstd_preact_e5m2_t_q_epi``,
                  ``..._t_yq_q_epi``)
 """
@@ -114,18 +114,24 @@ def _b3_fp8_config(device):
                       is_dynamic_persistent=False, device_capacity=9)
 
 
-def _b3_e5m2(name, epi, dout, b_kn, a, rstd, **ops):
-    """B3 with an e5m2 da (``epi``: a ``_dswiglu_e5m2`` epilogue) on the pinned tile config:
-    (da, y, zdz, daq, amax |da|)."""
-    r = rstd.float()
+def _b3_outputs(res, inv):
+    """(zdz, amax |da|) from a ``_dswiglu_e5m2`` epilogue's dsum and amax partials, which come in units of
+    r inv (zdz's r included) and inv: each divided by inv (the (1,) fp32 e5m2 scale)."""
+    return res["dsum"] / inv, fold_amax(res["amax"], torch.float32, div=inv)
+
+
+def _b3_e5m2(name, epi, dout, b_kn, a, rstd, inv, **ops):
+    """B3 with an e5m2 da (``epi``: a ``_dswiglu_e5m2`` epilogue with D) on the pinned tile config at the
+    (1,) fp32 scale ``inv``: (da, y, zdz, daq, amax |da|)."""
     m, f2 = a.shape
     da = torch.empty_like(a)
     y = a.new_empty((m, f2 // 2))
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     with first_call(name, dout, b_kn):
         res = epi(dout, b_kn, a, out={"D": da, "postact": y, "daq": daq}, tuned=False, config=_b3_fp8_config(a.device),
-                  rstd=r, **ops)
-    return da, y, res["dsum"] * r, daq.view(E5M2), fold_amax(res["amax"], torch.float32)
+                  rstd=rstd.float(), inv_scale=inv, da_scale=1.0 / inv, **ops)
+    zdz, amax = _b3_outputs(res, inv)
+    return da, y, zdz, daq.view(E5M2), amax
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_fp8", "cuda")
@@ -135,7 +141,7 @@ def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
         why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
     if why:
         return fallback(ref.swiglu_bwd_fp8_op, why, dout, w_down, a, rstd, inv_scale)
-    return _b3_e5m2("swiglu_bwd_fp8", dswiglu_rstd_preact_fp8_epi, dout, w_down, a, rstd, inv_scale=scalar32(inv_scale))
+    return _b3_e5m2("swiglu_bwd_fp8", dswiglu_rstd_preact_fp8_epi, dout, w_down, a, rstd, scalar32(inv_scale))
 
 
 @torch.library.register_kernel("coda::swiglu_bwd_e5m2", "cuda")
@@ -147,16 +153,17 @@ def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
         why = f"a in {a.dtype} (the epilogue splits bf16 pairs)"
     if why:
         return fallback(ref.swiglu_bwd_e5m2_op, why, dout, w_down, a, rstd, inv_scale, inv_y)
-    r = rstd.float()
     m, f2 = a.shape
+    inv = scalar32(inv_scale)
     y = torch.empty((m, f2 // 2), device=a.device, dtype=a.dtype if inv_y is None else E4M3)
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     epi, ops = ((dswiglu_rstd_preact_e5m2_epi, {}) if inv_y is None else
                 (dswiglu_rstd_preact_e5m2_yq_epi, {"inv_y": scalar32(inv_y)}))
     with first_call("swiglu_bwd_e5m2", dout, w_down):
         res = epi(dout, w_down, a.view(torch.float32), out={"postact": y, "daq": daq}, store_d=False, tuned=False,
-                  config=_b3_fp8_config(a.device), rstd=r, inv_scale=scalar32(inv_scale), **ops)
-    return y, res["dsum"] * r, daq.view(E5M2), fold_amax(res["amax"], torch.float32)
+                  config=_b3_fp8_config(a.device), rstd=rstd.float(), inv_scale=inv, **ops)
+    zdz, amax = _b3_outputs(res, inv)
+    return y, zdz, daq.view(E5M2), amax
 
 
 @functools.cache
@@ -173,8 +180,8 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     Without ``config``, on the fp8 GEMM (``scale`` given), its two pingpong warpgroups' epilogues overlap
     (``overlap``: 5% faster at the 1B shapes, the same bits; on the bf16 GEMM 8% slower, so only with
     ``CODA_TITAN_OVERLAP_EPILOGUES=1``; ``gpu_train.sh overlap``)."""
-    r = rstd.float()
     m, f2 = a.shape
+    inv = scalar32(inv_scale)
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     daq_t = torch.empty((f2, m), device=a.device, dtype=E5M2)  # [gate; up] rows, each (F, M): M-major views
     if inv_y is None:
@@ -188,9 +195,10 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     if config is None:
         config = _b3_overlap_config(a.device) if overlapped else _b3_fp8_config(a.device)
     with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):
-        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config, rstd=r,
-                  inv_scale=scalar32(inv_scale), **ops)
-    return y, res["dsum"] * r, daq.view(E5M2), daq_t, fold_amax(res["amax"], torch.float32)
+        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config,
+                  rstd=rstd.float(), inv_scale=inv, **ops)
+    zdz, amax = _b3_outputs(res, inv)
+    return y, zdz, daq.view(E5M2), daq_t, amax
 
 
 def _b3_t_unsupported(a, inv_scale):
@@ -228,4 +236,4 @@ def _swiglu_bwd_q_fp8(doutq, w_down_tq, scale, a, rstd, inv_scale):
     if why:
         return fallback(ref.swiglu_bwd_q_fp8_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale)
     return _b3_e5m2("swiglu_bwd_q_fp8", dswiglu_rstd_preact_q_fp8_epi, doutq, w_down_tq.t(), a, rstd,
-                    scale=scalar32(scale), inv_scale=scalar32(inv_scale))
+                    scalar32(inv_scale), scale=scalar32(scale))

@@ -76,12 +76,13 @@ def fold_programs(n: int) -> int:
 
 
 @triton.jit
-def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, ROUND: tl.constexpr, NPROG: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, div_ptr, N, ROUND: tl.constexpr, NPROG: tl.constexpr,
+                     BLOCK: tl.constexpr, DIV: tl.constexpr):
     """Each of NPROG programs: the largest of its blocks of N partials >= 0 (or NaN) through their int32 bits
     (which order as the values, a NaN's above +inf) into scratch; the program that finishes last (a count
     taken atomically) folds the NPROG of them, rounds the value to bf16 (ROUND 1) or fp16 (ROUND 2), nearest
-    even, or not at all (ROUND 0), into out_ptr[0] as fp32, and sets the count back to 0 for the next call."""
+    even, or not at all (ROUND 0; DIV: then divided by div_ptr[0], rounded to nearest), into out_ptr[0] as
+    fp32, and sets the count back to 0 for the next call."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), tl.int32)
     for start in range(pid * BLOCK, N, NPROG * BLOCK):
@@ -93,6 +94,8 @@ def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, N, ROUND: tl.con
         bits = tl.max(tl.load(scratch_ptr + tl.arange(0, NPROG), volatile=True), axis=0)
         if ROUND == 0:
             amax = bits.to(tl.float32, bitcast=True)
+            if DIV:
+                amax = tl.math.div_rn(amax, tl.load(div_ptr))
         elif ROUND == 2:
             amax = bits.to(tl.float32, bitcast=True).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
         else:  # (bf16 nearest even on the bits, as the GPU's conversion: exact in Triton's interpreter as well)
@@ -110,17 +113,20 @@ FOLD_ENV = "CODA_TITAN_FOLD_AMAX"  # "aten": the unrounded folds as ``partials.a
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16, div: torch.Tensor | None = None) -> torch.Tensor:
     """amax as a one-element fp32 tensor from an epilogue's fp32 amax |x| partials (any shape, each >= 0: the
     max.abs sink clears the sign), rounded as a store to ``dtype`` (bf16 or fp16) rounds: the amax of the
     tensor those fp32 values were stored as (rounding is monotonic), what ``partials.amax().to(dtype).float()``
     gave in three launches (the reduction, the two conversions); ``dtype`` fp32: ``partials.amax()``. One
     launch; its programs share a count and a scratch per device, so calls must not run on two streams at once
-    (the epilogues' callers run on the main stream)."""
+    (the epilogues' callers run on the main stream). ``div`` (fp32, one element; with ``dtype`` fp32 only):
+    the amax divided by it, as ``partials.amax() / div`` (B3's partials come in units of inv_scale)."""
     if partials.dtype != torch.float32 or dtype not in _ROUND:
         raise ValueError(f"fold_amax takes fp32 partials rounded to bf16, fp16 or fp32, got {partials.dtype} to {dtype}")
+    if div is not None and (dtype != torch.float32 or div.dtype != torch.float32 or div.numel() != 1):
+        raise ValueError(f"fold_amax divides an unrounded fp32 amax by one fp32 value, got {dtype} and {div.dtype} {tuple(div.shape)}")
     if dtype == torch.float32 and os.environ.get(FOLD_ENV) == "aten":
-        return partials.amax()
+        return partials.amax() if div is None else partials.amax() / div.reshape(())
     parts = partials.reshape(-1).contiguous()
     if parts.device not in _FOLD_STATE:
         _FOLD_STATE[parts.device] = (torch.zeros(FOLD_PROGRAMS_LARGE, device=parts.device, dtype=torch.int32),
@@ -128,6 +134,6 @@ def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     scratch, count = _FOLD_STATE[parts.device]
     out = torch.empty((), device=parts.device, dtype=torch.float32)
     nprog = fold_programs(parts.numel())
-    fold_amax_kernel[(nprog,)](parts, scratch, count, out, parts.numel(), ROUND=_ROUND[dtype], NPROG=nprog,
-                               BLOCK=FOLD_BLOCK, num_warps=4)
+    fold_amax_kernel[(nprog,)](parts, scratch, count, out, out if div is None else div, parts.numel(), ROUND=_ROUND[dtype],
+                               NPROG=nprog, BLOCK=FOLD_BLOCK, DIV=div is not None, num_warps=4)
     return out

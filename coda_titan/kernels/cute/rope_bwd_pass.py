@@ -7,8 +7,9 @@ against 0.189 for both, and 0.180 against 0.240 with the cast (``probe_rope_bwd_
 dy and y and writing da take about 0.09 ms. Here one program handles ``ROWS`` token rows, each in blocks of
 ``CH`` columns: it loads dy and y (and each element's pair partner, from L1), rotates the q and k heads
 back by -theta, passes the v heads through, scales by r, stores da in bf16, and reduces zdz = sum(y * dy)
-and, for fp8, amax |da| beside it (``SHAPE``: the probe's fastest). Same arithmetic as the reference in fp32; the row sum's order and the compiler's contraction
-of x0 c + x1 s differ, as any kernel's may (the GPU tests' derived bounds).
+and, for fp8, amax |da| beside it (``SHAPE``: the probe's fastest). Same arithmetic as the reference in
+fp32; the row sum's order and the compiler's contraction of x0 c + x1 s differ, as any kernel's may (the
+GPU tests' derived bounds).
 
 ``rope_bwd_op`` and ``rope_bwd_fp8_op`` are ``torch.library.triton_op``s: a compiled caller traces into
 them and inductor launches the kernel itself (the traced B1, ``TRACED``).
@@ -29,14 +30,14 @@ def rope_bwd_pass_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_
                          seqlen, s_dy, s_y, Q: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, CH: tl.constexpr,
                          ROWS: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rows64 = rows.to(tl.int64)[:, None]  # (da and its codes: dense rows; dy and y: rows s_dy and s_y elements apart)
+    rows64 = rows.to(tl.int64)[:, None]  # (da and codes: dense rows; dy and y: rows s_dy and s_y elements apart)
     r = tl.load(rstd_ptr + rows)[:, None]
     pos = (rows % seqlen)[:, None]
     zdz = tl.zeros([ROWS, CH], tl.float32)  # (the row sums kept per element until the row's end)
     amax = tl.zeros([ROWS, CH], tl.float32)
     for b in tl.static_range((Q + CH - 1) // CH):
         cols = b * CH + tl.arange(0, CH)[None, :]
-        inside = (cols < Q) & (rows[:, None] >= 0)
+        inside = cols < Q  # (a (1, CH) mask, broadcast over the rows)
         dy = tl.load(dy_ptr + rows64 * s_dy + cols, mask=inside, other=0.0).to(tl.float32)
         zdz += tl.load(y_ptr + rows64 * s_y + cols, mask=inside, other=0.0).to(tl.float32) * dy
         partner = tl.load(dy_ptr + rows64 * s_dy + (cols ^ 1), mask=inside, other=0.0).to(tl.float32)

@@ -76,8 +76,8 @@ def fold_programs(n: int) -> int:
 
 
 @triton.jit
-def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, div_ptr, N, ROUND: tl.constexpr, NPROG: tl.constexpr,
-                     BLOCK: tl.constexpr, DIV: tl.constexpr):
+def fold_amax_kernel(part_ptr, scratch_ptr, count_ptr, out_ptr, div_ptr, N, ROUND: tl.constexpr,
+                     NPROG: tl.constexpr, BLOCK: tl.constexpr, DIV: tl.constexpr):
     """Each of NPROG programs: the largest of its blocks of N partials >= 0 (or NaN) through their int32 bits
     (which order as the values, a NaN's above +inf) into scratch; the program that finishes last (a count
     taken atomically) folds the NPROG of them, rounds the value to bf16 (ROUND 1) or fp16 (ROUND 2), nearest
@@ -113,7 +113,8 @@ FOLD_ENV = "CODA_TITAN_FOLD_AMAX"  # "aten": the unrounded folds as ``partials.a
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16, div: torch.Tensor | None = None) -> torch.Tensor:
+def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+              div: torch.Tensor | None = None) -> torch.Tensor:
     """amax as a one-element fp32 tensor from an epilogue's fp32 amax |x| partials (any shape, each >= 0: the
     max.abs sink clears the sign), rounded as a store to ``dtype`` (bf16 or fp16) rounds: the amax of the
     tensor those fp32 values were stored as (rounding is monotonic), what ``partials.amax().to(dtype).float()``
@@ -124,7 +125,8 @@ def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16, div: 
     if partials.dtype != torch.float32 or dtype not in _ROUND:
         raise ValueError(f"fold_amax takes fp32 partials rounded to bf16, fp16 or fp32, got {partials.dtype} to {dtype}")
     if div is not None and (dtype != torch.float32 or div.dtype != torch.float32 or div.numel() != 1):
-        raise ValueError(f"fold_amax divides an unrounded fp32 amax by one fp32 value, got {dtype} and {div.dtype} {tuple(div.shape)}")
+        raise ValueError(f"fold_amax divides an unrounded fp32 amax by one fp32 value, got {dtype} and "
+                         f"{div.dtype} {tuple(div.shape)}")
     if dtype == torch.float32 and os.environ.get(FOLD_ENV) == "aten":
         return partials.amax() if div is None else partials.amax() / div.reshape(())
     parts = partials.reshape(-1).contiguous()
@@ -134,6 +136,6 @@ def fold_amax(partials: torch.Tensor, dtype: torch.dtype = torch.bfloat16, div: 
     scratch, count = _FOLD_STATE[parts.device]
     out = torch.empty((), device=parts.device, dtype=torch.float32)
     nprog = fold_programs(parts.numel())
-    fold_amax_kernel[(nprog,)](parts, scratch, count, out, out if div is None else div, parts.numel(), ROUND=_ROUND[dtype],
-                               NPROG=nprog, BLOCK=FOLD_BLOCK, DIV=div is not None, num_warps=4)
+    fold_amax_kernel[(nprog,)](parts, scratch, count, out, out if div is None else div, parts.numel(),
+                               ROUND=_ROUND[dtype], NPROG=nprog, BLOCK=FOLD_BLOCK, DIV=div is not None, num_warps=4)
     return out

@@ -50,14 +50,22 @@ def _operands(m: int, k: int, fp8: bool, g, last: bool):
     return call, bare, (daq, wq, norm)
 
 
+# GPU cycles the stream sleeps before the first timed call (about 5 ms at the H100's clocks): the host enqueues
+# the calls meanwhile, so kernels shorter than their launch are timed back to back, not at the host's pace
+# (until the forty-first session they were not: a 4 us Triton kernel read 43 us, its Python launch)
+QUEUE_AHEAD_CYCLES = 10_000_000
+
+
 def _streamed(fn, reps: int = 20) -> dict:
-    """Per call, of ``reps`` calls enqueued back to back (after 3 warm-up calls): the GPU's ms between two
-    events (a call's GPU time once the host runs ahead, as in training; ``_time`` syncs after each
-    call, so there its host time counts too) and the host's ms to enqueue them (``time.perf_counter``)."""
+    """Per call, of ``reps`` calls enqueued back to back (after 3 warm-up calls) behind a GPU sleep of
+    ``QUEUE_AHEAD_CYCLES``: the GPU's ms between two events (a call's GPU time with the host ahead, as in
+    training, where the host enqueues them in less than the sleep; ``_time`` syncs after each call, so there
+    its host time counts too) and the host's ms to enqueue them (``time.perf_counter``)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
     a.record()
     t0 = time.perf_counter()
     for _ in range(reps):

@@ -130,8 +130,9 @@ def test_the_folds_probes_one_launch_sums_are_sums_within_the_probes_bound():
 def test_b1s_pass_at_other_shapes_writes_the_same_bits():
     """B1's pass at the shapes of ``scripts/probes/b1_pass.py`` (rows a program, the row in column blocks: a
     ragged last block, blocks inside a head, one row, the row's power of two) in Triton's interpreter
-    (``tests/b1_chunk_interpreter_check.py``) against one power-of-two block of a row a program: da, the e5m2 codes and the row amax bit for bit, zdz within 1e-6 relative
-    (the same terms in another order, fp32, a row of 40)."""
+    (``tests/b1_chunk_interpreter_check.py``) against one power-of-two block of a row a program: da, the e5m2
+    codes and the row amax bit for bit, zdz within 1e-6 relative (the same terms in another order, fp32, a row
+    of 40)."""
     from .helpers import run_interpreter_check
 
     got = run_interpreter_check("b1_chunk_interpreter_check.py")

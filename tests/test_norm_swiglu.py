@@ -648,18 +648,18 @@ def test_cute_b3_on_an_fp8_gemm_matches_reference():
 
 @pytest.mark.gpu
 def test_cute_b3_with_a_lower_c_stage_base_gives_the_same_bits(monkeypatch):
-    """B3 on the bf16 GEMM with the C-stage base (``stages``; ``[coda] b2_c_stages``): our form of quack's
-    ``dswiglu_rstd_preact_mod`` (dy pre-scaled) with a third A/B stage on a 256 x 128 cooperative tile. On
-    that pinned tile da, y and the rstd-gradient partials are bit for bit the same epilogue at quack's base
-    (the base only splits shared memory), and the op with it set (autotuned) passes every B3's reference
-    check (``check_cute_matches_reference``: the derived bound, zdz included)."""
+    """B3 on the bf16 GEMM with the C-stage base (``stages``; ``[coda] b2_c_stages``): our copy of quack's
+    ``dswiglu_rstd_preact_mod`` with a third A/B stage on a 256 x 128 cooperative tile. On that pinned tile
+    da, y and the rstd-gradient partials are bit for bit quack's epilogue at quack's base (the base only
+    splits shared memory), and the op with it set (autotuned) passes every B3's reference check."""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels.cute import epilogues, stages
+    from quack.epilogue.library import dswiglu_rstd_preact_mod
     from quack.gemm_config import GemmConfig
 
     _, _, (m, _, ff), b3 = _cuda_b3(23)
     keep, outs = [], {}
-    for base, epi in ((None, epilogues.dswiglu_rstd_preact_epi), (2, epilogues.dswiglu_rstd_preact_epi)):
+    for base, epi in ((None, dswiglu_rstd_preact_mod), (2, epilogues.dswiglu_rstd_preact_epi)):
         cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
                          device_capacity=9)
         keep.append(cfg)  # (quack's eager call cache keys a pinned config by its id)

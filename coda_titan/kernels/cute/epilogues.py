@@ -95,14 +95,12 @@ def norm_residual_bwd_last_amax_epi(acc, y, w, corr):
 @gemm_epilogue(outputs=("postact",), ops={"rstd": ColVecLoad("rstd")}, reduces={"dsum": ColVecReduce("dsum")},
                mode="packed_cd_b16x2")
 def dswiglu_rstd_preact_epi(acc, c, rstd):
-    """B3's bf16 epilogue (the math of quack's ``dswiglu_rstd_preact_mod``, with dy pre-scaled): c = the
-    saved (gate, up) pre-activation pairs, postact = y recomputed. dswiglu is linear in dy, so dy enters as
-    r * acc and its gradients come out as D = r * (dg_s, du_s) directly (one FMUL a pair, not two), and
-    dsum = the rstd gradient's partials of zdz itself (quack's are r times smaller: its caller multiplies).
-    Here, as B2's, so that a kernel of it can carry ``stages.ATTR``."""
+    """B3's bf16 epilogue (the math of quack's ``dswiglu_rstd_preact_mod``): c = the saved (gate, up)
+    pre-activation pairs, D = their gradients r * (dg_s, du_s), postact = y recomputed, dsum = the rstd
+    gradient's partials; here, as B2's, so that a kernel of it can carry ``stages.ATTR``."""
     g, u = unpack(c)
-    dga, dua, s = dswiglu(g * rstd, u * rstd, acc * rstd)
-    return {"D": pack(dga, dua), "postact": s, "dsum": dga * g + dua * u}
+    dgs, dus, s = dswiglu(g * rstd, u * rstd, acc)
+    return {"D": pack(dgs * rstd, dus * rstd), "postact": s, "dsum": dgs * g + dus * u}
 
 
 @gemm_epilogue(

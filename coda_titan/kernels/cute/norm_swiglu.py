@@ -6,9 +6,8 @@ norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
 norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (our 8-bit paired-column
                  store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
 swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials; with
-                 ``CODA_TITAN_EPI_C_STAGES`` (B2's C-stage base, ``stages``) our form of it with that base
-                 (dy pre-scaled by r: ``epilogues.dswiglu_rstd_preact_epi``; ``CODA_TITAN_B3_C_STAGES``,
-                 where set, is B3's alone: 0 = quack's)
+                 ``CODA_TITAN_EPI_C_STAGES`` (B2's C-stage base, ``stages``) our copy of it with that base
+                 (``CODA_TITAN_B3_C_STAGES``, where set, is B3's alone: 0 = quack's)
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
 swiglu_bwd_e5m2  ``epilogues.dswiglu_rstd_preact_e5m2_epi``: the same less the bf16 da (no D store; a read
@@ -101,7 +100,7 @@ def _swiglu_bwd(dout, w_down, a, rstd):
     epi = dswiglu_rstd_preact_mod if base is None else dswiglu_rstd_preact_epi
     with first_call("swiglu_bwd", dout, w_down), stages.capped(base):
         res = gemm(epi, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
-    return da, y, res["dsum"] * r if base is None else res["dsum"]  # (ours sums zdz itself: dy pre-scaled)
+    return da, y, res["dsum"] * r
 
 
 @functools.cache

@@ -69,7 +69,7 @@ class Backend:
     residual_rms_fp8: Callable
     residual_rms_q: Callable  # F1 with an fp8 mainloop (fp8_down_proj / fp8_out_proj, no e4m3 H after it)
     residual_rms_q_fp8: Callable
-    residual_rms_q_fp8_t: Callable  # the same also writing Hq^T (fp8_mlp_h_t)
+    residual_rms_q_fp8_t: Callable  # the same also writing Hq^T, not H (fp8_mlp_h_t, fp8_qkv_wgrad)
     norm_swiglu_fp8: Callable
     norm_swiglu_q_fp8: Callable  # F2 writing e4m3 y and amax |y| (fp8_down_proj after calibration)
     norm_rope_fp8: Callable

@@ -14,7 +14,7 @@ None = the current amax, the calibration step).
 (yq @ Wq^T) on e4m3 operands (scale = s_y * s_w, their dequantization scales), for the
 down-projection and the out-projection forward in fp8 (``fp8_down_proj``, ``fp8_out_proj``).
 ``residual_rms_q_fp8_t`` also writes Hq^T (d, M), the next consumer's weight-gradient operand
-(``fp8_mlp_h_t``).
+(``fp8_mlp_h_t``, ``fp8_qkv_wgrad``), and not H: its consumers read Hq and Hq^T only.
 
 Backward (``coda_titan.model.autograd``): the consumer of H returns the fully assembled residual
 gradient D (norm backward + residual add, see ``norm_residual_bwd``), so F1's backward is two
@@ -94,12 +94,13 @@ def residual_rms_q_fp8(
 def residual_rms_q_fp8_t(
     *, yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
     tile_n: int, inv_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(X, H, S, Hq, Hq^T, amax): ``residual_rms_q_fp8`` that also writes Hq transposed, (d, M) token-major:
-    the consumer's weight gradient reads the forward's codes as cuBLAS takes them (``fp8_mlp_h_t``)."""
-    x, h, s, hq, amax = residual_rms_q_fp8(yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, S, Hq, Hq^T, amax): ``residual_rms_q_fp8`` that also writes Hq transposed, (d, M) token-major
+    (the consumer's weight gradient reads the forward's codes as cuBLAS takes them: ``fp8_mlp_h_t``,
+    ``fp8_qkv_wgrad``), and not the bf16 H, which no consumer of this form reads."""
+    x, _, s, hq, amax = residual_rms_q_fp8(yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n,
                                            inv_scale=inv_scale)
-    return x, h, s, hq, hq.t().contiguous(), amax
+    return x, s, hq, hq.t().contiguous(), amax
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -177,18 +178,18 @@ def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
 def residual_rms_q_fp8_t_op(
     yq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, tile_n: int,
     inv_scale: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    x, h, s, hq, hq_t, amax = residual_rms_q_fp8_t(
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, s, hq, hq_t, amax = residual_rms_q_fp8_t(
         yq=yq, wq=wq, scale=scale, residual=residual, gamma=gamma, tile_n=tile_n, inv_scale=inv_scale
     )
-    return x, h, s.sum(-1, keepdim=True), hq, hq_t, amax
+    return x, s.sum(-1, keepdim=True), hq, hq_t, amax
 
 
 @residual_rms_q_fp8_t_op.register_fake
 def _(yq, wq, scale, residual, gamma, tile_n, inv_scale):
     # (residual_rms_q_fp8's fake, not its op: a kernel's recompute skip calls this on real tensors)
-    x, h, s, hq, amax = residual_rms_q_fp8_op._abstract_fn(yq, wq, scale, residual, gamma, tile_n, inv_scale)
-    return x, h, s, hq, hq.new_empty((hq.shape[1], hq.shape[0])), amax
+    x, _, s, hq, amax = residual_rms_q_fp8_op._abstract_fn(yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    return x, s, hq, hq.new_empty((hq.shape[1], hq.shape[0])), amax
 
 
 # In full activation checkpointing's recompute the block's down-projection F1 is not run (its outputs are

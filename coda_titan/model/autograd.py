@@ -96,9 +96,18 @@ class Fp8Input:
     grad_amax: bool = False  # (``fp8_out_bwd``) the consumer of X reports amax |dX| (``edges.amax_token``)
 
 
+def _kept_h(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """H as a backward keeps it; an error, not a wrong gradient, where ``_f1`` wrote none (``quantize.transposed``)."""
+    if h.numel() == 0 and x.numel() != 0:
+        raise RuntimeError("coda_titan: a weight gradient needs the bf16 H, but its F1 wrote Hq and Hq^T only "
+                           "(residual_rms_q_fp8_t); its consumer must keep Hq^T (fp8_mlp_h_t / fp8_qkv_wgrad)")
+    return h
+
+
 def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: QuantizeH | None,
         fp8_in: Fp8Input | None, y_amax: torch.Tensor | None = None) -> tuple:
-    """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize`` (and Hq^T with its ``transposed``),
+    """F1's outputs: (X, H, S), then (Hq, amax |H|) with ``quantize`` (and Hq^T with its ``transposed``, when
+    H is an empty tensor of its dtype: no bf16 H is written, its consumers keep Hq^T and read Hq),
     then amax |y| with ``fp8_in`` (y cast to e4m3 and the GEMM on the fp8 mainloop; with ``y_amax``, y
     is that e4m3 y already, quantized by its producer with ``fp8_in.inv``, and ``y_amax`` its amax)."""
     inv_next = None if quantize is None else quantize.inv_scale
@@ -110,8 +119,8 @@ def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: Qua
     f1 = dict(yq=yq, wq=fp8_in.w, scale=dequant_scale(inv_y, fp8_in.s_w), residual=residual, gamma=gamma_next,
               tile_n=tile_n)
     if quantize is not None and quantize.transposed:
-        x, h, s, hq, hq_t, amax = be.residual_rms_q_fp8_t(**f1, inv_scale=inv_next)
-        return x, h, s, hq, amax, hq_t, amax_y
+        x, s, hq, hq_t, amax = be.residual_rms_q_fp8_t(**f1, inv_scale=inv_next)
+        return x, x.new_empty(0), s, hq, amax, hq_t, amax_y
     outs = be.residual_rms_q(**f1) if quantize is None else be.residual_rms_q_fp8(**f1, inv_scale=inv_next)
     return (*outs, amax_y)
 
@@ -218,8 +227,8 @@ class NormRoPE(torch.autograd.Function):
         w_t, s_w, inv_g = (None,) * 3 if fp8 is None or fp8.w_t is None else (fp8.w_t, fp8.s_w, fp8.grad_inv)
         hq, inv_h = (None, None) if fp8 is None or not cfg.fp8_qkv_wgrad else (
             fp8.hq if fp8.hq_t is None else fp8.hq_t.t(), fp8.inv_a)
-        ctx.save_for_backward(h if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w, hq, inv_h,
-                              inv_g)
+        ctx.save_for_backward(_kept_h(h, x) if hq is None else None, rstd, x, gamma, wq, wk, wv, freqs, qkv, w_t, s_w,
+                              hq, inv_h, inv_g)
         ctx.cfg, ctx.rope = cfg, dict(seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
         return qkv, x.view_as(x)
 
@@ -290,7 +299,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         h_t = fp8.hq_t if lean else None  # dW13 on the forward's e4m3 H^T: the bf16 H is not kept
         e5m2 = ((fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2, inv_y, h_t, fp8.f2.inv_a)
                 if ctx.e5m2 else (None,) * 9)
-        ctx.save_for_backward(None if h_t is not None else h, rstd, x, gamma, w1, w3, w2, a, *e5m2)
+        ctx.save_for_backward(None if h_t is not None else _kept_h(h, x), rstd, x, gamma, w1, w3, w2, a, *e5m2)
         ctx.cfg = cfg
         ctx.grad_amax = fp8 is not None and fp8.grad_amax
         return (*outs, amax_token(x)) if ctx.grad_amax else outs

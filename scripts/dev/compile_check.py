@@ -88,18 +88,24 @@ def _f1(config=None, m=512, k=256, d=256):
                     config=cfg, weight=torch.ones(d))
 
 
-def _f1_q_fp8(config=None, m=512, k=256, d=256):
-    """F1 on the fp8 mainloop writing e4m3 Hq (``coda::residual_rms_q_fp8``'s quack call), on a pinned config."""
+def _f1_q_fp8(config=None, m=512, k=256, d=256, transposed=False):
+    """F1 on the fp8 mainloop writing e4m3 Hq (``coda::residual_rms_q_fp8``'s quack call), on a pinned config;
+    ``transposed``: ``coda::residual_rms_q_fp8_t``'s (D = X, Hq and Hq^T, no H)."""
     import torch
 
-    from coda_titan.kernels.cute.epilogues import rms_partial_scaled_fp8_epi
+    from coda_titan.kernels.cute.epilogues import rms_partial_scaled_fp8_epi, rms_partial_scaled_fp8_t_epi
     from coda_titan.kernels.scaling import E4M3
 
     cfg = config or _pingpong()
     yq, wq, res = torch.zeros(m, k, dtype=E4M3), torch.zeros(d, k, dtype=E4M3), torch.zeros(m, d, dtype=torch.bfloat16)
-    out = {"D": torch.empty_like(res), "resid_out": torch.empty_like(res), "hq": torch.empty(m, d, dtype=E4M3)}
-    rms_partial_scaled_fp8_epi(yq, wq.t(), res, out=out, tuned=False, config=cfg, weight=torch.ones(d),
-                               scale=torch.ones(1), inv_scale=torch.ones(1))
+    out = {"D": torch.empty_like(res), "hq": torch.empty(m, d, dtype=E4M3)}
+    if transposed:
+        out["hqt"] = torch.empty(d, m, dtype=E4M3).t()
+    else:
+        out["resid_out"] = torch.empty_like(res)
+    epi = rms_partial_scaled_fp8_t_epi if transposed else rms_partial_scaled_fp8_epi
+    epi(yq, wq.t(), res, out=out, tuned=False, config=cfg, weight=torch.ones(d), scale=torch.ones(1),
+        inv_scale=torch.ones(1))
 
 
 def _b2(config=None, m=512, k=512, d=256):
@@ -214,6 +220,7 @@ PROGRAMS = {
     "f1": lambda: _f1(),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),
+    "f1_q_fp8_t": lambda: _f1_q_fp8(transposed=True),
     "f1_q_fp8_overlap": lambda: _overlapped(_f1_q_fp8),
     "b2": lambda: _b2(),
     "b2_overlap": lambda: _overlapped(_b2),

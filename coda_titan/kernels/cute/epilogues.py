@@ -143,16 +143,16 @@ def rms_partial_scaled_fp8_epi(acc, c, weight, scale, inv_scale):
 
 
 @gemm_epilogue(
-    outputs=("resid_out", "hq", _T("hqt")),
+    outputs=("hq", _T("hqt")),
     ops={"weight": RowVecLoad("weight"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
     reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": _amax()},
 )
 def rms_partial_scaled_fp8_t_epi(acc, c, weight, scale, inv_scale):
-    """``rms_partial_scaled_fp8_epi`` also storing the same e4m3 values through an M-major 8-bit output
-    ``hqt`` (Hq^T, as B3's da^T: ``residual_rms_q_fp8_t``)."""
+    """``rms_partial_scaled_fp8_epi`` storing the same e4m3 values also through an M-major 8-bit output
+    ``hqt`` (Hq^T, as B3's da^T: ``residual_rms_q_fp8_t``), and not the bf16 H: D is X."""
     x = acc * scale + c
     h = x * weight
-    return {"D": h, "resid_out": x, "sqsum": (x, x), "hq": h * inv_scale, "hqt": h * inv_scale, "amax": h}
+    return {"D": x, "sqsum": (x, x), "hq": h * inv_scale, "hqt": h * inv_scale, "amax": h}
 
 
 @gemm_epilogue(

@@ -8,7 +8,7 @@ residual_rms_q    ``epilogues.rms_partial_scaled_epi`` on e4m3 yq and Wq (fp8 ma
                   accumulation as every fp8 program here): X = scale * acc + residual
 residual_rms_q_fp8  ``epilogues.rms_partial_scaled_fp8_epi``: the same plus e4m3 Hq and amax |H|
 residual_rms_q_fp8_t  ``epilogues.rms_partial_scaled_fp8_t_epi``: also Hq^T through an M-major 8-bit output
-                  (a view of a (d, M) buffer), as B3 stores da^T
+                  (a view of a (d, M) buffer), as B3 stores da^T, and no H (D is X)
 
 Each skips the block's down-projection F1 in full activation checkpointing's recompute
 (``kernels/recompute.py``: its outputs are dropped there).
@@ -89,14 +89,13 @@ def _q_fp8_unsupported(yq, wq, residual, inv_scale) -> str | None:
     return why
 
 
-def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale, **more_out):
-    """F1 on the fp8 mainloop writing e4m3 Hq (``epi``; ``more_out``: its further outputs):
-    (X, H, S, Hq, amax |H|)."""
+def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale):
+    """F1 on the fp8 mainloop writing e4m3 Hq (``epi``): (X, H, S, Hq, amax |H|)."""
     x = torch.empty_like(residual)
     h = torch.empty_like(residual)
     hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
     with first_call(name, yq, wq):
-        res = gemm(epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq, **more_out},
+        res = gemm(epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq},
                    weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
     return x, h, res["sqsum"].unsqueeze(1), hq, fold_amax(res["amax"], torch.float32)
 
@@ -118,7 +117,10 @@ def _residual_rms_q_fp8_t(yq, wq, scale, residual, gamma, tile_n, inv_scale):
         why = f"{residual.shape[0]} rows (the transposed store needs % 16)"
     if why:
         return fallback(ref.residual_rms_q_fp8_t_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
+    x = torch.empty_like(residual)
+    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
     hq_t = torch.empty((residual.shape[1], residual.shape[0]), device=residual.device, dtype=E4M3)  # M-major view
-    x, h, s, hq, amax = _f1_q_fp8("residual_rms_q_fp8_t", rms_partial_scaled_fp8_t_epi, yq, wq, scale, residual, gamma,
-                                  inv_scale, hqt=hq_t.t())
-    return x, h, s, hq, hq_t, amax
+    with first_call("residual_rms_q_fp8_t", yq, wq):
+        res = gemm(rms_partial_scaled_fp8_t_epi, yq, wq.t(), residual, {"D": x, "hq": hq, "hqt": hq_t.t()},
+                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
+    return x, res["sqsum"].unsqueeze(1), hq, hq_t, fold_amax(res["amax"], torch.float32)

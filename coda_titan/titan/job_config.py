@@ -48,7 +48,7 @@ class Coda:
     fp8_out_proj: bool = knob(True, "fp8: the W_o forward on fp8, its input cast to e4m3 (delayed scale)")
     fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (and y^T): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
-    fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T (no bf16 H kept); measured slower")
+    fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T, no bf16 H; on in 1B fp8 configs")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H (not bf16 H), da cast at its current amax; on in the 1B fp8 configs")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: 6.5 GiB less, 2.3% slower)")

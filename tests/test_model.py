@@ -1393,3 +1393,15 @@ def test_fp8_weight_t_bwd_trains_bit_for_bit_and_the_weight_pass_makes_no_transp
     assert any(t for _, t in calls0) and ("fp8_weight_t", False) not in calls0
     assert not any(t for _, t in calls1)  # the pass makes no transposes
     assert calls1.count(("fp8_weight_t", False)) == 3 * 4 * layers
+
+
+def test_a_backward_that_would_keep_an_unwritten_h_raises():
+    """F1's Hq^T form writes no bf16 H (``residual_rms_q_fp8_t``): its consumers get an empty H of its dtype. A
+    Function that would save that H for a weight gradient raises instead of computing a wrong gradient."""
+    from coda_titan.model.autograd import _kept_h
+
+    x = torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="needs the bf16 H"):
+        _kept_h(x.new_empty(0), x)
+    h = torch.ones(4, 8)
+    assert _kept_h(h, x) is h

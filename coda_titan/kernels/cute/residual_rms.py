@@ -89,15 +89,12 @@ def _q_fp8_unsupported(yq, wq, residual, inv_scale) -> str | None:
     return why
 
 
-def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale):
-    """F1 on the fp8 mainloop writing e4m3 Hq (``epi``): (X, H, S, Hq, amax |H|)."""
-    x = torch.empty_like(residual)
-    h = torch.empty_like(residual)
-    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
+def _f1_q_fp8(name, epi, yq, wq, scale, residual, gamma, inv_scale, out):
+    """F1 on the fp8 mainloop writing e4m3 Hq (``epi``, into ``out``): (S, amax |H|)."""
     with first_call(name, yq, wq):
-        res = gemm(epi, yq, wq.t(), residual, {"D": h, "resid_out": x, "hq": hq},
-                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
-    return x, h, res["sqsum"].unsqueeze(1), hq, fold_amax(res["amax"], torch.float32)
+        res = gemm(epi, yq, wq.t(), residual, out, weight=gamma.float(), scale=scalar32(scale),
+                   inv_scale=scalar32(inv_scale))
+    return res["sqsum"].unsqueeze(1), fold_amax(res["amax"], torch.float32)
 
 
 @torch.library.register_kernel("coda::residual_rms_q_fp8", "cuda")
@@ -106,7 +103,11 @@ def _residual_rms_q_fp8(yq, wq, scale, residual, gamma, tile_n, inv_scale):
     why = _q_fp8_unsupported(yq, wq, residual, inv_scale)
     if why:
         return fallback(ref.residual_rms_q_fp8_op, why, yq, wq, scale, residual, gamma, tile_n, inv_scale)
-    return _f1_q_fp8("residual_rms_q_fp8", rms_partial_scaled_fp8_epi, yq, wq, scale, residual, gamma, inv_scale)
+    x, h = torch.empty_like(residual), torch.empty_like(residual)
+    hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
+    s, amax = _f1_q_fp8("residual_rms_q_fp8", rms_partial_scaled_fp8_epi, yq, wq, scale, residual, gamma, inv_scale,
+                        {"D": h, "resid_out": x, "hq": hq})
+    return x, h, s, hq, amax
 
 
 @torch.library.register_kernel("coda::residual_rms_q_fp8_t", "cuda")
@@ -120,7 +121,6 @@ def _residual_rms_q_fp8_t(yq, wq, scale, residual, gamma, tile_n, inv_scale):
     x = torch.empty_like(residual)
     hq = torch.empty(residual.shape, device=residual.device, dtype=E4M3)
     hq_t = torch.empty((residual.shape[1], residual.shape[0]), device=residual.device, dtype=E4M3)  # M-major view
-    with first_call("residual_rms_q_fp8_t", yq, wq):
-        res = gemm(rms_partial_scaled_fp8_t_epi, yq, wq.t(), residual, {"D": x, "hq": hq, "hqt": hq_t.t()},
-                   weight=gamma.float(), scale=scalar32(scale), inv_scale=scalar32(inv_scale))
-    return x, res["sqsum"].unsqueeze(1), hq, hq_t, fold_amax(res["amax"], torch.float32)
+    s, amax = _f1_q_fp8("residual_rms_q_fp8_t", rms_partial_scaled_fp8_t_epi, yq, wq, scale, residual, gamma,
+                        inv_scale, {"D": x, "hq": hq, "hqt": hq_t.t()})
+    return x, s, hq, hq_t, amax

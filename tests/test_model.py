@@ -1405,3 +1405,41 @@ def test_a_backward_that_would_keep_an_unwritten_h_raises():
         _kept_h(x.new_empty(0), x)
     h = torch.ones(4, 8)
     assert _kept_h(h, x) is h
+
+
+def test_e5m2_codes_reach_a_backward_as_a_token_gradient():
+    """What docs/fp8.md's next lever (B2 writing dX's e5m2 codes) rests on, as the amax tokens (``edges``) rest on
+    a scalar's: a Function's e5m2 token output (a zero-stride expand) receives e5m2 codes as its gradient from the
+    Function that takes the token, eager and under ``torch.compile(fullgraph=True)``, the same values."""
+    e5 = torch.float8_e5m2
+
+    class Reader(torch.autograd.Function):  # (the Function whose backward reads dX's codes)
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2, torch.zeros((), dtype=e5).expand(a.shape)
+
+        @staticmethod
+        def backward(ctx, dx, codes):
+            assert codes.dtype == e5 and codes.shape == dx.shape
+            return dx * 2 + codes.float()
+
+    class Maker(torch.autograd.Function):  # (the Function whose backward makes dX and its codes)
+        @staticmethod
+        def forward(ctx, x, tok):
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, dy):
+            dx = dy * 3
+            return dx, dx.to(e5)
+
+    def loss(a):
+        x, tok = Reader.apply(a)
+        return (Maker.apply(x, tok) * torch.linspace(-2, 2, a.numel()).view_as(a)).sum()
+
+    a = torch.randn(4, 8, requires_grad=True)
+    loss(a).backward()
+    eager, a.grad = a.grad.clone(), None
+    torch.compile(loss, fullgraph=True)(a).backward()
+    want = torch.linspace(-2, 2, 32).view(4, 8) * 6
+    assert torch.equal(eager, want + (want / 2).to(e5).float()) and torch.equal(a.grad, eager)

@@ -233,6 +233,37 @@ def test_traced_programs_leave_the_compiled_graph_and_stay_ops_in_eager():
         op_backend(traced={"norm_rope": code})
 
 
+def test_lean_kernels_call_the_device_kernel_without_torchs_alias_check(monkeypatch):
+    """``lean_kernels`` puts an op's registered device kernel straight at its dispatch key (the cute backend does
+    this for its programs): the same kernel runs and its output comes back, and torch's per-call wrapper, whose
+    alias check refuses an output that is an input, no longer runs; with ``CODA_TITAN_LEAN_OPS=0`` or outside
+    the module named, nothing is re-registered."""
+    from coda_titan.kernels._common import LEAN_ENV, lean_kernels
+
+    @torch.library.custom_op("leantest::echo", mutates_args=())
+    def echo(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    calls = []
+
+    @echo.register_kernel("cpu")
+    def _(x):
+        calls.append(1)
+        return x  # (an alias of its input: what the wrapper's check refuses)
+
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="alias"):
+        torch.ops.leantest.echo(x)
+    monkeypatch.setenv(LEAN_ENV, "0")
+    assert lean_kernels("leantest", "cpu") == []
+    monkeypatch.delenv(LEAN_ENV)
+    assert lean_kernels("leantest", "cpu", module="no.such.module") == []
+    assert lean_kernels("leantest", "cpu", module=__name__) == ["echo"]
+    before = len(calls)
+    assert torch.ops.leantest.echo(x) is x
+    assert len(calls) == before + 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cute_refused_without_gpu():
     with pytest.raises(BackendUnavailable, match="no CUDA GPU"):

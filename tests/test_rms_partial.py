@@ -21,3 +21,33 @@ def test_opcheck(name, dtype):
 @pytest.mark.parametrize("name", ['rstd_finalize'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [2048, 4096, 3000])
+def test_traced_rstd_finalize_under_compile_equals_the_op(d):
+    """The rstd finalize as the compiled model runs it (``TRACED``: rsqrt(sum S * fp32(1/d) + eps), fused by
+    inductor) against the op (quack's CuTeDSL kernel) on the same (M, 1) and (M, 4) partials. Bound: both
+    compute the same fp32 sum and product-plus-eps, one possibly as an FMA where the other rounds the product
+    first (1 ulp of the rsqrt's argument apart, so 2^-24 relative in r, half the argument's), then each an
+    rsqrt.approx of at most 2^-22.9 relative error: |r - r'| <= (2^-24 + 2 * 2^-22.9) |r'|. Where d is a power
+    of two, s is exact, the two arguments are the same fp32 value, and so is r (same instruction): no
+    difference is allowed there."""
+    import coda_titan.kernels.cute as cute_pkg
+    from coda_titan.kernels import get_backend
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    cute = get_backend("cute")
+    torch._dynamo.reset()
+    traced = torch.compile(lambda **kw: cute_pkg.TRACED["rstd_finalize"](**kw), fullgraph=True, dynamic=False)
+    for tiles in (1, 4):
+        s = torch.rand(16384, tiles, generator=gen, device="cuda") * d * 3 + 1e-3
+        s[:7] = torch.tensor([0.0, 1e-30, 1e-8, 1.0, 1e6, 3e7, 0.5], device="cuda")[:, None]
+        want = cute.rstd_finalize(partials=s, dim=d, eps=1e-5)
+        got = traced(partials=s, dim=d, eps=1e-5)
+        assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
+        if d & (d - 1) == 0 and tiles == 1:
+            assert torch.equal(got, want), f"d {d}: {(got != want).sum().item()} of {got.numel()} differ"
+        bound = (2.0**-24 + 2 * 2.0**-22.9) * want.abs()
+        worst = ((got - want).abs() / bound).max().item()
+        assert worst <= 1.0, f"d {d}, {tiles} tiles: {worst:.3f} of the bound"

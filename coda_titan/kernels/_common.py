@@ -30,6 +30,37 @@ def program_op(name: str):
     return wrap
 
 
+LEAN_ENV = "CODA_TITAN_LEAN_OPS"  # "0": the device kernels behind torch's custom-op checks again (the A/B's other arm)
+_LEAN_LIBS: dict[str, torch.library.Library] = {}
+
+
+def lean_kernels(namespace: str, device: str, module: str = "") -> list[str]:
+    """Register the ``device`` kernel of each ``namespace`` custom op whose reference is defined under ``module``
+    (``register_kernel``'s, which the op keeps in ``_backend_fns``) straight at the device's dispatch key, in
+    place of torch's wrapper around it, which checks on every call that no output aliases an input (our
+    kernels return fresh tensors; the CPU tests' ``opcheck`` of each reference checks the schema). On the GPU
+    host's torch 2.11 that wrapper and its dispatch cost 17-23 us a call (``probe_op_layers_…json``), with
+    about 110 calls in a forward the host bounds (``probe_host_slack_…json``). Returns the names of the ops
+    re-registered (none with ``CODA_TITAN_LEAN_OPS=0``). FlashAttention's ops are left as they are: the
+    baseline configs call them too."""
+    import os
+
+    from torch._library.custom_ops import OPDEFS
+
+    if os.environ.get(LEAN_ENV, "1") == "0":
+        return []
+    key = torch._C._dispatch_key_for_device(device)
+    if namespace not in _LEAN_LIBS:
+        _LEAN_LIBS[namespace] = torch.library.Library(namespace, "IMPL")
+    names = []
+    for qualname, opdef in sorted(OPDEFS.items()):
+        ns, name = qualname.split("::")
+        if ns == namespace and device in opdef._backend_fns and opdef._init_fn.__module__.startswith(module):
+            _LEAN_LIBS[namespace].impl(name, opdef._backend_fns[device], key, allow_override=True)
+            names.append(name)
+    return names
+
+
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 if any operand is fp64, else fp32: the dtype of accumulators and epilogue math."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

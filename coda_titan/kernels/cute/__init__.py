@@ -14,7 +14,7 @@ Caches (on disk, so a training start does not re-tune what was tuned before):
   default): one directory per GPU model, keyed inside by shape and dtype.
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
 
-``TRACED``: the programs without an epilogue of their own (B1's pass, the plain and the fp8 weight
+``TRACED``: the programs without an epilogue of their own (the rstd finalize, B1's pass, the plain and the fp8 weight
 and input gradients, the delayed e4m3 cast of an F1 input, the e5m2 casts of the residual stream's
 gradients) as plain torch code or ``triton_op``s. Under
 ``torch.compile`` the model traces them into its graph, where inductor fuses them with their
@@ -54,8 +54,12 @@ from . import overlap, stages  # noqa: E402
 overlap.install()  # (inert unless a call asks for overlapped epilogues: overlap.requested())
 stages.install()  # (after overlap's: inert unless a call asks for a C-stage base, stages.capped())
 from . import casts, gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
+from .._common import lean_kernels  # noqa: E402
+
+LEAN = lean_kernels("coda", "cuda", "coda_titan.kernels")  # (after every module above registered its kernels)
 
 TRACED = {
+    "rstd_finalize": rms_partial.rstd_finalize_traced,
     "rope_bwd": norm_rope.rope_bwd_traced,
     "rope_bwd_fp8": norm_rope.rope_bwd_fp8_traced,
     "wgrad": gemm.wgrad_traced,

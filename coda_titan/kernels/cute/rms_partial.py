@@ -2,7 +2,8 @@
 
 rms_partial       H = X * gamma and sum X^2 once per step (torch ops: no GEMM to fuse with)
 rms_partial_fp8   the same plus e4m3 H and amax |H|, as one inductor-fused pass
-rstd_finalize     ``quack.rms_final_reduce`` (CuTeDSL): r = rsqrt(sum S / d + eps)
+rstd_finalize     ``quack.rms_final_reduce`` (CuTeDSL): r = rsqrt(sum S / d + eps); traced by a compiled caller
+                  (``rstd_finalize_traced``): the same arithmetic, fused by inductor into the caller's graph
 """
 
 from __future__ import annotations
@@ -33,3 +34,13 @@ def _rstd_finalize(partials, dim, eps):
     if partials.dtype != torch.float32 or not partials.is_contiguous():
         return fallback(ref.rstd_finalize_op, f"partials of dtype {partials.dtype}", partials, dim, eps)
     return rms_final_reduce(partials, 1.0 / dim, eps)
+
+
+def rstd_finalize_traced(*, partials, dim, eps):
+    """``coda::rstd_finalize`` as code a compiled caller traces (``TRACED``): quack's arithmetic, r = rsqrt(sum S *
+    s + eps) with s the fp32 1 / d, in fp32, which inductor fuses into the block's graph. The op launches
+    quack's CuTeDSL kernel behind two custom ops (its own and quack's): about 0.1 ms of host time a call, 32 calls
+    a forward, in a forward the host bounds (``probe_host_slack_…json``, ``probe_op_layers_…json``)."""
+    if partials.dtype != torch.float32 or not partials.is_contiguous():
+        return ref.rstd_finalize_op(partials, dim, eps)  # (the op says why, once)
+    return torch.rsqrt(partials.sum(-1) * (1.0 / dim) + eps)

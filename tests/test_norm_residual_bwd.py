@@ -149,3 +149,27 @@ def test_cute_b2_with_a_lower_c_stage_base_gives_the_same_bits(fp8, monkeypatch)
             monkeypatch.setenv(stages.ENV, bad)
             with pytest.raises(ValueError, match=stages.ENV):
                 stages.requested_base()
+
+
+@pytest.mark.gpu
+def test_fold_amax_launched_directly_folds_as_its_first_launch():
+    """``fold_amax`` launches its kernel through Triton's JIT the first time for a specialization key and directly
+    after that (``row_vectors._launch_fold``): every call, first or later, gives the amax of the partials as
+    aten reduces it (exact: a maximum), rounded to the dtype asked for, or divided (rounded to nearest) where a
+    divisor is given; across counts a multiple of 16 or not, a count of 1, and partials at a 4-byte offset
+    (another alignment, so another compiled kernel)."""
+    from coda_titan.kernels.cute import row_vectors as rv
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    base = torch.rand(262144 + 32, generator=gen, device="cuda") * 100
+    div = torch.tensor([3.0], device="cuda")
+    for n in (262144, 262149, 4000, 1):
+        for off in (0, 1):
+            parts = base[off:off + n]
+            for _ in range(3):
+                for dt in (torch.bfloat16, torch.float16, torch.float32):
+                    got, want = rv.fold_amax(parts, dt), parts.amax().to(dt).float()
+                    assert torch.equal(got.reshape(1), want.reshape(1)), (n, off, dt, got.item(), want.item())
+                got, want = rv.fold_amax(parts, torch.float32, div=div), parts.amax() / div.reshape(())
+                assert torch.equal(got.reshape(1), want.reshape(1)), (n, off, "div", got.item(), want.item())
+    assert len(rv._FOLDS) >= 8  # (the keys met above, each compiled once)

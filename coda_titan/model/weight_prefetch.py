@@ -78,43 +78,10 @@ def issue(model, start: int = 0, stop: int | None = None) -> bool:
         side = _side_stream(model, device)
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        ws = _pass(model, layers[start:stop], cfg, flags, side, (start, stop))
+        ws = model._weight_pass(layers[start:stop], cfg, flags)
         done = (device, side.record_event()) if side is not None else None
     model._prefetched.append(Prefetched(flags, start, stop, param_versions(layers[start:stop]), done, ws))
     return True
-
-
-GRAPHS_ENV = "CODA_TITAN_WEIGHT_PASS_GRAPHS"  # "0": the pass enqueued kernel by kernel every step (the A/B's other arm)
-
-
-def _pass(model, blocks, cfg, flags: tuple, side, span: tuple):
-    """The weight pass over ``blocks`` on the side stream ``side``: the first time for a key, as it is (which
-    compiles what it runs); the second, captured as a CUDA graph on ``side`` and replayed; after that, replayed,
-    its outputs the same tensors every step, rewritten by each replay. The host then enqueues one graph where it
-    enqueued the pass's compiled calls and some thirty kernels a chunk: host time taken from the steps that the
-    host bounds (docs/fp8.md). The key is the span, the flags and every parameter's address, dtype and shape (the
-    graph reads the parameters where they were at capture; the optimizer updates them in place). Overwriting last
-    step's outputs is safe: the pass for a chunk waits for the chunk's optimizer update, which waits for the
-    backward, the last reader of those outputs. ``CODA_TITAN_WEIGHT_PASS_GRAPHS=0``, or no side stream: as it is."""
-    import os
-
-    if side is None or os.environ.get(GRAPHS_ENV, "1") == "0":
-        return model._weight_pass(blocks, cfg, flags)
-    params = tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for b in blocks for p in b.parameters())
-    key = (flags, cfg.fp8_weight_t_bwd, params)
-    graphs = model.__dict__.setdefault("_weight_pass_graphs", {})
-    entry = graphs.get(span)
-    if entry is None or entry[0] != key:
-        graphs[span] = (key, None, None)  # (a new key: as it is this time, captured the next)
-        return model._weight_pass(blocks, cfg, flags)
-    _, graph, ws = entry
-    if graph is None:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            ws = model._weight_pass(blocks, cfg, flags)
-        graphs[span] = (key, graph, ws)
-    graph.replay()
-    return ws
 
 
 def take(model, layers, flags: tuple) -> Callable[[int], tuple] | None:

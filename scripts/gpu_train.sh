@@ -38,7 +38,7 @@
 #     hostslack probe: host-bound GPU idle of the forward from the step with and without a GPU sleep (no profiler)
 #     hostprofile probe: cProfile of each program's calls, its host time by package and function
 #     hostlayers probe: each program's host time per call by layer (custom op, backend, our kernel, quack), no profiler
-#     oplayers probe: torch's custom-op layer per call (autograd kernel, dispatch, alias check) and a lean CUDA registration
+#     oplayers probe: torch's custom-op layer per call (autograd, dispatch, alias check), a lean CUDA registration
 #     lmheadscale probe: F4's backward scaling, two products against one foreach product (bits, ms)
 #     qgrad      GPU tests of quantize_grad's Triton passes, then scripts/probes/quantize_grad.py (bits, ms per call)
 #     qgradab    the compiled baseline and CODA compiled with those passes, then with the previous kernels

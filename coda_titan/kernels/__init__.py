@@ -93,9 +93,9 @@ PROGRAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Backend) if
 # The programs with no epilogue of their own: plain torch code on every backend, which a compiled
 # caller traces into its graph instead of calling their op (``op_backend(traced=...)``; the cute
 # backend's ``TRACED``).
-TRACEABLE: tuple[str, ...] = ("rstd_finalize", "rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8", "wgrad_fp8_e5m2",
-                               "wgrad_fp8_e4m3", "wgrad_fp8_q", "dgrad_fp8_q", "quantize_delayed", "quantize_delayed_t",
-                               "quantize_grad", "quantize_grad_t")
+TRACEABLE: tuple[str, ...] = ("rstd_finalize", "rope_bwd", "rope_bwd_fp8", "wgrad", "dgrad", "wgrad_fp8",
+                               "wgrad_fp8_e5m2", "wgrad_fp8_e4m3", "wgrad_fp8_q", "dgrad_fp8_q", "quantize_delayed",
+                               "quantize_delayed_t", "quantize_grad", "quantize_grad_t")
 
 TORCH = Backend(
     name="torch",

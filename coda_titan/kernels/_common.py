@@ -39,7 +39,7 @@ def lean_kernels(namespace: str, device: str, module: str = "") -> list[str]:
     (``register_kernel``'s, which the op keeps in ``_backend_fns``) straight at the device's dispatch key, in
     place of torch's wrapper around it, which checks on every call that no output aliases an input (our
     kernels return fresh tensors; the CPU tests' ``opcheck`` of each reference checks the schema). On the GPU
-    host's torch 2.11 that wrapper and its dispatch cost 17-23 us a call (``probe_op_layers_…json``), with
+    host's torch 2.11 going past it saved 17-18 us a call of F2 and F3 (``probe_op_layers_…json``), with
     about 110 calls in a forward the host bounds (``probe_host_slack_…json``). Returns the names of the ops
     re-registered (none with ``CODA_TITAN_LEAN_OPS=0``). FlashAttention's ops are left as they are: the
     baseline configs call them too."""

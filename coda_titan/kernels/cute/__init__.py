@@ -14,8 +14,8 @@ Caches (on disk, so a training start does not re-tune what was tuned before):
   default): one directory per GPU model, keyed inside by shape and dtype.
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
 
-``TRACED``: the programs without an epilogue of their own (the rstd finalize, B1's pass, the plain and the fp8 weight
-and input gradients, the delayed e4m3 cast of an F1 input, the e5m2 casts of the residual stream's
+``TRACED``: the programs without an epilogue of their own (the rstd finalize, B1's pass, the plain and
+the fp8 weight and input gradients, the delayed e4m3 cast of an F1 input, the e5m2 casts of the residual stream's
 gradients) as plain torch code or ``triton_op``s. Under
 ``torch.compile`` the model traces them into its graph, where inductor fuses them with their
 neighbours, instead of calling their op: an opaque op

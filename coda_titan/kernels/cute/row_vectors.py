@@ -147,10 +147,11 @@ _FOLDS: dict = {}  # (what Triton specializes this kernel on) -> its compiled ke
 
 def _launch_fold(nprog: int, parts, scratch, count, out, div, n: int, round_: int, has_div: bool) -> None:
     """``fold_amax_kernel`` on ``nprog`` programs: through Triton's JIT launch the first time for a key, then the
-    compiled kernel launched directly (its runner), without the JIT's argument binding and cache key, about 20 us
-    of host time a call (95 calls a step). The key holds everything the JIT specializes the kernel on for these
-    arguments: the constexprs, each pointer's 16-byte alignment, and the count's divisibility by 16, its being 1
-    and its integer width; the other pointers (scratch, count, out) are allocations of their own, 16-byte aligned."""
+    compiled kernel launched directly (its runner), without the JIT's argument binding and cache lookup on each
+    of the step's 95 calls (host time; with the session's other host cuts, ``compare_pkg_host2_*_…json``). The
+    key holds everything the JIT specializes the kernel on for these arguments: the constexprs, each pointer's
+    16-byte alignment, and the count's divisibility by 16, its being 1 and its integer width; the other pointers
+    (scratch, count, out) are allocations of their own, 16-byte aligned."""
     key = (parts.device, nprog, round_, has_div, n % 16 == 0, n == 1, n < 2**31, parts.data_ptr() % 16 == 0,
            div.data_ptr() % 16 == 0)
     kernel = _FOLDS.get(key)

@@ -29,18 +29,23 @@ def _rms_partial_fp8(x, gamma, tile_n, inv_scale):
     return h, s.sum(-1, keepdim=True), hq, amax
 
 
+def _finalize_unsupported(partials) -> bool:
+    """quack's finalize takes contiguous fp32 partials only (the op falls back to its reference for others)."""
+    return partials.dtype != torch.float32 or not partials.is_contiguous()
+
+
 @torch.library.register_kernel("coda::rstd_finalize", "cuda")
 def _rstd_finalize(partials, dim, eps):
-    if partials.dtype != torch.float32 or not partials.is_contiguous():
+    if _finalize_unsupported(partials):
         return fallback(ref.rstd_finalize_op, f"partials of dtype {partials.dtype}", partials, dim, eps)
     return rms_final_reduce(partials, 1.0 / dim, eps)
 
 
 def rstd_finalize_traced(*, partials, dim, eps):
     """``coda::rstd_finalize`` as code a compiled caller traces (``TRACED``): quack's arithmetic, r = rsqrt(sum S *
-    s + eps) with s the fp32 1 / d, in fp32, which inductor fuses into the block's graph. The op launches
-    quack's CuTeDSL kernel behind two custom ops (its own and quack's): about 0.1 ms of host time a call, 32 calls
-    a forward, in a forward the host bounds (``probe_host_slack_…json``, ``probe_op_layers_…json``)."""
-    if partials.dtype != torch.float32 or not partials.is_contiguous():
+    s + eps) with s the fp32 1 / d, in fp32, which inductor fuses into the block's graph. The op launches quack's
+    CuTeDSL kernel behind two custom ops (its own and quack's), 32 calls a forward, in a forward the host bounds
+    (``probe_host_slack_…json``; what one custom-op layer costs there: ``probe_op_layers_…json``)."""
+    if _finalize_unsupported(partials):
         return ref.rstd_finalize_op(partials, dim, eps)  # (the op says why, once)
     return torch.rsqrt(partials.sum(-1) * (1.0 / dim) + eps)

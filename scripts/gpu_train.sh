@@ -92,6 +92,8 @@
 #                  (2, 4, 8 warps; dropped), bf16 and fp8, bits and GPU ms beside the memory time
 #     foldsprobe   scripts/probes/folds.py: the fp8 epilogues' partial folds as the step runs them against one launch
 #                  (amax: fold_amax; B3's zdz and B2's dgamma: a 2-d tile a program), time and agreement
+#     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
+#                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
@@ -440,6 +442,12 @@ for phase in "$@"; do
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
+      ;;
+    adamwprobe)
+      cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \
+        "$logs/adamw_functor.cuh" 2>/dev/null || echo "no fused_adam_utils.cuh in this torch"
+      python3 -m scripts.probes.adamw > "$logs/adamw.log" 2>&1
+      echo "adamwprobe rc=$?"; grep -E '"wd_fma"|"optimizer"|Error|error' "$logs/adamw.log" | cut -c1-400
       ;;
     stepchunks)
       # [coda] step_chunk_layers: the compiled baseline, the compiled CODA config as configured, and with the

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from ..kernels import EPI_C_STAGES_ENV as STAGES_ENV
 from ..kernels import recompute
-from . import fused_clip, opt_stream
+from . import coda_adamw, fused_clip, opt_stream
 
 SUPPORTED = ("data_parallel_shard_degree (FSDP2), data_parallel_replicate_degree (DDP, or HSDP with sharding), "
              "activation checkpointing and compile")
@@ -44,6 +44,7 @@ def parallelize_coda(model, parallel_dims, job_config):
         _check_cuda_graphs(model_compile, job_config, parallel_dims)
     opt_stream.check(job_config, parallel_dims, model)
     fused_clip.check(job_config, parallel_dims)
+    coda_adamw.check(job_config, parallel_dims)
     _stage_budget(model, getattr(job_config, "coda", None))
     # Full AC with compile: checkpoint *around* each compiled block, not compiled *through*. Compiled
     # through (TorchTitan's order), the partitioner decides per op whether to recompute, and it kept

@@ -27,7 +27,7 @@ from torchtitan.tools.logging import logger
 
 from ..model.args import coda_llama3_args
 from ..model.model import CodaTransformer
-from . import fused_clip, opt_stream
+from . import coda_adamw, fused_clip, opt_stream
 from .parallelize import parallelize_coda
 
 NAME = "coda_llama3"
@@ -57,7 +57,8 @@ def build_coda_dataloader(**kwargs):
 def build_coda_optimizers(model_parts, *args, **kwargs):
     """TorchTitan's optimizers, with a post-step hook that issues each CODA model's next fp8 weight
     pass (``CodaTransformer.prefetch_fp8_weights``; a no-op unless precision = "fp8"), with ``[coda]
-    fused_clip`` the clip's scale applied in the step (``fused_clip``), and with ``[coda]
+    fused_clip`` the clip's scale applied in the step (``fused_clip``), with ``[coda] coda_adamw`` the step as one
+    Triton launch (``coda_adamw``), and with ``[coda]
     optimizer_stream`` the step on a stream of its own (``opt_stream``; its hooks go last), in layer chunks
     with ``[coda] step_chunk_layers`` (each chunk's weight pass issued after its update)."""
     optimizers = build_optimizers(model_parts, *args, **kwargs)
@@ -66,6 +67,8 @@ def build_coda_optimizers(model_parts, *args, **kwargs):
     per_chunk = parts[0].model_args.coda.step_chunk_layers if streamed else 0
     if parts and not per_chunk:  # (chunked, the step issues each chunk's pass itself)
         optimizers.register_step_post_hook(lambda *_: [m.prefetch_fp8_weights() for m in parts])
+    if parts and all(m.model_args.coda.coda_adamw for m in parts):
+        coda_adamw.install(optimizers)
     if parts and all(m.model_args.coda.fused_clip for m in parts):
         fused_clip.install(optimizers, model_parts)
     if streamed:

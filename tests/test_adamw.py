@@ -1,0 +1,161 @@
+"""``[coda] coda_adamw`` (coda_titan/titan/coda_adamw.py, coda_titan/kernels/adamw.py): torch's fused AdamW step
+in one Triton launch.
+
+The claim is the same bits as torch's fused AdamW: the kernel computes torch's fused functor's fp32 arithmetic in
+the same order (no derived bound: any element apart is a bug). On the GPU the kernel's tensors are checked against
+``torch.optim.AdamW(fused=True)`` after steps with and without a ``grad_scale``, bf16 and fp32, beside tensors the
+kernel leaves to torch (an element count not a multiple of 8). On the CPU every tensor takes torch's fused kernel
+(off CUDA), so there the class, its state, its ``state_dict``, the fallback and the checks are tested bit for bit.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torchtitan.components.optimizer import OptimizersContainer
+
+from coda_titan.kernels import adamw as kernel
+from coda_titan.titan import coda_adamw
+from coda_titan.titan.job_config import ConfigError
+
+HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": True}
+SHAPES = [(96, 64), (64,), (1000, 8), (13,), (3, 5)]  # (the last two: element counts the kernel leaves to torch)
+
+
+def _params(dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).to(device, dtype)) for s in SHAPES]
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.device, p.dtype)
+
+
+def _run(dtype, device, coda: bool, steps=4):
+    """Steps 0 and 2 with a grad_scale of 1.25 (as ``fused_clip`` sets it), 1 and 3 without: (params, grads, state)."""
+    params = _params(dtype, device)
+    opt = torch.optim.AdamW(params, **HYPER)
+    if coda:
+        coda_adamw.install(opt)
+    for step in range(steps):
+        _grads(params, step)
+        if step % 2 == 0:
+            opt.grad_scale = torch.tensor(1.25, device=device)
+        opt.step()
+        opt.__dict__.pop("grad_scale", None)
+    return params, opt
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+
+
+def _same_steps(dtype, device):
+    want_p, want = _run(dtype, device, coda=False)
+    got_p, got = _run(dtype, device, coda=True)
+    assert type(got) is coda_adamw.CodaAdamW
+    for w, g in zip(want_p, got_p):
+        assert _bits_equal(w.detach(), g.detach()) and _bits_equal(w.grad, g.grad)
+        sw, sg = want.state[w], got.state[g]
+        assert sorted(sw) == sorted(sg) == ["exp_avg", "exp_avg_sq", "step"]
+        for k in sw:
+            assert _bits_equal(sw[k], sg[k]), k
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_cpu_every_tensor_steps_through_torch_and_nothing_changes(dtype, caplog):
+    got = _same_steps(dtype, "cpu")
+    assert got.__dict__.get("_coda_said")  # (the fallback said so once)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_is_torch_fused_adamw_bit_for_bit(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    got = _same_steps(dtype, "cuda")
+    ours = [p for p in got.param_groups[0]["params"] if kernel.supported(p, p.grad, *(got.state[p][k] for k in (
+        "exp_avg", "exp_avg_sq", "step"))) is None]
+    assert len(ours) == 3  # (the kernel stepped the first three, torch the last two)
+
+
+def test_the_state_dict_moves_between_torch_and_coda_adamw():
+    a, opt_a = _run(torch.float32, "cpu", coda=True, steps=2)
+    b = _params(torch.float32, "cpu")
+    opt_b = torch.optim.AdamW(b, **HYPER)
+    opt_b.load_state_dict(opt_a.state_dict())
+    for p, q in zip(a, b):
+        assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_a.state[p])
+    coda_adamw.install(opt_b)
+    assert opt_b.state_dict()["param_groups"] == opt_a.state_dict()["param_groups"]
+
+
+def test_hooks_run_around_the_swapped_step():
+    params = _params(torch.float32, "cpu")
+    opts = OptimizersContainer([torch.nn.ParameterList(params)], torch.optim.AdamW, dict(HYPER))
+    coda_adamw.install(opts)
+    seen = []
+    inner = opts.optimizers[0]
+    inner.register_step_pre_hook(lambda *_: seen.append("pre"))
+    inner.register_step_post_hook(lambda *_: seen.append("post"))
+    _grads(params, 0)
+    opts.step()
+    assert type(inner) is coda_adamw.CodaAdamW and seen == ["pre", "post"]
+
+
+def test_plan_covers_every_element_once():
+    numels = [1, 4096, 4097, 8192 * 3 + 8, 8]
+    blocks = kernel.plan(numels, block=4096)
+    for t, n in enumerate(numels):
+        mine = sorted(b for tt, b in blocks if tt == t)
+        assert mine == list(range(-(-n // 4096)))
+
+
+def test_tables_are_kept_while_the_addresses_stay():
+    t = kernel.Tables(limit=2)
+    rows = [tuple(torch.zeros(16) for _ in range(4)) + (torch.zeros(()),)]
+    first = t.get(rows, "cpu")
+    assert t.get(rows, "cpu") is first
+    rows2 = [(rows[0][0], torch.zeros(16), *rows[0][2:])]  # (a new gradient: a new address)
+    second = t.get(rows2, "cpu")
+    assert second is not first and second[2] == first[2] == 1
+    assert second[0][0, 1].item() == rows2[0][1].data_ptr() // 16 and second[0][0, 5].item() == 2
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"fused": False, "foreach": True}, "fused AdamW"),
+    ({"amsgrad": True}, "amsgrad"),
+    ({"lr": torch.tensor(1e-3)}, "float learning rate"),
+])
+def test_install_refuses_what_the_kernel_does_not_compute(kwargs, why):
+    opt = torch.optim.AdamW(_params(torch.float32, "cpu"), **{**HYPER, **kwargs})
+    with pytest.raises(ValueError, match=why):
+        coda_adamw.install(opt)
+    with pytest.raises(ValueError, match="torch.optim.AdamW"):
+        coda_adamw.install(torch.optim.SGD(_params(torch.float32, "cpu"), lr=0.1))
+
+
+@dataclasses.dataclass
+class _Opt:
+    name: str = "AdamW"
+    implementation: str = "fused"
+    early_step_in_backward: bool = False
+
+
+@pytest.mark.parametrize("change, needs", [
+    ({"world_size": 2}, "a single device"),
+    ({"implementation": "foreach"}, 'implementation = "fused"'),
+    ({"name": "Adam"}, 'name = "AdamW"'),
+    ({"early_step_in_backward": True}, "early_step_in_backward = false"),
+])
+def test_the_config_check_names_what_is_missing(change, needs):
+    world = change.pop("world_size", 1)
+    job = type("Job", (), {"coda": type("C", (), {"coda_adamw": True})(), "optimizer": _Opt(**change)})()
+    dims = type("Dims", (), {"world_size": world})()
+    with pytest.raises(ConfigError, match=needs):
+        coda_adamw.check(job, dims)
+    job.coda.coda_adamw = False
+    coda_adamw.check(job, dims)

@@ -24,6 +24,8 @@ import torch
 BLOCK = 4096  # elements a program: 16 a thread at 8 warps, two 16-byte loads of each bf16 operand
 WARPS = 8
 WD_FMA = True  # (the weight decay as fma(-(lr wd), p, p); see the module docstring)
+POW_F64 = False  # (b^t in fp64, rounded to fp32, instead of fp32's pow)
+FAST = False  # (the update's divisions and square root approximate, as nvcc's fast math)
 _ALIGN = 16  # bytes: every address in the table is a multiple (checked), so the loads can be 16 bytes wide
 _VEC = 8  # element counts are multiples (checked): the mask of a 16-byte bf16 vector is all-or-nothing
 
@@ -39,7 +41,7 @@ def _kernel():
 
     @triton.jit
     def adamw_kernel(table, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     CONTRACT_WD: tl.constexpr, BLOCK: tl.constexpr):
+                     CONTRACT_WD: tl.constexpr, POW_F64: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + 2 * pid)
         start = tl.load(blocks + 2 * pid + 1) * BLOCK  # (a multiple of BLOCK: the loads stay 16 bytes wide)
@@ -53,8 +55,12 @@ def _kernel():
         step = tl.load(s_ptr)
         b1 = beta1.to(tl.float32)
         b2 = beta2.to(tl.float32)
-        bc1 = 1.0 - libdevice.pow(b1, step)
-        bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2, step))
+        if POW_F64:
+            bc1 = 1.0 - libdevice.pow(b1.to(tl.float64), step.to(tl.float64)).to(tl.float32)
+            bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2.to(tl.float64), step.to(tl.float64)).to(tl.float32))
+        else:
+            bc1 = 1.0 - libdevice.pow(b1, step)
+            bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2, step))
         lr32 = lr.to(tl.float32)
         step_size = tl.div_rn(lr32, bc1)
         offs = start + tl.arange(0, BLOCK)
@@ -74,8 +80,12 @@ def _kernel():
         m = tl.fma(b1, m, tl.fma(-b1, g, g))
         gg = g * g
         v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
-        p = p - tl.div_rn(step_size * m, denom)
+        if FAST:
+            denom = tl.fdiv(tl.sqrt(v), bc2_sqrt, ieee_rounding=False) + eps.to(tl.float32)
+            p = p - tl.fdiv(step_size * m, denom, ieee_rounding=False)
+        else:
+            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
+            p = p - tl.div_rn(step_size * m, denom)
         tl.store(p_ptr + offs, p.to(DT), mask=mask)
         tl.store(m_ptr + offs, m.to(DT), mask=mask)
         tl.store(v_ptr + offs, v.to(DT), mask=mask)
@@ -160,4 +170,4 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
         scale = grad_scale if grad_scale is not None else rows[0][4]
         _kernel()[(n,)](table, blocks, scale, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
                         DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
-                        HAS_SCALE=grad_scale is not None, CONTRACT_WD=WD_FMA, BLOCK=BLOCK, num_warps=WARPS)
+                        HAS_SCALE=grad_scale is not None, CONTRACT_WD=WD_FMA, POW_F64=POW_F64, FAST=FAST, BLOCK=BLOCK, num_warps=WARPS)

@@ -7,7 +7,8 @@ and in ``step_chunk_layers = 4`` chunks, without and with a ``grad_scale`` (``[c
 Timing: ``REPS`` steps enqueued back to back behind a GPU sleep long enough for the host to get ahead (the GPU's
 ms per step between two events; the host's ms to enqueue a step beside it), 3 alternations of the arms, after 2
 untimed steps each. Bits: from the same state, 3 steps of each variant of the kernel's weight-decay product
-(``WD_FMA`` True / False) against torch's on the first two layers' and the head's shapes, the elements that
+and of its bias corrections' power (``WD_FMA``, ``POW_F64``) against torch's on the first two layers' shapes, fp32 and
+bf16, the elements that
 differ per tensor kind. Writes ``$OUT/probe_adamw_<gpu>.json``.
 """
 
@@ -85,27 +86,33 @@ def _timed(fn) -> dict:
 
 def _bits(shapes, gen) -> list[dict]:
     rows = []
-    for wd_fma in (True, False):
-        g = torch.Generator(device="cuda").manual_seed(1)
-        ref, ours = _params(shapes, g), None
-        ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
-        o_ref, o_ours = _optimizer(ref, False), _optimizer(ours, True)
-        kernel.WD_FMA = wd_fma
-        diff = {"p": 0, "exp_avg": 0, "exp_avg_sq": 0, "grad": 0}
-        for it in range(3):
+    for dtype in (torch.float32, torch.bfloat16):
+        for wd_fma, pow64, fast in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
+                                    (True, True, True)):
+            g = torch.Generator(device="cuda").manual_seed(1)
+            ref = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(shapes, g)]
+            ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+            o_ref, o_ours = _optimizer(ref, False), _optimizer(ours, True)
+            kernel.WD_FMA, kernel.POW_F64, kernel.FAST = wd_fma, pow64, fast
+            diff = {"p": 0, "exp_avg": 0, "exp_avg_sq": 0, "grad": 0}
+            for it in range(3):
+                for a, b in zip(ref, ours):
+                    a.grad = (torch.randn(a.shape, device="cuda", generator=g) * 1e-3).to(a.dtype)
+                    b.grad = a.grad.clone()
+                scale = torch.tensor(1.25, device="cuda") if it == 2 else None
+                _stepper(o_ref, None, scale)(), _stepper(o_ours, None, scale)()
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
             for a, b in zip(ref, ours):
-                a.grad = (torch.randn(a.shape, device="cuda", generator=g) * 1e-3).to(a.dtype)
-                b.grad = a.grad.clone()
-            scale = torch.tensor(1.25, device="cuda") if it == 2 else None
-            _stepper(o_ref, None, scale)(), _stepper(o_ours, None, scale)()
-        for a, b in zip(ref, ours):
-            sa, sb = o_ref.state[a], o_ours.state[b]
-            diff["p"] += int((a.view(torch.int16) != b.view(torch.int16)).sum())
-            diff["grad"] += int((a.grad.view(torch.int16) != b.grad.view(torch.int16)).sum())
-            for k in ("exp_avg", "exp_avg_sq"):
-                diff[k] += int((sa[k].view(torch.int16) != sb[k].view(torch.int16)).sum())
-        rows.append({"wd_fma": wd_fma, "elements": sum(p.numel() for p in ref), "steps": 3, "differing": diff})
-    kernel.WD_FMA = True
+                sa, sb = o_ref.state[a], o_ours.state[b]
+                diff["p"] += int((a.view(bits) != b.view(bits)).sum())
+                diff["grad"] += int((a.grad.view(bits) != b.grad.view(bits)).sum())
+                for k in ("exp_avg", "exp_avg_sq"):
+                    diff[k] += int((sa[k].view(bits) != sb[k].view(bits)).sum())
+            rows.append({"dtype": str(dtype), "wd_fma": wd_fma, "pow_f64": pow64, "fast": fast, "elements": sum(p.numel() for p in ref),
+                         "steps": 3, "differing": diff})
+            del ref, ours, o_ref, o_ours
+            torch.cuda.empty_cache()
+    kernel.WD_FMA, kernel.POW_F64, kernel.FAST = True, False, False
     return rows
 
 
@@ -121,7 +128,7 @@ def main() -> None:
            "timing": f"{REPS} steps back to back behind a GPU sleep: GPU ms per step, host ms to enqueue one",
            "bits": [], "results": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    small = [s for s, n in zip(shapes, names) if n.startswith(("layers.0.", "layers.1.", "norm", "output"))]
+    small = [s for s, n in zip(shapes, names) if n.startswith(("layers.0.", "layers.1.", "norm"))]
     for row in _bits(small, gen):
         log_row(doc, "bits", row, path)
     params = _params(shapes, gen)

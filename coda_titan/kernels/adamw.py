@@ -10,11 +10,10 @@ exp_avg_sq, step count) and element count, a second one each program's tensor an
 
 The arithmetic, per element, in fp32 as torch's (opmath) functor: the gradient divided by ``grad_scale``
 (written back, as torch does for its AMP / ``[coda] fused_clip`` scale), the decoupled weight decay
-``p - (lr wd) p``, ``m = fma(b1, m, fma(-b1, g, g))``, ``v = fma(b2, v, fma(-b2, g g, g g))``, the bias
-corrections from the tensor's own step count (``1 - b1^t``, ``sqrt(1 - b2^t)``) and
-``p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps)``, with IEEE division and square root. Whether the weight
-decay's product is contracted into an fma is the compiler's choice in torch's build; ``CONTRACT_WD``
-selects ours (``WD_FMA``: the one measured bit for bit on the GPU, tests/test_adamw.py).
+``p - (lr wd) p`` (as an fma), ``m = fma(b1, m, fma(-b1, g, g))``, ``v = fma(b2, v, fma(-b2, g g, g g))``, the
+bias corrections from the tensor's own step count (``1 - b1^t``, ``sqrt(1 - b2^t)``, the power in fp64 as
+torch's build computes it) and ``p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps)``, with IEEE division and square
+root: the same bits as torch's kernel (tests/test_adamw.py; scripts/probes/adamw.py on 1B shapes).
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ import torch
 
 BLOCK = 4096  # elements a program: 16 a thread at 8 warps, two 16-byte loads of each bf16 operand
 WARPS = 8
-WD_FMA = True  # (the weight decay as fma(-(lr wd), p, p); see the module docstring)
-POW_F64 = False  # (b^t in fp64, rounded to fp32, instead of fp32's pow)
-FAST = False  # (the update's divisions and square root approximate, as nvcc's fast math)
 _ALIGN = 16  # bytes: every address in the table is a multiple (checked), so the loads can be 16 bytes wide
 _VEC = 8  # element counts are multiples (checked): the mask of a 16-byte bf16 vector is all-or-nothing
 
@@ -41,7 +37,7 @@ def _kernel():
 
     @triton.jit
     def adamw_kernel(table, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     CONTRACT_WD: tl.constexpr, POW_F64: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + 2 * pid)
         start = tl.load(blocks + 2 * pid + 1) * BLOCK  # (a multiple of BLOCK: the loads stay 16 bytes wide)
@@ -55,12 +51,9 @@ def _kernel():
         step = tl.load(s_ptr)
         b1 = beta1.to(tl.float32)
         b2 = beta2.to(tl.float32)
-        if POW_F64:
-            bc1 = 1.0 - libdevice.pow(b1.to(tl.float64), step.to(tl.float64)).to(tl.float32)
-            bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2.to(tl.float64), step.to(tl.float64)).to(tl.float32))
-        else:
-            bc1 = 1.0 - libdevice.pow(b1, step)
-            bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2, step))
+        # (b^t in fp64, rounded to fp32: torch's ``at::native::pow_`` resolves to the double pow on Linux)
+        bc1 = 1.0 - libdevice.pow(b1.to(tl.float64), step.to(tl.float64)).to(tl.float32)
+        bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2.to(tl.float64), step.to(tl.float64)).to(tl.float32))
         lr32 = lr.to(tl.float32)
         step_size = tl.div_rn(lr32, bc1)
         offs = start + tl.arange(0, BLOCK)
@@ -72,20 +65,12 @@ def _kernel():
         if HAS_SCALE:
             g = tl.div_rn(g, tl.load(scale_ptr))
             tl.store(g_ptr + offs, g.to(DT), mask=mask)
-        decay = lr32 * wd.to(tl.float32)
-        if CONTRACT_WD:
-            p = tl.fma(-decay, p, p)
-        else:
-            p = p - decay * p
+        p = tl.fma(-(lr32 * wd.to(tl.float32)), p, p)
         m = tl.fma(b1, m, tl.fma(-b1, g, g))
         gg = g * g
         v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
-        if FAST:
-            denom = tl.fdiv(tl.sqrt(v), bc2_sqrt, ieee_rounding=False) + eps.to(tl.float32)
-            p = p - tl.fdiv(step_size * m, denom, ieee_rounding=False)
-        else:
-            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
-            p = p - tl.div_rn(step_size * m, denom)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
+        p = p - tl.div_rn(step_size * m, denom)
         tl.store(p_ptr + offs, p.to(DT), mask=mask)
         tl.store(m_ptr + offs, m.to(DT), mask=mask)
         tl.store(v_ptr + offs, v.to(DT), mask=mask)
@@ -128,12 +113,13 @@ class Tables:
         self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.limit = limit
 
-    def get(self, rows: list[tuple[torch.Tensor, ...]], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        key = tuple((*(t.data_ptr() for t in r), r[0].numel()) for r in rows)
+    def get(self, rows: list[tuple[torch.Tensor, ...]], device, block: int = BLOCK
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        key = (block, *((*(t.data_ptr() for t in r), r[0].numel()) for r in rows))
         hit = self.cache.get(key)
         if hit is None:
-            table = [[*(a // _ALIGN for a in k[:5]), k[5] // _VEC] for k in key]
-            blocks = plan([k[5] for k in key])
+            table = [[*(a // _ALIGN for a in k[:5]), k[5] // _VEC] for k in key[1:]]
+            blocks = plan([k[5] for k in key[1:]], block)
             if len(self.cache) >= self.limit:
                 self.cache.pop(next(iter(self.cache)))
             hit = (_upload(table, device), _upload(blocks, device), len(blocks))
@@ -152,7 +138,7 @@ def _upload(rows: list, device) -> torch.Tensor:
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1: float, beta2: float,
                weight_decay: float, eps: float, grad_scale: torch.Tensor | None = None,
-               tables: Tables | None = None) -> None:
+               tables: Tables | None = None, block: int = BLOCK, warps: int = WARPS) -> None:
     """Increment each step count and update every tensor (one launch per dtype): torch's fused AdamW's step on
     tensors ``supported`` accepts. ``steps``: fp32 0-dim CUDA tensors, one per parameter."""
     if not params:
@@ -166,8 +152,8 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     import triton.language as tl
 
     for dtype, rows in by_dtype.items():
-        table, blocks, n = tables.get(rows, rows[0][0].device)
+        table, blocks, n = tables.get(rows, rows[0][0].device, block)
         scale = grad_scale if grad_scale is not None else rows[0][4]
         _kernel()[(n,)](table, blocks, scale, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
                         DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
-                        HAS_SCALE=grad_scale is not None, CONTRACT_WD=WD_FMA, POW_F64=POW_F64, FAST=FAST, BLOCK=BLOCK, num_warps=WARPS)
+                        HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=warps)

@@ -52,7 +52,7 @@ class CodaAdamW(torch.optim.AdamW):
                     self._say(why)
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
-            kernel.adamw_step(*ours, grad_scale=grad_scale, tables=tables, **hyper)
+            kernel.adamw_step(*ours, grad_scale=grad_scale, tables=tables, block=kernel.BLOCK, warps=kernel.WARPS, **hyper)
             if theirs[0]:
                 torch._foreach_add_(theirs[4], 1)
                 torch._fused_adamw_(*theirs[:4], [], theirs[4], amsgrad=False, maximize=False, grad_scale=grad_scale,

@@ -24,7 +24,7 @@ from scripts.bench.common import header, log_row, out_json
 from scripts.bench.floor import _model
 
 REPS = 10
-SHAPES = ((4096, 8), (8192, 8), (16384, 8), (8192, 16), (2048, 4))  # (elements a program, warps); the first: the default
+SHAPES = ((2048, 4), (4096, 8), (8192, 8), (16384, 8), (8192, 16), (1024, 4))  # (elements a program, warps); the first: the default
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=True)
 
 

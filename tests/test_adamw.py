@@ -114,15 +114,18 @@ def test_plan_covers_every_element_once():
         assert mine == list(range(-(-n // 4096)))
 
 
-def test_tables_are_kept_while_the_addresses_stay():
-    t = kernel.Tables(limit=2)
-    rows = [tuple(torch.zeros(16) for _ in range(4)) + (torch.zeros(()),)]
-    first = t.get(rows, "cpu")
-    assert t.get(rows, "cpu") is first
-    rows2 = [(rows[0][0], torch.zeros(16), *rows[0][2:])]  # (a new gradient: a new address)
-    second = t.get(rows2, "cpu")
-    assert second is not first and second[2] == first[2] == 1
-    assert second[0][0, 1].item() == rows2[0][1].data_ptr() // 16 and second[0][0, 5].item() == 2
+def test_tables_upload_the_gradient_column_only_when_it_moved():
+    t = kernel.Tables()
+    p, m, v, s = torch.zeros(16), torch.zeros(16), torch.zeros(16), torch.zeros(())
+    g1, g2 = torch.zeros(16), torch.zeros(16)
+    table, gtab, blocks, n = t.get([(p, g1, m, v, s)], "cpu")
+    assert n == 1 and table.tolist() == [[p.data_ptr() // 16, m.data_ptr() // 16, v.data_ptr() // 16, s.data_ptr() // 16, 2]]
+    assert gtab.tolist() == [g1.data_ptr() // 16]
+    lst = next(iter(t.lists.values()))
+    assert t.get([(p, g1, m, v, s)], "cpu")[0] is table and lst.uploads == 1  # (same addresses: nothing uploaded)
+    again = t.get([(p, g2, m, v, s)], "cpu")  # (a new gradient: only its column)
+    assert again[0] is table and again[1] is gtab and gtab.tolist() == [g2.data_ptr() // 16] and lst.uploads == 2
+    assert len(t.lists) == 1
 
 
 @pytest.mark.parametrize("kwargs, why", [

@@ -5,8 +5,8 @@ torch's ``_fused_adamw_`` (``ATen/native/cuda/fused_adam_utils.cuh``) walks its 
 per 320 chunks: on the 1B model's 1.5 B bf16 parameters it moves about 21 GB in 10.8 ms on an H100 (float8
 + compile's profile), under two thirds of the memory's speed. Here one program updates ``BLOCK`` elements
 of one tensor with 16-byte loads, and one launch covers every tensor of a step (or of a step's chunk, with
-``[coda] step_chunk_layers``): a table holds each tensor's addresses (parameter, gradient, exp_avg,
-exp_avg_sq, step count) and element count, a second one each program's tensor and block.
+``[coda] step_chunk_layers``): a table holds each tensor's addresses (parameter, exp_avg, exp_avg_sq, step
+count) and element count, a vector its gradient's address, a third table each program's tensor and block.
 
 The arithmetic, per element, in fp32 as torch's (opmath) functor: the gradient divided by ``grad_scale``
 (written back, as torch does for its AMP / ``[coda] fused_clip`` scale), the decoupled weight decay
@@ -36,18 +36,18 @@ def _kernel():
     from triton.language.extra import libdevice
 
     @triton.jit
-    def adamw_kernel(table, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
                      BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + 2 * pid)
         start = tl.load(blocks + 2 * pid + 1) * BLOCK  # (a multiple of BLOCK: the loads stay 16 bytes wide)
-        row = table + t * 6
+        row = table + t * 5  # (addresses / 16 of p, exp_avg, exp_avg_sq, the step count; elements / 8)
         p_ptr = tl.multiple_of((tl.load(row) * 16).to(tl.pointer_type(DT)), 16)
-        g_ptr = tl.multiple_of((tl.load(row + 1) * 16).to(tl.pointer_type(DT)), 16)
-        m_ptr = tl.multiple_of((tl.load(row + 2) * 16).to(tl.pointer_type(DT)), 16)
-        v_ptr = tl.multiple_of((tl.load(row + 3) * 16).to(tl.pointer_type(DT)), 16)
-        s_ptr = (tl.load(row + 4) * 16).to(tl.pointer_type(tl.float32))
-        n = tl.load(row + 5) * 8  # (stored in eights: the mask is constant over a 16-byte vector)
+        g_ptr = tl.multiple_of((tl.load(gtab + t) * 16).to(tl.pointer_type(DT)), 16)
+        m_ptr = tl.multiple_of((tl.load(row + 1) * 16).to(tl.pointer_type(DT)), 16)
+        v_ptr = tl.multiple_of((tl.load(row + 2) * 16).to(tl.pointer_type(DT)), 16)
+        s_ptr = (tl.load(row + 3) * 16).to(tl.pointer_type(tl.float32))
+        n = tl.load(row + 4) * 8  # (stored in eights: the mask is constant over a 16-byte vector)
         step = tl.load(s_ptr)
         b1 = beta1.to(tl.float32)
         b2 = beta2.to(tl.float32)
@@ -106,34 +106,53 @@ def supported(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 
 
 class Tables:
-    """The device tables of one list of tensors, kept while their addresses stay the same (the parameters and
-    the state never move; the gradients usually come back at the same addresses step after step)."""
+    """The device tables of lists of tensors. Parameters, their state and step counts never move: a list's table of
+    them and its programs' table are uploaded once. Gradients are new tensors every step, mostly at the addresses of
+    the step before: their column is uploaded only when it changed, from a ring of pinned buffers allocated with the
+    list (allocating pinned memory makes the host wait for the GPU: measured as a 170 ms optimizer phase)."""
 
-    def __init__(self, limit: int = 32):
-        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    RING = 8
+
+    def __init__(self, limit: int = 64):
+        self.lists: dict[tuple, _List] = {}
         self.limit = limit
 
-    def get(self, rows: list[tuple[torch.Tensor, ...]], device, block: int = BLOCK
-            ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        key = (block, *((*(t.data_ptr() for t in r), r[0].numel()) for r in rows))
-        hit = self.cache.get(key)
-        if hit is None:
-            table = [[*(a // _ALIGN for a in k[:5]), k[5] // _VEC] for k in key[1:]]
-            blocks = plan([k[5] for k in key[1:]], block)
-            if len(self.cache) >= self.limit:
-                self.cache.pop(next(iter(self.cache)))
-            hit = (_upload(table, device), _upload(blocks, device), len(blocks))
-            self.cache[key] = hit
-        return hit
+    def get(self, rows: list[tuple[torch.Tensor, ...]], device, block: int = BLOCK):
+        """(table, gradient addresses, programs' table, programs) of rows (p, g, m, v, step) for the kernel."""
+        key = (block, *((r[0].data_ptr(), r[2].data_ptr(), r[3].data_ptr(), r[4].data_ptr(), r[0].numel()) for r in rows))
+        lst = self.lists.get(key)
+        if lst is None:
+            if len(self.lists) >= self.limit:
+                self.lists.pop(next(iter(self.lists)))
+            lst = self.lists[key] = _List(key[1:], device, block, self.RING)
+        lst.set_grads([r[1].data_ptr() // _ALIGN for r in rows])
+        return lst.table, lst.grads, lst.blocks, lst.n
 
 
-def _upload(rows: list, device) -> torch.Tensor:
-    """An int64 table on ``device``; to CUDA through pinned memory without a host wait (torch's pinned allocator
-    keeps the buffer until the copy has run)."""
-    t = torch.tensor(rows, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+class _List:
+    def __init__(self, rows: tuple, device, block: int, ring: int):
+        self.cuda = torch.device(device).type == "cuda"
+        self.table = torch.tensor([[p // _ALIGN, m // _ALIGN, v // _ALIGN, s // _ALIGN, n // _VEC] for p, m, v, s, n in rows],
+                                  dtype=torch.int64).to(device)
+        blocks = plan([r[4] for r in rows], block)
+        self.blocks, self.n = torch.tensor(blocks, dtype=torch.int64).to(device), len(blocks)
+        self.grads = torch.empty(len(rows), dtype=torch.int64, device=device)
+        self.ring = [torch.empty(len(rows), dtype=torch.int64, pin_memory=self.cuda) for _ in range(ring)]
+        self.events: list = [None] * ring
+        self.uploads, self.last = 0, None
+
+    def set_grads(self, ptrs: list[int]) -> None:
+        if ptrs == self.last:
+            return
+        slot = self.uploads % len(self.ring)
+        if self.events[slot] is not None:  # (the copy from this buffer RING uploads ago; long done in training)
+            self.events[slot].synchronize()
+        self.ring[slot].copy_(torch.tensor(ptrs, dtype=torch.int64))
+        self.grads.copy_(self.ring[slot], non_blocking=self.cuda)  # (on the stream the kernel runs on, before it)
+        if self.cuda:
+            self.events[slot] = torch.cuda.Event()
+            self.events[slot].record()
+        self.uploads, self.last = self.uploads + 1, ptrs
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1: float, beta2: float,
@@ -152,8 +171,8 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     import triton.language as tl
 
     for dtype, rows in by_dtype.items():
-        table, blocks, n = tables.get(rows, rows[0][0].device, block)
+        table, gtab, blocks, n = tables.get(rows, rows[0][0].device, block)
         scale = grad_scale if grad_scale is not None else rows[0][4]
-        _kernel()[(n,)](table, blocks, scale, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
+        _kernel()[(n,)](table, gtab, blocks, scale, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
                         DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
                         HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=warps)

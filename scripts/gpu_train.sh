@@ -26,7 +26,8 @@
 #     fp8      TorchTitan's float8 baselines (tensorwise compiled and eager, rowwise compiled) vs bf16
 #     8b       the 8B pair for 15 steps each (does it fit one GPU; tokens/s); COMPILE=1: both compiled
 #     hostoverhead probe: host time per call of each program beside its GPU time (GPU idle between kernels)
-#     knobab   KNOB="key = value" on the compiled CODA config between two runs as configured (PREC, STEPS, LOG_FREQ, TAG)
+#     knobab   KNOB="key = value" on the compiled CODA config between two runs as configured (PREC, STEPS, LOG_FREQ, TAG;
+#              VARIANT_OF=configs/….toml another CODA config, e.g. an 8B one whose optimizer steps on the main stream)
 #     overlap      overlapped pingpong epilogues: GPU tests (same bits), then B3, F1 and B2 timed plain / overlapped
 #     optstream    the GPU test of [coda] optimizer_stream, then float8 + compile vs CODA fp8 compiled with it on / off
 #     optstreambf16 stock + compile vs CODA bf16 compiled with [coda] optimizer_stream on / off
@@ -470,11 +471,12 @@ for phase in "$@"; do
       # KNOB="key = value" on the compiled CODA config (PREC, default fp8) between two runs as configured, no
       # baseline: tables TAG_off, TAG_on, TAG_off2 (TAG default knob), STEPS (40) after 10 warm-up, LOG_FREQ (10)
       [ -n "${KNOB:-}" ] || { echo "knobab needs KNOB=\"key = value\"" >&2; exit 2; }
+      kbase=${VARIANT_OF:-configs/llama3_1b_${PREC:-fp8}_coda_compile.toml}
       a=$(variant knob "$KNOB") || exit 2
       kab() { $cmp "$1" --steps "${STEPS:-40}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "${TAG:-knob}_$2"; }
-      kab configs/llama3_1b_${PREC:-fp8}_coda_compile.toml off
+      kab "$kbase" off
       kab "$a" on
-      kab configs/llama3_1b_${PREC:-fp8}_coda_compile.toml off2
+      kab "$kbase" off2
       ;;
     mlphtparity)
       curves fp8_mlp_h_t h_t "fp8_mlp_h_t = true"

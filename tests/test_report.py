@@ -371,7 +371,7 @@ def test_the_floor_measures_every_piece_and_runs_their_best_calls_at_the_cap(mon
     monkeypatch.setattr(floor, "fp8_gemm", gemm_rows)
     monkeypatch.setattr(floor, "fa4", lambda *a: {"fwd_ms": 1.0, "bwd_ms": 2.0, "ms": 3.0,
                                                     "_fns": {"fwd": lambda: None, "bwd": lambda: None}})
-    monkeypatch.setattr(floor, "adamw", lambda shapes, dtype: {"ms": 4.0, "params": 1, "_fn": lambda: None})
+    monkeypatch.setattr(floor, "adamw", lambda shapes, dtype: {"ms": 4.0, "best": "coda", "params": 1, "_fn": lambda: None})
     monkeypatch.setattr(floor, "at_cap", fake_at_cap)
     monkeypatch.setattr(floor, "header", lambda: {"device": "cpu"})
     doc = floor.measure("debugmodel", 8, 1, torch.float32, lambda d: None, cap_reps=2)

@@ -36,7 +36,8 @@ def _kernel():
     from triton.language.extra import libdevice
 
     @triton.jit
-    def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr,
+                     HAS_SCALE: tl.constexpr,
                      BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(blocks + 2 * pid)
@@ -119,7 +120,7 @@ class Tables:
 
     def get(self, rows: list[tuple[torch.Tensor, ...]], device, block: int = BLOCK):
         """(table, gradient addresses, programs' table, programs) of rows (p, g, m, v, step) for the kernel."""
-        key = (block, *((r[0].data_ptr(), r[2].data_ptr(), r[3].data_ptr(), r[4].data_ptr(), r[0].numel()) for r in rows))
+        key = (block, *((*(r[i].data_ptr() for i in (0, 2, 3, 4)), r[0].numel()) for r in rows))
         lst = self.lists.get(key)
         if lst is None:
             if len(self.lists) >= self.limit:
@@ -132,8 +133,8 @@ class Tables:
 class _List:
     def __init__(self, rows: tuple, device, block: int, ring: int):
         self.cuda = torch.device(device).type == "cuda"
-        self.table = torch.tensor([[p // _ALIGN, m // _ALIGN, v // _ALIGN, s // _ALIGN, n // _VEC] for p, m, v, s, n in rows],
-                                  dtype=torch.int64).to(device)
+        table = [[p // _ALIGN, m // _ALIGN, v // _ALIGN, s // _ALIGN, n // _VEC] for p, m, v, s, n in rows]
+        self.table = torch.tensor(table, dtype=torch.int64).to(device)
         blocks = plan([r[4] for r in rows], block)
         self.blocks, self.n = torch.tensor(blocks, dtype=torch.int64).to(device), len(blocks)
         self.grads = torch.empty(len(rows), dtype=torch.int64, device=device)
@@ -173,6 +174,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     for dtype, rows in by_dtype.items():
         table, gtab, blocks, n = tables.get(rows, rows[0][0].device, block)
         scale = grad_scale if grad_scale is not None else rows[0][4]
-        _kernel()[(n,)](table, gtab, blocks, scale, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
+        hyper = (float(lr), float(beta1), float(beta2), float(weight_decay), float(eps))
+        _kernel()[(n,)](table, gtab, blocks, scale, *hyper,
                         DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
                         HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=warps)

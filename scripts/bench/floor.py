@@ -192,7 +192,8 @@ def measure(model: str, seqlen: int, bs: int, dtype: torch.dtype, save, cap_reps
     if not cap_reps:
         kernels.clear()
         torch.cuda.empty_cache()
-    print(f"  AdamW {doc['adamw']['ms']:.2f} ms ({doc['adamw']['best']}) over {doc['adamw']['params'] / 1e9:.3f} B params",
+    opt = doc["adamw"]
+    print(f"  AdamW {opt['ms']:.2f} ms ({opt['best']}) over {opt['params'] / 1e9:.3f} B params",
           flush=True)
     doc["totals"] = totals(doc)
     save(doc)

@@ -24,7 +24,8 @@ from scripts.bench.common import header, log_row, out_json
 from scripts.bench.floor import _model
 
 REPS = 10
-SHAPES = ((2048, 4), (4096, 8), (8192, 8), (16384, 8), (8192, 16), (1024, 4))  # (elements a program, warps); the first: the default
+# (elements a program, warps); the first: the default
+SHAPES = ((2048, 4), (4096, 8), (8192, 8), (16384, 8), (8192, 16), (1024, 4))
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=True)
 
 
@@ -152,7 +153,8 @@ def main() -> None:
     for (coda, chunked, scaled, shape), ts in times.items():
         gpu = sorted(t["gpu_ms"] for t in ts)[1]
         row = {"optimizer": "coda" if coda else "torch_fused", "chunks": len(chunks) if chunked else 1,
-               "grad_scale": scaled, **({"block": shape[0], "warps": shape[1]} if coda else {}), "gpu_ms": [t["gpu_ms"] for t in ts], "host_ms": [t["host_ms"] for t in ts],
+               "grad_scale": scaled, **({"block": shape[0], "warps": shape[1]} if coda else {}),
+               "gpu_ms": [t["gpu_ms"] for t in ts], "host_ms": [t["host_ms"] for t in ts],
                "gpu_median_ms": gpu, "host_median_ms": sorted(t["host_ms"] for t in ts)[1],
                "gb_per_s": (moved + (2 * doc["params"] if scaled else 0)) / gpu / 1e6}
         log_row(doc, "results", row, path)

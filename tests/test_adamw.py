@@ -18,6 +18,8 @@ from coda_titan.kernels import adamw as kernel
 from coda_titan.titan import coda_adamw
 from coda_titan.titan.job_config import ConfigError
 
+from .helpers import run_interpreter_check
+
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": True}
 SHAPES = [(96, 64), (64,), (1000, 8), (13,), (3, 5)]  # (the last two: element counts the kernel leaves to torch)
 
@@ -81,6 +83,19 @@ def test_the_kernel_is_torch_fused_adamw_bit_for_bit(dtype):
     ours = [p for p in got.param_groups[0]["params"] if kernel.supported(p, p.grad, *(got.state[p][k] for k in (
         "exp_avg", "exp_avg_sq", "step"))) is None]
     assert len(ours) == 3  # (the kernel stepped the first three, torch the last two)
+
+
+def test_the_kernel_under_triton_s_interpreter_is_adamw():
+    """The kernel's wiring on the CPU (tables, gradient column, programs, masks, grad_scale write-back): three steps
+    through Triton's interpreter against torch's CPU fused AdamW (``tests/adamw_interpreter_check.py``). The two
+    round differently (torch's CPU kernel lerps): per step each rounds m and v at most three times and p twice, each
+    within u of the tensor's largest magnitude, and the recursions do not grow a difference (beta <= 1, the decay
+    1 - lr wd < 1), so three steps stay within 3 x 6 = 18 units; a wrong table or offset moves elements by the
+    update (about 1e6 units)."""
+    got = run_interpreter_check("adamw_interpreter_check.py")
+    assert got["steps"] == [3.0] * 4 and got["uploads"] == [3]  # (three steps; a new gradient column each)
+    assert got["grad_max_diff"] == [0.0, 0.0, 0.0]  # (grads divided by the scale and written back as torch's)
+    assert all(v <= 18 for v in got["units"].values()), got
 
 
 def test_the_state_dict_moves_between_torch_and_coda_adamw():

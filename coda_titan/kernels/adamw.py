@@ -19,6 +19,9 @@ root: the same bits as torch's kernel (tests/test_adamw.py; scripts/probes/adamw
 from __future__ import annotations
 
 import torch
+import triton  # (importable on the CPU machines too, as TorchTitan needs; the kernel runs on CUDA)
+import triton.language as tl
+from triton.language.extra import libdevice
 
 BLOCK = 2048  # elements a program: 16 a thread at 4 warps, two 16-byte loads of each bf16 operand (the fastest of
 WARPS = 4  # five (block, warps) shapes in probe_adamw_*.json: 8.28 ms a chunked 1B step against 9.07 at (4096, 8))
@@ -26,61 +29,48 @@ _ALIGN = 16  # bytes: every address in the table is a multiple (checked), so the
 _VEC = 8  # element counts are multiples (checked): the mask of a 16-byte bf16 vector is all-or-nothing
 
 
-def _kernel():
-    """The Triton kernel, built on first use (triton imports on the CPU machines too, the kernel runs on CUDA)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr,
-                     HAS_SCALE: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        t = tl.load(blocks + 2 * pid)
-        start = tl.load(blocks + 2 * pid + 1) * BLOCK  # (a multiple of BLOCK: the loads stay 16 bytes wide)
-        row = table + t * 5  # (addresses / 16 of p, exp_avg, exp_avg_sq, the step count; elements / 8)
-        p_ptr = tl.multiple_of((tl.load(row) * 16).to(tl.pointer_type(DT)), 16)
-        g_ptr = tl.multiple_of((tl.load(gtab + t) * 16).to(tl.pointer_type(DT)), 16)
-        m_ptr = tl.multiple_of((tl.load(row + 1) * 16).to(tl.pointer_type(DT)), 16)
-        v_ptr = tl.multiple_of((tl.load(row + 2) * 16).to(tl.pointer_type(DT)), 16)
-        s_ptr = (tl.load(row + 3) * 16).to(tl.pointer_type(tl.float32))
-        n = tl.load(row + 4) * 8  # (stored in eights: the mask is constant over a 16-byte vector)
-        step = tl.load(s_ptr)
-        b1 = beta1.to(tl.float32)
-        b2 = beta2.to(tl.float32)
-        # (b^t in fp64, rounded to fp32: torch's ``at::native::pow_`` resolves to the double pow on Linux)
-        bc1 = 1.0 - libdevice.pow(b1.to(tl.float64), step.to(tl.float64)).to(tl.float32)
-        bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(b2.to(tl.float64), step.to(tl.float64)).to(tl.float32))
-        lr32 = lr.to(tl.float32)
-        step_size = tl.div_rn(lr32, bc1)
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = tl.div_rn(g, tl.load(scale_ptr))
-            tl.store(g_ptr + offs, g.to(DT), mask=mask)
-        p = tl.fma(-(lr32 * wd.to(tl.float32)), p, p)
-        m = tl.fma(b1, m, tl.fma(-b1, g, g))
-        gg = g * g
-        v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
-        p = p - tl.div_rn(step_size * m, denom)
-        tl.store(p_ptr + offs, p.to(DT), mask=mask)
-        tl.store(m_ptr + offs, m.to(DT), mask=mask)
-        tl.store(v_ptr + offs, v.to(DT), mask=mask)
-
-    _KERNEL = adamw_kernel
-    return _KERNEL
+@triton.jit
+def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr,
+                 HAS_SCALE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 2 * pid)
+    start = tl.load(blocks + 2 * pid + 1) * BLOCK  # (a multiple of BLOCK: the loads stay 16 bytes wide)
+    row = table + t * 5  # (addresses / 16 of p, exp_avg, exp_avg_sq, the step count; elements / 8)
+    p_ptr = tl.multiple_of((tl.load(row) * 16).to(tl.pointer_type(DT)), 16)
+    g_ptr = tl.multiple_of((tl.load(gtab + t) * 16).to(tl.pointer_type(DT)), 16)
+    m_ptr = tl.multiple_of((tl.load(row + 1) * 16).to(tl.pointer_type(DT)), 16)
+    v_ptr = tl.multiple_of((tl.load(row + 2) * 16).to(tl.pointer_type(DT)), 16)
+    s_ptr = (tl.load(row + 3) * 16).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 4) * 8  # (stored in eights: the mask is constant over a 16-byte vector)
+    step = tl.load(s_ptr)
+    b1 = tl.cast(beta1, tl.float32)  # (tl.cast: Python floats too, under Triton's interpreter)
+    b2 = tl.cast(beta2, tl.float32)
+    # (b^t in fp64, rounded to fp32: torch's ``at::native::pow_`` resolves to the double pow on Linux)
+    bc1 = 1.0 - libdevice.pow(tl.cast(b1, tl.float64), tl.cast(step, tl.float64)).to(tl.float32)
+    bc2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(tl.cast(b2, tl.float64), tl.cast(step, tl.float64)).to(tl.float32))
+    lr32 = tl.cast(lr, tl.float32)
+    step_size = tl.div_rn(lr32, bc1)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = tl.div_rn(g, tl.load(scale_ptr))
+        tl.store(g_ptr + offs, g.to(DT), mask=mask)
+    p = tl.fma(-(lr32 * tl.cast(wd, tl.float32)), p, p)
+    m = tl.fma(b1, m, tl.fma(-b1, g, g))
+    gg = g * g
+    v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + tl.cast(eps, tl.float32)
+    p = p - tl.div_rn(step_size * m, denom)
+    tl.store(p_ptr + offs, p.to(DT), mask=mask)
+    tl.store(m_ptr + offs, m.to(DT), mask=mask)
+    tl.store(v_ptr + offs, v.to(DT), mask=mask)
 
 
-_KERNEL = None
 
 
 def plan(numels: list[int], block: int = BLOCK) -> list[tuple[int, int]]:
@@ -169,12 +159,10 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     for row in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         by_dtype.setdefault(row[0].dtype, []).append(row)
     dts = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    import triton.language as tl
-
     for dtype, rows in by_dtype.items():
         table, gtab, blocks, n = tables.get(rows, rows[0][0].device, block)
         scale = grad_scale if grad_scale is not None else rows[0][4]
         hyper = (float(lr), float(beta1), float(beta2), float(weight_decay), float(eps))
-        _kernel()[(n,)](table, gtab, blocks, scale, *hyper,
+        adamw_kernel[(n,)](table, gtab, blocks, scale, *hyper,
                         DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
                         HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=warps)

@@ -346,3 +346,22 @@ class FakeCuda:
 
     def Stream(self, device):  # noqa: N802 (torch.cuda.Stream)
         return self.stream_class(self, self.new)
+
+
+def optimizer_check_refuses(check, knob: str, change: dict, needs: str) -> None:
+    """A one-device optimizer knob's config ``check`` (``fused_clip``, ``coda_adamw``): with ``knob`` on and the
+    TorchTitan optimizer settings (name AdamW, fused, no early step; one device) changed by ``change``
+    (``world_size`` among them), it raises a ConfigError naming ``needs``; with the knob off it checks nothing."""
+    import pytest
+
+    from coda_titan.titan.job_config import ConfigError
+
+    change = dict(change)
+    world = change.pop("world_size", 1)
+    opt = {"name": "AdamW", "implementation": "fused", "early_step_in_backward": False, **change}
+    job = type("Job", (), {"coda": type("C", (), {knob: True})(), "optimizer": type("Opt", (), opt)()})()
+    dims = type("Dims", (), {"world_size": world})()
+    with pytest.raises(ConfigError, match=needs):
+        check(job, dims)
+    setattr(job.coda, knob, False)
+    check(job, dims)  # (off: nothing to check)

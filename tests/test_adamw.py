@@ -8,17 +8,14 @@ kernel leaves to torch (an element count not a multiple of 8). On the CPU every 
 (off CUDA), so there the class, its state, its ``state_dict``, the fallback and the checks are tested bit for bit.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from torchtitan.components.optimizer import OptimizersContainer
 
 from coda_titan.kernels import adamw as kernel
 from coda_titan.titan import coda_adamw
-from coda_titan.titan.job_config import ConfigError
 
-from .helpers import run_interpreter_check
+from .helpers import optimizer_check_refuses, run_interpreter_check
 
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": True}
 SHAPES = [(96, 64), (64,), (1000, 8), (13,), (3, 5)]  # (the last two: element counts the kernel leaves to torch)
@@ -157,13 +154,6 @@ def test_install_refuses_what_the_kernel_does_not_compute(kwargs, why):
         coda_adamw.install(torch.optim.SGD(_params(torch.float32, "cpu"), lr=0.1))
 
 
-@dataclasses.dataclass
-class _Opt:
-    name: str = "AdamW"
-    implementation: str = "fused"
-    early_step_in_backward: bool = False
-
-
 @pytest.mark.parametrize("change, needs", [
     ({"world_size": 2}, "a single device"),
     ({"implementation": "foreach"}, 'implementation = "fused"'),
@@ -171,10 +161,4 @@ class _Opt:
     ({"early_step_in_backward": True}, "early_step_in_backward = false"),
 ])
 def test_the_config_check_names_what_is_missing(change, needs):
-    world = change.pop("world_size", 1)
-    job = type("Job", (), {"coda": type("C", (), {"coda_adamw": True})(), "optimizer": _Opt(**change)})()
-    dims = type("Dims", (), {"world_size": world})()
-    with pytest.raises(ConfigError, match=needs):
-        coda_adamw.check(job, dims)
-    job.coda.coda_adamw = False
-    coda_adamw.check(job, dims)
+    optimizer_check_refuses(coda_adamw.check, "coda_adamw", change, needs)

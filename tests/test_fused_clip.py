@@ -12,15 +12,14 @@ each run's update carries its own roundings (m, v, the square root, the division
 one unit in the last place apart (2u |p|): bound 2u |p| + 9 lr u on each parameter.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import utils as dist_utils
 
 from coda_titan.titan import fused_clip
-from coda_titan.titan.job_config import ConfigError
+
+from .helpers import optimizer_check_refuses
 
 LR = 1e-2
 
@@ -124,13 +123,6 @@ def test_install_refuses_a_non_fused_optimizer(restore_clip):
         fused_clip.install(opts, [model])
 
 
-@dataclasses.dataclass
-class _Opt:
-    name: str = "AdamW"
-    implementation: str = "fused"
-    early_step_in_backward: bool = False
-
-
 @pytest.mark.parametrize("change, needs", [
     ({"world_size": 2}, "a single device"),
     ({"implementation": "foreach"}, 'implementation = "fused"'),
@@ -138,10 +130,4 @@ class _Opt:
     ({"early_step_in_backward": True}, "early_step_in_backward = false"),
 ])
 def test_the_config_check_names_what_is_missing(change, needs):
-    world = change.pop("world_size", 1)
-    job = type("Job", (), {"coda": type("C", (), {"fused_clip": True})(), "optimizer": _Opt(**change)})()
-    dims = type("Dims", (), {"world_size": world})()
-    with pytest.raises(ConfigError, match=needs):
-        fused_clip.check(job, dims)
-    job.coda.fused_clip = False
-    fused_clip.check(job, dims)  # (off: nothing to check)
+    optimizer_check_refuses(fused_clip.check, "fused_clip", change, needs)

@@ -99,15 +99,6 @@ def install(optimizers) -> None:
 
 def check(job_config, parallel_dims) -> None:
     """``[coda] coda_adamw`` needs one device and TorchTitan's fused AdamW; anything else is refused in one line."""
-    from .job_config import ConfigError
+    from .fused_clip import check_fused_adam_knob
 
-    if not getattr(getattr(job_config, "coda", None), "coda_adamw", False):
-        return
-    opt = job_config.optimizer
-    why = [(parallel_dims.world_size > 1, "a single device (no FSDP2 / DDP / PP / EP)"),
-           (opt.name != "AdamW", 'optimizer.name = "AdamW"'),
-           (opt.implementation != "fused", 'optimizer.implementation = "fused"'),
-           (opt.early_step_in_backward, "optimizer.early_step_in_backward = false")]
-    missing = [need for bad, need in why if bad]
-    if missing:
-        raise ConfigError(f"[coda] coda_adamw = true needs {'; '.join(missing)} (or turn it off: --coda.no_coda_adamw)")
+    check_fused_adam_knob(job_config, parallel_dims, "coda_adamw", ("AdamW",))

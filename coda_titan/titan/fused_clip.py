@@ -95,15 +95,22 @@ def install(optimizers, model_parts: list[torch.nn.Module]) -> FusedClip:
 def check(job_config, parallel_dims) -> None:
     """``[coda] fused_clip`` needs one device (no FSDP2 / DDP / PP / EP) and a fused Adam or AdamW
     stepped after the backward; anything else is refused with one line."""
+    check_fused_adam_knob(job_config, parallel_dims, "fused_clip", ("Adam", "AdamW"))
+
+
+def check_fused_adam_knob(job_config, parallel_dims, knob: str, names: tuple[str, ...]) -> None:
+    """A ``[coda]`` optimizer knob (``fused_clip``, ``coda_adamw``), when on, needs one device and TorchTitan's
+    fused optimizer of one of ``names`` stepped after the backward: a ConfigError naming what is missing."""
     from .job_config import ConfigError
 
-    if not getattr(getattr(job_config, "coda", None), "fused_clip", False):
+    if not getattr(getattr(job_config, "coda", None), knob, False):
         return
     opt = job_config.optimizer
+    name = " (or ".join(f'"{n}"' for n in reversed(names)) + ")" * (len(names) - 1)
     why = [(parallel_dims.world_size > 1, "a single device (no FSDP2 / DDP / PP / EP)"),
-           (opt.name not in ("Adam", "AdamW"), 'optimizer.name = "AdamW" (or "Adam")'),
+           (opt.name not in names, f"optimizer.name = {name}"),
            (opt.implementation != "fused", 'optimizer.implementation = "fused"'),
            (opt.early_step_in_backward, "optimizer.early_step_in_backward = false")]
     missing = [need for bad, need in why if bad]
     if missing:
-        raise ConfigError(f"[coda] fused_clip = true needs {'; '.join(missing)} (or turn it off: --coda.no_fused_clip)")
+        raise ConfigError(f"[coda] {knob} = true needs {'; '.join(missing)} (or turn it off: --coda.no_{knob})")

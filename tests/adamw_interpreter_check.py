@@ -1,8 +1,8 @@
 """Run by tests/test_adamw.py in a subprocess with TRITON_INTERPRET=1: ``kernels.adamw.adamw_step`` (its tables,
 gradient column, programs and masks) on CPU tensors through Triton's interpreter, three steps (the last with a
-grad_scale), against torch's fused AdamW on the CPU. The two differ in rounding only (torch's CPU kernel groups
-its arithmetic its own way, as a lerp), so each tensor's largest difference is reported in units of fp32's
-roundoff of the tensor's largest magnitude; the test judges it. A wrong table, offset or mask moves elements by
+grad_scale), then ``titan.coda_adamw.CodaAdamW`` on it for four, against torch's fused AdamW on the CPU. The two
+differ in rounding only (torch's CPU kernel groups its arithmetic its own way, as a lerp), so each tensor's largest
+difference is reported in units of fp32's roundoff of the tensor's largest magnitude; the test judges it. A wrong table, offset or mask moves elements by
 the update itself (lr = 1e-2 against parameters of 0.05: about 1e6 units)."""
 
 import json
@@ -55,5 +55,31 @@ picks = {"p": lambda i: (ours[i], ref[i].detach()),
          "exp_avg_sq": lambda i: (state[i][1], opt.state[ref[i]]["exp_avg_sq"])}
 for name, pick in picks.items():
     worst[name] = max(float((a - b).abs().max() / (u * b.abs().max())) for a, b in map(pick, range(len(shapes))))
+
+# The optimizer around it (titan/coda_adamw.py), the CPU let through to the kernel: three steps, a state_dict round
+# trip (new state tensors: the kept checks must be redone), a fourth step; the (13,) tensor steps through torch.
+from coda_titan.titan import coda_adamw  # noqa: E402
+
+adamw._DEVICES = ("cuda", "cpu")
+shapes2 = shapes + [(13,)]
+ref2 = [torch.nn.Parameter(torch.randn(s) * 0.05) for s in shapes2]
+ours2 = [torch.nn.Parameter(p.detach().clone()) for p in ref2]
+o_ref, o_ours = torch.optim.AdamW(ref2, fused=True, **hyper), torch.optim.AdamW(ours2, fused=True, **hyper)
+coda_adamw.install(o_ours)
+for step in range(4):
+    if step == 3:
+        o_ours.load_state_dict(o_ours.state_dict())
+    for a, b in zip(ref2, ours2):
+        a.grad = torch.randn(a.shape) * 1e-2
+        b.grad = a.grad.clone()
+    for o in (o_ref, o_ours):
+        o.grad_scale = torch.tensor(1.25) if step == 2 else None
+        o.step()
+checks = o_ours.__dict__["_coda_state_checks"]
+units2 = max(float((a - b).abs().max() / (u * b.abs().max())) for a, b in zip(ours2[:-1], ref2))
 print(json.dumps({"units": worst, "steps": [float(s[2]) for s in state], "grad_max_diff": grads_seen,
-                  "uploads": [lst.uploads for lst in tables.lists.values()]}))
+                  "uploads": [lst.uploads for lst in tables.lists.values()],
+                  "optimizer_units": units2, "torch_tensor_same": bool(torch.equal(ours2[-1], ref2[-1])),
+                  "optimizer_steps": [float(o_ours.state[p]["step"]) for p in ours2],
+                  "checks_current": all(checks[id(p)][1] is o_ours.state[p]["exp_avg"] for p in ours2),
+                  "kernel_tensors": sum(checks[id(p)][4] is None for p in ours2)}))

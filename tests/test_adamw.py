@@ -83,8 +83,9 @@ def test_the_kernel_is_torch_fused_adamw_bit_for_bit(dtype):
 
 
 def test_the_kernel_under_triton_s_interpreter_is_adamw():
-    """The kernel's wiring on the CPU (tables, gradient column, programs, masks, grad_scale write-back): three steps
-    through Triton's interpreter against torch's CPU fused AdamW (``tests/adamw_interpreter_check.py``). The two
+    """The kernel's wiring on the CPU (tables, gradient column, programs, masks, grad_scale write-back), alone and
+    under ``CodaAdamW``: steps through Triton's interpreter against torch's CPU fused AdamW
+    (``tests/adamw_interpreter_check.py``). The two
     round differently (torch's CPU kernel lerps): per step each rounds m and v at most three times and p twice, each
     within u of the tensor's largest magnitude, and the recursions do not grow a difference (beta <= 1, the decay
     1 - lr wd < 1), so three steps stay within 3 x 6 = 18 units; a wrong table or offset moves elements by the
@@ -93,6 +94,10 @@ def test_the_kernel_under_triton_s_interpreter_is_adamw():
     assert got["steps"] == [3.0] * 4 and got["uploads"] == [3]  # (three steps; a new gradient column each)
     assert got["grad_max_diff"] == [0.0, 0.0, 0.0]  # (grads divided by the scale and written back as torch's)
     assert all(v <= 18 for v in got["units"].values()), got
+    # CodaAdamW on the same kernel (the CPU let through): four steps (4 x 6 = 24 units), a state_dict round trip
+    # between the third and the fourth (its kept checks redone on the new state tensors), the (13,) tensor by torch
+    assert got["optimizer_units"] <= 24 and got["torch_tensor_same"], got
+    assert got["optimizer_steps"] == [4.0] * 5 and got["checks_current"] and got["kernel_tensors"] == 4
 
 
 def test_the_state_dict_moves_between_torch_and_coda_adamw():

@@ -78,21 +78,37 @@ def plan(numels: list[int], block: int = BLOCK) -> list[tuple[int, int]]:
     return [(t, b) for t, n in enumerate(numels) for b in range(-(-n // block))]
 
 
+_DEVICES = ("cuda",)  # (where the kernel runs; tests/adamw_interpreter_check.py adds the CPU for Triton's interpreter)
+
+
 def supported(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> str | None:
     """Why the kernel cannot update ``p`` from this gradient, state and step count (None: it can)."""
-    ts = (p, g, m, v)
-    if not all(t.is_cuda for t in (*ts, step)):
+    return state_unsupported(p, m, v, step) or grad_unsupported(p, g)
+
+
+def state_unsupported(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> str | None:
+    """``supported``'s checks of what does not change between steps: the parameter, its state, its step count."""
+    if any(t.device.type not in _DEVICES for t in (p, m, v, step)):
         return "a tensor off CUDA"
     if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {p.dtype}"
-    if any(t.dtype != p.dtype or t.device != p.device or t.shape != p.shape for t in ts[1:]):
-        return "a gradient or state of another dtype, device or shape"
+    if any(t.dtype != p.dtype or t.device != p.device or t.shape != p.shape for t in (m, v)):
+        return "a state of another dtype, device or shape"
     if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
         return "a step count that is not one fp32 element on the parameter's device"
-    if any(not t.is_contiguous() for t in ts) or any(t.data_ptr() % _ALIGN for t in (*ts, step)):
+    if any(not t.is_contiguous() for t in (p, m, v)) or any(t.data_ptr() % _ALIGN for t in (p, m, v, step)):
         return "a tensor not contiguous or not 16-byte aligned"
     if p.numel() % _VEC:
         return f"{p.numel()} elements, not a multiple of {_VEC}"
+    return None
+
+
+def grad_unsupported(p: torch.Tensor, g: torch.Tensor) -> str | None:
+    """``supported``'s checks of the gradient, a new tensor every step."""
+    if g.dtype != p.dtype or g.device != p.device or g.shape != p.shape:
+        return "a gradient of another dtype, device or shape"
+    if not g.is_contiguous() or g.data_ptr() % _ALIGN:
+        return "a gradient not contiguous or not 16-byte aligned"
     return None
 
 

@@ -47,7 +47,7 @@ class CodaAdamW(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 row = (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
-                why = "a step with found_inf" if found_inf is not None else kernel.supported(*row)
+                why = "a step with found_inf" if found_inf is not None else self._unsupported(row)
                 for lst, t in zip(ours if why is None else theirs, row):
                     lst.append(t)
                 if why is not None:
@@ -63,6 +63,16 @@ class CodaAdamW(torch.optim.AdamW):
                 if found_inf is not None:
                     torch._foreach_sub_(theirs[4], [found_inf] * len(theirs[4]))
         return None
+
+    def _unsupported(self, row: tuple) -> str | None:
+        """``kernels.adamw.supported`` of a row (p, g, m, v, step), its parameter-and-state half kept while the state
+        tensors stay the same objects (the host's time a step: the gradient's half only)."""
+        p, g, m, v, step = row
+        known = self.__dict__.setdefault("_coda_state_checks", {})
+        hit = known.get(id(p))
+        if hit is None or hit[0] is not p or hit[1] is not m or hit[2] is not v or hit[3] is not step:
+            hit = known[id(p)] = (p, m, v, step, kernel.state_unsupported(p, m, v, step))
+        return hit[4] or kernel.grad_unsupported(p, g)
 
     def _say(self, why: str) -> None:
         if self.__dict__.get("_coda_said"):

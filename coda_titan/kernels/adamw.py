@@ -27,11 +27,11 @@ BLOCK = 2048  # elements a program: 16 a thread at 4 warps, two 16-byte loads of
 WARPS = 4  # five (block, warps) shapes in probe_adamw_*.json: 8.28 ms a chunked 1B step against 9.07 at (4096, 8))
 _ALIGN = 16  # bytes: every address in the table is a multiple (checked), so the loads can be 16 bytes wide
 _VEC = 8  # element counts are multiples (checked): the mask of a 16-byte bf16 vector is all-or-nothing
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr,
-                 HAS_SCALE: tl.constexpr,
+def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: tl.constexpr, HAS_SCALE: tl.constexpr,
                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks + 2 * pid)
@@ -71,8 +71,6 @@ def adamw_kernel(table, gtab, blocks, scale_ptr, lr, beta1, beta2, wd, eps, DT: 
     tl.store(v_ptr + offs, v.to(DT), mask=mask)
 
 
-
-
 def plan(numels: list[int], block: int = BLOCK) -> list[tuple[int, int]]:
     """(tensor, block) for each program: every element of every tensor in exactly one program."""
     return [(t, b) for t, n in enumerate(numels) for b in range(-(-n // block))]
@@ -90,7 +88,7 @@ def state_unsupported(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: t
     """``supported``'s checks of what does not change between steps: the parameter, its state, its step count."""
     if any(t.device.type not in _DEVICES for t in (p, m, v, step)):
         return "a tensor off CUDA"
-    if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if p.dtype not in _TL:
         return f"dtype {p.dtype}"
     if any(t.dtype != p.dtype or t.device != p.device or t.shape != p.shape for t in (m, v)):
         return "a state of another dtype, device or shape"
@@ -174,11 +172,9 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     by_dtype: dict[torch.dtype, list] = {}
     for row in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         by_dtype.setdefault(row[0].dtype, []).append(row)
-    dts = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     for dtype, rows in by_dtype.items():
         table, gtab, blocks, n = tables.get(rows, rows[0][0].device, block)
         scale = grad_scale if grad_scale is not None else rows[0][4]
         hyper = (float(lr), float(beta1), float(beta2), float(weight_decay), float(eps))
-        adamw_kernel[(n,)](table, gtab, blocks, scale, *hyper,
-                        DT=getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dts[dtype]]),
-                        HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=warps)
+        adamw_kernel[(n,)](table, gtab, blocks, scale, *hyper, DT=_TL[dtype], HAS_SCALE=grad_scale is not None,
+                           BLOCK=block, num_warps=warps)

@@ -93,6 +93,8 @@
 #                  (2, 4, 8 warps; dropped), bf16 and fp8, bits and GPU ms beside the memory time
 #     foldsprobe   scripts/probes/folds.py: the fp8 epilogues' partial folds as the step runs them against one launch
 #                  (amax: fold_amax; B3's zdz and B2's dgamma: a 2-d tile a program), time and agreement
+#     preactprobe  scripts/probes/preact.py: [coda] fp8_preact's F2 and B3 against the bf16-a ones (ms at the cap, bits)
+#     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
@@ -443,6 +445,13 @@ for phase in "$@"; do
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
+      ;;
+    preactprobe)
+      python3 -m scripts.probes.preact > "$logs/preact.log" 2>&1
+      echo "preactprobe rc=$?"; grep -E 'summary|bytes_apart|Error|error' "$logs/preact.log" | cut -c1-400
+      ;;
+    preactparity)
+      curves fp8_preact preact "fp8_preact = true"
       ;;
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \

@@ -80,6 +80,8 @@ class Backend:
     swiglu_bwd_e5m2: Callable  # B3 writing da as e5m2 only (fp8_mlp_dgrad with fp8_mlp_wgrad)
     swiglu_bwd_e5m2_t: Callable  # the same also writing da^T (fp8_mlp_da_t)
     swiglu_bwd_e5m2_t_q: Callable  # that B3 on an fp8 GEMM (fp8_down_dgrad with fp8_mlp_da_t)
+    norm_swiglu_qa_fp8: Callable  # F2 saving a as e4m3 codes (fp8_preact)
+    swiglu_bwd_e5m2_t_qa: Callable  # swiglu_bwd_e5m2_t_q on those codes (fp8_preact)
     quantize_grad: Callable  # a gradient to e5m2, current power-of-two scale
     quantize_grad_t: Callable  # the same with the codes' token-major copy (a weight gradient's operand)
     wgrad_fp8: Callable
@@ -131,6 +133,8 @@ TORCH = Backend(
     swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2,
     swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t,
     swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q,
+    norm_swiglu_qa_fp8=norm_swiglu.norm_swiglu_qa_fp8,
+    swiglu_bwd_e5m2_t_qa=norm_swiglu.swiglu_bwd_e5m2_t_qa,
     quantize_grad=casts.quantize_grad,
     quantize_grad_t=casts.quantize_grad_t,
     wgrad_fp8=gemm.wgrad_fp8,
@@ -179,6 +183,8 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2_op,
         swiglu_bwd_e5m2_t=norm_swiglu.swiglu_bwd_e5m2_t_op,
         swiglu_bwd_e5m2_t_q=norm_swiglu.swiglu_bwd_e5m2_t_q_op,
+        norm_swiglu_qa_fp8=norm_swiglu.norm_swiglu_qa_fp8_op,
+        swiglu_bwd_e5m2_t_qa=norm_swiglu.swiglu_bwd_e5m2_t_qa_op,
         quantize_grad=casts.quantize_grad_op,
         quantize_grad_t=casts.quantize_grad_t_op,
         wgrad_fp8=gemm.wgrad_fp8_op,

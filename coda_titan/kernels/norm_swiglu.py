@@ -45,6 +45,10 @@ FP8 (precision = "fp8"):
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``casts.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
     swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``fp8_down_dgrad`` with the e5m2-only B3)
+    norm_swiglu_qa_fp8 ``norm_swiglu_q_fp8`` saving a as e4m3 codes (``fp8_preact``): aq = sat(v inv_a)
+                     from the compute-dtype v with the site's delayed power-of-two scale, and amax |v|
+    swiglu_bwd_e5m2_t_qa ``swiglu_bwd_e5m2_t_q`` on those codes: a = aq * a_scale (exact for a power of
+                     two), then the same outputs (y in ``out_dtype`` without ``inv_y``)
 """
 
 from __future__ import annotations
@@ -136,12 +140,12 @@ def swiglu_bwd_fp8(
 
 def _with_bf16_da(da, y, zdz, a, inv_scale):
     """(da, y, zdz, daq, amax |da|): ``_e5m2_only``'s outputs with da in a's dtype in front."""
-    return da.to(a.dtype), *_e5m2_only(da, y, zdz, a, inv_scale, None)
+    return da.to(a.dtype), *_e5m2_only(da, y, zdz, a.dtype, inv_scale, None)
 
 
-def _e5m2_only(da, y, zdz, a, inv_scale, inv_y):
-    """B3's outputs without the bf16 da: (y (e4m3 with ``inv_y``), zdz, daq, amax |da|)."""
-    return y.to(a.dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, *quantize_e5m2_site(da, inv_scale)
+def _e5m2_only(da, y, zdz, dtype, inv_scale, inv_y):
+    """B3's outputs without the bf16 da: (y (in ``dtype``, e4m3 with ``inv_y``), zdz, daq, amax |da|)."""
+    return y.to(dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, *quantize_e5m2_site(da, inv_scale)
 
 
 def _transposed(y, zdz, daq, amax, inv_y):
@@ -157,7 +161,7 @@ def swiglu_bwd_e5m2(
     """(y, zdz, daq, amax): ``swiglu_bwd_fp8`` less its bf16 da. With ``inv_y`` (``fp8_down_wgrad``)
     y comes as e4m3, sat(y * inv_y) from the compute-dtype y: dW2's fp8 operand, with the scale of
     the down-projection's input site (the forward quantized the same y with it)."""
-    return _e5m2_only(*swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd), a, inv_scale, inv_y)
+    return _e5m2_only(*swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd), a.dtype, inv_scale, inv_y)
 
 
 def swiglu_bwd_e5m2_t(
@@ -194,7 +198,35 @@ def swiglu_bwd_e5m2_t_q(
     inv_scale: torch.Tensor | None, inv_y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``swiglu_bwd_e5m2_t`` on an fp8 GEMM (``_dy_q``; ``fp8_down_dgrad`` with the e5m2-only B3)."""
-    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a, inv_scale, inv_y), inv_y)
+    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), a.dtype, inv_scale, inv_y),
+                       inv_y)
+
+
+def norm_swiglu_qa_fp8(
+    *, hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, inv_y: torch.Tensor,
+    inv_a: torch.Tensor, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(yq, aq, amax |y|, amax |a|): ``norm_swiglu_q_fp8`` with a saved as e4m3 codes, sat(v * inv_a) from
+    the compute-dtype v (never rounded to ``out_dtype`` first), interleaved as a; the amaxes of that y and v."""
+    check_2d("hq", hq, w13q.shape[1])
+    ct = compute_dtype(out_dtype)
+    v = fp8_mm(hq, w13q, ct) * scale.to(ct)
+    y = _swiglu(v * rstd.to(ct)[:, None])
+    return quantize_e4m3(y, inv_y), quantize_e4m3(v, inv_a), y.abs().amax(), v.abs().amax()
+
+
+def swiglu_bwd_e5m2_t_qa(
+    *, doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, aq: torch.Tensor, a_scale: torch.Tensor,
+    rstd: torch.Tensor, inv_scale: torch.Tensor | None, out_dtype: torch.dtype, inv_y: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd_e5m2_t_q`` on a's e4m3 codes (``fp8_preact``): a = aq * a_scale in the compute dtype (with
+    a power-of-two ``a_scale`` exactly the values a bf16 a decoded from the codes holds); y in ``out_dtype``."""
+    if aq.dtype != E4M3:
+        raise TypeError(f"swiglu_bwd_e5m2_t_qa takes a's e4m3 codes, got {aq.dtype}")
+    ct = compute_dtype(out_dtype)
+    a = aq.to(ct) * a_scale.to(ct)
+    return _transposed(*_e5m2_only(*_dswiglu(_dy_q(doutq, w_down_tq, scale, a), a, rstd), out_dtype, inv_scale, inv_y),
+                       inv_y)
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -327,3 +359,36 @@ def _(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None):
     y = a.new_empty((m, f)) if inv_y is None else a.new_empty((f, m), dtype=E4M3)
     return (y, a.new_empty((m,), dtype=compute_dtype(a.dtype)), a.new_empty(a.shape, dtype=E5M2),
             a.new_empty((2 * f, m), dtype=E5M2), a.new_empty((), dtype=compute_dtype(a.dtype)))
+
+
+@program_op("norm_swiglu_qa_fp8")
+def norm_swiglu_qa_fp8_op(
+    hq: torch.Tensor, rstd: torch.Tensor, w13q: torch.Tensor, scale: torch.Tensor, inv_y: torch.Tensor,
+    inv_a: torch.Tensor, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_swiglu_qa_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, inv_y=inv_y, inv_a=inv_a, out_dtype=out_dtype)
+
+
+@norm_swiglu_qa_fp8_op.register_fake
+def _(hq, rstd, w13q, scale, inv_y, inv_a, out_dtype):
+    m, f2 = hq.shape[0], w13q.shape[0]
+    amax = hq.new_empty((), dtype=compute_dtype(out_dtype))
+    return hq.new_empty((m, f2 // 2), dtype=E4M3), hq.new_empty((m, f2), dtype=E4M3), amax, torch.empty_like(amax)
+
+
+@program_op("swiglu_bwd_e5m2_t_qa")
+def swiglu_bwd_e5m2_t_qa_op(
+    doutq: torch.Tensor, w_down_tq: torch.Tensor, scale: torch.Tensor, aq: torch.Tensor, a_scale: torch.Tensor,
+    rstd: torch.Tensor, inv_scale: Optional[torch.Tensor], out_dtype: torch.dtype, inv_y: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_e5m2_t_qa(doutq=doutq, w_down_tq=w_down_tq, scale=scale, aq=aq, a_scale=a_scale, rstd=rstd,
+                                inv_scale=inv_scale, out_dtype=out_dtype, inv_y=inv_y)
+
+
+@swiglu_bwd_e5m2_t_qa_op.register_fake
+def _(doutq, w_down_tq, scale, aq, a_scale, rstd, inv_scale, out_dtype, inv_y=None):
+    m, f = aq.shape[0], aq.shape[1] // 2
+    ct = compute_dtype(out_dtype)
+    y = aq.new_empty((m, f), dtype=out_dtype) if inv_y is None else aq.new_empty((f, m), dtype=E4M3)
+    return (y, aq.new_empty((m,), dtype=ct), aq.new_empty(aq.shape, dtype=E5M2), aq.new_empty((2 * f, m), dtype=E5M2),
+            aq.new_empty((), dtype=ct))

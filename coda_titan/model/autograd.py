@@ -30,8 +30,9 @@ import torch
 
 from ..kernels import Backend
 from ..kernels._common import deinterleave_rows, interleave_rows
-from ..kernels.scaling import E4M3, E5M2_MAX, dequant_scale, inv_scale_from_amax
+from ..kernels.scaling import E4M3, E5M2_MAX, amax_abs, dequant_scale, inv_scale_from_amax
 from .edges import amax_grad, amax_token, grads, needs
+from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH  # noqa: F401 (the records, re-exported)
 
 DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
 
@@ -54,46 +55,6 @@ class ProgramConfig:
 def _weight_t(cfg: ProgramConfig, w_t: torch.Tensor | None) -> torch.Tensor | None:
     """The e4m3 W^T an fp8 dgrad reads: the weight pass's, or (``fp8_weight_t_bwd``) made here from W's codes."""
     return cfg.backend.fp8_weight_t(w=w_t) if w_t is not None and cfg.fp8_weight_t_bwd else w_t
-
-
-@dataclass(frozen=True)
-class QuantizeH:
-    """F1 also writes its H as e4m3 for the next consumer, with ``inv_scale`` (the site's delayed
-    scale; None = the current amax, the calibration step), and reports amax |H|; with ``transposed``
-    (an F1 on an fp8 mainloop only; ``fp8_mlp_h_t``, ``fp8_qkv_wgrad``) also Hq^T, (d, M) token-major."""
-
-    inv_scale: torch.Tensor | None
-    transposed: bool = False
-
-
-@dataclass(frozen=True)
-class Fp8Operands:
-    """The e4m3 operands of a consumer GEMM: ``hq`` (H quantized with ``inv_a``) and the layer's
-    e4m3 weight ``w`` with its scale ``s_w`` (the weight pass). ``w_t`` is that weight transposed,
-    for an fp8 dgrad (B2 on an e5m2 gradient); None: the dgrad stays bf16. F3's: ``grad_inv`` is that
-    gradient's delayed e5m2 scale (None = calibrate on the current amax)."""
-
-    hq: torch.Tensor
-    inv_a: torch.Tensor
-    w: torch.Tensor
-    s_w: torch.Tensor
-    w_t: torch.Tensor | None = None
-    grad_inv: torch.Tensor | None = None
-    hq_t: torch.Tensor | None = None  # F3's: ``hq`` transposed, (d, M), as its producer wrote it (``fp8_qkv_wgrad``)
-
-
-@dataclass(frozen=True)
-class Fp8Input:
-    """An F1 on an fp8 mainloop (``fp8_down_proj``: W2; ``fp8_out_proj``: W_o): its input is cast to
-    e4m3 with the site's delayed scale ``inv`` (None = the current amax, the calibration step) and F1
-    multiplies it by the layer's e4m3 weight ``w`` (scale ``s_w``). The backward keeps the bf16
-    weight (straight through), except with ``w_t`` (that weight's e4m3 transpose, ``fp8_out_bwd``)."""
-
-    w: torch.Tensor
-    s_w: torch.Tensor
-    inv: torch.Tensor | None
-    w_t: torch.Tensor | None = None
-    grad_amax: bool = False  # (``fp8_out_bwd``) the consumer of X reports amax |dX| (``edges.amax_token``)
 
 
 def _kept_h(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -125,26 +86,21 @@ def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: Qua
     return (*outs, amax_y)
 
 
-@dataclass(frozen=True)
-class MlpFp8:
-    """The MLP sub-layer on fp8: F2 on ``f2``'s operands; F1 writes e4m3 H for the next layer when
-    ``quantize_next`` is given (every layer but the last). With a gradient sink given to the
-    Function (``fp8_mlp_dgrad`` or ``fp8_mlp_wgrad``), B3 also writes da as e5m2 with the delayed
-    ``grad_inv_scale`` (None = calibrate on the current amax); B2 then runs on it when ``f2.w_t`` is
-    given, and dW13 is torchao's fp8 weight gradient when ``h_amax`` (amax |H| from F1) is given.
-    With ``down``, F1 runs its GEMM on e4m3 y and W2, and the Function's outputs end with amax |y|.
-    With ``w2_t`` (the layer's e4m3 W2 transposed, scale ``s_w2``; ``fp8_down_dgrad``) and the e5m2
-    B3, B3's GEMM runs on fp8 too: D cast to e5m2 with its current power-of-two scale times W2q^T."""
-
-    f2: Fp8Operands
-    quantize_next: QuantizeH | None
-    grad_inv_scale: torch.Tensor | None = None
-    h_amax: torch.Tensor | None = None
-    down: Fp8Input | None = None
-    w2_t: torch.Tensor | None = None
-    s_w2: torch.Tensor | None = None
-    hq_t: torch.Tensor | None = None  # F1's Hq^T (``fp8_mlp_h_t``): dW13 reads it, and H is not saved
-    grad_amax: bool = False  # the next layer's F3 Function reports amax |dX_out| (``edges.amax_token``, last output)
+def _f2(be: Backend, fp8: MlpFp8 | None, h, rstd, w1, w3) -> tuple:
+    """F2's (y, a, amax |y| or None, amax |a| or None, a's dequantization or None). With ``fp8.preact`` and its
+    scale, a comes as e4m3 codes and its dequantization is 1 / ``fp8.inv_pre``; calibrating, a in bf16 and its amax."""
+    if fp8 is None:
+        return (*be.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3)), None, None, None)
+    f2_args = dict(hq=fp8.f2.hq, rstd=rstd, w13q=fp8.f2.w, scale=dequant_scale(fp8.f2.inv_a, fp8.f2.s_w), out_dtype=h.dtype)
+    if fp8.down is None or fp8.down.inv is None:  # (calibrating the down site: y in bf16, cast by F1's input pass)
+        y, a = be.norm_swiglu_fp8(**f2_args)
+        y_amax = None
+    elif fp8.preact and fp8.inv_pre is not None:  # F2 writes the down-projection's e4m3 y and a's e4m3 codes
+        y, aq, y_amax, a_amax = be.norm_swiglu_qa_fp8(**f2_args, inv_y=fp8.down.inv, inv_a=fp8.inv_pre)
+        return y, aq, y_amax, a_amax, fp8.inv_pre.reciprocal()
+    else:  # F2 writes the down-projection's e4m3 y itself
+        y, a, y_amax = be.norm_swiglu_q_fp8(**f2_args, inv_y=fp8.down.inv)
+    return y, a, y_amax, amax_abs(a).float() if fp8.preact else None, None
 
 
 def _wgrad(be, fp8: bool, grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype,
@@ -280,18 +236,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
                 grad_sink: torch.Tensor | None = None, amax_tok: torch.Tensor | None = None):
         be = cfg.backend
-        y_amax = None
-        if fp8 is None:
-            y, a = be.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3))
-        else:
-            f2 = fp8.f2
-            f2_args = dict(hq=f2.hq, rstd=rstd, w13q=f2.w, scale=dequant_scale(f2.inv_a, f2.s_w), out_dtype=h.dtype)
-            if fp8.down is not None and fp8.down.inv is not None:  # F2 writes the down-projection's e4m3 y itself
-                y, a, y_amax = be.norm_swiglu_q_fp8(**f2_args, inv_y=fp8.down.inv)
-            else:  # (calibrating the down site: y in bf16, cast with its current amax by F1's input pass)
-                y, a = be.norm_swiglu_fp8(**f2_args)
+        y, a, y_amax, a_amax, a_scale = _f2(be, fp8, h, rstd, w1, w3)
         outs = _f1(be, y, w2, x, gamma_next, cfg.tile_n, fp8.quantize_next if fp8 is not None else None,
                    fp8.down if fp8 is not None else None, y_amax)
+        outs = (*outs, a_amax) if fp8 is not None and fp8.preact else outs
         ctx.mark_non_differentiable(*outs[1:])
         ctx.e5m2 = fp8 is not None and grad_sink is not None  # B3 writes e5m2 da only with a sink for its amax
         inv_y = fp8.down.inv if ctx.e5m2 and cfg.fp8_y_wgrad and fp8.down is not None else None
@@ -299,17 +247,21 @@ class NormSwiGLUResidual(torch.autograd.Function):
         h_t = fp8.hq_t if lean else None  # dW13 on the forward's e4m3 H^T: the bf16 H is not kept
         e5m2 = ((fp8.f2.w_t, fp8.f2.s_w, fp8.grad_inv_scale, fp8.h_amax, fp8.w2_t, fp8.s_w2, inv_y, h_t, fp8.f2.inv_a)
                 if ctx.e5m2 else (None,) * 9)
-        ctx.save_for_backward(None if h_t is not None else _kept_h(h, x), rstd, x, gamma, w1, w3, w2, a, *e5m2)
+        ctx.save_for_backward(None if h_t is not None else _kept_h(h, x), rstd, x, gamma, w1, w3, w2, a, a_scale, *e5m2)
         ctx.cfg = cfg
         ctx.grad_amax = fp8 is not None and fp8.grad_amax
         return (*outs, amax_token(x)) if ctx.grad_amax else outs
 
     @staticmethod
     def backward(ctx, dx_out, *rest):
-        h, rstd, x, gamma, w1, w3, w2, a, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y, h_t, inv_h = ctx.saved_tensors
+        (h, rstd, x, gamma, w1, w3, w2, a, a_scale, w13q_t, s_w, grad_inv_scale, h_amax, w2q_t, s_w2, inv_y, h_t,
+         inv_h) = ctx.saved_tensors
         be = ctx.cfg.backend
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_out)
         lean = ctx.e5m2 and ctx.cfg.fp8_da_wgrad and w13q_t is not None and h_amax is not None
+        qa = a.dtype == E4M3 and ctx.e5m2 and w2q_t is not None and lean and ctx.cfg.fp8_da_t  # (B3 on a's codes)
+        if a.dtype == E4M3 and not qa:  # (fp8_preact where no B3 reads the codes: decoded, exactly, to bf16)
+            a = (a.to(torch.float32) * a_scale).to(x.dtype)
         daq_t = dq = dq_t = None
         recast = os.environ.get(DW2_RECAST_ENV) == "1"  # (dW2 casting D again, not on B3's codes of it)
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
@@ -318,13 +270,17 @@ class NormSwiGLUResidual(torch.autograd.Function):
                 dq, dq_t, s_d = be.quantize_grad_t(t=dx_out, amax=amax_d)  # (dW2 on the same codes: token-major too)
             else:
                 dq, s_d = be.quantize_grad(t=dx_out, amax=amax_d)
-            q = dict(doutq=dq, w_down_tq=_weight_t(ctx.cfg, w2q_t), scale=(s_d * s_w2).reshape(()), a=a, rstd=rstd,
+            q = dict(doutq=dq, w_down_tq=_weight_t(ctx.cfg, w2q_t), scale=(s_d * s_w2).reshape(()), rstd=rstd,
                      inv_scale=grad_inv_scale)
-            if lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
+            if qa:  # fp8_preact: that B3 on a's e4m3 codes
                 da = None
-                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, inv_y=inv_y)
+                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_qa(**q, aq=a, a_scale=a_scale, out_dtype=x.dtype,
+                                                                   inv_y=inv_y)
+            elif lean and ctx.cfg.fp8_da_t:  # the e5m2-only B3 with da^T (and y^T), on that GEMM
+                da = None
+                y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t_q(**q, a=a, inv_y=inv_y)
             else:
-                da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(**q)
+                da, y, zdz, daq, amax = be.swiglu_bwd_q_fp8(**q, a=a)
         elif lean and ctx.cfg.fp8_da_t:  # and da^T (and e4m3 y^T with inv_y): the wgrads' operands as cuBLAS reads them
             da = None
             y, zdz, daq, daq_t, amax = be.swiglu_bwd_e5m2_t(dout=dx_out, w_down=w2, a=a, rstd=rstd,

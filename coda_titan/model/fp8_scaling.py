@@ -10,7 +10,8 @@ amax of the whole tensor exists:
 * F1 inputs on an fp8 mainloop (``INPUT_SITES``): per layer, the SwiGLU output y that the
   down-projection reads as e4m3 (``fp8_down_proj``, site "down") and the attention output o that the
   out-projection reads (``fp8_out_proj``, site "out"); delayed like the activations, each amax
-  recorded by its cast.
+  recorded by its cast. Likewise F2's pre-activations a, saved as e4m3 for B3 (``fp8_preact``, site
+  "preact"), with the scale rounded down to a power of two.
 * MLP gradients (``fp8_mlp_dgrad`` / ``fp8_mlp_wgrad``): per layer, da as e5m2 written by B3. Its
   amax is only known in the backward; it comes back through autograd as the gradient of a
   ``GradAmaxSink`` tensor, and enters the history at the next forward. The scale keeps
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.scaling import E5M2_MAX, inv_scale_from_amax
+from ..kernels.scaling import E5M2_MAX, inv_scale_from_amax, pow2_floor
 
 
 ALIGN_BYTES = 16  # inductor's input alignment (``torch._inductor.utils.ALIGNMENT``)
@@ -74,7 +75,10 @@ class GradAmaxSink:
         return None if self.tensor.grad is None else self.tensor.grad[:, col]
 
 
-INPUT_SITES = ("down", "out")  # F1 inputs cast to e4m3 before an fp8 mainloop: W2's y, W_o's o
+# Activations a producer writes as e4m3 with a delayed scale of its own: the F1 inputs on an fp8 mainloop (W2's y,
+# W_o's o), and F2's pre-activations a, saved for B3 (``fp8_preact``), whose scale is a power of two (``POW2_SITES``)
+INPUT_SITES = ("down", "out", "preact")
+POW2_SITES = ("preact",)  # (B3 decodes a = code * 2^-k exactly: the very values a bf16 a of the codes holds)
 SATURATION_KINDS = ("activation", *INPUT_SITES, *GRADIENT_SITES.values())  # the rows of ``Fp8Scaling.saturation``
 
 
@@ -218,7 +222,9 @@ class Fp8Scaling(nn.Module):
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
         h = self.input_history(site)
-        return self._memo(site, h, True, lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.act_headroom)))
+        round_ = pow2_floor if site in POW2_SITES else (lambda inv: inv)
+        return self._memo(site, h, True,
+                          lambda: aligned_unbind(round_(inv_scale_from_amax(h.amax(-1) * self.act_headroom))))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:

@@ -23,7 +23,6 @@ epilogue needs to write H.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -34,51 +33,23 @@ from ..kernels.scaling import inv_scale_from_amax
 from ..titan.fa4 import attention_on_packed
 from ..titan.job_config import validate
 from .args import CodaModelArgs
-from .autograd import Fp8Input, Fp8Operands, LMHeadCE, MlpFp8, NormRoPE, NormSwiGLUResidual, ProgramConfig, QuantizeH, ResidualRMS
+from .autograd import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, ResidualRMS
+from .fp8_operands import Fp8Input, Fp8Operands, LayerFp8, MlpFp8, QuantizeH
 from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .rope import rope_freqs
 from .weight_prefetch import is_sharded as _is_sharded
 
 
-@dataclass(frozen=True)
-class LayerFp8:
-    """One layer's fp8 inputs: its attention input's e4m3 H (``attn.hq``, scale ``attn.inv_a``) and W_qkv;
-    the delayed scales of its MLP input (``inv_ffn``) and the next layer's (``inv_next``; None = calibrate
-    on the current amax), ``last``; its e4m3 W13 (scale ``s_13``, transposed ``w13_t`` or None); the MLP's
-    delayed gradient scale and amax sink (None without an e5m2 gradient); whether dW13 runs on fp8; the
-    F1 input sites' e4m3 weights and delayed input scales (``fp8_down_proj``, ``fp8_out_proj``)."""
-
-    attn: Fp8Operands
-    inv_ffn: torch.Tensor | None
-    inv_next: torch.Tensor | None
-    last: bool
-    w13: torch.Tensor
-    s_13: torch.Tensor
-    w13_t: torch.Tensor | None
-    grad_inv_scale: torch.Tensor | None
-    grad_sink: torch.Tensor | None
-    mlp_wgrad: bool
-    down: Fp8Input | None = None
-    out: Fp8Input | None = None
-    w2_t: torch.Tensor | None = None  # e4m3 W2^T and its scale, for B3 on fp8 (fp8_down_dgrad)
-    s_w2: torch.Tensor | None = None
-    mlp_h_t: bool = False  # the out-projection's F1 also writes Hq^T, dW13's input (fp8_mlp_h_t)
-    qkv_grad_sink: torch.Tensor | None = None  # F3's gradient site's amax sink (fp8_dgrad; its scale: attn.grad_inv)
-    qkv_h_t: bool = False  # the down-projection's F1 also writes Hq^T, the next layer's dW_qkv input (fp8_qkv_wgrad)
-    mlp_amax: bool = False  # the MLP casts dX_out at the amax the next layer's F3 returns to its token
-    amax_tok: torch.Tensor | None = None  # the layer below's MLP amax token: F3's backward returns amax |dX| to it
-
-
 class CodaTransformerBlock(TransformerBlock):
     """One layer as programs: F3 -> attention -> F1(Wo) -> F2 -> F1(W2). Same parameters as stock."""
 
     def forward(self, x, h, rstd, freqs, seqlen: int, gamma_next, cfg: ProgramConfig, fp8: LayerFp8 | None = None):
-        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok):
+        """Returns (x, h, rstd); with ``fp8`` also (hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok, amax_pre):
         the e4m3 H of the next layer, the amaxes of this layer's MLP input, of the next layer's input and
         (with ``fp8.down`` / ``fp8.out``, else None) of the down- and out-projections' inputs, with
         ``fp8.qkv_h_t`` the next layer's Hq^T (hq_next, amax_next and hq_t_next None on the last layer), and the
-        MLP's amax token for the next layer's F3 (``edges.amax_token``; None unless ``fp8.mlp_amax``)."""
+        MLP's amax token for the next layer's F3 (``edges.amax_token``; None unless ``fp8.mlp_amax``), amax |a| (``fp8.preact``)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
         attn, hd = self.attention, self.attention.head_dim
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
@@ -104,16 +75,17 @@ class CodaTransformerBlock(TransformerBlock):
             f2=Fp8Operands(hq=hq, inv_a=inv_ffn, w=fp8.w13, s_w=fp8.s_13, w_t=fp8.w13_t),
             quantize_next=None if fp8.last else QuantizeH(fp8.inv_next, fp8.qkv_h_t),
             grad_inv_scale=fp8.grad_inv_scale, h_amax=amax_ffn if fp8.mlp_wgrad else None, down=fp8.down,
-            w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t, grad_amax=fp8.mlp_amax,
+            w2_t=fp8.w2_t, s_w2=fp8.s_w2, hq_t=hq_t, grad_amax=fp8.mlp_amax, preact=fp8.preact, inv_pre=fp8.inv_pre,
         )
         out = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg, mlp, fp8.grad_sink, tok_o)
         out, tok = (out[:-1], out[-1]) if fp8.mlp_amax else (out, None)
+        out, amax_pre = (out[:-1], out[-1]) if fp8.preact else (out, None)
         x, h, s = out[:3]
         hq_next, amax_next = (None, None) if fp8.last else out[3:5]
         amax_y = out[-1] if fp8.down is not None else None
         hq_t_next = out[5] if fp8.qkv_h_t and not fp8.last else None
         rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
-        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok
+        return x, h, rstd, hq_next, amax_ffn, amax_next, amax_y, amax_o, hq_t_next, tok, amax_pre
 
 
 def _no_wait(layer: int | None) -> None:
@@ -334,6 +306,7 @@ class CodaTransformer(Transformer):
         h_t = coda.fp8_mlp_h_t and mlp_dgrad and mlp_wgrad and coda.fp8_mlp_wgrad_e5m2 and "out" in inputs  # (dW13's)
         qkv_h_t = coda.fp8_qkv_wgrad and grad and "down" in inputs  # (dW_qkv's; layer 0's from the prologue's codes)
         hq_t = hq.t().contiguous() if qkv_h_t else None
+        preact = coda.fp8_preact and grad and flags[2]  # (F2 saves a as e4m3 for the fp8 B3: fp8_down_dgrad's)
 
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)
@@ -363,8 +336,9 @@ class CodaTransformer(Transformer):
         with torch.no_grad():  # B3 writes e5m2 da (and B1 F3's with fp8_dgrad)
             sites = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad, qkv=flags[1])
         (inv_g, sinks), (inv_q, sinks_q) = sites["mlp"], sites["qkv"]
-        inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs}
-        amaxes_in = {site: [] for site in inputs}
+        inputs_and_a = (*inputs, "preact") if preact else inputs
+        inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs_and_a}
+        amaxes_in = {site: [] for site in inputs_and_a}
         tok = None  # (the layer below's MLP amax token)
         for i, layer in enumerate(layers):
             w13, s_13, wqkv, s_qkv, w13_t, wqkv_t, w_in, w2_t = layer_weights(i, layer)
@@ -385,13 +359,14 @@ class CodaTransformer(Transformer):
                 down=f1_in.get("down"), out=f1_in.get("out"),
                 w2_t=None if w2_t is None else w2_t[0], s_w2=None if w2_t is None else w2_t[1], mlp_h_t=h_t,
                 mlp_amax=not last and sinks[i] is not None and w2_t is not None, amax_tok=tok,
+                preact=preact, inv_pre=inv_in["preact"][i] if preact else None,
             )
             step_wait(i)
-            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o, hq_t, tok = blocks[i](
+            x, h, rstd, hq, amax_ffn, amax_next, amax_y, amax_o, hq_t, tok, amax_pre = blocks[i](
                 x, h, rstd, freqs, seqlen, gamma_next, cfg, fp8)
             amaxes += [amax_ffn] if last else [amax_ffn, amax_next]
-            for site, amax in (("down", amax_y), ("out", amax_o)):
-                if site in inputs:
+            for site, amax in (("down", amax_y), ("out", amax_o), ("preact", amax_pre)):
+                if site in inputs_and_a:
                     amaxes_in[site].append(amax)
         if self.training:
             self.fp8_scaling.record_activations(amaxes)

@@ -49,14 +49,15 @@ class Coda:
     fp8_mlp_da_t: bool = knob(True, "fp8: B3 also writes da^T (and y^T): no copy for dW13 (dW2)")
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T, no bf16 H; on in 1B fp8 configs")
-    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H (not bf16 H), da cast at its current amax; on in the 1B fp8 configs")
+    fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H, da at its current amax; on in 1B fp8 configs")
+    fp8_preact: bool = knob(False, "fp8: F2 saves a for B3 as e4m3 (pow2 delayed scale), not bf16")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: 6.5 GiB less, 2.3% slower)")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
-    trace_passes: bool = knob(True, "cute + compile: B1 and the plain gradient GEMMs traced into the graph")
+    trace_passes: bool = knob(True, "cute + compile: B1 and plain gradient GEMMs traced into the graph")
     prefetch_weights: bool = knob(True, "fp8: the next weight pass issued at the optimizer step, on a side stream")
-    cuda_graphs: bool = knob(False, "compile: blocks replayed as CUDA graphs; one GPU, no AC; measured level")
+    cuda_graphs: bool = knob(False, "compile: blocks as CUDA graphs; one GPU, no AC; measured level")
     optimizer_stream: bool = knob(False, "the optimizer step on its own CUDA stream (one GPU)")
     input_stream: bool = knob(False, "the batch's GPU copies on their own CUDA stream")
     step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers, each awaited by its blocks", low=0)
@@ -143,6 +144,9 @@ NEEDS = {
     "fp8_qkv_wgrad": ({"precision": "fp8"}, "it runs dW_qkv on fp8"),
     "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
                      "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
+    "fp8_preact": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
+                    "fp8_mlp_da_t": True, "fp8_down_dgrad": True, "fp8_down_proj": True},
+                   "the fp8 B3 with da^T reads a's codes; F2 writes them beside its e4m3 y"),
 }
 
 

@@ -73,7 +73,7 @@ def reordered_sums(tile_k: int = 256):
 def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 2, down_proj: bool = False,
                 out_proj: bool = False, down_dgrad: bool = False, layer_wgrads: bool = False,
                 wgrad_e5m2: bool = True, da_t: bool = False, down_wgrad: bool = False, h_t: bool = False,
-                qkv_wgrad: bool = False, out_bwd: bool = False) -> dict:
+                qkv_wgrad: bool = False, out_bwd: bool = False, preact: bool = False) -> dict:
     """Losses and per-parameter (dev, effect) of the cute fp8 model against the torch fp8 one."""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
@@ -86,7 +86,7 @@ def grad_ratios(mlp_dgrad: bool, mlp_wgrad: bool, seqlen: int = 2048, bs: int = 
                    fp8_down_dgrad=down_dgrad, fp8_layer_wgrads=layer_wgrads,
                    fp8_mlp_wgrad_e5m2=wgrad_e5m2, fp8_mlp_da_t=da_t,
                    fp8_down_wgrad=down_wgrad, fp8_mlp_h_t=h_t,
-                   fp8_qkv_wgrad=qkv_wgrad, fp8_out_bwd=out_bwd) if precision == "fp8" else {}  # (the bf16 model: no fp8 knob)
+                   fp8_qkv_wgrad=qkv_wgrad, fp8_out_bwd=out_bwd, fp8_preact=preact) if precision == "fp8" else {}  # (the bf16 model: no fp8 knob)
         coda = Coda(backend=be, precision=precision, **fp8)
         args = dataclasses.replace(coda_llama3_args["1B"], max_seq_len=seqlen, coda=coda)
         torch.manual_seed(0)

@@ -20,6 +20,9 @@ swiglu_bwd_q_fp8 the same on an fp8 GEMM (e5m2 D x e4m3 W2^T, ``epilogues.dswigl
                  folds the dequantization into dy's per-row factor), the same pinned config
 swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``epilogues.dswiglu_rstd_preact_e5m2_t_q_epi``,
                  ``..._t_yq_q_epi``)
+norm_swiglu_qa_fp8 ``preact_e4m3.fp8_rstd_swiglu_qa_epi``: ``norm_swiglu_q_fp8`` saving a as e4m3 pairs, no D
+swiglu_bwd_e5m2_t_qa ``swiglu_bwd_e5m2_t_q`` on those pairs (``preact_e4m3.dswiglu_rstd_preact_e5m2_t_qa_epi``,
+                 ``..._t_yq_qa_epi``): C is the codes' bf16 view, half of a's bytes
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
                         fp8_rstd_swiglu_preact_epi, fp8_rstd_swiglu_q_epi)
+from .preact_e4m3 import dswiglu_rstd_preact_e5m2_t_qa_epi, dswiglu_rstd_preact_e5m2_t_yq_qa_epi, fp8_rstd_swiglu_qa_epi
 from .row_vectors import fold_amax
 
 
@@ -174,7 +178,7 @@ def _b3_overlap_config(device):
     return None if base is None else dataclasses.replace(base)
 
 
-def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, **ops):
+def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, y_dtype=None, **ops):
     """B3 writing e5m2 da and da^T (``epis``: the epilogue without and with an e4m3 y^T) on the pinned
     tile config (or ``config``: ``scripts/probes/fp8_configs.py``): (y or y^T, zdz, daq, daq_t, amax |da|).
     Without ``config``, on the fp8 GEMM (``scale`` given), its two pingpong warpgroups' epilogues overlap
@@ -185,7 +189,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     daq = torch.empty((m, f2 // 2), device=a.device, dtype=torch.float16)  # e5m2 pairs, see _e5m2x2_as_f16
     daq_t = torch.empty((f2, m), device=a.device, dtype=E5M2)  # [gate; up] rows, each (F, M): M-major views
     if inv_y is None:
-        y = a.new_empty((m, f2 // 2))
+        y = torch.empty((m, f2 // 2), device=a.device, dtype=y_dtype or a.dtype)
         epi, y_out = epis[0], y
     else:  # y^T, e4m3: the output (M, F) as an M-major view
         y = torch.empty((f2 // 2, m), device=a.device, dtype=E4M3)
@@ -195,7 +199,8 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, *
     if config is None:
         config = _b3_overlap_config(a.device) if overlapped else _b3_fp8_config(a.device)
     with first_call(name, a_op, b_kn), (overlap.requested() if overlapped else contextlib.nullcontext()):
-        res = epi(a_op, b_kn, a.view(torch.float32), out=out, store_d=False, tuned=False, config=config,
+        c = a.view(torch.bfloat16) if a.dtype == E4M3 else a.view(torch.float32)  # (one word a (gate, up) pair)
+        res = epi(a_op, b_kn, c, out=out, store_d=False, tuned=False, config=config,
                   rstd=rstd.float(), inv_scale=inv, **ops)
     zdz, amax = _b3_outputs(res, inv)
     return y, zdz, daq.view(E5M2), daq_t, amax
@@ -237,3 +242,33 @@ def _swiglu_bwd_q_fp8(doutq, w_down_tq, scale, a, rstd, inv_scale):
         return fallback(ref.swiglu_bwd_q_fp8_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale)
     return _b3_e5m2("swiglu_bwd_q_fp8", dswiglu_rstd_preact_q_fp8_epi, doutq, w_down_tq.t(), a, rstd,
                     scalar32(inv_scale), scale=scalar32(scale))
+
+
+@torch.library.register_kernel("coda::norm_swiglu_qa_fp8", "cuda")
+def _norm_swiglu_qa_fp8(hq, rstd, w13q, scale, inv_y, inv_a, out_dtype):
+    why = unsupported_fp8(hq, w13q)
+    if why is None and (w13q.shape[0] % 32 or out_dtype not in KERNEL_DTYPES):
+        why = f"hidden {w13q.shape[0] // 2} / out dtype {out_dtype} (need % 16, bf16/fp16)"
+    if why:
+        return fallback(ref.norm_swiglu_qa_fp8_op, why, hq, rstd, w13q, scale, inv_y, inv_a, out_dtype)
+    m, f2 = hq.shape[0], w13q.shape[0]
+    yq = torch.empty((m, f2 // 2), device=hq.device, dtype=E4M3)
+    aq = torch.empty((m, f2), device=hq.device, dtype=E4M3)
+    with first_call("norm_swiglu_qa_fp8", hq, w13q):
+        res = gemm(fp8_rstd_swiglu_qa_epi, hq, w13q.t(), None, {"postact": yq, "aq": aq.view(torch.bfloat16)},
+                   store_d=False, rstd=rstd.float(), scale=scalar32(scale), inv_y=scalar32(inv_y), inv_a=scalar32(inv_a))
+    ct = compute_dtype(out_dtype)
+    return yq, aq, fold_amax(res["amax"], torch.float32).to(ct), fold_amax(res["amax_a"], torch.float32).to(ct)
+
+
+@torch.library.register_kernel("coda::swiglu_bwd_e5m2_t_qa", "cuda")
+def _swiglu_bwd_e5m2_t_qa(doutq, w_down_tq, scale, aq, a_scale, rstd, inv_scale, out_dtype, inv_y=None):
+    why = unsupported_fp8(aq) or unsupported_fp8(doutq, dtypes=(E4M3, E5M2)) or unsupported_fp8(w_down_tq)
+    if why is None and (inv_scale is None or aq.shape[0] % 16 or out_dtype not in KERNEL_DTYPES):
+        why = f"a current-amax scale, {aq.shape[0]} rows or out dtype {out_dtype} (need a delayed scale, % 16, bf16)"
+    if why:
+        return fallback(ref.swiglu_bwd_e5m2_t_qa_op, why, doutq, w_down_tq, scale, aq, a_scale, rstd, inv_scale,
+                        out_dtype, inv_y)
+    return _b3_e5m2_t("swiglu_bwd_e5m2_t_qa", (dswiglu_rstd_preact_e5m2_t_qa_epi, dswiglu_rstd_preact_e5m2_t_yq_qa_epi),
+                      doutq, w_down_tq.t(), aq, rstd, inv_scale, inv_y, y_dtype=out_dtype, scale=scalar32(scale),
+                      a_scale=scalar32(a_scale))

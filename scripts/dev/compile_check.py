@@ -76,6 +76,40 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
         rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
 
 
+def _b3_t_qa(inv_y=True, m=512, d=256, f=512):
+    """B3 on a's e4m3 codes (``coda::swiglu_bwd_e5m2_t_qa``'s quack call, overlapped as in training): C is the
+    codes' bf16 view."""
+    import torch
+
+    from coda_titan.kernels.cute import overlap
+    from coda_titan.kernels.cute import preact_e4m3 as pe
+    from coda_titan.kernels.scaling import E4M3, E5M2
+
+    dout, w = torch.zeros(m, d, dtype=E5M2), torch.zeros(f, d, dtype=E4M3).t()
+    aq = torch.zeros(m, 2 * f, dtype=E4M3)
+    daq, daq_t = torch.empty(m, f, dtype=torch.float16), torch.empty(2 * f, m, dtype=E5M2)
+    y = torch.empty(f, m, dtype=E4M3).t() if inv_y else torch.empty(m, f, dtype=torch.bfloat16)
+    ops = {"scale": torch.ones(1), "a_scale": torch.ones(1), **({"inv_y": torch.ones(1)} if inv_y else {})}
+    epi = pe.dswiglu_rstd_preact_e5m2_t_yq_qa_epi if inv_y else pe.dswiglu_rstd_preact_e5m2_t_qa_epi
+    out = {"postact": y, "daq": daq, "dagt": daq_t[:f].t(), "daut": daq_t[f:].t()}
+    with overlap.requested():
+        epi(dout, w, aq.view(torch.bfloat16), out=out, store_d=False, tuned=False, config=_pingpong(),
+            rstd=torch.ones(m), inv_scale=torch.ones(1), **ops)
+
+
+def _f2_qa(m=512, k=256, f=512):
+    """F2 saving a as e4m3 codes (``coda::norm_swiglu_qa_fp8``'s quack call), on quack's default config."""
+    import torch
+
+    from coda_titan.kernels.cute.preact_e4m3 import fp8_rstd_swiglu_qa_epi
+    from coda_titan.kernels.scaling import E4M3
+
+    hq, w13q = torch.zeros(m, k, dtype=E4M3), torch.zeros(2 * f, k, dtype=E4M3)
+    out = {"postact": torch.empty(m, f, dtype=E4M3), "aq": torch.empty(m, 2 * f, dtype=E4M3).view(torch.bfloat16)}
+    fp8_rstd_swiglu_qa_epi(hq, w13q.t(), None, out=out, store_d=False, tuned=False, rstd=torch.ones(m),
+                           scale=torch.ones(1), inv_y=torch.ones(1), inv_a=torch.ones(1))
+
+
 def _f1(config=None, m=512, k=256, d=256):
     """F1 (bf16): quack's ``rms_partial_epi`` as ``coda::residual_rms`` calls it, on a pinned config."""
     import torch
@@ -217,6 +251,9 @@ PROGRAMS = {
     "b3_t_q": lambda: _b3_t(fp8_gemm=True),
     "b3_t_overlap": lambda: _overlapped(_b3_t),
     "b3_t_q_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True)),
+    "b3_t_qa": lambda: _b3_t_qa(),
+    "b3_t_qa_bf16_y": lambda: _b3_t_qa(inv_y=False),
+    "f2_qa": lambda: _f2_qa(),
     "f1": lambda: _f1(),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),

@@ -93,8 +93,8 @@
 #                  (2, 4, 8 warps; dropped), bf16 and fp8, bits and GPU ms beside the memory time
 #     foldsprobe   scripts/probes/folds.py: the fp8 epilogues' partial folds as the step runs them against one launch
 #                  (amax: fold_amax; B3's zdz and B2's dgamma: a 2-d tile a program), time and agreement
-#     adamw8b      the 8B CODA fp8 config compiled, as configured and with [coda] coda_adamw (its step on the main stream),
-#                  STEPS (8) after 7 warm-up each; ARMS (default "off on off2")
+#     adamw8b      the 8B CODA config (PREC8B: fp8 or bf16) compiled without and with [coda] coda_adamw (its step on the
+#                  main stream there), STEPS (8) after 7 warm-up each; ARMS (default "off on off2")
 #     preactprobe  scripts/probes/preact.py: [coda] fp8_preact's F2 and B3 against the bf16-a ones (ms at the cap, bits)
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
@@ -449,10 +449,12 @@ for phase in "$@"; do
       python3 -m scripts.probes.ce_pass
       ;;
     adamw8b)
-      a=$(VARIANT_OF=configs/llama3_8b_fp8_coda.toml variant adamw8b "coda_adamw = true") || exit 2
+      p8=${PREC8B:-fp8}
+      a=$(VARIANT_OF=configs/llama3_8b_${p8}_coda.toml variant adamw8b_on "coda_adamw = true") &&
+        b=$(VARIANT_OF=configs/llama3_8b_${p8}_coda.toml variant adamw8b_off "coda_adamw = false") || exit 2
       for arm in ${ARMS:-off on off2}; do
-        [ "$arm" = on ] && c=$a || c=configs/llama3_8b_fp8_coda.toml
-        $cmp "$c" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag "fp8_8b_adamw_$arm"
+        [ "$arm" = on ] && c=$a || c=$b
+        $cmp "$c" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag "${p8}_8b_adamw_$arm"
       done
       ;;
     preactprobe)

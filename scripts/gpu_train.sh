@@ -453,7 +453,7 @@ for phase in "$@"; do
       a=$(VARIANT_OF=configs/llama3_8b_${p8}_coda.toml variant adamw8b_on "coda_adamw = true") &&
         b=$(VARIANT_OF=configs/llama3_8b_${p8}_coda.toml variant adamw8b_off "coda_adamw = false") || exit 2
       for arm in ${ARMS:-off on off2}; do
-        [ "$arm" = on ] && c=$a || c=$b
+        case $arm in on*) c=$a ;; *) c=$b ;; esac  # (on, on2: with the knob; off, off2: without)
         $cmp "$c" --set compile.enable=true --steps "${STEPS:-8}" --warmup 7 --tag "${p8}_8b_adamw_$arm"
       done
       ;;

@@ -33,15 +33,24 @@ SHARDED_VS_ONE = 16 * FP32_U
 _GLOO_ABORT = "terminate called without an active exception"
 
 
+def _entries(root: str) -> set[str]:
+    """Every path under ``root`` (a linked folder, such as a seeded checkpoint, as one entry: not followed)."""
+    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files}
+
+
 def _torchrun(args, cwd, env_extra=None, timeout=600):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    dump = args[args.index("--job.dump_folder") + 1] if "--job.dump_folder" in args else None
+    before = _entries(dump) if dump else set()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and _GLOO_ABORT in proc.stdout + proc.stderr:
         warnings.warn(f"a torchrun rank aborted, run repeated once: {_tracebacks(proc.stdout + proc.stderr)}")
-        if "--job.dump_folder" in args:  # start over: no checkpoint of the aborted run is resumed
-            shutil.rmtree(args[args.index("--job.dump_folder") + 1], ignore_errors=True)
+        if dump:  # start over: what the aborted run wrote goes (no checkpoint of it is resumed), what the test put there stays
+            new = _entries(dump) - before
+            for path in (p for p in new if os.path.dirname(p) not in new):
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc
 
@@ -54,22 +63,29 @@ def _tracebacks(out: str, lines: int = 40) -> str:
 
 
 def test_torchrun_repeats_a_run_whose_rank_aborted_once_from_scratch(tmp_path, monkeypatch):
-    """The helper's one repeat: only a run that failed with the abort above, after removing its dump
-    folder, with the first run's traceback in a warning; any other failure is returned as it is."""
-    dump = tmp_path / "dump"
+    """The helper's one repeat: only a run that failed with the abort above, after removing what that run
+    wrote to its dump folder (what the test seeded there, a linked checkpoint, stays), with the first run's
+    traceback in a warning; any other failure is returned as it is."""
+    dump, seeded = tmp_path / "dump", tmp_path / "seeded"
     runs = []
 
     def fake_run(cmd, **kw):
-        runs.append((cmd, dump.exists()))
+        runs.append((cmd, sorted(p.name for p in dump.rglob("*"))))
         failed = len(runs) == 1
+        if failed:  # (the aborted run's own checkpoint)
+            (dump / "checkpoint" / "step-6").mkdir(parents=True)
+            (dump / "log.txt").write_text("x")
         return subprocess.CompletedProcess(cmd, 1 if failed else 0, "",
                                            f"Traceback (most recent call last):\n  boom\n{_GLOO_ABORT}" if failed else "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    dump.mkdir()
+    (seeded / "step-4").mkdir(parents=True)
+    (dump / "checkpoint").mkdir(parents=True)
+    os.symlink(seeded / "step-4", dump / "checkpoint" / "step-4")
     with pytest.warns(UserWarning, match="(?s)run repeated once.*boom"):
         proc = _torchrun(["-m", "x", "--job.dump_folder", str(dump)], cwd=tmp_path)
-    assert proc.returncode == 0 and [d for _, d in runs] == [True, False] and "--standalone" in runs[0][0]
+    assert proc.returncode == 0 and "--standalone" in runs[0][0]
+    assert [names for _, names in runs] == [["checkpoint", "step-4"]] * 2 and (seeded / "step-4").is_dir()
     runs.clear()
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "other"))
     assert _torchrun(["-m", "x"], cwd=tmp_path).returncode == 1 and len(runs) == 1

@@ -260,6 +260,24 @@ def cuda_inputs(m, k, n, gen):
     return h, w, rstd
 
 
+def f2_fp8_cuda(seed: int, m: int = 4096, d: int = 2048, ff: int = 8192):
+    """F2's fp8 operands on the GPU (the 1B MLP's shapes by default), H cast at its current amax and W13 by the cute
+    weight pass: (cute backend, h, rstd, hq, w1, w13q, scale = s_w / inv_h)."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels._common import interleave_rows
+    from coda_titan.kernels.scaling import inv_scale_from_amax, quantize_e4m3
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h, _, rstd = cuda_inputs(m, d, 8, gen)
+    inv = inv_scale_from_amax(h.float().abs().amax())
+    w1, w3 = ((torch.randn(ff, d, generator=gen, device="cuda") * d**-0.5).to(BF) for _ in range(2))
+    w13q, s_w = cute.quantize_tensorwise(w=interleave_rows(w1, w3))
+    return cute, h, rstd, quantize_e4m3(h.float(), inv), w1, w13q, s_w / inv
+
+
 def torchao_linear_error(n_input, w, exact):
     """||torchao float8 tensorwise linear(n_input) - exact|| / ||exact||: the FP8 baseline's error."""
     import torch.nn as nn

@@ -17,7 +17,7 @@ from coda_titan.model.autograd import NormSwiGLUResidual
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .helpers import BF, CFG, D, DIMS, FF, M, TORCH, check_cute_matches_reference, cuda_inputs, deferred_norm, fp8_operands, op_cases, fp8_mma_error, assert_codes_within, rand64, rel, torchao_linear_error, log_bound
+from .helpers import BF, CFG, D, DIMS, FF, M, TORCH, check_cute_matches_reference, cuda_inputs, deferred_norm, f2_fp8_cuda, fp8_operands, op_cases, fp8_mma_error, assert_codes_within, rand64, rel, torchao_linear_error, log_bound
 
 
 def test_norm_swiglu_residual_backward():
@@ -223,18 +223,8 @@ def test_cute_f2_writing_e4m3_y_matches_y_of_its_own_preactivation():
     that plus one e4m3 step of the larger (``assert_codes_within``); the amax |y| by at most the
     largest of those bounds from max |y(a)|. a itself: against the reference within the F2 test's
     bound (0.1 x torchao's error, ``test_cute_fp8_programs_match_reference_within_torchao_error``)."""
-    import coda_titan.kernels.cute  # noqa: F401
-
-    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    m, d, ff = 4096, 2048, 8192
-    h, _, rstd = cuda_inputs(m, d, 8, gen)
-    inv = inv_scale_from_amax(h.float().abs().amax())
-    hq = quantize_e4m3(h.float(), inv)
-    w1, w3 = ((torch.randn(ff, d, generator=gen, device="cuda") * d**-0.5).to(BF) for _ in range(2))
-    w13q, s_w = cute.quantize_tensorwise(w=interleave_rows(w1, w3))
-    scale = s_w / inv
+    cute, h, rstd, hq, w1, w13q, scale = f2_fp8_cuda(4)
+    m, ff = h.shape[0], w1.shape[0]
     y_ref, a_ref, amax_ref = TORCH.norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale,
                                                      inv_y=torch.tensor(1.0, device="cuda"), out_dtype=BF)
     inv_y = inv_scale_from_amax(amax_ref)  # the delayed scale a history of this y would give

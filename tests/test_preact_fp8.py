@@ -9,10 +9,9 @@ import torch
 from torch.library import opcheck
 
 from coda_titan.kernels import get_backend
-from coda_titan.kernels._common import interleave_rows
 from coda_titan.kernels.scaling import E4M3, E5M2_MAX, e4m3_step, inv_scale_from_amax, pow2_floor, quantize_e4m3
 
-from .helpers import BF, TORCH, assert_codes_within, cuda_inputs, fp8_operands, log_bound, rel
+from .helpers import BF, TORCH, assert_codes_within, f2_fp8_cuda, fp8_operands, log_bound, rel
 from .test_model import _batch, _grads, _models, _saved_bytes, _spy
 from .test_norm_swiglu import _b3_q_operands
 
@@ -176,26 +175,14 @@ def test_cute_f2_saving_a_codes_matches_the_reference_within_one_rounding():
     same GEMM) bit for bit; a's codes against the codes of that F2's own bf16 a: the kernel quantizes its
     fp32 v, which the bf16 a holds to within half a bf16 step (2^-9 relative), so codes of values that far
     apart (times inv_a) differ by that plus one e4m3 step of the larger (``assert_codes_within``); amax |a|
-    within 2^-9 of max |a_bf16|; every byte of every word written (no code left unwritten)."""
-    import coda_titan.kernels.cute  # noqa: F401
-
-    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(35)
-    m, d, ff = 4096, 2048, 8192
-    h, _, rstd = cuda_inputs(m, d, 8, gen)
-    inv = inv_scale_from_amax(h.float().abs().amax())
-    hq = quantize_e4m3(h.float(), inv)
-    w1, w3 = ((torch.randn(ff, d, generator=gen, device="cuda") * d**-0.5).to(BF) for _ in range(2))
-    w13q, s_w = cute.quantize_tensorwise(w=interleave_rows(w1, w3))
-    scale = s_w / inv
+    within 2^-9 of max |a_bf16|; no NaN code (a saturating store writes none)."""
+    cute, _, rstd, hq, w1, w13q, scale = f2_fp8_cuda(35)
+    m, ff = hq.shape[0], w1.shape[0]
     yq0, a0, amax_y0 = cute.norm_swiglu_q_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale, inv_y=torch.tensor(3.0, device="cuda"),
                                               out_dtype=BF)
     inv_a = pow2_floor(inv_scale_from_amax(a0.float().abs().amax()))
-    aq = torch.full((m, 2 * ff), 0x7F, device="cuda", dtype=torch.uint8)  # (NaN codes: an unwritten byte shows)
     yq, aq_k, amax_y, amax_a = cute.norm_swiglu_qa_fp8(hq=hq, rstd=rstd, w13q=w13q, scale=scale,
                                                        inv_y=torch.tensor(3.0, device="cuda"), inv_a=inv_a, out_dtype=BF)
-    del aq
     assert aq_k.dtype == E4M3 and aq_k.shape == (m, 2 * ff) and aq_k.float().isfinite().all()
     assert torch.equal(yq.view(torch.uint8), yq0.view(torch.uint8)) and torch.equal(amax_y, amax_y0)
     v = a0.double()

@@ -251,6 +251,11 @@ class CodaTransformer(Transformer):
         sites = tuple(site for site, on in (("down", coda.fp8_down_proj), ("out", coda.fp8_out_proj)) if on)
         return mlp_dgrad, coda.fp8_dgrad and grad, down_dgrad, sites, coda.fp8_out_bwd and grad and "out" in sites
 
+    def _scale_sites(self, flags: tuple) -> tuple[str, ...]:
+        """The delayed input sites a forward with these ``_weight_pass_flags`` reads: the F1 inputs on an fp8
+        mainloop, and "preact" where F2 saves a as e4m3 for the fp8 B3 (``fp8_preact``; a training forward's)."""
+        return (*flags[3], *(("preact",) if self.model_args.coda.fp8_preact and flags[2] else ()))
+
     @staticmethod
     def _weight_pass(blocks, cfg: ProgramConfig, flags: tuple) -> tuple:
         """Every e4m3 weight the forward (and, transposed, the backward) of ``blocks`` reads:
@@ -306,7 +311,6 @@ class CodaTransformer(Transformer):
         h_t = coda.fp8_mlp_h_t and mlp_dgrad and mlp_wgrad and coda.fp8_mlp_wgrad_e5m2 and "out" in inputs  # (dW13's)
         qkv_h_t = coda.fp8_qkv_wgrad and grad and "down" in inputs  # (dW_qkv's; layer 0's from the prologue's codes)
         hq_t = hq.t().contiguous() if qkv_h_t else None
-        preact = coda.fp8_preact and grad and flags[2]  # (F2 saves a as e4m3 for the fp8 B3: fp8_down_dgrad's)
 
         def weight_pass(blocks):
             return self._weight_pass(blocks, cfg, flags)
@@ -336,7 +340,8 @@ class CodaTransformer(Transformer):
         with torch.no_grad():  # B3 writes e5m2 da (and B1 F3's with fp8_dgrad)
             sites = self.fp8_scaling.gradient_sites(x.device, mlp_dgrad or mlp_wgrad, qkv=flags[1])
         (inv_g, sinks), (inv_q, sinks_q) = sites["mlp"], sites["qkv"]
-        inputs_and_a = (*inputs, "preact") if preact else inputs
+        inputs_and_a = self._scale_sites(flags)
+        preact = "preact" in inputs_and_a
         inv_in = {site: self.fp8_scaling.input_inv_scales(site) for site in inputs_and_a}
         amaxes_in = {site: [] for site in inputs_and_a}
         tok = None  # (the layer below's MLP amax token)

@@ -60,8 +60,7 @@ def begin(model) -> bool:
     if not _on(model, layers):
         return False
     with torch.no_grad():  # the scales: pure functions of the histories until the next forward records
-        flags = model._weight_pass_flags(True)
-        model.fp8_scaling.prepare([*flags[3], *(["preact"] if model.model_args.coda.fp8_preact and flags[2] else [])])
+        model.fp8_scaling.prepare(list(model._scale_sites(model._weight_pass_flags(True))))
     return True
 
 

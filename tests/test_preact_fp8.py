@@ -129,6 +129,22 @@ def test_fp8_preact_saves_a_as_codes_once_calibrated_and_b3_reads_them():
     assert torch.equal(state["preact_history"], hist) and state["preact_calibrated"].item() == 1
 
 
+def test_preact_clamps_are_counted_against_the_power_of_two_scale_used():
+    """The preact site's scale is rounded down to a power of two, so it covers more than its history's max x
+    headroom: a step's amax is counted as clamped only past what that scale covers (448 / 128 = 3.5 for a
+    history max of 3 without headroom), not past 3."""
+    from coda_titan.model.fp8_scaling import SATURATION_KINDS, Fp8Scaling
+
+    sc = Fp8Scaling(n_layers=1, history=4, grad_margin=0, act_margin=0)
+    sc.record_input("preact", [torch.tensor(3.0)])
+    assert torch.equal(sc.input_inv_scales("preact")[0], torch.tensor(128.0))
+    row = sc.saturation[SATURATION_KINDS.index("preact")]
+    sc.record_input("preact", [torch.tensor(3.4)])
+    assert row[0].item() == 0
+    sc.record_input("preact", [torch.tensor(3.9)])  # (history max 3.4 then: 448 / 128 covers 3.5)
+    assert row[0].item() == 1 and abs(row[1].item() - 3.9 / 3.5) < 1e-6
+
+
 def test_fp8_preact_needs_the_b3_that_reads_its_codes():
     from coda_titan.titan.job_config import Coda, ConfigError, validate
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.scaling import E5M2_MAX, inv_scale_from_amax, pow2_floor
+from ..kernels.scaling import E4M3_MAX, E5M2_MAX, inv_scale_from_amax, pow2_floor
 
 
 ALIGN_BYTES = 16  # inductor's input alignment (``torch._inductor.utils.ALIGNMENT``)
@@ -231,7 +231,7 @@ class Fp8Scaling(nn.Module):
         history = self.input_history(site)
         new = torch.stack([a.to(history.dtype) for a in amaxes])
         if self.input_calibrated[site]:
-            self._count_saturation(site, history, new, self.act_headroom)
+            self._count_saturation(site, history, new, self.act_headroom, pow2=site in POW2_SITES)
         _push(history, new)
         self.input_calibrated[site] = True
 
@@ -243,10 +243,15 @@ class Fp8Scaling(nn.Module):
         _push(self.activation_history, new)
         self.activations_calibrated = True
 
-    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float) -> None:
+    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float,
+                          pow2: bool = False) -> None:
         """Before ``new`` (this step's amax per site) enters ``history``: the sites whose cast clamped,
-        i.e. whose amax passed what the scale this step used covers (history max x ``headroom``)."""
-        ratio = new / (history.amax(-1) * headroom).clamp_min(torch.finfo(torch.float32).tiny)
+        i.e. whose amax passed what the scale this step used covers (history max x ``headroom``; with
+        ``pow2``, what that scale rounded down to a power of two covers, up to twice as much)."""
+        covered = (history.amax(-1) * headroom).clamp_min(torch.finfo(torch.float32).tiny)
+        if pow2:
+            covered = E4M3_MAX / pow2_floor(inv_scale_from_amax(covered))
+        ratio = new / covered
         row = self.saturation[SATURATION_KINDS.index(kind)]
         row[0] += (ratio > 1).sum()
         row[1] = torch.maximum(row[1], ratio.max())

@@ -222,16 +222,14 @@ class Fp8Scaling(nn.Module):
         if not self.input_calibrated[site]:
             return [None] * self.input_history(site).shape[0]
         h = self.input_history(site)
-        round_ = pow2_floor if site in POW2_SITES else (lambda inv: inv)
-        return self._memo(site, h, True,
-                          lambda: aligned_unbind(round_(inv_scale_from_amax(h.amax(-1) * self.act_headroom))))
+        return self._memo(site, h, True, lambda: aligned_unbind(_site_inv(site, h.amax(-1) * self.act_headroom)))
 
     @torch.no_grad()
     def record_input(self, site: str, amaxes: list[torch.Tensor]) -> None:
         history = self.input_history(site)
         new = torch.stack([a.to(history.dtype) for a in amaxes])
         if self.input_calibrated[site]:
-            self._count_saturation(site, history, new, self.act_headroom, pow2=site in POW2_SITES)
+            self._count_saturation(site, history, new, self.act_headroom)
         _push(history, new)
         self.input_calibrated[site] = True
 
@@ -243,14 +241,13 @@ class Fp8Scaling(nn.Module):
         _push(self.activation_history, new)
         self.activations_calibrated = True
 
-    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float,
-                          pow2: bool = False) -> None:
+    def _count_saturation(self, kind: str, history: torch.Tensor, new: torch.Tensor, headroom: float) -> None:
         """Before ``new`` (this step's amax per site) enters ``history``: the sites whose cast clamped,
-        i.e. whose amax passed what the scale this step used covers (history max x ``headroom``; with
-        ``pow2``, what that scale rounded down to a power of two covers, up to twice as much)."""
+        i.e. whose amax passed what the scale this step used covers (history max x ``headroom``; for a
+        ``POW2_SITES`` kind, what that scale rounded down to a power of two covers, up to twice as much)."""
         covered = (history.amax(-1) * headroom).clamp_min(torch.finfo(torch.float32).tiny)
-        if pow2:
-            covered = E4M3_MAX / pow2_floor(inv_scale_from_amax(covered))
+        if kind in POW2_SITES:
+            covered = E4M3_MAX / _site_inv(kind, covered)
         ratio = new / covered
         row = self.saturation[SATURATION_KINDS.index(kind)]
         row[0] += (ratio > 1).sum()
@@ -283,6 +280,13 @@ class Fp8Scaling(nn.Module):
             return [None] * h.shape[0]
         return self._memo(f"gradient_{site}", h, True,
                           lambda: aligned_unbind(inv_scale_from_amax(h.amax(-1) * self.grad_headroom, E5M2_MAX)))
+
+
+def _site_inv(site: str, amax: torch.Tensor) -> torch.Tensor:
+    """An input site's inverse e4m3 scale for ``amax`` (history max x headroom): 448 / amax, rounded down to a
+    power of two for ``POW2_SITES``. The scale the forward uses and the range its clamp count judges by."""
+    inv = inv_scale_from_amax(amax)
+    return pow2_floor(inv) if site in POW2_SITES else inv
 
 
 def _calibrated_attr(site: str) -> str:

@@ -23,7 +23,6 @@ epilogue needs to write H.
 
 from __future__ import annotations
 
-
 import torch
 
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock

@@ -75,7 +75,6 @@ class Backend:
     norm_rope_fp8: Callable
     rope_bwd_fp8: Callable
     norm_residual_bwd_fp8: Callable
-    norm_residual_bwd_fp8_codes: Callable  # the same also writing D's e5m2 codes (quantize_grad_t's) itself
     swiglu_bwd_fp8: Callable
     swiglu_bwd_q_fp8: Callable  # B3 on an fp8 GEMM (fp8_down_dgrad)
     swiglu_bwd_e5m2: Callable  # B3 writing da as e5m2 only (fp8_mlp_dgrad with fp8_mlp_wgrad)
@@ -129,7 +128,6 @@ TORCH = Backend(
     norm_rope_fp8=norm_rope.norm_rope_fp8,
     rope_bwd_fp8=norm_rope.rope_bwd_fp8,
     norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8,
-    norm_residual_bwd_fp8_codes=norm_residual_bwd.norm_residual_bwd_fp8_codes,
     swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8,
     swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8,
     swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2,
@@ -180,7 +178,6 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         norm_rope_fp8=norm_rope.norm_rope_fp8_op,
         rope_bwd_fp8=norm_rope.rope_bwd_fp8_op,
         norm_residual_bwd_fp8=norm_residual_bwd.norm_residual_bwd_fp8_op,
-        norm_residual_bwd_fp8_codes=norm_residual_bwd.norm_residual_bwd_fp8_codes_op,
         swiglu_bwd_fp8=norm_swiglu.swiglu_bwd_fp8_op,
         swiglu_bwd_q_fp8=norm_swiglu.swiglu_bwd_q_fp8_op,
         swiglu_bwd_e5m2=norm_swiglu.swiglu_bwd_e5m2_op,

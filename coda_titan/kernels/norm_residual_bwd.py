@@ -20,12 +20,6 @@ units of s_da * s_w; the kernel folds that scale into the gamma row vector and t
 It also returns amax |D| (of D as returned, in the compute dtype): D is the residual-stream gradient
 the layer below casts to e5m2 at its current amax (``casts.quantize_grad``), which takes this one
 instead of reducing D again (the epilogue reduces it per tile).
-
-``norm_residual_bwd_fp8_codes``: the fp8 B2 that also returns that cast, D's e5m2 codes row-major and
-token-major at D's current power-of-two scale, as ``casts.quantize_grad_t`` makes them from D and its amax.
-The kernel writes them in its epilogue at a provisional scale (``inv_prov``) and makes them again from D
-only where that was not D's current scale (``cute/b2_codes.py``); the provisional scale never changes a
-result, so the reference ignores it.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ import torch
 from typing import Optional
 
 from ._common import acc_dtype, check_2d, mm, program_op
-from .casts import quantize_grad_t
 from .scaling import E4M3, E5M2, amax_abs, compute_dtype
 
 
@@ -88,21 +81,6 @@ def norm_residual_bwd_fp8(
     return dx, dgamma, amax_abs(dx).to(ct)
 
 
-def norm_residual_bwd_fp8_codes(
-    *, daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
-    rstd: torch.Tensor, zdz: torch.Tensor, dresidual: torch.Tensor | None, inv_prov: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(D, dgamma, amax |D|, D's e5m2 codes, their token-major (d, M) copy, s): ``norm_residual_bwd_fp8`` and
-    ``casts.quantize_grad_t`` of its D at that amax. ``inv_prov`` (one fp32 element) is the kernel's guess of
-    the scale; it changes no result (module docstring)."""
-    if inv_prov.numel() != 1:
-        raise ValueError(f"inv_prov is one element, got {tuple(inv_prov.shape)}")
-    dx, dgamma, amax = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_tq, scale=scale, x=x, gamma=gamma, rstd=rstd,
-                                             zdz=zdz, dresidual=dresidual)
-    dq, dq_t, s = quantize_grad_t(t=dx, amax=amax)
-    return dx, dgamma, amax, dq, dq_t, s
-
-
 # --- custom ops ------------------------------------------------------------------------------------
 
 
@@ -133,20 +111,3 @@ def norm_residual_bwd_fp8_op(
 def _(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual):
     ct = compute_dtype(x.dtype)
     return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=ct), x.new_empty((), dtype=ct)
-
-
-@program_op("norm_residual_bwd_fp8_codes")
-def norm_residual_bwd_fp8_codes_op(
-    daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
-    rstd: torch.Tensor, zdz: torch.Tensor, dresidual: Optional[torch.Tensor], inv_prov: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_residual_bwd_fp8_codes(daq=daq, weight_tq=weight_tq, scale=scale, x=x, gamma=gamma, rstd=rstd, zdz=zdz,
-                                       dresidual=dresidual, inv_prov=inv_prov)
-
-
-@norm_residual_bwd_fp8_codes_op.register_fake
-def _(daq, weight_tq, scale, x, gamma, rstd, zdz, dresidual, inv_prov):
-    ct = compute_dtype(x.dtype)
-    m, d = x.shape
-    return (torch.empty_like(x), x.new_empty((d,), dtype=ct), x.new_empty((), dtype=ct),
-            x.new_empty((m, d), dtype=E5M2), x.new_empty((d, m), dtype=E5M2), x.new_empty((), dtype=ct))

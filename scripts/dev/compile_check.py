@@ -176,26 +176,6 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
         epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
-def _b2_codes(base=2, config=None, m=512, k=512, d=256):
-    """The fp8 B2 that writes D's e5m2 codes (``coda::norm_residual_bwd_fp8_codes``'s quack call): e5m2 da x
-    e4m3 W^T, D bf16, the codes row-major and M-major, at the C-stage ``base`` (pingpong unless ``config``)."""
-    import torch
-
-    from coda_titan.kernels.cute import stages
-    from coda_titan.kernels.cute.b2_codes import norm_residual_bwd_codes_epi
-    from coda_titan.kernels.scaling import E4M3, E5M2
-
-    cfg = config or _pingpong()
-    _KEEP.append(cfg)
-    da, w = torch.zeros(m, k, dtype=E5M2), torch.zeros(d, k, dtype=E4M3).t()
-    x = torch.zeros(m, d, dtype=torch.bfloat16)
-    dq, dq_t = torch.empty(m, d, dtype=E5M2), torch.empty(d, m, dtype=E5M2)
-    with stages.capped(base):
-        out = {"D": torch.empty_like(x), "dq": dq, "dqt": dq_t.t()}
-        norm_residual_bwd_codes_epi(da, w, torch.zeros_like(x), out=out, tuned=False, config=cfg, y=x, w=torch.ones(d),
-                                    corr=torch.zeros(m), inv=torch.ones(1))
-
-
 def _b3_bf16(base=None, config=None, m=512, k=256, f=512):
     """B3 (bf16) as ``coda::swiglu_bwd`` calls it: quack's ``dswiglu_rstd_preact_mod`` (``base`` None) or our
     copy with that C-stage base (``CODA_TITAN_EPI_C_STAGES``), on a 256 x 128 cooperative tile unless ``config``."""
@@ -258,15 +238,6 @@ def _pingpong():
 _KEEP = []  # (quack's eager call cache keys a pinned config by id(): a freed config's id may come back)
 
 
-def _cooperative_wide():
-    from quack.gemm_config import GemmConfig
-
-    cfg = GemmConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
-                     device_capacity=9)
-    _KEEP.append(cfg)
-    return cfg
-
-
 def _overlapped(fn):
     """``fn`` with overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``) on its own config object."""
     from coda_titan.kernels.cute import overlap
@@ -305,8 +276,6 @@ PROGRAMS = {
     "b3_t_q_overlap_c2": lambda: _b3_epi_tile(None, overlapped=True, base=2),
     "b3_t_q_overlap_c6": lambda: _b3_epi_tile(None, overlapped=True, base=6),
     "b3_t_q_overlap_c8": lambda: _b3_epi_tile(None, overlapped=True, base=8),
-    "b2_codes": lambda: _b2_codes(),
-    "b2_codes_wide": lambda: _b2_codes(config=_cooperative_wide()),
     "b2_last_wide": lambda: _b2_capped(base=None, last=True),
     "b2_last_wide_c2": lambda: _b2_capped(base=2, last=True),
     "b3_bf16_wide": lambda: _b3_bf16(),

@@ -54,7 +54,6 @@ from . import overlap, stages  # noqa: E402
 overlap.install()  # (inert unless a call asks for overlapped epilogues: overlap.requested())
 stages.install()  # (after overlap's: inert unless a call asks for a C-stage base, stages.capped())
 from . import casts, gemm, lm_head_ce, norm_residual_bwd, norm_rope, norm_swiglu, residual_rms, rms_partial  # noqa: E402,F401
-from . import b2_codes  # noqa: E402,F401  (after norm_residual_bwd: the fp8 B2 that writes D's e5m2 codes)
 from .._common import lean_kernels  # noqa: E402
 
 LEAN = lean_kernels("coda", "cuda", "coda_titan.kernels")  # (after every module above registered its kernels)

@@ -57,3 +57,29 @@ def test_the_model_reaches_programs_only_through_the_backend():
                 module = f"coda_titan.{node.module}" if node.level == 2 else node.module  # model/ is one level down
                 assert module in allowed, f"{p.name} imports {module}"
     assert kernels.get_backend("torch") is TORCH
+
+
+def _named_traces(doc):
+    """Every ``trace`` string anywhere in a result document (a profile's kept trace, a timeline's source)."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            if k == "trace" and isinstance(v, str):
+                yield v
+            else:
+                yield from _named_traces(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _named_traces(v)
+
+
+def test_every_trace_a_result_names_is_kept():
+    """A profile or timeline in benchmarks/results names the gzipped trace it was derived from; that trace must
+    be in benchmarks/results/traces (twice a device call's moving them aside was committed as their deletion)."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    named = {(path.name, t) for path in results.rglob("*.json") if "traces" not in path.parts
+             for t in _named_traces(json.loads(path.read_text()))}
+    assert named, "no result names a trace: the check would be empty"
+    missing = sorted((f, t) for f, t in named if not (results / "traces" / t.rsplit("/", 1)[-1]).is_file())
+    assert not missing, f"traces named but not kept: {missing}"

@@ -131,3 +131,48 @@ def test_install_refuses_a_non_fused_optimizer(restore_clip):
 ])
 def test_the_config_check_names_what_is_missing(change, needs):
     optimizer_check_refuses(fused_clip.check, "fused_clip", change, needs)
+
+
+def _backward(model, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 48, generator=gen).to(device, next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norms_taken_during_the_backward_give_torchtitans_total_bit_for_bit(dtype, device, restore_clip,
+                                                                                monkeypatch):
+    """With gradients from a backward (the hooks fire), the clip's total is ``get_total_norm``'s over the same
+    gradients bit for bit: three of the four taken in the backward (a batch of three), the last in the clip; a
+    gradient written in place after its norm, or replaced, gets its norm again."""
+    _needs(device)
+    monkeypatch.setattr(fused_clip.EarlyNorms, "BATCH", 3)
+    model = _model(dtype, device=device)
+    clip = fused_clip.install(_container(model), [model])
+    assert clip.early is not None
+    params = list(model.parameters())
+    for step, change in enumerate((None, "in_place", "replaced")):
+        for p in params:
+            p.grad = None
+        _backward(model, step, device)
+        assert sum(n is not None for n in clip.early.norms) == 3 and len(clip.early.pending) == 1
+        if change == "in_place":
+            params[0].grad.mul_(3)
+        elif change == "replaced":
+            params[2].grad = params[2].grad * 5
+        want = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, True)
+        got = dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
+        assert torch.equal(got, want), (change, got.item(), want.item())
+        assert all(n is None for n in clip.early.norms)  # (taken once)
+
+
+def test_without_early_norms_no_hook_is_registered(restore_clip, monkeypatch):
+    monkeypatch.setenv(fused_clip.EARLY_NORM_ENV, "0")
+    model = _model(torch.float32)
+    clip = fused_clip.install(_container(model), [model])
+    _backward(model, 0, "cpu")
+    assert clip.early is None
+    params = list(model.parameters())
+    want = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, True)
+    assert torch.equal(dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=None, ep_enabled=False), want)

@@ -17,78 +17,14 @@ How: TorchTitan's trainer calls ``torchtitan.distributed.utils.clip_grad_norm_``
 step, right before ``optimizers.step()``; ``install`` wraps that function once. The wrapper takes the
 fused path only for the parameters of a container installed here, on one device, without pipeline
 or expert parallelism; any other call goes to TorchTitan's function unchanged.
-
-The norm itself (``EarlyNorms``): TorchTitan's is one ``_foreach_norm`` over every gradient after the
-backward, then the norm of those norms. Each gradient's own norm does not depend on the others, so each is
-taken as soon as the backward has accumulated that gradient (a post-accumulate-grad hook), on a CUDA stream
-of its own beside the backward's work; the clip then only stacks them. The same per-gradient norms in the
-same order: the same total, bit for bit (tests/test_fused_clip.py). A gradient whose norm was not taken, or
-that changed after it was (another tensor, or written in place since), gets its norm in the clip as before.
-``CODA_TITAN_EARLY_NORM=0`` takes every norm in the clip (the A/B's other arm).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-EARLY_NORM_ENV = "CODA_TITAN_EARLY_NORM"
 
 _ACTIVE: FusedClip | None = None
 _ORIGINAL = None
-
-
-class EarlyNorms:
-    """Each parameter's gradient 2-norm (``_foreach_norm``'s, in the gradient's dtype) taken once the backward has
-    accumulated it: gradients are gathered ``BATCH`` at a time (fewer launches and stream waits on the backward's
-    host) and their norms taken in one ``_foreach_norm`` on a side stream on CUDA (inline on the CPU); ``take``
-    hands them to the clip."""
-
-    BATCH = 8
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.slot = {id(p): i for i, p in enumerate(params)}
-        self.norms: list[tuple | None] = [None] * len(params)  # (norm, the gradient it read, its version)
-        self.pending: list[tuple] = []  # (slot, gradient, version) not yet normed
-        self.stream: torch.cuda.Stream | None = None
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in params]
-
-    def hook(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self.pending.append((self.slot[id(p)], p.grad, p.grad._version))
-            if len(self.pending) >= self.BATCH:
-                self.flush()
-
-    def flush(self) -> None:
-        """The pending gradients' norms, in one launch (beside the backward's stream on CUDA)."""
-        if not self.pending:
-            return
-        grads = [g for _, g, _ in self.pending]
-        if grads[0].is_cuda:
-            device = grads[0].device
-            if self.stream is None or self.stream.device != device:
-                self.stream = torch.cuda.Stream(device)
-            self.stream.wait_stream(torch.cuda.current_stream(device))  # (the gradients are written)
-            with torch.cuda.stream(self.stream):
-                norms = torch._foreach_norm(grads, 2)
-        else:
-            norms = torch._foreach_norm(grads, 2)
-        for (i, g, version), n in zip(self.pending, norms):
-            self.norms[i] = (n, g, version)
-        self.pending = []
-
-    def take(self, params, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The norms of ``grads`` (the gradients of ``params`` that exist, in order): the early ones still
-        valid, the others taken now in one ``_foreach_norm`` (TorchTitan's per-gradient norm); then cleared."""
-        self.flush()
-        kept = [self.norms[self.slot[id(p)]] if id(p) in self.slot else None for p in params if p.grad is not None]
-        self.norms = [None] * len(self.norms)
-        valid = [k is not None and k[1] is g and k[1]._version == k[2] for k, g in zip(kept, grads)]
-        if self.stream is not None and any(valid):
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        late = iter(torch._foreach_norm([g for g, v in zip(grads, valid) if not v], 2) if not all(valid) else ())
-        return [k[0] if v else next(late) for k, v in zip(kept, valid)]
 
 
 class FusedClip:
@@ -97,7 +33,6 @@ class FusedClip:
     def __init__(self, optimizers, params: list[torch.nn.Parameter]):
         self.optimizers = list(getattr(optimizers, "optimizers", [optimizers]))
         self.ids = frozenset(id(p) for p in params)
-        self.early = EarlyNorms(params) if os.environ.get(EARLY_NORM_ENV, "1") != "0" else None
         self.scale: torch.Tensor | None = None  # this step's divisor, from the clip
         self.held: torch.Tensor | None = None  # the last step's, alive until the next clip (a side stream may read it)
         self.said = False
@@ -108,11 +43,7 @@ class FusedClip:
     def clip(self, params, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach) -> torch.Tensor:
         """TorchTitan's total norm and torch's clip coefficient, kept as the step's ``grad_scale``."""
         grads = [p.grad for p in params if p.grad is not None]
-        if self._early_applies(grads, norm_type, error_if_nonfinite, foreach):
-            norms = self.early.take(params, grads)
-            total = torch.linalg.vector_norm(torch.stack(norms), norm_type)  # (get_total_norm's last line)
-        else:
-            total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # (torch.nn.utils.clip_grads_with_norm_)
         self.scale = coef.to(torch.float32).reciprocal()
         if not self.said:
@@ -121,12 +52,6 @@ class FusedClip:
             self.said = True
             logger.info("coda_titan: [coda] fused_clip: the gradient clip's scale is applied inside the fused AdamW step")
         return total
-
-    def _early_applies(self, grads, norm_type, error_if_nonfinite, foreach) -> bool:
-        """Whether the early norms give ``get_total_norm``'s total: the 2-norm over one device and dtype (its one
-        ``_foreach_norm`` group, in the same order), without its non-finite check."""
-        return (self.early is not None and bool(grads) and float(norm_type) == 2.0 and not error_if_nonfinite
-                and foreach is not False and len({(g.device, g.dtype) for g in grads}) == 1)
 
     def before_step(self, *_) -> None:
         if self.scale is not None:

@@ -96,6 +96,8 @@
 #     adamw8b      the 8B CODA config (PREC8B: fp8 or bf16) compiled without and with [coda] coda_adamw (its step on the
 #                  main stream there), STEPS (8) after 7 warm-up each; ARMS (default "off on off2")
 #     preactprobe  scripts/probes/preact.py: [coda] fp8_preact's F2 and B3 against the bf16-a ones (ms at the cap, bits)
+#     b3math       scripts/probes/b3_math.py: the fp8 B3 against the same kernel with one multiply an output (its
+#                  arithmetic's share of its time, at the cap)
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
@@ -460,6 +462,10 @@ for phase in "$@"; do
     preactprobe)
       python3 -m scripts.probes.preact > "$logs/preact.log" 2>&1
       echo "preactprobe rc=$?"; grep -E 'summary|bytes_apart|Error|error' "$logs/preact.log" | cut -c1-400
+      ;;
+    b3math)
+      python3 -m scripts.probes.b3_math > "$logs/b3_math.log" 2>&1
+      echo "b3math rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/b3_math.log" | cut -c1-600
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"

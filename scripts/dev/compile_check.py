@@ -46,8 +46,9 @@ def _patch_quack_for_cpu():
     return launched
 
 
-def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
-    """B3 writing e5m2 da, da^T and (inv_y) e4m3 y^T: ``coda::swiglu_bwd_e5m2_t``'s quack call."""
+def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512, epi=None):
+    """B3 writing e5m2 da, da^T and (inv_y) e4m3 y^T: ``coda::swiglu_bwd_e5m2_t``'s quack call (``epi``: another
+    epilogue with its operands and outputs, a probe's)."""
     import torch
 
     from coda_titan.kernels.cute import epilogues as ep
@@ -60,7 +61,7 @@ def _b3_t(config=None, fp8_gemm=False, inv_y=True, m=512, d=256, f=512):
     a = torch.zeros(m, 2 * f, dtype=torch.bfloat16)
     if fp8_gemm:
         dout, w = torch.zeros(m, d, dtype=E5M2), torch.zeros(f, d, dtype=E4M3).t()
-        epi = ep.dswiglu_rstd_preact_e5m2_t_yq_q_epi if inv_y else ep.dswiglu_rstd_preact_e5m2_t_q_epi
+        epi = epi or (ep.dswiglu_rstd_preact_e5m2_t_yq_q_epi if inv_y else ep.dswiglu_rstd_preact_e5m2_t_q_epi)
         ops = {"scale": torch.ones(1)}
     else:
         dout, w = torch.zeros(m, d, dtype=torch.bfloat16), torch.zeros(d, f, dtype=torch.bfloat16)
@@ -238,6 +239,12 @@ def _pingpong():
 _KEEP = []  # (quack's eager call cache keys a pinned config by id(): a freed config's id may come back)
 
 
+def _probe_epi(module, name):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 def _overlapped(fn):
     """``fn`` with overlapped pingpong epilogues (``coda_titan.kernels.cute.overlap``) on its own config object."""
     from coda_titan.kernels.cute import overlap
@@ -252,6 +259,8 @@ PROGRAMS = {
     "b3_t_overlap": lambda: _overlapped(_b3_t),
     "b3_t_q_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True)),
     "b3_t_qa": lambda: _b3_t_qa(),
+    "b3_math_lite": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True, epi=_probe_epi(
+        "scripts.probes.b3_math", "lite_t_yq_q_epi"))),
     "b3_t_qa_bf16_y": lambda: _b3_t_qa(inv_y=False),
     "f2_qa": lambda: _f2_qa(),
     "f1": lambda: _f1(),

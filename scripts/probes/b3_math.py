@@ -1,0 +1,114 @@
+"""Probe (GPU): how much of the fp8 B3's time (``swiglu_bwd_e5m2_t_q`` with e4m3 y^T, the configured path) is its
+epilogue's arithmetic, at the 1B MLP's shapes (M = 16384 tokens, d = 2048, F = 8192).
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.b3_math        (gpu_train.sh b3math)
+
+B3 is epilogue-bound (docs/fp8.md, "B3's time, profiled"): its dSwiGLU costs about 10 FMUL, 3 FFMA and 2 MUFU a
+(gate, up) pair in fp32. A formulation with fewer instructions (packed f16x2 arithmetic in e5m2 units, say) can
+save at most what the arithmetic costs. ``lite`` is the same kernel call (same GEMM, tile config, overlapped
+epilogues, operands, outputs, stores and reductions) with the arithmetic cut to one multiply per output: da =
+(g, u) dy, y = g u. Its outputs are wrong by design; the difference in time is the ceiling of any cheaper
+arithmetic. Timing as ``b2_codes`` (at the cap, each arm one CUDA graph, arms alternating for ``ROUNDS``). Writes
+``$OUT/probe_b3_math_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar
+
+from coda_titan.kernels import get_backend
+from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16
+from scripts.bench.common import at_cap, header, log_row, out_json
+from scripts.probes.preact import _operands
+
+SECONDS, ROUNDS = 1.5, 3
+
+
+def _lite(c, dyk):
+    import cutlass.cute as cute
+
+    g, u = _bf16_lo(c), _bf16_hi(c)
+    dg, du = g * dyk, u * dyk
+    return {"postact": g * u, "dsum": dg, "daq": _e5m2x2_as_f16(dg, du), "amax": cute.arch.fmax(dg, du, abs=True),
+            "dagt": dg, "daut": du}
+
+
+@gemm_epilogue(
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+)
+def lite_t_q_epi(acc, c, rstd, scale, inv_scale):
+    """``dswiglu_rstd_preact_e5m2_t_q_epi``'s operands and outputs, one multiply an output."""
+    return _lite(c, acc * (rstd * (scale * inv_scale)))
+
+
+@gemm_epilogue(
+    outputs=(_T("postact"), "daq", _T("dagt"), _T("daut")),
+    ops={"rstd": ColVecLoad("rstd"), "scale": Scalar("scale"), "inv_scale": Scalar("inv_scale"),
+         "inv_y": Scalar("inv_y")},
+    reduces={"dsum": ColVecReduce("dsum"), "amax": _amax()},
+)
+def lite_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
+    """``dswiglu_rstd_preact_e5m2_t_yq_q_epi``'s operands and outputs, one multiply an output."""
+    out = _lite(c, acc * (rstd * (scale * inv_scale)))
+    out["postact"] = out["postact"] * inv_y
+    return out
+
+
+def _graphed(fn, doc, arm):
+    """``fn`` captured as one CUDA graph (its replay), or ``fn`` itself where capture fails (said in ``doc``)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        doc.setdefault("graphed", {})[arm] = True
+        return g.replay
+    except Exception as e:  # noqa: BLE001 - time it eagerly, and say why
+        doc.setdefault("graphed", {})[arm] = f"{type(e).__name__}: {str(e)[:200]}"
+        return fn
+
+
+def main():
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "1")
+    import coda_titan.kernels.cute  # noqa: F401  (the CUDA kernels)
+    from coda_titan.kernels.cute import norm_swiglu as ns
+    from coda_titan.kernels.cute._dispatch import scalar32
+
+    cute = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    f2, b3 = _operands(cute, gen)
+    _, a, _ = cute.norm_swiglu_q_fp8(**f2)  # (the pre-activations B3 reads, as preact's probe makes them)
+    q = {k: b3[k] for k in ("rstd", "inv_scale", "inv_y")}
+
+    def lite():
+        return ns._b3_e5m2_t("b3_math_lite", (lite_t_q_epi, lite_t_yq_q_epi), b3["doutq"], b3["w_down_tq"].t(), a,
+                             scale=scalar32(b3["scale"]), **q)
+
+    arms = {"b3": lambda: cute.swiglu_bwd_e5m2_t_q(**b3, a=a), "lite": lite}
+    doc = {**header(), "kind": "probe_b3_math", "shapes": {"M": a.shape[0], "F": a.shape[1] // 2},
+           "seconds": SECONDS, "overlapped": ns.overlap.enabled(True), "rows": []}
+    path = out_json("probe_b3_math")
+    for fn in arms.values():  # (compile before any timing)
+        fn()
+    torch.cuda.synchronize()
+    arms = {arm: _graphed(fn, doc, arm) for arm, fn in arms.items()}
+    for r in range(ROUNDS):
+        for arm, fn in arms.items():
+            log_row(doc, "rows", {"round": r, "arm": arm, **at_cap(fn, SECONDS)}, path)
+    for arm in arms:
+        ts = sorted(row["sustained_ms"] for row in doc["rows"] if row.get("arm") == arm)
+        doc[f"median_ms_{arm}"] = ts[len(ts) // 2]
+    log_row(doc, "rows", {"summary": {k: v for k, v in doc.items() if k.startswith("median_ms_")}}, path)
+
+
+if __name__ == "__main__":
+    main()

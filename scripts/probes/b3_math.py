@@ -8,7 +8,9 @@ B3 is epilogue-bound (docs/fp8.md, "B3's time, profiled"): its dSwiGLU costs abo
 save at most what the arithmetic costs. ``lite`` is the same kernel call (same GEMM, tile config, overlapped
 epilogues, operands, outputs, stores and reductions) with the arithmetic cut to one multiply per output: da =
 (g, u) dy, y = g u. Its outputs are wrong by design; the difference in time is the ceiling of any cheaper
-arithmetic. Timing as ``b2_codes`` (at the cap, each arm one CUDA graph, arms alternating for ``ROUNDS``). Writes
+arithmetic. ``gemm`` is the bare fp8 GEMM of the same operands (cuBLAS ``_scaled_mm``, fast accumulation, bf16
+dy: the floor's definition), so ``lite`` - ``gemm`` is what B3's operand and output traffic costs. Timing as
+``b2_codes`` (at the cap, each arm one CUDA graph, arms alternating for ``ROUNDS``). Writes
 ``$OUT/probe_b3_math_<gpu>.json``.
 """
 
@@ -93,7 +95,14 @@ def main():
         return ns._b3_e5m2_t("b3_math_lite", (lite_t_q_epi, lite_t_yq_q_epi), b3["doutq"], b3["w_down_tq"].t(), a,
                              scale=scalar32(b3["scale"]), **q)
 
-    arms = {"b3": lambda: cute.swiglu_bwd_e5m2_t_q(**b3, a=a), "lite": lite}
+    one = torch.ones((), device="cuda")
+    wt = b3["w_down_tq"].t()  # (W2^T (F, d) row-major, viewed (d, F): the column-major B _scaled_mm takes)
+
+    def gemm():
+        return torch._scaled_mm(b3["doutq"], wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    arms = {"b3": lambda: cute.swiglu_bwd_e5m2_t_q(**b3, a=a), "lite": lite, "gemm": gemm}
     doc = {**header(), "kind": "probe_b3_math", "shapes": {"M": a.shape[0], "F": a.shape[1] // 2},
            "seconds": SECONDS, "overlapped": ns.overlap.enabled(True), "rows": []}
     path = out_json("probe_b3_math")

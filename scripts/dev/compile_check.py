@@ -259,9 +259,9 @@ PROGRAMS = {
     "b3_t_overlap": lambda: _overlapped(_b3_t),
     "b3_t_q_overlap": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True)),
     "b3_t_qa": lambda: _b3_t_qa(),
+    "b3_t_qa_bf16_y": lambda: _b3_t_qa(inv_y=False),
     "b3_math_lite": lambda: _overlapped(lambda config: _b3_t(config=config, fp8_gemm=True, epi=_probe_epi(
         "scripts.probes.b3_math", "lite_t_yq_q_epi"))),
-    "b3_t_qa_bf16_y": lambda: _b3_t_qa(inv_y=False),
     "f2_qa": lambda: _f2_qa(),
     "f1": lambda: _f1(),
     "f1_overlap": lambda: _overlapped(_f1),

@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 
 import torch
-from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar
 
 from coda_titan.kernels import get_backend
-from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16
+from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16  # (before quack: its cache dir)
+from quack.epilogue.frontend import gemm_epilogue  # noqa: E402
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar  # noqa: E402
 from scripts.bench.common import at_cap, header, log_row, out_json
 from scripts.probes.preact import _operands
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from coda_titan.kernels import get_backend
-from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16  # (before quack: its cache dir)
+from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16  # (first: quack cache)
 from quack.epilogue.frontend import gemm_epilogue  # noqa: E402
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar  # noqa: E402
 from scripts.bench.common import at_cap, header, log_row, out_json

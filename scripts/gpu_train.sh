@@ -98,6 +98,7 @@
 #     preactprobe  scripts/probes/preact.py: [coda] fp8_preact's F2 and B3 against the bf16-a ones (ms at the cap, bits)
 #     b3math       scripts/probes/b3_math.py: the fp8 B3 against the same kernel with one multiply an output (its
 #                  arithmetic's share of its time, at the cap)
+#     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
@@ -466,6 +467,10 @@ for phase in "$@"; do
     b3math)
       python3 -m scripts.probes.b3_math > "$logs/b3_math.log" 2>&1
       echo "b3math rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/b3_math.log" | cut -c1-600
+      ;;
+    fa4accum)
+      python3 -m scripts.probes.fa4_accum_layout > "$logs/fa4_accum.log" 2>&1
+      echo "fa4accum rc=$?"; grep -E 'tiles_are|Error|error' "$logs/fa4_accum.log" | cut -c1-900
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"

@@ -99,6 +99,7 @@
 #     b3math       scripts/probes/b3_math.py: the fp8 B3 against the same kernel with one multiply an output (its
 #                  arithmetic's share of its time, at the cap)
 #     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
+#     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
@@ -471,6 +472,10 @@ for phase in "$@"; do
     fa4accum)
       python3 -m scripts.probes.fa4_accum_layout > "$logs/fa4_accum.log" 2>&1
       echo "fa4accum rc=$?"; grep -E 'tiles_are|Error|error' "$logs/fa4_accum.log" | cut -c1-900
+      ;;
+    b1accum)
+      python3 -m scripts.probes.b1_accum > "$logs/b1_accum.log" 2>&1
+      echo "b1accum rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/b1_accum.log" | cut -c1-700
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"

@@ -1,0 +1,173 @@
+"""Probe (GPU): B1 reading FlashAttention-4's fp32 gradient accumulators in place of the bf16 dq, dk, dv its
+backward's three postprocess kernels write, at the 1B's shapes (batch 2, seq 8192, 32 query and 8 key/value
+heads of 64, causal; fp8's B1: da, zdz, e5m2 codes at a delayed scale, row amax).
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.b1_accum        (gpu_train.sh b1accum)
+
+The accumulators' order (``probe_fa4_accum_layout_…json``): (batch, head) blocks, tiles of 128 rows x 64 columns,
+inside a tile offset(r, c) = c0 + 2 r3 + 4 c1 + 8 c2 + 16 r0 + 32 r1 + 64 r2 + 128 r4 + 256 r5 + 512 c3 + 1024 c4
++ 2048 c5 + 4096 r6. ``rope_bwd_accum_kernel`` is B1's pass (``kernels/cute/rope_bwd_pass.py``) reading them: each
+value times its scale rounded to bf16 (the postprocess's dq, dk, dv), so da, the codes and the amax are meant to
+be the configured pass's bits (zdz sums in another order). Arms, each one CUDA graph at the cap, ``ROUNDS``
+rounds: ``post_b1`` (the three postprocess calls and the configured pass), ``fused`` (this kernel); the outputs
+compared. Writes ``$OUT/probe_b1_accum_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coda_titan.kernels.scaling import E5M2, E5M2_MAX
+
+B, S, HQ, HKV, D = 2, 8192, 32, 8, 64
+ROWS = 16  # (tokens a program: rows 0-15 of a tile cover offset bits 1 and 4-6, so 512-byte runs are read whole)
+SECONDS, ROUNDS = 1.5, 3
+
+
+@triton.jit
+def rope_bwd_accum_kernel(dq_ptr, dk_ptr, dv_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zdz_ptr, daq_ptr,
+                          amax_ptr, scale_qk, S, s_y, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+                          HALF: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
+    m0 = tl.program_id(0) * ROWS
+    b, s0 = m0 // S, m0 % S
+    rows = m0 + tl.arange(0, ROWS)
+    rr = ((s0 % 128) + tl.arange(0, ROWS))[:, None]  # (the rows in their 128-row tile)
+    c = tl.arange(0, HD)[None, :]
+    off = ((c & 1) | (((rr >> 3) & 1) << 1) | (((c >> 1) & 1) << 2) | (((c >> 2) & 1) << 3) | ((rr & 7) << 4)
+           | (((rr >> 4) & 3) << 7) | (((c >> 3) & 7) << 9) | (((rr >> 6) & 1) << 12))
+    tile = (s0 // 128) * (128 * HD)
+    r = tl.load(rstd_ptr + rows)[:, None]
+    pos = (rows % S)[:, None]
+    cs = tl.load(cos_ptr + pos * HALF + c // 2)
+    sn = tl.load(sin_ptr + pos * HALF + c // 2)
+    even = (c % 2) == 0
+    rows64 = rows.to(tl.int64)[:, None]
+    Q: tl.constexpr = (HQ + 2 * HKV) * HD
+    zdz = tl.zeros([ROWS, HD], tl.float32)
+    amax = tl.zeros([ROWS, HD], tl.float32)
+    for hh in tl.static_range(HQ + 2 * HKV):
+        if hh < HQ:
+            base = dq_ptr + (b * HQ + hh).to(tl.int64) * S * HD + tile
+        elif hh < HQ + HKV:
+            base = dk_ptr + (b * HKV + hh - HQ).to(tl.int64) * S * HD + tile
+        else:
+            base = dv_ptr + (b * HKV + hh - HQ - HKV).to(tl.int64) * S * HD + tile
+        if hh < HQ + HKV:
+            dy = (tl.load(base + off) * scale_qk).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            partner = (tl.load(base + (off ^ 1)) * scale_qk).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            da = tl.where(even, dy * cs + partner * sn, dy * cs - partner * sn) * r
+        else:
+            dy = tl.load(base + off).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            da = dy * r
+        n = hh * HD + c
+        zdz += tl.load(y_ptr + rows64 * s_y + n).to(tl.float32) * dy
+        tl.store(da_ptr + rows64 * Q + n, da.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+        if FP8:
+            amax = tl.maximum(amax, tl.abs(da))
+            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+            tl.store(daq_ptr + rows64 * Q + n, q.to(tl.float8e5, fp_downcast_rounding="rtne"))
+    tl.store(zdz_ptr + rows, tl.sum(zdz, axis=1))
+    if FP8:
+        tl.store(amax_ptr + rows, tl.max(amax, axis=1))
+
+
+def launch(dq_acc, dk_acc, dv_acc, y, rstd, cos, sin, inv, scale_qk: float, s: int, hq: int, hkv: int, hd: int):
+    """(da bf16 (M, Q), zdz (M,), daq e5m2 (M, Q), row amax (M,)) of B1 from the accumulators."""
+    m, q = y.shape
+    da = torch.empty((m, q), device=y.device, dtype=torch.bfloat16)
+    daq = torch.empty((m, q), device=y.device, dtype=E5M2)
+    zdz, amax = (torch.empty(m, device=y.device, dtype=torch.float32) for _ in range(2))
+    rope_bwd_accum_kernel[(triton.cdiv(m, ROWS),)](
+        dq_acc, dk_acc, dv_acc, y, rstd, cos, sin, inv, da, zdz, daq, amax, scale_qk, s, y.stride(0), HQ=hq, HKV=hkv,
+        HD=hd, HALF=hd // 2, ROWS=ROWS, FP8=True, FMAX=E5M2_MAX, num_warps=4)
+    return da, zdz, daq, amax
+
+
+def _graphed(fn, doc, arm):
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        doc.setdefault("graphed", {})[arm] = True
+        return g.replay
+    except Exception as e:  # noqa: BLE001 - time it eagerly, and say why
+        doc.setdefault("graphed", {})[arm] = f"{type(e).__name__}: {str(e)[:200]}"
+        return fn
+
+
+def _bytes_apart(a, b) -> int:
+    return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
+
+
+def main():
+    import flash_attn.cute.interface as fi
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    from coda_titan.kernels.cute import rope_bwd_pass
+    from coda_titan.kernels.cute.norm_rope import _cos_sin
+    from coda_titan.model.rope import rope_freqs
+    from scripts.bench.common import at_cap, header, log_row, out_json
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, S, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    scale = D ** -0.5
+    out, lse, *_ = fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    calls, orig = [], fi._bwd_postprocess_convert
+
+    def spy(accum, o, s, *args, **kwargs):
+        calls.append((accum, o, s, args, kwargs))
+        return orig(accum, o, s, *args, **kwargs)
+
+    spy.compile_cache = orig.compile_cache
+    fi._bwd_postprocess_convert = spy
+    try:
+        dq, dk, dv = fi._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)[:3]
+    finally:
+        fi._bwd_postprocess_convert = orig
+    m = B * S
+    y = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], 1)
+    dy = torch.cat([dq.reshape(m, -1), dk.reshape(m, -1), dv.reshape(m, -1)], 1)
+    rstd = torch.rand(m, device="cuda", generator=gen) + 0.5
+    cos, sin = _cos_sin(rope_freqs(D, 500000.0, RoPEScalingArgs()).cuda(), S)
+    inv = torch.full((1,), 2.0 ** 14, device="cuda")
+    rot = (HQ + HKV) * D
+    (acc_q, *_), (acc_k, *_), (acc_v, *_) = calls
+
+    def post_b1():
+        for call in calls:
+            orig(call[0], call[1], call[2], *call[3], **call[4])
+        return rope_bwd_pass._launch(dy, y, rstd, cos, sin, rot, inv, wrap=lambda kern: kern)
+
+    def fused():
+        return launch(acc_q, acc_k, acc_v, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D)
+
+    want, got = post_b1(), fused()
+    doc = {**header(), "kind": "probe_b1_accum", "shapes": {"B": B, "S": S, "HQ": HQ, "HKV": HKV, "D": D},
+           "rows_a_program": ROWS, "seconds": SECONDS,
+           "bytes_apart": {"da": _bytes_apart(got[0], want[0]), "daq": _bytes_apart(got[2], want[2]),
+                           "amax": _bytes_apart(got[3], want[3])},
+           "zdz_max_rel": float(((got[1] - want[1]).abs() / want[1].abs().clamp(min=1e-30)).max()), "rows": []}
+    path = out_json("probe_b1_accum")
+    arms = {"post_b1": post_b1, "fused": fused, "b1": lambda: rope_bwd_pass._launch(dy, y, rstd, cos, sin, rot, inv,
+                                                                                   wrap=lambda kern: kern)}
+    arms = {arm: _graphed(fn, doc, arm) for arm, fn in arms.items()}
+    for r in range(ROUNDS):
+        for arm, fn in arms.items():
+            log_row(doc, "rows", {"round": r, "arm": arm, **at_cap(fn, SECONDS)}, path)
+    for arm in arms:
+        ts = sorted(row["sustained_ms"] for row in doc["rows"] if row.get("arm") == arm)
+        doc[f"median_ms_{arm}"] = ts[len(ts) // 2]
+    log_row(doc, "rows", {"summary": {k2: v2 for k2, v2 in doc.items() if k2.startswith(("median_ms_", "bytes_apart",
+                                                                                         "zdz"))}}, path)
+
+
+if __name__ == "__main__":
+    main()

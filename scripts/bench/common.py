@@ -98,6 +98,36 @@ def at_cap(fn, seconds: float) -> dict:
     return {"sustained_ms": a.elapsed_time(b) / calls, "calls": calls, "sm_mhz": sm_mhz, "power_w": power_w}
 
 
+def graphed(fn, doc: dict, arm: str):
+    """``fn`` captured as one CUDA graph (returns its replay: no host time between the calls ``at_cap`` times),
+    or ``fn`` itself where capture fails; ``doc["graphed"][arm]`` says which (True, or the error)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        doc.setdefault("graphed", {})[arm] = True
+        return g.replay
+    except Exception as e:  # noqa: BLE001 - time it eagerly, and say why
+        doc.setdefault("graphed", {})[arm] = f"{type(e).__name__}: {str(e)[:200]}"
+        return fn
+
+
+def arms_at_cap(doc: dict, arms: dict, path: str, seconds: float, rounds: int) -> None:
+    """Each arm (name -> fn) graphed, then timed ``at_cap`` in turn for ``rounds`` rounds (rows logged to ``path``),
+    and ``doc["median_ms_<arm>"]`` the median of its rounds."""
+    arms = {arm: graphed(fn, doc, arm) for arm, fn in arms.items()}
+    for r in range(rounds):
+        for arm, fn in arms.items():
+            log_row(doc, "rows", {"round": r, "arm": arm, **at_cap(fn, seconds)}, path)
+    for arm in arms:
+        ts = sorted(row["sustained_ms"] for row in doc["rows"] if row.get("arm") == arm)
+        doc[f"median_ms_{arm}"] = ts[len(ts) // 2]
+
+
 def bench(fn, reps=None):
     """Median ms of triton's do_bench, after one untimed call (compile / autotune / allocate)."""
     from triton.testing import do_bench

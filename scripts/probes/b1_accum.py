@@ -88,53 +88,22 @@ def launch(dq_acc, dk_acc, dv_acc, y, rstd, cos, sin, inv, scale_qk: float, s: i
     return da, zdz, daq, amax
 
 
-def _graphed(fn, doc, arm):
-    try:
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        doc.setdefault("graphed", {})[arm] = True
-        return g.replay
-    except Exception as e:  # noqa: BLE001 - time it eagerly, and say why
-        doc.setdefault("graphed", {})[arm] = f"{type(e).__name__}: {str(e)[:200]}"
-        return fn
-
-
 def _bytes_apart(a, b) -> int:
     return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
 
 
 def main():
-    import flash_attn.cute.interface as fi
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     from coda_titan.kernels.cute import rope_bwd_pass
     from coda_titan.kernels.cute.norm_rope import _cos_sin
     from coda_titan.model.rope import rope_freqs
-    from scripts.bench.common import at_cap, header, log_row, out_json
+    from scripts.bench.common import arms_at_cap, header, log_row, out_json
+    from scripts.probes.fa4_accum_layout import backward_with_postprocess_calls
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, S, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    q, k, v, (dq, dk, dv), calls, orig = backward_with_postprocess_calls()
+    gen = torch.Generator(device="cuda").manual_seed(1)
     scale = D ** -0.5
-    out, lse, *_ = fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
-    dout = torch.randn_like(out)
-    calls, orig = [], fi._bwd_postprocess_convert
-
-    def spy(accum, o, s, *args, **kwargs):
-        calls.append((accum, o, s, args, kwargs))
-        return orig(accum, o, s, *args, **kwargs)
-
-    spy.compile_cache = orig.compile_cache
-    fi._bwd_postprocess_convert = spy
-    try:
-        dq, dk, dv = fi._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)[:3]
-    finally:
-        fi._bwd_postprocess_convert = orig
     m = B * S
     y = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], 1)
     dy = torch.cat([dq.reshape(m, -1), dk.reshape(m, -1), dv.reshape(m, -1)], 1)
@@ -164,13 +133,7 @@ def main():
     for rows, warps in SHAPES:  # (the first run: 16 rows, 4 warps, 0.252 ms against 0.244 for post_b1; not at the cap)
         arms[f"fused_r{rows}_w{warps}"] = lambda rows=rows, warps=warps: launch(
             acc_q, acc_k, acc_v, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D, rows, warps)
-    arms = {arm: _graphed(fn, doc, arm) for arm, fn in arms.items()}
-    for r in range(ROUNDS):
-        for arm, fn in arms.items():
-            log_row(doc, "rows", {"round": r, "arm": arm, **at_cap(fn, SECONDS)}, path)
-    for arm in arms:
-        ts = sorted(row["sustained_ms"] for row in doc["rows"] if row.get("arm") == arm)
-        doc[f"median_ms_{arm}"] = ts[len(ts) // 2]
+    arms_at_cap(doc, arms, path, SECONDS, ROUNDS)
     log_row(doc, "rows", {"summary": {k2: v2 for k2, v2 in doc.items() if k2.startswith(("median_ms_", "bytes_apart",
                                                                                          "zdz"))}}, path)
 

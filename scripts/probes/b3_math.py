@@ -24,7 +24,7 @@ from coda_titan.kernels import get_backend
 from coda_titan.kernels.cute.epilogues import _T, _amax, _bf16_hi, _bf16_lo, _e5m2x2_as_f16  # (first: quack cache)
 from quack.epilogue.frontend import gemm_epilogue  # noqa: E402
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, Scalar  # noqa: E402
-from scripts.bench.common import at_cap, header, log_row, out_json
+from scripts.bench.common import arms_at_cap, header, log_row, out_json
 from scripts.probes.preact import _operands
 
 SECONDS, ROUNDS = 1.5, 3
@@ -62,23 +62,6 @@ def lite_t_yq_q_epi(acc, c, rstd, scale, inv_scale, inv_y):
     return out
 
 
-def _graphed(fn, doc, arm):
-    """``fn`` captured as one CUDA graph (its replay), or ``fn`` itself where capture fails (said in ``doc``)."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        doc.setdefault("graphed", {})[arm] = True
-        return g.replay
-    except Exception as e:  # noqa: BLE001 - time it eagerly, and say why
-        doc.setdefault("graphed", {})[arm] = f"{type(e).__name__}: {str(e)[:200]}"
-        return fn
-
-
 def main():
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "1")
     from coda_titan.kernels.cute import norm_swiglu as ns  # (the cute package: the CUDA kernels registered)
@@ -105,16 +88,7 @@ def main():
     doc = {**header(), "kind": "probe_b3_math", "shapes": {"M": a.shape[0], "F": a.shape[1] // 2},
            "seconds": SECONDS, "overlapped": ns.overlap.enabled(True), "rows": []}
     path = out_json("probe_b3_math")
-    for fn in arms.values():  # (compile before any timing)
-        fn()
-    torch.cuda.synchronize()
-    arms = {arm: _graphed(fn, doc, arm) for arm, fn in arms.items()}
-    for r in range(ROUNDS):
-        for arm, fn in arms.items():
-            log_row(doc, "rows", {"round": r, "arm": arm, **at_cap(fn, SECONDS)}, path)
-    for arm in arms:
-        ts = sorted(row["sustained_ms"] for row in doc["rows"] if row.get("arm") == arm)
-        doc[f"median_ms_{arm}"] = ts[len(ts) // 2]
+    arms_at_cap(doc, arms, path, SECONDS, ROUNDS)  # (each arm's first call, in the graphing, compiles it)
     log_row(doc, "rows", {"summary": {k: v for k, v in doc.items() if k.startswith("median_ms_")}}, path)
 
 

@@ -72,10 +72,12 @@ def _report(name, call, pos, tile_m) -> dict:
             "bits": _bits(first - first[0, 0], tile_m, d), "first_tile": (first - first[0, 0]).tolist()}
 
 
-def main():
+def backward_with_postprocess_calls(seed: int = 0):
+    """FA4's forward and backward at this probe's shapes with the backward's postprocess calls recorded:
+    (q, k, v, (dq, dk, dv), [(accumulator, output, scale, args, kwargs) of each call], the postprocess function)."""
     import flash_attn.cute.interface as fi
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, S, HQ, D, device="cuda", generator=gen).to(BF)
     k, v = (torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(BF) for _ in range(2))
     scale = D ** -0.5
@@ -90,14 +92,21 @@ def main():
     spy.compile_cache = orig.compile_cache  # (the function finds its cache through its module name)
     fi._bwd_postprocess_convert = spy
     try:
-        fi._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)
+        grads = fi._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)[:3]
     finally:
         fi._bwd_postprocess_convert = orig
+    return q, k, v, grads, calls, orig
+
+
+def main():
+    import flash_attn.cute.interface as fi
+
+    _, _, _, _, calls, orig = backward_with_postprocess_calls()
     cfg = fi._tile_size_bwd_sm90(D, D, True, False)
+    fields = ("m_block_size", "n_block_size", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP",
+              "AtomLayoutNdKV", "AtomLayoutMdQ")
     doc = {**header(), "kind": "probe_fa4_accum_layout", "shapes": {"B": B, "S": S, "HQ": HQ, "HKV": HKV, "D": D},
-           "bwd_config": {k2: getattr(cfg, k2) for k2 in ("m_block_size", "n_block_size", "SdP_swapAB", "dKV_swapAB",
-                                                           "dQ_swapAB", "AtomLayoutMSdP", "AtomLayoutNdKV", "AtomLayoutMdQ")},
-           "calls": len(calls), "rows": []}
+           "bwd_config": {f: getattr(cfg, f) for f in fields}, "calls": len(calls), "rows": []}
     path = out_json("probe_fa4_accum_layout")
     for name, call, tile_m in zip(("dq", "dk", "dv"), calls, (cfg.m_block_size, cfg.n_block_size, cfg.n_block_size)):
         pos = _positions(orig, call)

@@ -53,4 +53,8 @@ for rows, warps in ((b1_accum.ROWS, 4), (64, 8)):
     out = b1_accum.launch(*accs, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D, rows, warps)
     got[f"r{rows}"] = {"da": apart(out[0], want[0]), "daq": apart(out[2], want[2]), "amax": apart(out[3], want[3]),
                        "zdz_over_reassociation": float(((out[1] - want[1]).abs() / reassoc).max())}
+out = b1_accum.launch_tiles(*accs, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D)
+got["tiles"] = {"da": apart(out[0], want[0]), "daq": apart(out[2], want[2]),
+                "amax": apart(out[3].reshape(1), want[3].amax().reshape(1)),
+                "zdz_over_reassociation": float(((out[1] - want[1]).abs() / reassoc).max())}
 print(json.dumps(got))

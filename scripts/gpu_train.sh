@@ -180,6 +180,12 @@ finish() {
 trap finish EXIT
 trap 'exit 143' TERM  # (timeout signals the whole process group: the phase dies, finish still returns the cache and logs)
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
+# probe PHASE MODULE PATTERN [WIDTH]: python3 -m scripts.probes.MODULE (its log: $logs/MODULE.log), its return code,
+# and the log's lines matching PATTERN, cut to WIDTH (400) characters
+probe() {
+  python3 -m "scripts.probes.$2" > "$logs/$2.log" 2>&1
+  echo "$1 rc=$?"; grep -E "$3" "$logs/$2.log" | cut -c1-"${4:-400}"
+}
 # variant NAME "KEY = VALUE" ...: the compiled CODA fp8 config with those [coda] lines, as /tmp/<stem>_NAME.toml
 # (an A/B arm: variant stems have no target; the table sets them against the compiled baseline)
 # (PREC=bf16: of the compiled CODA bf16 config; VARIANT_OF=CONFIG: of that config)
@@ -442,12 +448,10 @@ for phase in "$@"; do
       envab "ce_triton_${PREC:-fp8}" "ce_inductor_${PREC:-fp8}" CODA_TITAN_CE_PASS=inductor
       ;;
     b1probe)
-      python3 -m scripts.probes.b1_pass > "$logs/b1_pass.log" 2>&1
-      echo "b1probe rc=$?"; grep -E '"variant"' "$logs/b1_pass.log" | cut -c1-400
+      probe b1probe b1_pass '"variant"'
       ;;
     foldsprobe)
-      python3 -m scripts.probes.folds > "$logs/folds.log" 2>&1
-      echo "foldsprobe rc=$?"; grep -E '"fold"' "$logs/folds.log" | cut -c1-400
+      probe foldsprobe folds '"fold"'
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
@@ -462,20 +466,16 @@ for phase in "$@"; do
       done
       ;;
     preactprobe)
-      python3 -m scripts.probes.preact > "$logs/preact.log" 2>&1
-      echo "preactprobe rc=$?"; grep -E 'summary|bytes_apart|Error|error' "$logs/preact.log" | cut -c1-400
+      probe preactprobe preact 'summary|bytes_apart|Error|error'
       ;;
     b3math)
-      python3 -m scripts.probes.b3_math > "$logs/b3_math.log" 2>&1
-      echo "b3math rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/b3_math.log" | cut -c1-600
+      probe b3math b3_math 'summary|graphed|Error|error' 600
       ;;
     fa4accum)
-      python3 -m scripts.probes.fa4_accum_layout > "$logs/fa4_accum.log" 2>&1
-      echo "fa4accum rc=$?"; grep -E 'tiles_are|Error|error' "$logs/fa4_accum.log" | cut -c1-900
+      probe fa4accum fa4_accum_layout 'tiles_are|Error|error' 900
       ;;
     b1accum)
-      python3 -m scripts.probes.b1_accum > "$logs/b1_accum.log" 2>&1
-      echo "b1accum rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/b1_accum.log" | cut -c1-700
+      probe b1accum b1_accum 'summary|graphed|Error|error' 700
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"
@@ -483,8 +483,7 @@ for phase in "$@"; do
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \
         "$logs/adamw_functor.cuh" 2>/dev/null || echo "no fused_adam_utils.cuh in this torch"
-      python3 -m scripts.probes.adamw > "$logs/adamw.log" 2>&1
-      echo "adamwprobe rc=$?"; grep -E '"wd_fma"|"optimizer"|Error|error' "$logs/adamw.log" | cut -c1-400
+      probe adamwprobe adamw '"wd_fma"|"optimizer"|Error|error'
       ;;
     stepchunks)
       # [coda] step_chunk_layers: the compiled baseline, the compiled CODA config as configured, and with the

@@ -11,8 +11,9 @@ import sys
 import torch
 from interpreter_stub import cute_module
 
-from coda_titan.kernels.norm_rope import rope_cos_sin  # noqa: E402
-from coda_titan.model.rope import rope_freqs  # noqa: E402
+from coda_titan.kernels.norm_rope import rope_cos_sin
+from coda_titan.model.rope import rope_freqs
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # (the checkout: scripts/)
 from scripts.probes import b1_accum  # noqa: E402
 from torchtitan.models.llama3.model.args import RoPEScalingArgs  # noqa: E402

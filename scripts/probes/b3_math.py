@@ -9,9 +9,9 @@ save at most what the arithmetic costs. ``lite`` is the same kernel call (same G
 epilogues, operands, outputs, stores and reductions) with the arithmetic cut to one multiply per output: da =
 (g, u) dy, y = g u. Its outputs are wrong by design; the difference in time is the ceiling of any cheaper
 arithmetic. ``gemm`` is the bare fp8 GEMM of the same operands (cuBLAS ``_scaled_mm``, fast accumulation, bf16
-dy: the floor's definition), so ``lite`` - ``gemm`` is what B3's operand and output traffic costs. Timing as
-``b2_codes`` (at the cap, each arm one CUDA graph, arms alternating for ``ROUNDS``). Writes
-``$OUT/probe_b3_math_<gpu>.json``.
+dy: the floor's definition), so ``lite`` - ``gemm`` is what B3's operand and output traffic costs. Timing:
+``scripts.bench.common.arms_at_cap`` (at the cap, each arm one CUDA graph, arms alternating for ``ROUNDS``).
+Writes ``$OUT/probe_b3_math_<gpu>.json``.
 """
 
 from __future__ import annotations

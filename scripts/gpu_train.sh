@@ -99,6 +99,7 @@
 #     b3math       scripts/probes/b3_math.py: the fp8 B3 against the same kernel with one multiply an output (its
 #                  arithmetic's share of its time, at the cap)
 #     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
+#     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
@@ -501,6 +502,17 @@ for phase in "$@"; do
     mlpht)
       # dW13 on F1's e4m3 H^T (no cast of H, no bf16 H kept) against dW13 on H cast in a pass
       ab fp8_mlp_h_t h_t h_cast fp8_mlp_h_t
+      ;;
+    envab)
+      # ENV_B="NAME=VALUE" on the compiled CODA config (PREC, default fp8), alternating without and with it, no
+      # baseline: tables TAG_off, TAG_on, TAG_off2, TAG_on2 (TAG default env), STEPS (40) after 10 warm-up, LOG_FREQ (10)
+      [ -n "${ENV_B:-}" ] || { echo "envab needs ENV_B=\"NAME=VALUE\"" >&2; exit 2; }
+      eab() { $cmp configs/llama3_1b_${PREC:-fp8}_coda_compile.toml --steps "${STEPS:-40}" --warmup 10 \
+        --log-freq "${LOG_FREQ:-10}" --tag "${TAG:-env}_$1"; }
+      eab off
+      (export "${ENV_B?}"; eab on)
+      eab off2
+      (export "${ENV_B?}"; eab on2)
       ;;
     knobab)
       # KNOB="key = value" on the compiled CODA config (PREC, default fp8) between two runs as configured, no

@@ -135,7 +135,7 @@ def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; rows read in place at any row
     stride), else ``math`` (eager: its inductor program; traced: the code itself)."""
     if rope_bwd_pass.accum_on():  # (FA4's backward may have left dy unwritten: an opaque op takes its accumulators)
-        out = torch.ops.coda.rope_bwd_accum(dy, y, rstd.float(), cos, sin, rot, head_dim, bool(scale), *scale)
+        out = torch.ops.coda.rope_bwd_accum(dy, y, rstd.float(), cos, sin, rot, head_dim, len(scale) == 1, *scale)
         return out if scale else out[:2]
     if rope_bwd_pass.unit_columns(dy, y) and _one_pass(dy, scale):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass

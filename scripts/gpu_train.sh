@@ -99,6 +99,7 @@
 #     b3math       scripts/probes/b3_math.py: the fp8 B3 against the same kernel with one multiply an output (its
 #                  arithmetic's share of its time, at the cap)
 #     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
+#     lmheadfp8    scripts/probes/lm_head_fp8.py: the 1B LM head's GEMMs in bf16 (as run) against fp8 tensorwise, at the cap
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -477,6 +478,9 @@ for phase in "$@"; do
       ;;
     b1accum)
       probe b1accum b1_accum 'summary|graphed|Error|error' 700
+      ;;
+    lmheadfp8)
+      probe lmheadfp8 lm_head_fp8 'summary|graphed|Error|error' 700
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"

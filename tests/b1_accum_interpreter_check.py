@@ -1,6 +1,5 @@
 """Run by tests/test_probes.py in a subprocess with TRITON_INTERPRET=1: the probe's B1 pass reading FlashAttention's
-fp32 gradient accumulators (``scripts/probes/b1_accum.py``'s row pass and ``rope_bwd_pass.launch_accum``), on CPU
-tensors laid out in the order
+fp32 gradient accumulators (``scripts/probes/b1_accum.py``), on CPU tensors laid out in the order
 ``probe_fa4_accum_layout_…json`` measured, against the configured B1 pass (``kernels/cute/rope_bwd_pass.py``) on
 the bf16 dq, dk, dv those accumulators stand for. The accumulators are bf16-exact (the interpreter rounds its
 casts to bf16 toward zero, the GPU to nearest). Prints one JSON line of measurements; the test judges them."""
@@ -55,12 +54,8 @@ for rows, warps in ((b1_accum.ROWS, 4), (64, 8)):
     out = b1_accum.launch(*accs, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D, rows, warps)
     got[f"r{rows}"] = {"da": apart(out[0], want[0]), "daq": apart(out[2], want[2]), "amax": apart(out[3], want[3]),
                        "zdz_over_reassociation": float(((out[1] - want[1]).abs() / reassoc).max())}
-out = rbp.launch_accum(accs, scale, y, rstd, cos, sin, inv)
+out = b1_accum.launch_tiles(*accs, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D)
 got["tiles"] = {"da": apart(out[0], want[0]), "daq": apart(out[2], want[2]),
                 "amax": apart(out[3].reshape(1), want[3].amax().reshape(1)),
                 "zdz_over_reassociation": float(((out[1] - want[1]).abs() / reassoc).max())}
-want = rbp._launch(dy, y, rstd, cos, sin, (HQ + HKV) * D, None, wrap=lambda k: k)  # (bf16: no codes, no amax)
-out = rbp.launch_accum(accs, scale, y, rstd, cos, sin, None)
-got["tiles_bf16"] = {"da": apart(out[0], want[0]), "daq": out[2].numel(), "amax": out[3].numel(),
-                     "zdz_over_reassociation": float(((out[1] - want[1]).abs() / reassoc).max())}
 print(json.dumps(got))

@@ -14,8 +14,7 @@ from coda_titan.model.autograd import NormRoPE
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .helpers import (BF, CFG, D, DIMS, HD, HKV, HQ, M, SEQ, TORCH, check_cute_matches_reference, deferred_norm, fp8_operands,
-                      log_bound, op_cases, rand64, rel, run_interpreter_check)
+from .helpers import BF, CFG, D, DIMS, HD, HKV, HQ, M, SEQ, TORCH, check_cute_matches_reference, deferred_norm, fp8_operands, op_cases, rand64, rel, run_interpreter_check
 
 
 def test_norm_rope_backward():
@@ -215,103 +214,3 @@ def test_b1_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert got["da_dtype"] == "torch.bfloat16" and got["da_bits_apart"] == 0, got
     assert got["zdz_err_over_bound"] <= 1.0 and got["zdz_fp8_same"], got
     assert got["daq_is_e5m2"] and got["amax_equal"] and got["amax_shape"] == [], got
-
-
-def _deterministic(fn):
-    """``fn()`` with deterministic algorithms on: FA4's backward then sums its accumulators in one order."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        return fn()
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
-@pytest.mark.gpu
-def test_b1_on_fa4s_accumulators_is_b1_on_its_gradients(monkeypatch):
-    """With ``CODA_TITAN_B1_ACCUM=1`` FA4's packed backward leaves dqkv unwritten and hands B1 its fp32
-    accumulators: B1's da, e5m2 codes and amax are the bits B1 computes from FA4's bf16 dq, dk, dv (bf16;
-    fp8 with a delayed scale; fp8 calibrating, where FA4's postprocess writes dqkv first), and zdz sums the
-    same exact fp32 terms y * dy in another order: within 2 Q u sum |y dy| (u = 2^-24)."""
-    import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.cute import rope_bwd_pass
-    from coda_titan.titan import fa4 as fa
-
-    if fa.fa4_unavailable_reason():
-        pytest.skip(fa.fa4_unavailable_reason())
-    cute = get_backend("cute")
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    seqlen, bs, hd, nq, nkv = 1024, 2, 64, 8, 2
-    m, q = bs * seqlen, (nq + 2 * nkv) * hd
-    qkv = torch.randn(m, q, generator=gen, device="cuda").to(BF)
-    args = (seqlen, nq, nkv, hd ** -0.5, True)
-    out, lse = fa.flash_attn_packed_fwd(qkv, *args)
-    dout = torch.randn(out.shape, generator=gen, device="cuda").to(BF)
-    rstd = torch.rand(m, generator=gen, device="cuda") + 0.5
-    freqs = rope_freqs(hd, 500000.0, RoPEScalingArgs()).cuda()
-    kw = dict(y=qkv, rstd=rstd, freqs=freqs, seqlen=seqlen, n_rope_heads=nq + nkv, head_dim=hd)
-    b1 = {"bf16": lambda dy: cute.rope_bwd(dy=dy, **kw),
-          "fp8_delayed": lambda dy: cute.rope_bwd_fp8(dy=dy, inv_scale=torch.tensor(2.0 ** 12, device="cuda"), **kw),
-          "fp8_calibrating": lambda dy: cute.rope_bwd_fp8(dy=dy, inv_scale=None, **kw)}
-
-    def run(on: str, name: str):
-        monkeypatch.setenv(rope_bwd_pass.ACCUM_ENV, on)
-        dqkv = fa.flash_attn_packed_bwd(dout, qkv, out, lse, *args)
-        handed = len(rope_bwd_pass._handed)
-        return handed, dqkv, [t.clone() for t in b1[name](dqkv)], len(rope_bwd_pass._handed)
-
-    for name in b1:
-        (h0, dy, want, _), (h1, _, got, left) = (_deterministic(lambda: run(on, name)) for on in ("0", "1"))
-        assert (h0, h1, left) == (0, 1, 0), (name, h0, h1, left)
-        for i in (0, 2, 3):
-            if i < len(want):
-                assert torch.equal(want[i].view(torch.uint8) if want[i].dtype != torch.float32 else want[i],
-                                   got[i].view(torch.uint8) if got[i].dtype != torch.float32 else got[i]), (name, i)
-        bound = 2 * q * 2.0 ** -24 * (qkv.float() * dy.float()).abs().sum(1)
-        log_bound(f"b1_accum_zdz_{name}", measured=float(((got[1] - want[1]).abs() / bound).max()), bound=1.0)
-        assert ((got[1] - want[1]).abs() <= bound).all(), name
-
-
-def _two_backwards(precision: str, on: str, monkeypatch):
-    """Two forward-backward passes (no optimizer step: the second fp8 pass has delayed scales) of a 1B-wide
-    2-layer model, compiled, FA4 attention: [(loss, the top layer's gradients)], and how many B1 calls took
-    FA4's accumulators."""
-    from coda_titan.kernels.cute import rope_bwd_pass
-    from coda_titan.titan.job_config import Coda
-
-    from .helpers import compiled_1b_width_model
-
-    monkeypatch.setenv(rope_bwd_pass.ACCUM_ENV, on)
-    taken, launch = [], rope_bwd_pass.launch_accum
-    monkeypatch.setattr(rope_bwd_pass, "launch_accum", lambda *a, **k: taken.append(1) or launch(*a, **k))
-    torch._dynamo.reset()
-    model = compiled_1b_width_model(Coda(backend="cute", precision=precision), 2048, fa4=True)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    tokens = torch.randint(0, model.model_args.vocab_size, (2, 2048), generator=g, device="cuda")
-    out = []
-    for _ in range(2):
-        model.zero_grad()
-        loss = model(tokens, labels=tokens)
-        loss.backward()
-        top = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("layers.1.")}
-        out.append((loss.detach(), top))
-    return out, len(taken)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_compiled_model_hands_b1_fa4s_accumulators(monkeypatch, precision):
-    """The compiled model with ``CODA_TITAN_B1_ACCUM=1``: every B1 takes FA4's accumulators (fp8: except while
-    its scale calibrates, the first pass), and the top layer's gradients (whose B1 reads the same dq, dk, dv
-    either way: its da is bit for bit, the lower layers' zdz sums in another order) and the losses are the
-    bits of the model without it."""
-    from coda_titan.titan import fa4 as fa
-
-    if fa.fa4_unavailable_reason():
-        pytest.skip(fa.fa4_unavailable_reason())
-    (off, n_off), (on, n_on) = (_deterministic(lambda: _two_backwards(precision, arm, monkeypatch)) for arm in "01")
-    assert (n_off, n_on) == (0, 2 if precision == "fp8" else 4), (n_off, n_on)
-    for (l0, g0), (l1, g1) in zip(off, on):
-        assert torch.equal(l0, l1)
-        assert g0.keys() == g1.keys() and g0, sorted(g0)
-        assert all(torch.equal(g0[k], g1[k]) for k in g0), [k for k in g0 if not torch.equal(g0[k], g1[k])]

@@ -223,58 +223,11 @@ def _(qkv, seqlen, n_heads, n_kv_heads, scale, causal):
 
 @flash_attn_packed_bwd.register_kernel("cuda")
 def _(dout, qkv, out, lse, seqlen, n_heads, n_kv_heads, scale, causal):
-    from ..kernels.cute import rope_bwd_pass
-
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     dq, dk, dv = split_packed(dqkv, seqlen, n_heads, n_kv_heads)
     q, k, v = split_packed(qkv, seqlen, n_heads, n_kv_heads)
-    if not (rope_bwd_pass.accum_on() and n_heads != n_kv_heads and q.shape[-1] == 64 and seqlen % 128 == 0):
-        _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
-        return dqkv
-    calls, run = _fa4_bwd_postprocess_recorded(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
-
-    def finish(t):  # FA4's postprocess into t (the dqkv left unwritten)
-        for (acc, s, args, kwargs), o in zip(calls, split_packed(t, seqlen, n_heads, n_kv_heads)):
-            run(acc, o, s, *args, **kwargs)
-
-    if len(calls) == 3 and all(map(_measured_order, calls)) and [c[1] for c in calls] == [scale, scale, 1.0]:
-        rope_bwd_pass.hand_off(dqkv, tuple(c[0] for c in calls), scale, finish)
-    else:
-        finish(dqkv)
+    _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
     return dqkv
-
-
-# FA4's SM90 postprocess calls whose accumulators' order ``probe_fa4_accum_layout_…json`` measured: (head_dim,
-# rows a tile, threads, MMA warpgroups along the rows, swapped operands) of dq's and of the GQA dk's and dv's
-_MEASURED_POSTPROCESS = (64, 128, 256, 2, False)
-
-
-def _fa4_bwd_postprocess_recorded(dout, q, k, v, out, lse, scale, causal, dq, dk, dv):
-    """FA4's backward with its postprocess calls (fp32 accumulators to the bf16 dq, dk, dv) recorded instead of
-    run: ([(accumulator, scale, the call's other positional arguments, its keywords)], the postprocess). The
-    outputs are not kept: a call's output is given again when it is run."""
-    import flash_attn.cute.interface as fi
-
-    run, calls = fi._bwd_postprocess_convert, []
-
-    def record(accum, output, s, *args, **kwargs):
-        calls.append((accum, s, args, kwargs))
-
-    record.compile_cache = run.compile_cache
-    fi._bwd_postprocess_convert = record
-    try:
-        _fa4_bwd(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
-    finally:
-        fi._bwd_postprocess_convert = run
-    return calls, run
-
-
-def _measured_order(call) -> bool:
-    _, _, args, kw = call
-    cu_seqlens, seqused, arch, _, *config = args[:9]
-    return (cu_seqlens is None and seqused is None and arch // 10 == 9 and tuple(config) == _MEASURED_POSTPROCESS
-            and kw.get("accum_order") is None and kw.get("sink_tensors") is None and kw.get("cluster_size", 1) == 1
-            and not kw.get("use_2cta_instrs", False) and not kw.get("fake_mode", False))
 
 
 def _setup_context_packed(ctx, inputs, output):

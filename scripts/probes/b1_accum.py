@@ -10,9 +10,9 @@ inside a tile offset(r, c) = c0 + 2 r3 + 4 c1 + 8 c2 + 16 r0 + 32 r1 + 64 r2 + 1
 value times its scale rounded to bf16 (the postprocess's dq, dk, dv), so da, the codes and the amax are meant to
 be the configured pass's bits (zdz sums in another order). Arms, each one CUDA graph at the cap, ``ROUNDS``
 rounds: ``post_b1`` (the three postprocess calls and the configured pass), ``fused`` (this kernel, and
-``fused_r*_w*`` at other block shapes), ``tiles`` (``rope_bwd_pass.launch_accum``, the package's: each tile read in
-its storage order, whole, and put in token order by a permute of its address bits); the outputs compared.
-Writes ``$OUT/probe_b1_accum_<gpu>.json``.
+``fused_r*_w*`` at other block shapes), ``tiles`` (``rope_bwd_tile_kernel``: each tile read in its storage order,
+whole, and put in token order by a permute of its address bits; added after the first run, not yet run on the
+GPU); the outputs compared. Writes ``$OUT/probe_b1_accum_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,60 @@ def launch(dq_acc, dk_acc, dv_acc, y, rstd, cos, sin, inv, scale_qk: float, s: i
     return da, zdz, daq, amax
 
 
+@triton.jit
+def rope_bwd_tile_kernel(acc_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zpart_ptr, daq_ptr, apart_ptr,
+                         scale, S, s_y, H, HEAD0: tl.constexpr, NHEADS: tl.constexpr, Q: tl.constexpr,
+                         ROPE: tl.constexpr, FMAX: tl.constexpr):
+    """One (batch, 128-token tile, head) of one accumulator (columns 64 (HEAD0 + head) on), read in its storage
+    order (32 KB contiguous) and put in (token, column) order by a reshape and a permute of its address bits:
+    (r6, c5-c3, r5-r4, r2-r0, c2-c1, r3, c0) -> (r6, r5-r4, r3, r2-r0, c5-c3, c2-c1, c0). Writes da and its codes,
+    and this head's zdz partial per token (zpart, M x NHEADS) and amax (apart, one per program)."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    nt = S // 128
+    b, ti = t // nt, t % nt
+    x = tl.load(acc_ptr + (b * H + h).to(tl.int64) * S * 64 + ti * 8192 + tl.arange(0, 8192))
+    x = tl.reshape(tl.permute(tl.reshape(x, (2, 8, 4, 8, 4, 2, 2)), (0, 2, 5, 3, 1, 4, 6)), (128, 32, 2))
+    x = (x * scale).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)  # (the postprocess's bf16 dy)
+    x0, x1 = tl.split(x)  # (each token's (even, odd) column pairs: a RoPE pair)
+    pos = ti * 128 + tl.arange(0, 128)
+    rows = (b * S + pos).to(tl.int64)
+    r = tl.load(rstd_ptr + rows)[:, None]
+    if ROPE:
+        pair = tl.arange(0, 32)[None, :]
+        cs = tl.load(cos_ptr + pos[:, None] * 32 + pair)
+        sn = tl.load(sin_ptr + pos[:, None] * 32 + pair)
+        da = tl.reshape(tl.join((x0 * cs + x1 * sn) * r, (x1 * cs - x0 * sn) * r), (128, 64))
+    else:
+        da = tl.reshape(tl.join(x0 * r, x1 * r), (128, 64))
+    cols = (HEAD0 + h) * 64 + tl.arange(0, 64)[None, :]
+    y = tl.load(y_ptr + rows[:, None] * s_y + cols).to(tl.float32)
+    tl.store(zpart_ptr + rows * NHEADS + HEAD0 + h, tl.sum(y * tl.reshape(x, (128, 64)), axis=1))
+    tl.store(da_ptr + rows[:, None] * Q + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+    q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+    tl.store(daq_ptr + rows[:, None] * Q + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"))
+    tl.store(apart_ptr + t * NHEADS + HEAD0 + h, tl.max(tl.max(tl.abs(da), axis=1), axis=0))
+
+
+def launch_tiles(dq_acc, dk_acc, dv_acc, y, rstd, cos, sin, inv, scale_qk: float, s: int, hq: int, hkv: int,
+                 hd: int, warps: int = 8):
+    """``launch``'s da, zdz and codes from ``rope_bwd_tile_kernel`` (head dim 64, 128-token tiles), and amax |da| over
+    the tensor (0-dim, what the op returns): one launch per accumulator, then zdz and the amax folded over heads
+    (torch; zdz in another order than the row pass's)."""
+    assert hd == 64 and s % 128 == 0
+    m, q = y.shape
+    nh = hq + 2 * hkv
+    da = torch.empty((m, q), device=y.device, dtype=torch.bfloat16)
+    daq = torch.empty((m, q), device=y.device, dtype=E5M2)
+    zpart = torch.empty((m, nh), device=y.device, dtype=torch.float32)
+    apart = torch.empty((m // 128, nh), device=y.device, dtype=torch.float32)
+    for acc, heads, head0, rope, sc in ((dq_acc, hq, 0, True, scale_qk), (dk_acc, hkv, hq, True, scale_qk),
+                                        (dv_acc, hkv, hq + hkv, False, 1.0)):
+        rope_bwd_tile_kernel[(m // 128, heads)](acc, y, rstd, cos, sin, inv, da, zpart, daq, apart, sc, s, y.stride(0),
+                                                heads, HEAD0=head0, NHEADS=nh, Q=q, ROPE=rope, FMAX=E5M2_MAX,
+                                                num_warps=warps)
+    return da, zpart.sum(1), daq, apart.amax()
+
+
 def _bytes_apart(a, b) -> int:
     return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
 
@@ -132,10 +186,10 @@ def main():
     path = out_json("probe_b1_accum")
     arms = {"post_b1": post_b1, "fused": fused, "b1": lambda: rope_bwd_pass._launch(dy, y, rstd, cos, sin, rot, inv,
                                                                                    wrap=lambda kern: kern)}
-    tiles = rope_bwd_pass.launch_accum((acc_q, acc_k, acc_v), scale, y, rstd, cos, sin, inv)
+    tiles = launch_tiles(acc_q, acc_k, acc_v, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D)
     doc["tiles_bytes_apart"] = {"da": _bytes_apart(tiles[0], want[0]), "daq": _bytes_apart(tiles[2], want[2]),
                                 "amax": _bytes_apart(tiles[3].reshape(1), want[3].amax().reshape(1))}
-    arms["tiles"] = lambda: rope_bwd_pass.launch_accum((acc_q, acc_k, acc_v), scale, y, rstd, cos, sin, inv)
+    arms["tiles"] = lambda: launch_tiles(acc_q, acc_k, acc_v, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D)
     for rows, warps in SHAPES:  # (the first run: 16 rows, 4 warps, 0.252 ms against 0.244 for post_b1; not at the cap)
         arms[f"fused_r{rows}_w{warps}"] = lambda rows=rows, warps=warps: launch(
             acc_q, acc_k, acc_v, y, rstd, cos, sin, inv, scale, S, HQ, HKV, D, rows, warps)

@@ -12,7 +12,6 @@ rope_bwd_fp8   the same pass that also casts da to e5m2 (delayed scale; calibrat
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
@@ -134,9 +133,6 @@ def _rope_bwd_pass(op, math, dy, y, rstd, freqs, seqlen, n_rope_heads, head_dim,
 def _b1(math, dy, y, rstd, cos, sin, rot: int, head_dim: int, scale: tuple):
     """B1's outputs: the Triton pass where it applies (``_one_pass``; rows read in place at any row
     stride), else ``math`` (eager: its inductor program; traced: the code itself)."""
-    if rope_bwd_pass.accum_on():  # (FA4's backward may have left dy unwritten: an opaque op takes its accumulators)
-        out = torch.ops.coda.rope_bwd_accum(dy, y, rstd.float(), cos, sin, rot, head_dim, len(scale) == 1, *scale)
-        return out if scale else out[:2]
     if rope_bwd_pass.unit_columns(dy, y) and _one_pass(dy, scale):
         op = torch.ops.coda.rope_bwd_fp8_pass if scale else torch.ops.coda.rope_bwd_pass
         return op(dy, y, rstd.float(), cos, sin, rot, *scale)
@@ -170,35 +166,3 @@ def _traced_rope_bwd(op, math):
 
 rope_bwd_traced = _traced_rope_bwd(ref.rope_bwd_op, _rope_bwd_math)
 rope_bwd_fp8_traced = _traced_rope_bwd(ref.rope_bwd_fp8_op, _rope_bwd_fp8_math)
-
-
-@torch.library.custom_op("coda::rope_bwd_accum", mutates_args=(), device_types="cuda")
-def rope_bwd_accum(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   rot: int, head_dim: int, fp8: bool, inv_scale: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """B1 (``rope_bwd_fp8_pass``'s outputs with ``fp8``, else ``rope_bwd_pass``'s and two empty tensors) where
-    FlashAttention-4's packed backward may have handed over its fp32 accumulators instead of writing ``dy``
-    (``rope_bwd_pass.ACCUM_ENV``): from them where it did and B1 has its scale (bf16, or a delayed e5m2 scale),
-    else from dy, which FA4's postprocess writes first if it was left unwritten."""
-    handed = rope_bwd_pass.take(dy)
-    scale = (inv_scale,) if fp8 else ()
-    if handed is not None:
-        accs, scale_qk, finish = handed
-        if not (fp8 and inv_scale is None):
-            out = rope_bwd_pass.launch_accum(accs, scale_qk, y, rstd, cos, sin, None if not fp8 else inv_scale.float()
-                                             .reshape(1))
-            return out if fp8 else (*out[:2], *rope_bwd_pass.outputs(dy[:0], False)[2:])
-        finish(dy)  # (calibrating: the scale waits for the whole amax)
-    if rope_bwd_pass.unit_columns(dy, y) and _one_pass(dy, scale):
-        out = rope_bwd_pass._launch(dy, y, rstd, cos, sin, rot, inv_scale.float().reshape(1) if fp8 else None,
-                                    wrap=lambda kern: kern)
-        return (*out[:3], out[3].amax()) if fp8 else (*out[:2], *rope_bwd_pass.outputs(dy[:0], False)[2:])
-    math = _rope_bwd_fp8_math if fp8 else _rope_bwd_math
-    out = fused(math.__name__.strip("_").removesuffix("_math"), math)(dy, y, rstd, cos, sin, rot, head_dim, *scale)
-    return tuple(out) if fp8 else (*out, *rope_bwd_pass.outputs(dy[:0], False)[2:])
-
-
-@rope_bwd_accum.register_fake
-def _(dy, y, rstd, cos, sin, rot, head_dim, fp8, inv_scale=None):
-    da, zdz, daq, amax = rope_bwd_pass.outputs(dy, fp8)
-    return da, zdz, daq, amax.amax() if fp8 else amax

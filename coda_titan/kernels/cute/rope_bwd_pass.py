@@ -13,18 +13,9 @@ GPU tests' derived bounds).
 
 ``rope_bwd_op`` and ``rope_bwd_fp8_op`` are ``torch.library.triton_op``s: a compiled caller traces into
 them and inductor launches the kernel itself (the traced B1, ``TRACED``).
-
-``rope_bwd_tile_kernel`` is the same pass reading FlashAttention-4's fp32 gradient accumulators in place of the
-bf16 dq, dk, dv its backward's postprocess kernels would write (``CODA_TITAN_B1_ACCUM=1``): FA4's packed backward
-hands them over (``hand_off``), B1's op takes them (``take``). On the H100 at the 1B's shapes this read
-measured 0.211 ms a layer against 0.247 for FA4's three postprocess kernels and the pass, the same bits
-(``probe_b1_accum_…json``).
 """
 
 from __future__ import annotations
-
-import os
-import weakref
 
 import torch
 import triton
@@ -118,96 +109,3 @@ def rope_bwd_fp8_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: 
     reference) and amax |da| over the whole tensor (fp32, 0-dim)."""
     da, zdz, daq, amax = _launch(dy, y, rstd, cos, sin, rot, inv_scale.float().reshape(1))
     return da, zdz, daq, amax.amax()
-
-
-# --- B1 on FlashAttention-4's fp32 gradient accumulators -----------------------------------------------------------
-ACCUM_ENV = "CODA_TITAN_B1_ACCUM"  # "1": FA4's packed backward hands B1 its fp32 accumulators
-
-
-def accum_on() -> bool:
-    return os.environ.get(ACCUM_ENV, "0") == "1"
-
-
-@triton.jit
-def rope_bwd_tile_kernel(acc_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, inv_ptr, da_ptr, zpart_ptr, daq_ptr, apart_ptr,
-                         scale, S, s_y, H, HEAD0: tl.constexpr, NHEADS: tl.constexpr, Q: tl.constexpr,
-                         ROPE: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
-    """One (batch, 128-token tile, head) of one accumulator (columns 64 (HEAD0 + head) on), read in its storage
-    order (32 KB contiguous: offset(r, c) = c0 + 2 r3 + 4 c1 + 8 c2 + 16 r0 + 32 r1 + 64 r2 + 128 r4 + 256 r5 +
-    512 c3 + 1024 c4 + 2048 c5 + 4096 r6, ``probe_fa4_accum_layout_…json``) and put in (token, column) order by a
-    reshape and a permute of its address bits. Each value times ``scale`` is rounded to bf16 first (the dq, dk,
-    dv the postprocess writes). Writes da (and its codes), this head's zdz partial per token (zpart, M x NHEADS)
-    and its amax |da| (apart, one per program)."""
-    t, h = tl.program_id(0), tl.program_id(1)
-    nt = S // 128
-    b, ti = t // nt, t % nt
-    x = tl.load(acc_ptr + (b * H + h).to(tl.int64) * S * 64 + ti * 8192 + tl.arange(0, 8192))
-    x = tl.reshape(tl.permute(tl.reshape(x, (2, 8, 4, 8, 4, 2, 2)), (0, 2, 5, 3, 1, 4, 6)), (128, 32, 2))
-    x = (x * scale).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-    x0, x1 = tl.split(x)  # (each token's (even, odd) column pairs: a RoPE pair)
-    pos = ti * 128 + tl.arange(0, 128)
-    rows = (b * S + pos).to(tl.int64)
-    r = tl.load(rstd_ptr + rows)[:, None]
-    if ROPE:
-        pair = tl.arange(0, 32)[None, :]
-        cs = tl.load(cos_ptr + pos[:, None] * 32 + pair)
-        sn = tl.load(sin_ptr + pos[:, None] * 32 + pair)
-        da = tl.reshape(tl.join((x0 * cs + x1 * sn) * r, (x1 * cs - x0 * sn) * r), (128, 64))
-    else:
-        da = tl.reshape(tl.join(x0 * r, x1 * r), (128, 64))
-    cols = (HEAD0 + h) * 64 + tl.arange(0, 64)[None, :]
-    y = tl.load(y_ptr + rows[:, None] * s_y + cols).to(tl.float32)
-    tl.store(zpart_ptr + rows * NHEADS + HEAD0 + h, tl.sum(y * tl.reshape(x, (128, 64)), axis=1))
-    tl.store(da_ptr + rows[:, None] * Q + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"))
-    if FP8:
-        q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
-        tl.store(daq_ptr + rows[:, None] * Q + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"))
-        tl.store(apart_ptr + t * NHEADS + HEAD0 + h, tl.max(tl.max(tl.abs(da), axis=1), axis=0))
-
-
-def launch_accum(accs, scale_qk: float, y, rstd, cos, sin, inv, warps: int = 8):
-    """The pass's outputs (``rope_bwd_fp8_op``'s with ``inv``, else ``rope_bwd_op``'s with empty codes and amax)
-    from FA4's accumulators ``accs`` (dq (b, h, s 64), dk, dv (b, h_kv, s 64) fp32, dq and dk times ``scale_qk``):
-    one launch per accumulator, then zdz and the amax folded over the heads (zdz in another order than the row
-    pass's)."""
-    acc_q, acc_k, acc_v = accs
-    (b, hq, n), hkv, s = acc_q.shape, acc_k.shape[1], cos.shape[0]
-    m, q = y.shape
-    nh = hq + 2 * hkv
-    if n != s * 64 or m != b * s or q != nh * 64 or s % 128 or cos.shape[1] != 32:
-        raise ValueError(f"B1 on FA4's accumulators takes head_dim 64 and 128-token tiles, got {tuple(acc_q.shape)}, "
-                         f"y {tuple(y.shape)}, seqlen {s}")
-    fp8 = inv is not None
-    da, zdz, daq, amax = outputs(y, fp8)
-    zpart = torch.empty((m, nh), device=y.device, dtype=torch.float32)
-    apart = torch.empty((m // 128, nh) if fp8 else (0,), device=y.device, dtype=torch.float32)
-    for acc, heads, head0, rope, sc in ((acc_q, hq, 0, True, scale_qk), (acc_k, hkv, hq, True, scale_qk),
-                                        (acc_v, hkv, hq + hkv, False, 1.0)):
-        rope_bwd_tile_kernel[(m // 128, heads)](acc, y, rstd, cos, sin, inv if fp8 else rstd, da, zpart, daq, apart,
-                                                sc, s, y.stride(0), heads, HEAD0=head0, NHEADS=nh, Q=q, ROPE=rope,
-                                                FP8=fp8, FMAX=E5M2_MAX, num_warps=warps)
-    torch.sum(zpart, 1, out=zdz)
-    return da, zdz, daq, apart.amax() if fp8 else amax
-
-
-_handed: dict[int, tuple] = {}  # dqkv's address -> (a weak reference to dqkv, the accumulators, scale, finish)
-
-
-def hand_off(dqkv: torch.Tensor, accs: tuple, scale_qk: float, finish) -> None:
-    """FA4's packed backward leaves ``dqkv`` unwritten and its accumulators here for B1's op; ``finish(dqkv)``
-    writes dqkv from them (FA4's postprocess), for a B1 that reads dqkv after all. One hand-off is pending at a
-    time (each layer's B1 follows its attention's backward): an earlier one left untaken is dropped."""
-    _handed.clear()
-    _handed[dqkv.data_ptr()] = (weakref.ref(dqkv), accs, scale_qk, finish)
-
-
-def take(dy: torch.Tensor):
-    """(accumulators, scale, finish) handed over for ``dy`` (FA4's unwritten dqkv, still alive), or None."""
-    entry = _handed.pop(dy.data_ptr(), None)
-    if entry is None:
-        return None
-    ref, accs, scale_qk, finish = entry
-    base = ref()
-    if base is None or base.shape != dy.shape:
-        return None
-    return accs, scale_qk, finish

@@ -105,3 +105,61 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
         assert g["da_err_over_bound"] <= 1.0 and g["ignored_row_zero"] and g["ignored_loss_zero"], (case, g)
         assert g["corr_err_over_bound"] <= 1.0, (case, g)
     assert all(got["refusals"].values()), got["refusals"]
+
+
+def _fp8_head_case(dtype=torch.float64):
+    """The fp8 head's operands from fp64 H and W (torchao's current tensorwise e4m3 casts), every row's target a
+    token but one ignored row, and the bf16 program's inputs: H and W as their codes dequantized."""
+    from coda_titan.kernels.gemm import quantize_tensorwise
+
+    x, gamma, w = rand64(M, D), rand64(D), rand64(V, D, scale=0.5)
+    targets = torch.randint(0, V, (M,))
+    targets[2] = IGNORE_INDEX
+    h, r = deferred_norm(x, gamma)
+    (hq, s_h), (wq, s_w) = quantize_tensorwise(w=h), quantize_tensorwise(w=w)
+    fp8 = dict(hq=hq, s_h=s_h, rstd=r.to(dtype), x=x.to(dtype), gamma=gamma.to(dtype), weight_q=wq,
+               weight_tq=wq.t().contiguous(), s_w=s_w, targets=targets, chunk_rows=CFG.ce_chunk_rows)
+    plain = dict(h=hq.double() * s_h, rstd=r, x=x, gamma=gamma, weight=wq.double() * s_w, targets=targets,
+                 chunk_rows=CFG.ce_chunk_rows)
+    return fp8, plain
+
+
+def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding():
+    """In fp64: the fp8 head's loss is the bf16 program's on H and W dequantized from their e4m3 codes, and its
+    gradients differ from that program's by exactly what da's e5m2 rounding e moves: dW by e^T H, D = da W by
+    e W (dX = D gamma + x corr, corr the same), dgamma by sum_t (e W) x; each within fp64's summation error
+    (n 2^-53 of the sums of magnitudes). e is a rounding to nearest with 3 significant bits (|e| <= (2^-3 |da
+    inv| + 2^-17) / inv; subnormal spacing 2^-16), and the scale is a power of two that never saturates."""
+    from coda_titan.kernels.lm_head_ce import dlogits_inv_scale, lm_head_ce, lm_head_ce_fp8
+    from coda_titan.kernels.scaling import E5M2_MAX, quantize_e5m2
+
+    fp8, plain = _fp8_head_case()
+    loss, dx, dgamma, dw = lm_head_ce_fp8(**fp8)
+    loss0, dx0, dgamma0, dw0 = lm_head_ce(**plain)
+    torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
+    r, targets = plain["rstd"], plain["targets"]
+    inv = dlogits_inv_scale(r, targets)
+    assert inv == 2.0 ** torch.floor(torch.log2(inv)) and float(r.max() * inv) <= E5M2_MAX
+    h, w, x, gamma = plain["h"], plain["weight"], plain["x"], plain["gamma"]
+    logits = (h @ w.t()) * r[:, None]
+    valid = (targets != IGNORE_INDEX)[:, None]
+    da = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), V)) * valid * r[:, None]
+    e = quantize_e5m2(da, inv).double() / inv - da
+    assert (e.abs() <= (2.0 ** -3 * (da * inv).abs() + 2.0 ** -17) / inv).all()
+    n = 2.0 ** -53 * (max(M, V, D) + 4)
+    mag = da.abs() + e.abs()
+    assert ((dw - dw0 - e.t() @ h).abs() <= n * (mag.t() @ h.abs()) + n * dw0.abs()).all()
+    de = e @ w
+    assert ((dx - dx0 - de * gamma).abs() <= n * ((mag @ w.abs()) * gamma.abs() + x.abs() * dx0.abs())).all()
+    assert ((dgamma - dgamma0 - (de * x).sum(0)).abs() <= n * ((mag @ w.abs()) * x.abs()).sum(0) * 2).all()
+    assert (e != 0).any(), "da's rounding moved nothing: the checks above tested nothing"
+
+
+def test_fp8_head_op_fake():
+    """The op's fake has the real outputs' shapes, dtypes and strides (the other opcheck utilities perturb
+    inputs by arithmetic fp8 tensors do not have)."""
+    fp8, _ = _fp8_head_case(torch.float32)
+    args = tuple(fp8[k] for k in ("hq", "s_h", "rstd", "x", "gamma", "weight_q", "weight_tq", "s_w", "targets",
+                                  "chunk_rows"))
+    for grad in (True, False):
+        opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad), test_utils=("test_faketensor",))

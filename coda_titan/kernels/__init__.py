@@ -8,7 +8,7 @@ every precision (keyword-only functions), and its ``torch.ops.coda`` custom ops 
     norm_swiglu        F2 (GEMM + rstd + SwiGLU) and B3 (GEMM + SwiGLU bwd + zdz), bf16 and fp8
     norm_rope          F3 (GEMM + rstd + RoPE) and B1 (RoPE bwd + zdz), bf16 and fp8
     norm_residual_bwd  B2: dgrad GEMM + norm/residual backward + dgamma, bf16 and fp8
-    lm_head_ce         F4: chunked LM head + cross-entropy with its gradient
+    lm_head_ce         F4: chunked LM head + cross-entropy with its gradient, bf16 and fp8
     gemm               wgrad / dgrad, the fp8 weight pass, the fp8 weight gradient
     casts              the fp8 casts of activations (delayed scale) and gradients (current, power of two)
     scaling            fp8 formats and scale math
@@ -52,6 +52,7 @@ class Backend:
     norm_swiglu: Callable  # F2
     norm_rope: Callable  # F3
     lm_head_ce: Callable  # F4 (+ its gradient)
+    lm_head_ce_fp8: Callable  # F4 on e4m3 H and W, its gradient on e5m2 dlogits (the fp8 LM head)
     # backward
     rope_bwd: Callable  # B1
     norm_residual_bwd: Callable  # B2
@@ -107,6 +108,7 @@ TORCH = Backend(
     norm_swiglu=norm_swiglu.norm_swiglu,
     norm_rope=norm_rope.norm_rope,
     lm_head_ce=lm_head_ce.lm_head_ce,
+    lm_head_ce_fp8=lm_head_ce.lm_head_ce_fp8,
     rope_bwd=norm_rope.rope_bwd,
     norm_residual_bwd=norm_residual_bwd.norm_residual_bwd,
     swiglu_bwd=norm_swiglu.swiglu_bwd,
@@ -157,6 +159,7 @@ def op_backend(name: str = "ops", traced: dict[str, Callable] | None = None) -> 
         norm_swiglu=norm_swiglu.norm_swiglu_op,
         norm_rope=norm_rope.norm_rope_op,
         lm_head_ce=lm_head_ce.lm_head_ce_program,
+        lm_head_ce_fp8=lm_head_ce.lm_head_ce_fp8_program,
         rope_bwd=norm_rope.rope_bwd_op,
         norm_residual_bwd=norm_residual_bwd.norm_residual_bwd_op,
         swiglu_bwd=norm_swiglu.swiglu_bwd_op,

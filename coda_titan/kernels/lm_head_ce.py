@@ -24,7 +24,8 @@ import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
 from .gemm import wgrad
-from .norm_residual_bwd import norm_residual_bwd
+from .norm_residual_bwd import norm_residual_bwd, norm_residual_bwd_fp8
+from .scaling import E5M2_MAX, check_e4m3, compute_dtype, fp8_mm, inv_scale_from_amax, pow2_floor, quantize_e5m2
 
 IGNORE_INDEX = -100
 
@@ -56,18 +57,10 @@ def lm_head_ce(
         tgt = targets[rows]
         acc = mm(h[rows], weight.t())
         logits = acc * r.to(acc.dtype)[:, None]
-        valid = tgt != IGNORE_INDEX
-        safe_tgt = torch.where(valid, tgt, 0)
-        lse = torch.logsumexp(logits, dim=-1)
-        tgt_logit = logits.gather(1, safe_tgt[:, None]).squeeze(1)
-        chunk_loss = torch.where(valid, lse - tgt_logit, 0).sum()
+        chunk_loss, dp, zdz = _ce(logits, tgt, compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
             continue
-        dp = torch.softmax(logits, dim=-1)
-        dp.scatter_add_(1, safe_tgt[:, None], -torch.ones_like(dp[:, :1]))
-        dp = dp * valid[:, None]
-        zdz = (logits * dp).sum(-1)
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
         dx_c, dg_c = norm_residual_bwd(
             da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
@@ -80,6 +73,66 @@ def lm_head_ce(
     if compute_grad:
         dweight = dweight.to(weight.dtype)
     return loss, dx, dgamma, dweight
+
+
+def _ce(logits: torch.Tensor, tgt: torch.Tensor, compute_grad: bool):
+    """A chunk's (loss sum, dp = softmax - onehot, zdz = sum logits * dp) from its logits (dp and zdz None
+    without ``compute_grad``); rows with target -100 add nothing and get dp = 0."""
+    valid = tgt != IGNORE_INDEX
+    safe_tgt = torch.where(valid, tgt, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    tgt_logit = logits.gather(1, safe_tgt[:, None]).squeeze(1)
+    chunk_loss = torch.where(valid, lse - tgt_logit, 0).sum()
+    if not compute_grad:
+        return chunk_loss, None, None
+    dp = torch.softmax(logits, dim=-1)
+    dp.scatter_add_(1, safe_tgt[:, None], -torch.ones_like(dp[:, :1]))
+    dp = dp * valid[:, None]
+    return chunk_loss, dp, (logits * dp).sum(-1)
+
+
+def dlogits_inv_scale(rstd: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The e5m2 scale of the fp8 head's da = r (softmax - onehot): |softmax - onehot| <= 1, so amax |da| <= the
+    largest r of a row with a target, known before any logit is: pow2_floor(E5M2_MAX / that r) never saturates
+    and needs no amax history (at most one binade of range given up beside the current amax's scale)."""
+    r = torch.where(targets != IGNORE_INDEX, rstd.to(compute_dtype(rstd.dtype)), 0)
+    return pow2_floor(inv_scale_from_amax(r.amax(), E5M2_MAX))
+
+
+def lm_head_ce_fp8(
+    *, hq: torch.Tensor, s_h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+    weight_q: torch.Tensor, weight_tq: torch.Tensor, s_w: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
+    compute_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """F4 on fp8 operands, the fp8 LM head (torchao's formats): logits = r * s_h s_w (hq @ weight_q^T) from e4m3
+    H (H ~ hq s_h) and W (~ weight_q s_w); backward on da = r (softmax - onehot) in e5m2 at
+    ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)), and dW_out = da^T H on the same codes.
+    Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x). (loss_sum, dX, dgamma, dW_out in x's
+    dtype); the gradients None without ``compute_grad``."""
+    check_e4m3(hq, weight_q, weight_tq)
+    check_2d("hq", hq, weight_q.shape[1])
+    if targets.shape != (hq.shape[0],) or chunk_rows <= 0:
+        raise ValueError(f"targets must be ({hq.shape[0]},) and chunk_rows positive, got {tuple(targets.shape)}, "
+                         f"{chunk_rows}")
+    ct = compute_dtype(x.dtype)
+    inv_g = dlogits_inv_scale(rstd, targets).to(ct)
+    loss = dx = dgamma = dweight = None
+    for start in range(0, hq.shape[0], chunk_rows):
+        rows = slice(start, min(start + chunk_rows, hq.shape[0]))
+        r = rstd[rows].to(ct)
+        logits = fp8_mm(hq[rows], weight_q, ct) * (s_h.to(ct) * s_w.to(ct) * r)[:, None]
+        chunk_loss, dp, zdz = _ce(logits, targets[rows], compute_grad)
+        loss = chunk_loss if loss is None else loss + chunk_loss
+        if not compute_grad:
+            continue
+        daq = quantize_e5m2(dp * r[:, None], inv_g)
+        dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_tq, scale=s_w.to(ct) / inv_g, x=x[rows],
+                                              gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
+        dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
+        dx = dx_c if dx is None else torch.cat([dx, dx_c])
+        dgamma = dg_c if dgamma is None else dgamma + dg_c
+        dweight = dw_c if dweight is None else dweight + dw_c
+    return loss, dx, dgamma, None if dweight is None else dweight.to(x.dtype)
 
 
 # --- custom op -------------------------------------------------------------------------------------
@@ -116,4 +169,35 @@ def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
 def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True):
     """``lm_head_ce`` through the op (the ``cute`` backend's program): None for gradients not computed."""
     loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)
+
+
+@program_op("lm_head_ce_fp8")
+def lm_head_ce_fp8_op(
+    hq: torch.Tensor, s_h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+    weight_q: torch.Tensor, weight_tq: torch.Tensor, s_w: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, dx, dgamma, dw = lm_head_ce_fp8(hq=hq, s_h=s_h, rstd=rstd, x=x, gamma=gamma, weight_q=weight_q,
+                                          weight_tq=weight_tq, s_w=s_w, targets=targets, chunk_rows=chunk_rows,
+                                          compute_grad=compute_grad)
+    if dx is None:
+        ct = compute_dtype(x.dtype)
+        return loss, x.new_empty((0,)), x.new_empty((0,), dtype=ct), x.new_empty((0,))
+    return loss, dx, dgamma, dw
+
+
+@lm_head_ce_fp8_op.register_fake
+def _(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad):
+    ct = compute_dtype(x.dtype)
+    loss = x.new_empty((), dtype=ct)
+    if not compute_grad:
+        return loss, x.new_empty((0,)), x.new_empty((0,), dtype=ct), x.new_empty((0,))
+    return loss, torch.empty_like(x), x.new_empty(gamma.shape, dtype=ct), x.new_empty(weight_q.shape)
+
+
+def lm_head_ce_fp8_program(*, compute_grad: bool = True, **kw):
+    """``lm_head_ce_fp8`` through the op: None for gradients not computed."""
+    loss, dx, dgamma, dw = lm_head_ce_fp8_op(kw["hq"], kw["s_h"], kw["rstd"], kw["x"], kw["gamma"], kw["weight_q"],
+                                             kw["weight_tq"], kw["s_w"], kw["targets"], kw["chunk_rows"], compute_grad)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)

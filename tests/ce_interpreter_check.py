@@ -63,6 +63,43 @@ for name, given in (("parts", parts_empty), ("lse", lse[:, None])):
         "corr_err_over_bound": float(((corr - corr_r).abs() / (rstd * rstd / d * zb + 2 * U * corr_r.abs() + 1e-30)).max()),
     }
 
+# the fp8 head's pass: the codes of da * inv. The interpreter's own fp32 -> e5m2 rounding (which is not the GPU's:
+# it can drop a rounding carry a binade, 127.8 -> 64) is applied to the reference values at the ends of their error
+# interval (p off by exp's 4 units and the lse error, as above): each code is one of those; zdz within corr's zdz
+# bound
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _cast(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < N)
+    tl.store(y_ptr + i, tl.clamp(x, -57344.0, 57344.0).to(tl.float8e5, fp_downcast_rounding="rtne"), mask=i < N)
+
+
+def interp_e5m2(v):
+    out = torch.empty(v.shape, dtype=torch.float8_e5m2)
+    _cast[(triton.cdiv(v.numel(), 1024),)](v.contiguous(), out, v.numel(), BLOCK=1024)
+    return out.float()
+
+
+inv = torch.tensor(2.0 ** 14)
+buf, loss_rows = logits.clone(), torch.full((rows,), float("nan"))
+daq, zdz = ce_pass.ce_grad_e5m2(buf, parts, tgt_logit, targets, rstd, inv, ref.IGNORE_INDEX, loss_rows)
+lse_k = torch.where(valid, loss_rows + tgt_logit, lse)
+dl = (lse_k - lse).abs()
+v, err = da_f * inv, (4 * U + dl[:, None]) * p * r[:, None] * inv
+ends = [interp_e5m2(v - err), interp_e5m2(v), interp_e5m2(v + err)]
+got["fp8"] = {
+    "logits_kept": torch.equal(buf, logits), "daq_dtype": str(daq.dtype), "daq_shape": list(daq.shape),
+    "codes_outside": int((~((daq.float() == ends[0]) | (daq.float() == ends[1]) | (daq.float() == ends[2]))).sum()),
+    "codes_moved": int((daq.float() != ends[1]).sum()),
+    "zdz_err_over_bound": float(((zdz - zdz_r).abs() / ((2 * (vocab - 1) * U + dl) * (p * lf).abs().sum(-1) + 1e-30))
+                                .max()),
+    "ignored_row_zero": bool((daq[1].float() == 0).all()) and float(zdz[1]) == 0.0,
+}
+
 got["refusals"] = {
     "parts_rows": refuses(ce_pass.ce_grad_inplace, logits.clone(), parts[:2], tgt_logit, targets, rstd,
                           ref.IGNORE_INDEX, d, says="log-sum-exp partials"),

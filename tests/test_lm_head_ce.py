@@ -96,7 +96,9 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     error move p; corr = -(r^2 / d) zdz within its zdz's error (the row sum in another order, 2 (V - 1)
     units of the sum of its terms' magnitudes, and the terms' p) plus two roundings; an ignored row has
     da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
-    are refused."""
+    are refused. The fp8 head's mode (``ce_grad_e5m2``) leaves the logits and writes da's e5m2 codes (each the
+    interpreter's rounding of a value within p's error of da * inv, and most of da * inv itself) and zdz (corr's
+    zdz bound)."""
     got = run_interpreter_check("ce_interpreter_check.py")
     for case in ("parts", "lse"):
         g = got[case]
@@ -104,6 +106,9 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
         assert g["lse_err_over_bound"] <= 1.0 and g["loss_err_over_bound"] <= 1.0, (case, g)
         assert g["da_err_over_bound"] <= 1.0 and g["ignored_row_zero"] and g["ignored_loss_zero"], (case, g)
         assert g["corr_err_over_bound"] <= 1.0, (case, g)
+    g, rows_cols = got["fp8"], 6 * 5000  # (the fp8 head's pass: the codes of values within p's error, zdz's bound)
+    assert g["logits_kept"] and g["daq_dtype"] == "torch.float8_e5m2" and g["ignored_row_zero"], g
+    assert g["codes_outside"] == 0 and g["codes_moved"] < 0.01 * rows_cols and g["zdz_err_over_bound"] <= 1.0, g
     assert all(got["refusals"].values()), got["refusals"]
 
 

@@ -14,6 +14,10 @@ the log-sum-exp fold of the GEMM epilogue's per-N-tile partials (``torch.logsume
 where infinite, the sum of exp(x - max), its log plus the max), the row's loss term (lse - target logit,
 0 where ignored) and B2's row vector corr = -(r * r / d) * zdz (aten's division by a Python scalar: r * r
 times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same way).
+
+``ce_grad_e5m2`` is the same pass for the fp8 head (``lm_head_ce.lm_head_ce_fp8``): da's e5m2 codes at the
+head's power-of-two scale into a buffer of their own (from da's fp32 value, not its bf16 rounding), zdz in
+place of corr (the fp8 B2 takes zdz), the logits left as they are. Not yet run on the GPU.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..scaling import E5M2, E5M2_MAX
 from .row_vectors import fp32_reciprocal
 
 
 @triton.jit
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
-                        IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+                        daq_ptr, inv_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+                        FP8: tl.constexpr, FMAX: tl.constexpr):
     row = tl.program_id(0)
     pcols = tl.arange(0, PBLOCK)
     parts = tl.load(parts_ptr + row.to(tl.int64) * NT + pcols, mask=pcols < NT, other=-float("inf"))
@@ -47,10 +53,15 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         p = tl.where(inside, tl.exp(lf - lse), 0.0)
         acc += p * lf
         da = (p - tl.where(cols == target, 1.0, 0.0)) * r
-        tl.store(base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
+        if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
+            q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
+            tl.store(daq_ptr + row.to(tl.int64) * V + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"),
+                     mask=inside)
+        else:
+            tl.store(base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
     tlogit = tl.load(tlogit_ptr + row)
     zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
-    tl.store(corr_ptr + row, -((rstd * rstd) * inv_d) * zdz)
+    tl.store(corr_ptr + row, zdz if FP8 else -((rstd * rstd) * inv_d) * zdz)
     tl.store(loss_ptr + row, tl.where(valid, lse - tlogit, 0.0))
 
 
@@ -63,8 +74,23 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     targets (rows,) integer. Each row's loss term (lse - target logit, 0 where ignored) goes to ``loss_rows``
     (rows,) fp32 when given. ``block`` columns per step of a row's program, ``num_warps`` per program
     (``scripts/probes/ce_pass.py`` times the choices)."""
+    return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows, None, block, num_warps)
+
+
+def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
+                 rstd: torch.Tensor, inv_scale: torch.Tensor, ignore_index: int, loss_rows: torch.Tensor | None = None,
+                 block: int = 4096, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 head's pass: (daq, zdz), daq (rows, V) the e5m2 codes of da * ``inv_scale`` (0-dim or (1,) fp32;
+    saturated, rounded to nearest even from da's fp32 value), zdz (rows,) fp32 (B2 fp8 takes zdz, not corr);
+    the logits are read, not written. Otherwise ``ce_grad_inplace``."""
+    return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, 1, loss_rows,
+                    inv_scale.float().reshape(1), block, num_warps)
+
+
+def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
+             num_warps: int):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
-        raise ValueError(f"the in-place CE gradient takes contiguous bf16 logits, got {logits.dtype}")
+        raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
     if lse_parts.dim() != 2 or lse_parts.shape[0] != rows:
         raise ValueError(f"the in-place CE gradient takes (rows, n) log-sum-exp partials for its {rows} rows, got "
@@ -76,7 +102,10 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
                          f"{tuple(loss_rows.shape)}")
     parts = lse_parts.float().contiguous()
     inv_d = fp32_reciprocal(dim)
+    fp8 = inv is not None
+    daq = torch.empty((rows, vocab) if fp8 else (0,), device=logits.device, dtype=E5M2)
     ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
-                                 parts.shape[1], inv_d, IGNORE=ignore_index, BLOCK=block,
-                                 PBLOCK=triton.next_power_of_2(parts.shape[1]), num_warps=num_warps)
-    return logits, corr
+                                 parts.shape[1], inv_d, daq, inv if fp8 else corr, IGNORE=ignore_index, BLOCK=block,
+                                 PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
+                                 num_warps=num_warps)
+    return (daq if fp8 else logits), corr

@@ -336,11 +336,14 @@ def test_transpose_8bit_moves_the_bytes_in_the_interpreter():
     takes of a row-major fp8 operand) run by Triton's CPU interpreter (``tests/transpose_interpreter_check.py``,
     a subprocess) against ``x.t().contiguous()``: every byte the same (NaN codes included: nothing may
     convert them), on whole and partial tiles, both fp8 dtypes kept; a transposed view of a token-major
-    buffer is that buffer (no copy), and a strided input is refused; ``token_major`` takes the pass or
+    buffer is that buffer (no copy), a strided input is refused, and ``launch`` writes into a column block of a
+    wider buffer (its rows at their stride) and nothing beside it; ``token_major`` takes the pass or
     inductor's copy as its operand and ``CODA_TITAN_T8`` say, the same bytes either way. The cast-and-transpose
     pass (``cast_transpose_e5m2``, B1's da for dW_qkv) on values it must map to exact e5m2 codes, and beyond
     the range: the saturated codes of ``quantize_e5m2``, token-major (its rounding: the GPU test)."""
     got = run_interpreter_check("transpose_interpreter_check.py")
+    block = got.pop("into_a_column_block")  # (``launch`` into a column block of a wider buffer: that block only)
+    assert block == {"bytes_apart": 0, "outside_kept": True} and got.pop("refuses_a_column_out"), block
     cast = got.pop("cast_e5m2")
     assert cast["bytes_apart"] == 0 and cast["shape"] == [70, 100] and cast["contiguous"], cast
     assert cast["dtype"] == "torch.float8_e5m2" and cast["saturated"] == [57344.0, -57344.0, 57344.0], cast

@@ -1,6 +1,8 @@
 """F4 lm_head_ce: backward (gradcheck, fp64), equality with the full-logits cross-entropy for every chunk
 size, the op (with and without gradients), and the cute kernel against the reference (GPU)."""
 
+import os
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -168,3 +170,48 @@ def test_fp8_head_op_fake():
                                   "chunk_rows"))
     for grad in (True, False):
         opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad), test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+def test_cute_fp8_head_matches_reference():
+    """The fp8 head's CUDA program (e4m3 GEMM with the CE epilogue, ``ce_grad_e5m2``, the fp8 B2, dW as one
+    ``_scaled_mm``) against its reference on the same codes (fp32, the GPU): the loss within the logits' bf16
+    rounding (the epilogue stores D in bf16; each logit within 2^-9 of itself moves a row's lse and target logit
+    by at most 2^-9 max |logit| each) plus fp32 units of the sum; dX, dgamma and dW within a tenth of what the
+    fp8 casts themselves move them (the reference against the bf16 program on the dequantized codes), as the other
+    fp8 programs' GPU tests; with and without gradients."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.gemm import quantize_tensorwise
+    from coda_titan.kernels.lm_head_ce import lm_head_ce, lm_head_ce_fp8
+    from coda_titan.kernels.scaling import E4M3
+
+    from .helpers import log_bound, rel
+
+    os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    m, d, v = 2048, 2048, 8192
+    x = torch.randn(m, d, generator=gen, device="cuda").to(torch.bfloat16)
+    gamma = (torch.rand(d, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    w = (torch.randn(v, d, generator=gen, device="cuda") * d ** -0.5).to(torch.bfloat16)
+    targets = torch.randint(0, v, (m,), generator=gen, device="cuda")
+    targets[::97] = IGNORE_INDEX
+    h, r = deferred_norm(x.float(), gamma.float())
+    (hq, s_h), (wq, s_w) = quantize_tensorwise(w=h), quantize_tensorwise(w=w)
+    assert hq.dtype == wq.dtype == E4M3
+    kw = dict(hq=hq, s_h=s_h, rstd=r, x=x, gamma=gamma, weight_q=wq, weight_tq=wq.t().contiguous(), s_w=s_w,
+              targets=targets, chunk_rows=1024)
+    args = [kw[k] for k in ("hq", "s_h", "rstd", "x", "gamma", "weight_q", "weight_tq", "s_w", "targets", "chunk_rows")]
+    got = torch.ops.coda.lm_head_ce_fp8(*args, True)
+    want = lm_head_ce_fp8(**kw)
+    plain = lm_head_ce(h=hq.float() * s_h, rstd=r, x=x.float(), gamma=gamma.float(), weight=wq.float() * s_w,
+                       targets=targets, chunk_rows=1024)
+    logits_max = ((hq.float() @ wq.float().t()) * (s_h * s_w) * r[:, None]).abs().amax(-1)
+    loss_bound = float((2 * 2.0 ** -9 * logits_max).sum()) + 2.0 ** -24 * m * float(want[0].abs())
+    log_bound("fp8_head_loss", measured=float((got[0] - want[0]).abs()), bound=loss_bound)
+    assert float((got[0] - want[0]).abs()) <= loss_bound
+    for i, name in ((1, "dx"), (2, "dgamma"), (3, "dw")):
+        effect = rel(want[i].float(), plain[i].float())
+        log_bound(f"fp8_head_{name}", measured=rel(got[i].float(), want[i].float()), bound=0.1 * effect)
+        assert got[i].shape == want[i].shape and rel(got[i].float(), want[i].float()) < 0.1 * effect, (name, effect)
+    loss_only = torch.ops.coda.lm_head_ce_fp8(*args, False)
+    assert float((loss_only[0] - want[0]).abs()) <= loss_bound and loss_only[1].numel() == 0

@@ -25,6 +25,13 @@ for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             "dtype": str(y.dtype), "shape": list(y.shape), "contiguous": y.is_contiguous(),
             "bytes_apart": int((y.view(torch.uint8) != ref.view(torch.uint8)).sum()),
         }
+# into a column block of a wider token-major buffer (the fp8 head's dlogits chunks): that block written, the rest kept
+wide = torch.zeros(70, 300, dtype=torch.uint8)
+x = torch.randint(1, 256, (100, 70), dtype=torch.uint8)
+tr.launch(x, wide[:, 150:250])
+got["into_a_column_block"] = {"bytes_apart": int((wide[:, 150:250] != x.t()).sum()),
+                              "outside_kept": bool((wide[:, :150] == 0).all() and (wide[:, 250:] == 0).all())}
+got["refuses_a_column_out"] = refuses(tr.launch, x, torch.zeros(100, 70, dtype=torch.uint8).t(), says="unit stride")
 x = torch.zeros(64, 64, dtype=torch.uint8).view(torch.float8_e5m2)
 got["token_major_of_a_view_is_the_buffer"] = tr.token_major(x.t()).data_ptr() == x.data_ptr()
 calls, the_pass = [], tr.transpose_8bit

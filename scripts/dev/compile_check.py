@@ -143,6 +143,19 @@ def _f1_q_fp8(config=None, m=512, k=256, d=256, transposed=False):
         inv_scale=torch.ones(1))
 
 
+def _f4_fp8(m=512, k=256, v=1024):
+    """F4 on the fp8 mainloop (``coda::lm_head_ce_fp8``'s quack call: e4m3 H and W, the CE epilogue), on quack's
+    default config."""
+    import torch
+
+    from coda_titan.kernels.cute.epilogues import rstd_lse_target_epi
+    from coda_titan.kernels.scaling import E4M3
+
+    hq, wq = torch.zeros(m, k, dtype=E4M3), torch.zeros(v, k, dtype=E4M3)
+    rstd_lse_target_epi(hq, wq.t(), None, out={"D": torch.empty(m, v, dtype=torch.bfloat16)}, tuned=False,
+                        rstd=torch.ones(m), target=torch.zeros(m, dtype=torch.int64))
+
+
 def _b2(config=None, m=512, k=512, d=256):
     """B2 (bf16): quack's ``rms_bwd_apply_epi`` as ``coda::norm_residual_bwd`` calls it, on a pinned config."""
     import torch
@@ -264,6 +277,7 @@ PROGRAMS = {
         "scripts.probes.b3_math", "lite_t_yq_q_epi"))),
     "f2_qa": lambda: _f2_qa(),
     "f1": lambda: _f1(),
+    "f4_fp8": lambda: _f4_fp8(),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),
     "f1_q_fp8_t": lambda: _f1_q_fp8(transposed=True),

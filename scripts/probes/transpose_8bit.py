@@ -63,7 +63,7 @@ def main() -> int:
         def triton_pass(block, warps):  # (the kernel launched directly: wrap_triton outside an op is host-bound)
             out, xb = torch.empty((k, m), device="cuda", dtype=torch.uint8), x.view(torch.uint8)
             grid = (triton.cdiv(m, block), triton.cdiv(k, block))
-            return lambda: tr.transpose_8bit_kernel[grid](xb, out, m, k, BM=block, BK=block, num_warps=warps)
+            return lambda: tr.transpose_8bit_kernel[grid](xb, out, m, k, m, BM=block, BK=block, num_warps=warps)
 
         alone = torch.compile(lambda t: t.t().contiguous(), fullgraph=True, dynamic=False)
         with_scale = torch.compile(lambda t, s: (t.t().contiguous(), s.float().reciprocal()), fullgraph=True,

@@ -9,6 +9,11 @@ chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no 
 one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
+
+``coda::lm_head_ce_fp8`` (the fp8 head; not yet run on the GPU): the same epilogue on the e4m3 GEMM (the codes'
+scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
+the fp8 B2 on them and W^T's codes, each chunk's codes copied token-major into one buffer, and dW as one fp8
+GEMM over every token (cuBLAS's ``_scaled_mm``: e5m2 da^T times e4m3 H).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from quack.gemm_interface import gemm_add, gemm_add_inplace
 
 from .. import lm_head_ce as ref
 from . import stages
-from .ce_grad_pass import ce_grad_inplace
-from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported
+from ..scaling import E5M2
+from . import transpose_8bit
+from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
+from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 from .epilogues import rstd_lse_target_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
 
@@ -89,3 +96,45 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
+
+
+@torch.library.register_kernel("coda::lm_head_ce_fp8", "cuda")
+def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad):
+    why = unsupported(x) or unsupported_fp8(hq, weight_q, weight_tq)
+    if why:
+        return fallback(ref.lm_head_ce_fp8_op, why, hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets,
+                        chunk_rows, compute_grad)
+    m, d = hq.shape
+    vocab = weight_q.shape[0]
+    rstd = rstd.float()
+    scale = (s_h.float() * s_w.float()).reshape(())
+    inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
+    loss_rows = torch.empty(m, device=x.device, dtype=torch.float32)
+    if compute_grad:
+        dx, dgamma = torch.empty_like(x), torch.zeros(d, device=x.device, dtype=torch.float32)
+        daq_t = torch.empty((vocab, m), device=x.device, dtype=E5M2)  # (every chunk's codes, token-major)
+    logits_buf = x.new_empty((min(chunk_rows, m), vocab))
+    for start in range(0, m, chunk_rows):
+        stop = min(start + chunk_rows, m)
+        r, t = rstd[start:stop], targets[start:stop]
+        logits = logits_buf[: stop - start]
+        with first_call("lm_head_ce_fp8", hq, weight_q):
+            res = gemm(rstd_lse_target_epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
+                       target=t)
+        parts, tl = res["lse"], res["target_logit"]
+        if not compute_grad:
+            lse = torch.logsumexp(parts, dim=-1)
+            loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)
+            continue
+        daq, zdz = ce_grad_e5m2(logits, parts, tl, t, r, inv_g, ref.IGNORE_INDEX, loss_rows[start:stop])
+        dx_c, dg_c, _ = torch.ops.coda.norm_residual_bwd_fp8(daq, weight_tq, s_w.float() / inv_g, x[start:stop],
+                                                             gamma, r, zdz, None)
+        dx[start:stop] = dx_c
+        dgamma += dg_c
+        transpose_8bit.launch(daq, daq_t[:, start:stop])
+    loss = loss_rows.sum()
+    if not compute_grad:
+        return loss, x.new_empty((0,)), x.new_empty((0,), dtype=torch.float32), x.new_empty((0,))
+    hq_t = transpose_8bit.transpose_8bit(hq)
+    dw = torch._scaled_mm(daq_t, hq_t.t(), inv_g.reciprocal(), s_h.float().reshape(()), out_dtype=x.dtype)
+    return loss, dx, dgamma, dw

@@ -46,12 +46,12 @@ BLOCK = 64  # (a 64 x 64 byte tile per program: 0.042 ms for B1's codes, probe_t
 
 
 @triton.jit
-def transpose_8bit_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+def transpose_8bit_kernel(x_ptr, y_ptr, M, K, LD, BM: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     tile = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask)
-    tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+    tl.store(y_ptr + rk[:, None].to(tl.int64) * LD + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -221,10 +221,13 @@ def delayed_e4m3_t_op(x: torch.Tensor, inv_scale: torch.Tensor) -> tuple[torch.T
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
-    """``out`` (K, M) = x (M, K) transposed, both contiguous, 1-byte (the probe's entry: tile sizes)."""
+    """``out`` (K, M) = x (M, K) transposed, 1-byte, x contiguous and ``out``'s rows of consecutive elements at
+    any row stride (a column block of a wider token-major buffer; the probe's entry: tile sizes)."""
     m, k = x.shape
+    if out.shape != (k, m) or out.stride(1) != 1:
+        raise ValueError(f"transpose_8bit writes ({k}, {m}) rows of unit stride, got {tuple(out.shape)} {out.stride()}")
     grid = (triton.cdiv(m, block), triton.cdiv(k, block))
-    wrap_triton(transpose_8bit_kernel)[grid](x, out, m, k, BM=block, BK=block, num_warps=num_warps)
+    wrap_triton(transpose_8bit_kernel)[grid](x, out, m, k, out.stride(0), BM=block, BK=block, num_warps=num_warps)
     return out
 
 

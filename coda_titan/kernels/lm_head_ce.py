@@ -116,7 +116,8 @@ def lm_head_ce_fp8(
                          f"{chunk_rows}")
     ct = compute_dtype(x.dtype)
     inv_g = dlogits_inv_scale(rstd, targets).to(ct)
-    loss = dx = dgamma = dweight = None
+    loss = dgamma = dweight = None
+    dxs = []
     for start in range(0, hq.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, hq.shape[0]))
         r = rstd[rows].to(ct)
@@ -129,10 +130,10 @@ def lm_head_ce_fp8(
         dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_tq, scale=s_w.to(ct) / inv_g, x=x[rows],
                                               gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
         dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
-        dx = dx_c if dx is None else torch.cat([dx, dx_c])
+        dxs.append(dx_c)
         dgamma = dg_c if dgamma is None else dgamma + dg_c
         dweight = dw_c if dweight is None else dweight + dw_c
-    return loss, dx, dgamma, None if dweight is None else dweight.to(x.dtype)
+    return loss, torch.cat(dxs) if dxs else None, dgamma, None if dweight is None else dweight.to(x.dtype)
 
 
 # --- custom op -------------------------------------------------------------------------------------
@@ -181,10 +182,7 @@ def lm_head_ce_fp8_op(
     loss, dx, dgamma, dw = lm_head_ce_fp8(hq=hq, s_h=s_h, rstd=rstd, x=x, gamma=gamma, weight_q=weight_q,
                                           weight_tq=weight_tq, s_w=s_w, targets=targets, chunk_rows=chunk_rows,
                                           compute_grad=compute_grad)
-    if dx is None:
-        ct = compute_dtype(x.dtype)
-        return loss, x.new_empty((0,)), x.new_empty((0,), dtype=ct), x.new_empty((0,))
-    return loss, dx, dgamma, dw
+    return op_outputs(loss, dx, dgamma, dw, h=x, weight=x)
 
 
 @lm_head_ce_fp8_op.register_fake
@@ -196,8 +194,9 @@ def _(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, co
     return loss, torch.empty_like(x), x.new_empty(gamma.shape, dtype=ct), x.new_empty(weight_q.shape)
 
 
-def lm_head_ce_fp8_program(*, compute_grad: bool = True, **kw):
+def lm_head_ce_fp8_program(*, hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows: int,
+                           compute_grad: bool = True):
     """``lm_head_ce_fp8`` through the op: None for gradients not computed."""
-    loss, dx, dgamma, dw = lm_head_ce_fp8_op(kw["hq"], kw["s_h"], kw["rstd"], kw["x"], kw["gamma"], kw["weight_q"],
-                                             kw["weight_tq"], kw["s_w"], kw["targets"], kw["chunk_rows"], compute_grad)
+    loss, dx, dgamma, dw = lm_head_ce_fp8_op(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows,
+                                             compute_grad)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)

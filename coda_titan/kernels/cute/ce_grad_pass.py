@@ -93,7 +93,7 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
     if lse_parts.dim() != 2 or lse_parts.shape[0] != rows:
-        raise ValueError(f"the in-place CE gradient takes (rows, n) log-sum-exp partials for its {rows} rows, got "
+        raise ValueError(f"the CE gradient pass takes (rows, n) log-sum-exp partials for its {rows} rows, got "
                          f"{tuple(lse_parts.shape)}")
     corr = torch.empty(rows, device=logits.device, dtype=torch.float32)
     loss_rows = torch.empty_like(corr) if loss_rows is None else loss_rows

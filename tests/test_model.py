@@ -369,7 +369,8 @@ def _models(**kw):
         fp8_mlp_wgrad_e5m2=kw.get("fp8_mlp_wgrad_e5m2", False), fp8_down_wgrad=kw.get("fp8_down_wgrad", False),
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
         fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False), fp8_out_bwd=kw.get("fp8_out_bwd", False),
-        fp8_preact=kw.get("fp8_preact", False), fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
+        fp8_preact=kw.get("fp8_preact", False), fp8_lm_head=kw.get("fp8_lm_head", False),
+        fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
         fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
     fp8 = CodaTransformer(fp8_args)
@@ -1260,6 +1261,33 @@ def test_fp8_qkv_wgrad_takes_dw_qkv_from_f3s_e4m3_h_and_keeps_no_bf16_h():
     h_bytes = tokens.numel() * dim * torch.empty(()).element_size()
     assert saved["off"] - saved["on"] == n * (h_bytes - tokens.numel() * dim - 4), saved
     _assert_moves_only((bf16, off, on), tokens, labels, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"))
+
+
+def test_fp8_lm_head_runs_the_head_on_the_casts_of_h_and_w_and_tracks_the_model_without_it():
+    """``fp8_lm_head``: the LM head runs ``lm_head_ce_fp8`` (once a step, no bf16 head) on torchao's current
+    tensorwise e4m3 casts of the head's H and W and W^T's codes; the loss and the output weight's gradient are
+    that program's (the loss is the sum, its gradient 1); the loss and every gradient track the model without it
+    (its error reaches every gradient below the head)."""
+    from coda_titan.kernels import TORCH
+
+    bf16, off = _models()
+    _, on = _models(fp8_lm_head=True)
+    calls = _spy(on, ("lm_head_ce", "lm_head_ce_fp8"), lambda name, k: (name, k))
+    heads = _spy(off, ("lm_head_ce",), lambda name, k: k["h"])
+    tokens, labels = _batch(on.model_args.vocab_size)
+    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
+    loss_off.backward()
+    loss_on.backward()
+    assert [name for name, _ in calls] == ["lm_head_ce_fp8"]
+    kw = calls[0][1]
+    wq, s_w = TORCH.quantize_tensorwise(w=on.output.weight.detach())
+    assert torch.equal(kw["weight_q"].view(torch.uint8), wq.view(torch.uint8)) and torch.equal(kw["s_w"], s_w)
+    assert torch.equal(kw["weight_tq"].view(torch.uint8), wq.t().contiguous().view(torch.uint8))
+    hq, s_h = TORCH.quantize_tensorwise(w=heads[0])  # (the head's H, as the model without it hands it over)
+    assert torch.equal(kw["hq"].view(torch.uint8), hq.view(torch.uint8)) and torch.equal(kw["s_h"], s_h)
+    loss, _, _, dw = TORCH.lm_head_ce_fp8(**kw)
+    assert torch.equal(loss_on.detach(), loss) and torch.equal(on.output.weight.grad, dw.to(on.output.weight.dtype))
+    _assert_tracks(loss_off, loss_on, _grads(off), _grads(on))
 
 
 def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_down_projections_h_t():

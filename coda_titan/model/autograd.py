@@ -50,6 +50,7 @@ class ProgramConfig:
     fp8_qkv_wgrad: bool = False  # dW_qkv on fp8 from F3's e4m3 H, which is kept instead of H (``fp8_qkv_wgrad``)
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
     fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
+    fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
 
 
 def _weight_t(cfg: ProgramConfig, w_t: torch.Tensor | None) -> torch.Tensor | None:
@@ -331,14 +332,20 @@ LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "com
 
 
 class LMHeadCE(torch.autograd.Function):
-    """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward."""
+    """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
+    ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
-        loss, dx, dgamma, dw = cfg.backend.lm_head_ce(
-            h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets,
-            chunk_rows=cfg.ce_chunk_rows, compute_grad=compute_grad,
-        )
+        be, kw = cfg.backend, dict(rstd=rstd, x=x, gamma=gamma, targets=targets, chunk_rows=cfg.ce_chunk_rows,
+                                   compute_grad=compute_grad)
+        if cfg.fp8_lm_head:
+            (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=weight)
+            loss, dx, dgamma, dw = be.lm_head_ce_fp8(hq=hq, s_h=s_h, weight_q=wq, weight_tq=be.fp8_weight_t(w=wq),
+                                                     s_w=s_w, **kw)
+            dw = dw if dw is None else dw.to(weight.dtype)
+        else:
+            loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, **kw)
         if compute_grad:
             ctx.save_for_backward(dx, dgamma, dw)
             ctx.gamma_dtype = gamma.dtype

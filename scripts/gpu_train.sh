@@ -100,6 +100,7 @@
 #                  arithmetic's share of its time, at the cap)
 #     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
 #     lmheadfp8    scripts/probes/lm_head_fp8.py: the 1B LM head's GEMMs in bf16 (as run) against fp8 tensorwise, at the cap
+#     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -481,6 +482,16 @@ for phase in "$@"; do
       ;;
     lmheadfp8)
       probe lmheadfp8 lm_head_fp8 'summary|graphed|Error|error' 700
+      ;;
+    fp8head)
+      # the fp8 LM head: the GPU tests of the programs it touches (the bf16 head's too: the CE pass and the 8-bit
+      # transpose changed), then its program against the bf16 head's (and the bare GEMMs) at the cap
+      CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lm_head_ce.py \
+        tests/test_gemm.py -k "lm_head or fp8_head or transpose" -rfE --tb=short -W ignore::DeprecationWarning \
+        > "$logs/pytest_gpu.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
+      python3 -m scripts.probes.lm_head_fp8 --programs > "$logs/lm_head_fp8_programs.log" 2>&1
+      echo "fp8head rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/lm_head_fp8_programs.log" | cut -c1-900
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"

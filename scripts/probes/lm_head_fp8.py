@@ -10,7 +10,9 @@ the configs' ``ce_chunk_rows``), each arm one CUDA graph at the cap (``scripts.b
 
 ``*_fwd`` / ``*_dgrad`` / ``*_wgrad`` time one family, ``*_all`` the three together. The operands' casts and
 transposed copies (W^T e4m3 once a step; G and G^T e5m2 in the CE's epilogue) are not in the fp8 arms: this is
-the ceiling of the lever, not a design. Writes ``$OUT/probe_lm_head_fp8_<gpu>.json``.
+the ceiling of the lever, not a design. With ``--programs`` (added after the first run), two more arms: the
+head's whole programs as the model calls them, ``coda::lm_head_ce`` (bf16) against the casts of H and W, W^T's
+codes and ``coda::lm_head_ce_fp8``. Writes ``$OUT/probe_lm_head_fp8_<gpu>.json``.
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.lm_head_fp8      (gpu_train.sh lmheadfp8)
 """
@@ -74,14 +76,39 @@ def arms(t: dict) -> dict:
     return out
 
 
+def program_arms(t: dict) -> dict:
+    """The head's programs on the cute backend, gradients on: bf16 as configured, and fp8 with its casts."""
+    from coda_titan.kernels import get_backend
+
+    be = get_backend("cute")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(M, K, device="cuda", generator=gen).to(BF)
+    gamma = (torch.rand(K, device="cuda", generator=gen) + 0.5).to(BF)
+    rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-5)
+    h = (x.float() * gamma.float()).to(BF)
+    targets = torch.randint(0, V, (M,), device="cuda", generator=gen)
+    kw = dict(rstd=rstd, x=x, gamma=gamma, targets=targets, chunk_rows=CHUNK, compute_grad=True)
+
+    def fp8():
+        (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=t["w"])
+        return be.lm_head_ce_fp8(hq=hq, s_h=s_h, weight_q=wq, weight_tq=be.fp8_weight_t(w=wq), s_w=s_w, **kw)
+
+    return {"program_bf16": lambda: be.lm_head_ce(h=h, weight=t["w"], **kw), "program_fp8": fp8}
+
+
 def main():
+    import argparse
+
     from scripts.bench.common import arms_at_cap, header, log_row, out_json
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--programs", action="store_true", help="also the head's whole bf16 and fp8 programs")
+    a = ap.parse_args()
     t = operands()
     doc = {**header(), "kind": "probe_lm_head_fp8", "shapes": {"M": M, "V": V, "K": K, "chunk": CHUNK},
            "seconds": SECONDS, "rows": []}
     path = out_json("probe_lm_head_fp8")
-    arms_at_cap(doc, arms(t), path, SECONDS, ROUNDS)
+    arms_at_cap(doc, {**arms(t), **(program_arms(t) if a.programs else {})}, path, SECONDS, ROUNDS)
     log_row(doc, "rows", {"summary": {k: v for k, v in doc.items() if k.startswith("median_ms_")}}, path)
 
 

@@ -101,6 +101,7 @@
 #     fa4accum     scripts/probes/fa4_accum_layout.py: the storage order of FA4's fp32 dq / dk / dv accumulators (SM90)
 #     lmheadfp8    scripts/probes/lm_head_fp8.py: the 1B LM head's GEMMs in bf16 (as run) against fp8 tensorwise, at the cap
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
+#     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -495,6 +496,9 @@ for phase in "$@"; do
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"
+      ;;
+    fp8headparity)
+      curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"
       ;;
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \

@@ -231,13 +231,19 @@ def fp8_mma_error(aq: torch.Tensor, bq_t: torch.Tensor, scale: torch.Tensor) -> 
     its own rounding steps. The same accumulator's error on the same operands, measured as
     c = max |cuBLAS fast-accumulation - exact| / P (another order), bounds it: 2 c P + 2^-24 |exact|
     (the fp32 result's own rounding)."""
-    one = torch.ones((), device=aq.device)
     s = scale.double()
-    exact = (aq.double() @ bq_t.double().t()) * s
-    p = (aq.double().abs() @ bq_t.double().abs().t()) * s
+    c, exact, p = fp8_mma_c(aq, bq_t)
+    return 2 * c * p * s + 2.0**-24 * exact.abs() * s, exact * s
+
+
+def fp8_mma_c(aq: torch.Tensor, bq_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(c, exact, P) of ``fp8_mma_error``, unscaled: c = max |cuBLAS fast-accumulation aq @ bq_t^T - exact| / P,
+    exact and P = |aq| @ |bq_t|^T in fp64."""
+    one = torch.ones((), device=aq.device)
+    exact = aq.double() @ bq_t.double().t()
+    p = aq.double().abs() @ bq_t.double().abs().t()
     fast = torch._scaled_mm(aq, bq_t.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
-    c = ((fast.double() * s - exact).abs() / p.clamp_min(torch.finfo(torch.float64).tiny)).amax()
-    return 2 * c * p + 2.0**-24 * exact.abs(), exact
+    return ((fast.double() - exact).abs() / p.clamp_min(torch.finfo(torch.float64).tiny)).amax(), exact, p
 
 
 def assert_codes_within(check: str, got: torch.Tensor, want: torch.Tensor, step: torch.Tensor, err: torch.Tensor) -> None:

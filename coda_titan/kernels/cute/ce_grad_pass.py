@@ -17,7 +17,7 @@ times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same 
 
 ``ce_grad_e5m2`` is the same pass for the fp8 head (``lm_head_ce.lm_head_ce_fp8``): da's e5m2 codes at the
 head's power-of-two scale into a buffer of their own (from da's fp32 value, not its bf16 rounding), zdz in
-place of corr (the fp8 B2 takes zdz), the logits left as they are. Not yet run on the GPU.
+place of corr (the fp8 B2 takes zdz), the logits left as they are.
 """
 
 from __future__ import annotations

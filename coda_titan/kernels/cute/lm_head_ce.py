@@ -10,7 +10,7 @@ one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
 
-``coda::lm_head_ce_fp8`` (the fp8 head; not yet run on the GPU): the same epilogue on the e4m3 GEMM (the codes'
+``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
 the fp8 B2 on them and W^T's codes, each chunk's codes copied token-major into one buffer, and dW as one fp8
 GEMM over every token (cuBLAS's ``_scaled_mm``: e5m2 da^T times e4m3 H).

@@ -411,6 +411,27 @@ def test_a_loss_curve_shorter_than_its_warm_up_is_refused(tmp_path, capsys):
     assert e.value.code == 2 and "more than the 20 steps" in capsys.readouterr().err
 
 
+def test_a_loss_curve_keeps_every_steps_loss_and_gradient_norm(tmp_path, monkeypatch):
+    """Each run of a loss curve keeps its per-step gradient norm beside its loss (where two runs part, the
+    norm before clipping often says why first), and its parity is judged on the losses."""
+    from scripts.compare import loss_curve as lc_mod
+
+    def fake_run(cfg, **kw):
+        k = 1.0 if "baseline" in str(cfg) else 1.01
+        rows = [{"step": i + 1, "loss": k * (10.0 - 0.1 * i), "grad_norm": k * (3.0 + 0.01 * i)} for i in range(25)]
+        return {"config": str(cfg), "config_run": "", "precision": "bf16", "attention": "sdpa", "rows": rows,
+                "seq_len": 8, "local_batch_size": 1, "tokens_per_step": 8, "returncode": 0}
+
+    monkeypatch.setattr(lc_mod, "run_config", fake_run)
+    monkeypatch.setattr("scripts.report.training.plot_loss_curve", lambda doc, path: None)
+    compare.main(["--loss-curve", str(CONFIGS / "debug_cpu_baseline.toml"), str(CONFIGS / "debug_cpu_coda.toml"),
+                  "--steps", "25", "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    (path,) = (tmp_path / "res").glob("loss_curve_*.json")
+    base, coda = json.loads(path.read_text())["runs"]
+    assert base["grad_norm"] == [3.0 + 0.01 * i for i in range(25)] and len(coda["grad_norm"]) == len(coda["loss"]) == 25
+    assert coda["grad_norm"][3] == pytest.approx(1.01 * 3.03) and "rows" not in coda
+
+
 def test_nproc_launches_torchrun_with_fsdp_over_every_process():
     import sys
     from pathlib import Path

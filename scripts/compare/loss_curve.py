@@ -18,7 +18,8 @@ def loss_curve(args) -> Path:
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.steps, workdir=Path(args.workdir), attention=args.attention,
                        sets=args.set, timeout=args.timeout)
-        r["loss"] = [x["loss"] for x in r.pop("rows")]
+        rows = r.pop("rows")  # (each step's loss, and its gradient norm before clipping: where runs part)
+        r["loss"], r["grad_norm"] = [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
         doc["runs"].append(r)
     doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
     refresh(doc)  # parity of each candidate against the first run

@@ -432,6 +432,24 @@ def test_a_loss_curve_keeps_every_steps_loss_and_gradient_norm(tmp_path, monkeyp
     assert coda["grad_norm"][3] == pytest.approx(1.01 * 3.03) and "rows" not in coda
 
 
+def test_a_loss_curve_plot_shows_the_gradient_norms_where_the_runs_stored_them(tmp_path):
+    """Runs with ``grad_norm`` get a third panel (their norms, log scale); older results plot as before."""
+    import matplotlib.pyplot as plt
+
+    from scripts.report.training import plot_loss_curve
+
+    shown = []
+    real = plt.subplots
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt, "subplots", lambda n, *a, **k: shown.append(n) or real(n, *a, **k))
+        for norms in (True, False):
+            runs = [{"config": f"c{i}.toml", "loss": [3.0 - 0.01 * s for s in range(30)],
+                     **({"grad_norm": [1.0 + 0.01 * s for s in range(30)]} if norms else {})} for i in range(2)]
+            plot_loss_curve({"runs": runs, "device": "cpu", "date": "2026-11-28", "parity": []}, tmp_path / f"{norms}.png")
+            assert (tmp_path / f"{norms}.png").stat().st_size > 0
+    assert shown == [3, 2]
+
+
 def test_nproc_launches_torchrun_with_fsdp_over_every_process():
     import sys
     from pathlib import Path

@@ -275,9 +275,16 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    norms = [r for r in doc["runs"] if r.get("grad_norm")]  # (stored since 2026-11-28: a third panel)
+    fig, axes = plt.subplots(2 + bool(norms), 1, figsize=(9, 6 + 2 * bool(norms)), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1, 1][: 2 + bool(norms)]})
     for r in doc["runs"]:
         axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
+    for r in norms:
+        axes[2].plot(range(1, len(r["grad_norm"]) + 1), r["grad_norm"], lw=0.8, label=Path(r["config"]).stem)
+    if norms:
+        axes[2].set_ylabel("grad norm")
+        axes[2].set_yscale("log")
     axes[0].set_ylabel("loss")
     axes[0].legend()
     a = doc["runs"][0]["loss"]
@@ -291,7 +298,7 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     axes[1].axhline(-100 * tol, ls="--", color="k", lw=0.7)
     axes[1].axvline(PARITY_SKIP, ls=":", color="k", lw=0.7)
     axes[1].set_ylabel("rel. diff %")
-    axes[1].set_xlabel("step")
+    axes[-1].set_xlabel("step")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"Loss curves on {doc['device']} ({doc['date'][:10]}), same data and seed")
     fig.tight_layout()

@@ -276,8 +276,9 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     norms = [r for r in doc["runs"] if r.get("grad_norm")]  # (stored since 2026-11-28: a third panel)
-    fig, axes = plt.subplots(2 + bool(norms), 1, figsize=(9, 6 + 2 * bool(norms)), sharex=True,
-                             gridspec_kw={"height_ratios": [3, 1, 1][: 2 + bool(norms)]})
+    panels = 3 if norms else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 2 * panels + 2), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1, 1][:panels]})
     for r in doc["runs"]:
         axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
     for r in norms:

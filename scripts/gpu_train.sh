@@ -102,9 +102,6 @@
 #     lmheadfp8    scripts/probes/lm_head_fp8.py: the 1B LM head's GEMMs in bf16 (as run) against fp8 tensorwise, at the cap
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
-#     fp8headbf16  step A/B (STEPS, default 30): as configured, fp8_lm_head on bf16 logits, fp8_lm_head, as configured
-#     fp8headbf16parity 300-step loss curves: float8 + compile, CODA fp8 compiled with the fp8 head on bf16 logits,
-#                  and as configured
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -502,18 +499,6 @@ for phase in "$@"; do
       ;;
     fp8headparity)
       curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"
-      ;;
-    fp8headbf16)
-      # the compiled 1B fp8 config as configured, with the fp8 head on bf16 logits, with the fp8 head, as configured
-      a=$(variant fp8_head "fp8_lm_head = true") || exit 2
-      b=$(variant fp8_head_bf16 "fp8_lm_head = true" "fp8_lm_head_bf16_logits = true") || exit 2
-      for arm in "configs/llama3_1b_fp8_coda_compile.toml off" "$b bf16_logits" "$a fp8_logits" \
-                 "configs/llama3_1b_fp8_coda_compile.toml off2"; do
-        set -- $arm; $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --tag "fp8head_$2"
-      done
-      ;;
-    fp8headbf16parity)
-      curves fp8_lm_head_bf16_logits fp8_head_bf16 "fp8_lm_head = true" "fp8_lm_head_bf16_logits = true"
       ;;
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \

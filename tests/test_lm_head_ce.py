@@ -162,54 +162,18 @@ def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding():
     assert (e != 0).any(), "da's rounding moved nothing: the checks above tested nothing"
 
 
-def test_fp8_head_with_bf16_logits_is_the_bf16_heads_forward_and_the_fp8_heads_gradient_on_its_logits():
-    """In fp64, with ``h`` and ``weight`` given (``fp8_lm_head_bf16_logits``): the loss is the plain head's on H and
-    W bit for bit (the same GEMM and epilogue arithmetic), and the gradients are the fp8 head's arithmetic on those
-    logits: da = r (softmax - onehot) of them cast to e5m2, dW = da_q^T (H's codes), D = da_q (W^T's codes), so they
-    differ from the plain head's by what da's rounding and H's and W's codes move, each within fp64's summation.
-    Half a pair is refused."""
-    from coda_titan.kernels.lm_head_ce import dlogits_inv_scale, lm_head_ce, lm_head_ce_fp8
-    from coda_titan.kernels.norm_residual_bwd import norm_residual_bwd
-    from coda_titan.kernels.scaling import quantize_e5m2
-
-    fp8, plain = _fp8_head_case()
-    h, w = rand64(M, D), rand64(V, D, scale=0.5)  # (H and W themselves: not their codes' dequantized values)
-    loss, dx, dgamma, dw = lm_head_ce_fp8(**fp8, h=h, weight=w)
-    loss0 = lm_head_ce(**{**plain, "h": h, "weight": w})[0]
-    assert torch.equal(loss, loss0)
-    r, targets, x, gamma = plain["rstd"], plain["targets"], plain["x"], plain["gamma"]
-    logits = (h @ w.t()) * r[:, None]
-    valid = (targets != IGNORE_INDEX)[:, None]
-    dp = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), V)) * valid
-    inv = dlogits_inv_scale(r, targets)
-    daq = quantize_e5m2(dp * r[:, None], inv).double() / inv
-    hd, wd = plain["h"], plain["weight"]  # (H's and W's codes, dequantized)
-    zdz = (logits * dp).sum(-1)
-    dx_r, dg_r = norm_residual_bwd(da=daq, weight=wd, x=x, gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
-    n = 2.0 ** -53 * (max(M, V, D) + 4)
-    mag_d = (daq.abs() @ wd.abs()) * gamma.abs() + x.abs() * (r * r / D * (logits * dp).abs().sum(-1))[:, None]
-    assert ((dx - dx_r).abs() <= 4 * n * mag_d).all() and ((dw - daq.t() @ hd).abs() <= n * (daq.abs().t() @ hd.abs())).all()
-    assert ((dgamma - dg_r).abs() <= 4 * n * (mag_d * x.abs()).sum(0)).all()
-    assert not torch.equal(dw, lm_head_ce(**{**plain, "h": h, "weight": w})[3]), "the gradient GEMMs ran on bf16"
-    with pytest.raises(ValueError, match="both h and weight"):
-        lm_head_ce_fp8(**fp8, h=h)
-
-
 def test_fp8_head_op_fake():
     """The op's fake has the real outputs' shapes, dtypes and strides (the other opcheck utilities perturb
     inputs by arithmetic fp8 tensors do not have)."""
     fp8, _ = _fp8_head_case(torch.float32)
     args = tuple(fp8[k] for k in ("hq", "s_h", "rstd", "x", "gamma", "weight_q", "weight_tq", "s_w", "targets",
                                   "chunk_rows"))
-    h, w = fp8["x"] * 0.5, fp8["weight_q"].to(fp8["x"].dtype)
     for grad in (True, False):
-        for logits in ((None, None), (h, w)):
-            opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad, *logits), test_utils=("test_faketensor",))
+        opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad), test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bf16_logits", [False, True], ids=["fp8_logits", "bf16_logits"])
-def test_cute_fp8_head_matches_reference(bf16_logits):
+def test_cute_fp8_head_matches_reference():
     """The fp8 head's CUDA program (e4m3 GEMM with the CE epilogue, ``ce_grad_e5m2``, the fp8 B2, dW as one
     ``_scaled_mm``) against the reference's arithmetic, with every rounding it may do otherwise bounded. Each fp8
     GEMM's sum is the SM90 fp8 MMA's (quack's logits and B2 with fast accumulation, cuBLAS's dW promoting each
@@ -222,9 +186,7 @@ def test_cute_fp8_head_matches_reference(bf16_logits):
     those steps plus their GEMM's accumulator (2 c P, on codes moved by those steps), the reference's own fp32
     sums (n 2^-24 of the sums of magnitudes) and their bf16 stores; zdz within delta's and bf16's worth of
     sum p |l|. (The first GPU run, 2026-11-28, took every fp8 sum for an fp32 one and failed on dX at 1.14 of
-    that bound: B2's accumulator, not in it, was the bug.) With ``bf16_logits`` (``fp8_lm_head_bf16_logits``) the
-    logits are the bf16 head's GEMM of bf16 H and W, a plain fp32 sum: eps_l = (d + 4) 2^-24 r sum |products| +
-    3 fp32 units of |l|, and the rest of the derivation is the same."""
+    that bound: B2's accumulator, not in it, was the bug.)"""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels.gemm import quantize_tensorwise
     from coda_titan.kernels.lm_head_ce import dlogits_inv_scale
@@ -243,19 +205,12 @@ def test_cute_fp8_head_matches_reference(bf16_logits):
     h, r = deferred_norm(x.float(), gamma.float())
     (hq, s_h), (wq, s_w) = quantize_tensorwise(w=h), quantize_tensorwise(w=w)
     wq_t = wq.t().contiguous()
-    hb = h.to(torch.bfloat16)
-    args, logit_ops = (hq, s_h, r, x, gamma, wq, wq_t, s_w, targets, 1024), (hb, w) if bf16_logits else (None, None)
-    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce_fp8(*args, True, *logit_ops)
-    if bf16_logits:
-        c_l, unit = torch.zeros(()), r.double()[:, None]
-        exact_l, p_l = hb.double() @ w.double().t(), hb.double().abs() @ w.double().abs().t()
-        logits = (exact_l * unit).float()
-        eps_l = ((d + 4) * u * p_l * unit + 3 * u * logits.abs()).float()
-    else:
-        unit = ((s_h * s_w).double() * r.double())[:, None]
-        c_l, exact_l, p_l = fp8_mma_c(hq, wq)
-        logits = (exact_l * unit).float()
-        eps_l = ((2 * c_l * p_l + u * exact_l.abs()) * unit + 3 * u * logits.abs()).float()
+    args = (hq, s_h, r, x, gamma, wq, wq_t, s_w, targets, 1024)
+    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce_fp8(*args, True)
+    unit = ((s_h * s_w).double() * r.double())[:, None]
+    c_l, exact_l, p_l = fp8_mma_c(hq, wq)
+    logits = (exact_l * unit).float()
+    eps_l = ((2 * c_l * p_l + u * exact_l.abs()) * unit + 3 * u * logits.abs()).float()
     del exact_l, p_l
     valid = targets != IGNORE_INDEX
     lse = torch.logsumexp(logits, -1)
@@ -299,8 +254,7 @@ def test_cute_fp8_head_matches_reference(bf16_logits):
     worst = int(((dx.float() - dx_r).abs() / dx_bound).argmax())  # (a failure names its terms)
     got["dx_worst"] = [float(t.flatten()[worst]) for t in (dx.float() - dx_r, d_bound * gamma.float(), dx_bound, dx_r)]
     for name in ("loss", "dw", "dx", "dgamma"):
-        log_bound(f"fp8_head_{name}" + ("_bf16_logits" if bf16_logits else ""), measured=got[name], bound=1.0,
-                  codes_moved=got["moved"], mma_c=got["mma_c"])
+        log_bound(f"fp8_head_{name}", measured=got[name], bound=1.0, codes_moved=got["moved"], mma_c=got["mma_c"])
     assert float(r.max() * inv) <= E5M2_MAX and all(got[k] <= 1.0 for k in ("loss", "dw", "dx", "dgamma")), got
-    loss_only = torch.ops.coda.lm_head_ce_fp8(*args, False, *logit_ops)
+    loss_only = torch.ops.coda.lm_head_ce_fp8(*args, False)
     assert float((loss_only[0] - terms.sum()).abs()) <= loss_bound and loss_only[1].numel() == 0

@@ -370,7 +370,6 @@ def _models(**kw):
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
         fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False), fp8_out_bwd=kw.get("fp8_out_bwd", False),
         fp8_preact=kw.get("fp8_preact", False), fp8_lm_head=kw.get("fp8_lm_head", False),
-        fp8_lm_head_bf16_logits=kw.get("fp8_lm_head_bf16_logits", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
         fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
@@ -1289,30 +1288,6 @@ def test_fp8_lm_head_runs_the_head_on_the_casts_of_h_and_w_and_tracks_the_model_
     loss, _, _, dw = TORCH.lm_head_ce_fp8(**kw)
     assert torch.equal(loss_on.detach(), loss) and torch.equal(on.output.weight.grad, dw.to(on.output.weight.dtype))
     _assert_tracks(loss_off, loss_on, _grads(off), _grads(on))
-
-
-def test_fp8_lm_head_bf16_logits_keeps_the_models_loss_and_runs_only_the_heads_gradient_gemms_on_the_codes():
-    """``fp8_lm_head_bf16_logits``: the head's program gets H and W themselves beside their codes, so the loss is
-    the model's without the fp8 head bit for bit (the forward is the same arithmetic); the output weight's gradient
-    is the program's, and every gradient tracks the model without it. Without ``fp8_lm_head`` it is refused."""
-    from coda_titan.kernels import TORCH
-    from coda_titan.titan.job_config import Coda, ConfigError, validate
-
-    _, off = _models()
-    _, on = _models(fp8_lm_head=True, fp8_lm_head_bf16_logits=True)
-    calls = _spy(on, ("lm_head_ce", "lm_head_ce_fp8"), lambda name, k: (name, k))
-    tokens, labels = _batch(on.model_args.vocab_size)
-    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
-    loss_off.backward()
-    loss_on.backward()
-    assert [name for name, _ in calls] == ["lm_head_ce_fp8"] and torch.equal(loss_on, loss_off)
-    kw = calls[0][1]
-    assert kw["weight"] is not None and torch.equal(kw["weight"], on.output.weight.detach())
-    dw = TORCH.lm_head_ce_fp8(**kw)[3]
-    assert torch.equal(on.output.weight.grad, dw.to(on.output.weight.dtype))
-    _assert_tracks(loss_off, loss_on, _grads(off), _grads(on))
-    with pytest.raises(ConfigError, match="fp8_lm_head = true"):
-        validate(Coda(precision="fp8", fp8_lm_head_bf16_logits=True))
 
 
 def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_down_projections_h_t():

@@ -20,8 +20,6 @@ gradients are empty (0-element) tensors, which ``lm_head_ce_program`` maps back 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
@@ -104,18 +102,15 @@ def dlogits_inv_scale(rstd: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def lm_head_ce_fp8(
     *, hq: torch.Tensor, s_h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
     weight_q: torch.Tensor, weight_tq: torch.Tensor, s_w: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-    compute_grad: bool = True, h: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+    compute_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """F4 on fp8 operands, the fp8 LM head (torchao's formats): logits = r * s_h s_w (hq @ weight_q^T) from e4m3
     H (H ~ hq s_h) and W (~ weight_q s_w); backward on da = r (softmax - onehot) in e5m2 at
     ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)), and dW_out = da^T H on the same codes.
-    Given ``h`` and ``weight`` (H and W themselves), the logits are ``lm_head_ce``'s, r * (h @ weight^T), and
-    only the gradient GEMMs run on the codes. Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x).
-    (loss_sum, dX, dgamma, dW_out in x's dtype); the gradients None without ``compute_grad``."""
+    Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x). (loss_sum, dX, dgamma, dW_out in x's
+    dtype); the gradients None without ``compute_grad``."""
     check_e4m3(hq, weight_q, weight_tq)
     check_2d("hq", hq, weight_q.shape[1])
-    if (h is None) != (weight is None) or h is not None and (h.shape != hq.shape or weight.shape != weight_q.shape):
-        raise ValueError("the fp8 head's bf16 logits take both h and weight, of hq's and weight_q's shapes")
     if targets.shape != (hq.shape[0],) or chunk_rows <= 0:
         raise ValueError(f"targets must be ({hq.shape[0]},) and chunk_rows positive, got {tuple(targets.shape)}, "
                          f"{chunk_rows}")
@@ -126,8 +121,7 @@ def lm_head_ce_fp8(
     for start in range(0, hq.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, hq.shape[0]))
         r = rstd[rows].to(ct)
-        logits = (fp8_mm(hq[rows], weight_q, ct) * (s_h.to(ct) * s_w.to(ct) * r)[:, None] if h is None
-                  else mm(h[rows], weight.t()).to(ct) * r[:, None])
+        logits = fp8_mm(hq[rows], weight_q, ct) * (s_h.to(ct) * s_w.to(ct) * r)[:, None]
         chunk_loss, dp, zdz = _ce(logits, targets[rows], compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
@@ -183,16 +177,16 @@ def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, c
 def lm_head_ce_fp8_op(
     hq: torch.Tensor, s_h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
     weight_q: torch.Tensor, weight_tq: torch.Tensor, s_w: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-    compute_grad: bool, h: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+    compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dx, dgamma, dw = lm_head_ce_fp8(hq=hq, s_h=s_h, rstd=rstd, x=x, gamma=gamma, weight_q=weight_q,
                                           weight_tq=weight_tq, s_w=s_w, targets=targets, chunk_rows=chunk_rows,
-                                          compute_grad=compute_grad, h=h, weight=weight)
+                                          compute_grad=compute_grad)
     return op_outputs(loss, dx, dgamma, dw, h=x, weight=x)
 
 
 @lm_head_ce_fp8_op.register_fake
-def _(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad, h, weight):
+def _(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad):
     ct = compute_dtype(x.dtype)
     loss = x.new_empty((), dtype=ct)
     if not compute_grad:
@@ -201,8 +195,8 @@ def _(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, co
 
 
 def lm_head_ce_fp8_program(*, hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows: int,
-                           compute_grad: bool = True, h=None, weight=None):
+                           compute_grad: bool = True):
     """``lm_head_ce_fp8`` through the op: None for gradients not computed."""
     loss, dx, dgamma, dw = lm_head_ce_fp8_op(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows,
-                                             compute_grad, h, weight)
+                                             compute_grad)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)

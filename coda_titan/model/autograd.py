@@ -51,7 +51,6 @@ class ProgramConfig:
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
     fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
     fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
-    fp8_lm_head_bf16_logits: bool = False  # with it, the logits on bf16 H and W, the gradient GEMMs alone on fp8
 
 
 def _weight_t(cfg: ProgramConfig, w_t: torch.Tensor | None) -> torch.Tensor | None:
@@ -334,8 +333,7 @@ LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "com
 
 class LMHeadCE(torch.autograd.Function):
     """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
-    ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad); with
-    ``cfg.fp8_lm_head_bf16_logits`` too, its logits on H and W, its gradient GEMMs on those codes."""
+    ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
@@ -343,8 +341,6 @@ class LMHeadCE(torch.autograd.Function):
                                    compute_grad=compute_grad)
         if cfg.fp8_lm_head:
             (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=weight)
-            if cfg.fp8_lm_head_bf16_logits:
-                kw.update(h=h, weight=weight)
             loss, dx, dgamma, dw = be.lm_head_ce_fp8(hq=hq, s_h=s_h, weight_q=wq, weight_tq=be.fp8_weight_t(w=wq),
                                                      s_w=s_w, **kw)
             dw = dw if dw is None else dw.to(weight.dtype)

@@ -10,10 +10,10 @@ one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
 
-``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes' scales folded into r;
-given bf16 H and W, on their GEMM as above), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale
-(``dlogits_inv_scale``), the fp8 B2 on them and W^T's codes, each chunk's codes copied token-major into one
-buffer, and dW as one fp8 GEMM over every token (cuBLAS's ``_scaled_mm``: e5m2 da^T times e4m3 H).
+``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
+scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
+the fp8 B2 on them and W^T's codes, each chunk's codes copied token-major into one buffer, and dW as one fp8
+GEMM over every token (cuBLAS's ``_scaled_mm``: e5m2 da^T times e4m3 H).
 """
 
 from __future__ import annotations
@@ -99,11 +99,11 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
 
 
 @torch.library.register_kernel("coda::lm_head_ce_fp8", "cuda")
-def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad, h, weight):
-    why = unsupported(*((x,) if h is None else (x, h, weight))) or unsupported_fp8(hq, weight_q, weight_tq)
+def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, chunk_rows, compute_grad):
+    why = unsupported(x) or unsupported_fp8(hq, weight_q, weight_tq)
     if why:
         return fallback(ref.lm_head_ce_fp8_op, why, hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets,
-                        chunk_rows, compute_grad, h, weight)
+                        chunk_rows, compute_grad)
     m, d = hq.shape
     vocab = weight_q.shape[0]
     rstd = rstd.float()
@@ -118,13 +118,9 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
         stop = min(start + chunk_rows, m)
         r, t = rstd[start:stop], targets[start:stop]
         logits = logits_buf[: stop - start]
-        if h is None:
-            with first_call("lm_head_ce_fp8", hq, weight_q):
-                res = gemm(rstd_lse_target_epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
-                           target=t)
-        else:  # (the bf16 head's GEMM and epilogue: its logits, the gradient GEMMs below on the codes)
-            with first_call("lm_head_ce", h[start:stop], weight):
-                res = gemm(rstd_lse_target_epi, h[start:stop], weight.t(), None, {"D": logits}, rstd=r, target=t)
+        with first_call("lm_head_ce_fp8", hq, weight_q):
+            res = gemm(rstd_lse_target_epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
+                       target=t)
         parts, tl = res["lse"], res["target_logit"]
         if not compute_grad:
             lse = torch.logsumexp(parts, dim=-1)

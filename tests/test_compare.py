@@ -170,7 +170,7 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
     assert f["step"] == 25 and f["stock_runs"] == 2  # not step 26 (other cohort), not CODA's step 26 bump
     assert f["stock_rel_range"] == pytest.approx(0.02)
     assert [e["loss"] for e in f["losses"]] == [5.0, 5.0, 5.0, 5.1]
-    table = compare.spread_tables(runs)
+    table = compare.spread_tables(runs, paths)
     assert "| b | 2 | 2.00% (25) |" in table and "step 25" in table
     assert q["max_rel_dev_10step_mean"] == pytest.approx(0.1 / 50)  # one 10-step window holds the bump
 
@@ -197,7 +197,7 @@ def test_consensus_spread_measures_every_run_against_the_mean_of_the_baselines_r
     assert sorted(b["last"]) == pytest.approx([-0.075 / 5.025, 0.0, 0.075 / 4.975])
     assert cand["config"] == "c" and not cand["stock"] and cand["last"] == pytest.approx([-0.02])  # (steps 31-80)
     assert cand["mean_abs"] == pytest.approx([0.02 * 50 / 60])  # after step 20: 60 steps, 50 of them off
-    table = compare.spread_tables(compare.loss_runs(paths))
+    table = compare.spread_tables(compare.loss_runs(paths), paths)
     assert "| c | no | 1 | 1.67%-1.67% | -2.00% to -2.00% | 1 of 1 |" in table
 
 
@@ -225,6 +225,36 @@ def test_a_candidate_is_judged_against_the_baselines_own_repeats(tmp_path):
     other = dict(doc, runs=[_curve_run("b", base, seed=1)] + doc["runs"][1:])  # a cohort without repeats
     assert {v["inside"] for v in compare.against_repeats(other, spreads)} == {None}
     assert "own repeats" not in training.parity_table(other, spreads)
+
+
+def test_track_record_counts_each_candidates_verdicts_over_every_stored_curve(tmp_path):
+    """A config judged in several stored loss curves gets one row: how many of its runs met the criterion
+    against the baseline's repeats, and each miss with its file and reason; a candidate judged once, or
+    against a baseline without repeats, gets none."""
+    base = [5.0] * 80
+    bump = lambda i, v, c=base: [v if j == i else x for j, x in enumerate(c)]  # noqa: E731
+    scaled = lambda f, start, c=base: [x * f if j >= start else x for j, x in enumerate(c)]  # noqa: E731
+    curves = [  # (the baseline's run, {candidate: loss}); the first two baselines are repeats (max 10%)
+        (base, {"c": bump(50, 5.15), "once": bump(50, 5.15)}),
+        (bump(40, 5.5, scaled(1.015, 20)), {"c": scaled(1.012, 30, bump(40, 5.5, scaled(1.015, 20)))}),
+        (base, {"c": bump(50, 6.0)}),
+    ]
+    paths = []
+    for i, (b, cands) in enumerate(curves):
+        doc = {"device": "d", "date": "2026-11-28", "steps": 80,
+               "runs": [_curve_run("b", b)] + [_curve_run(n, c, coda=True) for n, c in cands.items()],
+               "parity": [{"candidate": n, **compare.parity(b, c, tol=0.015)} for n, c in cands.items()]}
+        paths.append(tmp_path / f"loss_curve_{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    (t,) = compare.track_record(paths)
+    assert (t["baseline"], t["candidate"]) == ("b", "c")
+    assert [r["met"] for r in t["runs"]] == [True, False, False]
+    assert t["runs"][1]["why"] == ["last-50 mean +1.20%"]  # inside the spread, 1.2% off at the end
+    assert t["runs"][2]["why"] == ["deviations outside the repeats' spread"]
+    table = compare.spread_tables(compare.loss_runs(paths), paths)
+    assert "| c | b | 3 | 1 | `loss_curve_1.json`: last-50 mean +1.20%; `loss_curve_2.json`: deviations" in table
+    alone = [tmp_path / "loss_curve_0.json"]  # without the second file the baseline has no repeats
+    assert compare.track_record(alone) == []
 
 
 def test_budget_lines_give_the_gemm_time_left_for_the_target():

@@ -126,6 +126,30 @@ def against_repeats(doc: dict, spreads: list[dict]) -> list[dict]:
     return out
 
 
+def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = None) -> list[dict]:
+    """Every stored run of each candidate config judged by ``against_repeats`` (its baseline's repeats in its
+    cohort), grouped by (baseline, candidate): how often one config, as it stood on each day, met the criterion.
+    Only candidates judged in two or more files, where the baseline had repeats."""
+    if paths is None:
+        paths = sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+    spreads = repeat_spread(loss_runs(paths)) if spreads is None else spreads
+    groups: dict[tuple, list[dict]] = {}
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        if "parity" not in doc or len(doc["parity"]) != len(doc["runs"]) - 1:
+            continue
+        base = Path(doc["runs"][0]["config"]).stem
+        for v, q in zip(against_repeats(doc, spreads), doc["parity"]):
+            if not v["repeats"]:
+                continue
+            why = [] if v["inside"] else ["deviations outside the repeats' spread"]
+            why += [] if abs(v["last_mean_rel_dev"]) <= LAST_MEAN_TOL else [f"last-{LAST_STEPS} mean {100 * v['last_mean_rel_dev']:+.2f}%"]
+            why += ["non-finite loss"] if q["non_finite"]["candidate"] else []
+            name = Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}"
+            groups.setdefault((base, v["candidate"]), []).append({"file": name, "met": v["met"], "why": why})
+    return [{"baseline": b, "candidate": c, "runs": rs} for (b, c), rs in sorted(groups.items()) if len(rs) > 1]
+
+
 def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
     """The step after ``skip`` where the stock runs of the largest cohort disagree most (relative
     range of their losses), with every run's loss of that cohort at that step."""
@@ -194,7 +218,8 @@ def _consensus_lines(c: dict) -> list[str]:
     return lines + [""]
 
 
-def spread_tables(runs: list[dict]) -> str:
+def spread_tables(runs: list[dict], paths: list[Path] | None = None) -> str:
+    """The run-to-run spread's tables over ``runs`` (``loss_runs(paths)``; ``paths`` None: every stored curve)."""
     pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
     lines = []
     rep = repeat_spread(runs)
@@ -214,6 +239,20 @@ def spread_tables(runs: list[dict]) -> str:
                 f"| {q['config']} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
                 f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
                 f"{pct(mlo)}-{pct(mhi)} | {pct(q['max_rel_dev_10step_mean'])} | {q['pairs_within_tolerance']} of {q['pairs']} |")
+        lines.append("")
+    rec = track_record(spreads=rep) if paths is None else track_record(paths, rep)
+    if rec:
+        lines += [
+            "Each candidate config judged in more than one stored loss curve, against its baseline's repeats (the "
+            "criterion of the tables above; the config as it stood on each run's day):",
+            "",
+            "| candidate | baseline | runs | met | the misses |",
+            "|---|---|---:|---:|---|",
+        ]
+        for t in rec:
+            miss = "; ".join(f"`{r['file']}`: {', '.join(r['why'])}" for r in t["runs"] if not r["met"])
+            lines.append(f"| {t['candidate']} | {t['baseline']} | {len(t['runs'])} | "
+                         f"{sum(r['met'] for r in t['runs'])} | {miss or 'none'} |")
         lines.append("")
     c = consensus_spread(runs)
     if c:

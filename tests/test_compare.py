@@ -257,6 +257,25 @@ def test_track_record_counts_each_candidates_verdicts_over_every_stored_curve(tm
     assert compare.track_record(alone) == []
 
 
+def test_a_bf16_candidate_is_judged_against_the_compiled_stock_runs_deviation_in_the_same_run():
+    """The BF16 issue's criterion: where a result holds the eager stock baseline and its compiled twin, each CODA
+    candidate's mean abs. and largest 10-step-mean deviation must be no larger than the twin's; the results
+    page says so under the loss-curve table; a result without the twin gets no verdict."""
+    base = [5.0] * 80
+    noisy = [5.0 + (0.05 if j % 2 else -0.05) for j in range(80)]  # mean abs. 1%, 10-step means ~0
+    cands = {"llama3_x_compile": noisy, "quiet": [5.0 + (0.02 if j % 2 else -0.02) for j in range(80)],
+             "drift": [5.0] * 40 + [5.1] * 40}  # mean abs. 1% (over fewer steps), 10-step means 2%
+    doc = {"device": "d", "date": "2026-11-28", "steps": 80,
+           "runs": [_curve_run("llama3_x", base)] + [_curve_run(n, c, coda=n != "llama3_x_compile") for n, c in cands.items()],
+           "parity": [{"candidate": n, **compare.parity(base, c)} for n, c in cands.items()]}
+    got = {v["candidate"]: (v["noise"], v["met"]) for v in compare.against_noise_floor(doc)}
+    assert got == {"quiet": ("llama3_x_compile", True), "drift": ("llama3_x_compile", False)}
+    table = training.parity_table(doc)
+    assert "| quiet | yes | yes |" in table and "| drift | no | no |" in table
+    lone = dict(doc, runs=doc["runs"][:1] + doc["runs"][2:], parity=doc["parity"][1:])
+    assert compare.against_noise_floor(lone) == [] and "noise floor" not in training.parity_table(lone)
+
+
 def test_budget_lines_give_the_gemm_time_left_for_the_target():
     def prof(stem, span, gemm, other):
         return {"config": f"configs/{stem}.toml", "run": {"precision": "fp8"}, "summary": {"gpu_span_ms": span, "categories_ms": {

@@ -49,6 +49,11 @@ def _cohort(doc: dict, run: dict) -> str:
     return json.dumps({"device": doc["device"], "steps": len(run["loss"]), **same}, sort_keys=True)
 
 
+def _stock(run: dict) -> bool:
+    """A run of stock TorchTitan's ``llama3`` (its resolved config names no ``coda_llama3`` model)."""
+    return "\nname = \"coda_llama3\"" not in run["config_run"]
+
+
 def loss_runs(paths: list[Path] | None = None) -> list[dict]:
     """Every run of every stored loss curve (``archive/`` included), tagged with its file."""
     if paths is None:
@@ -60,7 +65,7 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
             out.append({
                 "file": Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}",
                 "config": Path(r["config"]).stem,
-                "stock": "\nname = \"coda_llama3\"" not in r["config_run"],
+                "stock": _stock(r),
                 "precision": r.get("precision", "bf16"),
                 "cohort": _cohort(doc, r),
                 "loss": r["loss"],
@@ -123,6 +128,28 @@ def against_repeats(doc: dict, spreads: list[dict]) -> list[dict]:
                                               and q["mean_abs_rel_dev"] <= spread["mean_abs_rel_dev"][1])
         out.append({"candidate": q["candidate"], "repeats": spread["runs"] if spread else 0, "inside": inside,
                     "last_mean_rel_dev": (mc - mb) / abs(mb), "met": bool(inside) and finite and last_ok})
+    return out
+
+
+def against_noise_floor(doc: dict) -> list[dict]:
+    """The BF16 issue's parity criterion, where a loss-curve result holds the eager stock baseline and its
+    compiled twin (``<baseline>_compile``, stock): each CODA candidate's mean abs. deviation and largest 10-step
+    mean deviation no larger than the compiled twin's (the run-to-run noise of the same math, measured in the
+    same run), and no non-finite loss. Empty where the result has no such twin."""
+    stem = lambda r: Path(r["config"]).stem  # noqa: E731
+    base = doc["runs"][0]
+    twin = next((q for q, r in zip(doc["parity"], doc["runs"][1:])
+                 if stem(r) == stem(base) + "_compile" and _stock(r)), None)
+    if twin is None:
+        return []
+    out = []
+    for q, r in zip(doc["parity"], doc["runs"][1:]):
+        if _stock(r):
+            continue
+        within = (q["mean_abs_rel_dev"] <= twin["mean_abs_rel_dev"]
+                  and q["max_rel_dev_10step_mean"] <= twin["max_rel_dev_10step_mean"])
+        out.append({"candidate": q["candidate"], "noise": twin["candidate"], "within": within,
+                    "met": within and not q["non_finite"]["candidate"]})
     return out
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _latest, _say
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
-from scripts.compare.parity import LAST_MEAN_TOL, LAST_STEPS, against_repeats, loss_runs, parity, repeat_spread, spread_tables
+from scripts.compare.parity import (LAST_MEAN_TOL, LAST_STEPS, against_noise_floor, against_repeats, loss_runs, parity,
+                                    repeat_spread, spread_tables)
 from scripts.report import png
 
 from .profiles import profile_table  # noqa: F401  (re-exported: scripts.compare.profile prints it)
@@ -236,6 +237,12 @@ def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:
         for v in verdicts:
             lines.append(f"| {v['candidate']} | {v['repeats']} | {'yes' if v['inside'] else 'no'} | "
                          f"{100 * v['last_mean_rel_dev']:+.2f}% | {'yes' if v['met'] else 'no'} |")
+    noise = against_noise_floor(doc)
+    if noise:
+        lines += ["", f"Against the noise floor (`{noise[0]['noise']}` against the same baseline in this run): mean abs. "
+                  "deviation and largest 10-step-mean deviation no larger than its, no non-finite loss.", "",
+                  "| candidate | both no larger than the compiled stock run's | met |", "|---|:---:|:---:|"]
+        lines += [f"| {v['candidate']} | {'yes' if v['within'] else 'no'} | {'yes' if v['met'] else 'no'} |" for v in noise]
     return "\n".join(lines)
 
 

@@ -54,16 +54,26 @@ def _stock(run: dict) -> bool:
     return "\nname = \"coda_llama3\"" not in run["config_run"]
 
 
+def _curve_paths() -> list[Path]:
+    """Every stored loss curve, ``archive/`` included."""
+    return sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+
+
+def _label(p: Path) -> str:
+    """A stored file's name as the results page cites it (``archive/`` kept)."""
+    return Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}"
+
+
 def loss_runs(paths: list[Path] | None = None) -> list[dict]:
     """Every run of every stored loss curve (``archive/`` included), tagged with its file."""
     if paths is None:
-        paths = sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+        paths = _curve_paths()
     out = []
     for p in paths:
         doc = json.loads(Path(p).read_text())
         for r in doc["runs"]:
             out.append({
-                "file": Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}",
+                "file": _label(p),
                 "config": Path(r["config"]).stem,
                 "stock": _stock(r),
                 "precision": r.get("precision", "bf16"),
@@ -157,8 +167,7 @@ def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = N
     """Every stored run of each candidate config judged by ``against_repeats`` (its baseline's repeats in its
     cohort), grouped by (baseline, candidate): how often one config, as it stood on each day, met the criterion.
     Only candidates judged in two or more files, where the baseline had repeats."""
-    if paths is None:
-        paths = sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
+    paths = _curve_paths() if paths is None else paths
     spreads = repeat_spread(loss_runs(paths)) if spreads is None else spreads
     groups: dict[tuple, list[dict]] = {}
     for p in paths:
@@ -169,11 +178,11 @@ def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = N
         for v, q in zip(against_repeats(doc, spreads), doc["parity"]):
             if not v["repeats"]:
                 continue
+            last = v["last_mean_rel_dev"]
             why = [] if v["inside"] else ["deviations outside the repeats' spread"]
-            why += [] if abs(v["last_mean_rel_dev"]) <= LAST_MEAN_TOL else [f"last-{LAST_STEPS} mean {100 * v['last_mean_rel_dev']:+.2f}%"]
+            why += [] if abs(last) <= LAST_MEAN_TOL else [f"last-{LAST_STEPS} mean {100 * last:+.2f}%"]
             why += ["non-finite loss"] if q["non_finite"]["candidate"] else []
-            name = Path(p).name if Path(p).parent.name != "archive" else f"archive/{Path(p).name}"
-            groups.setdefault((base, v["candidate"]), []).append({"file": name, "met": v["met"], "why": why})
+            groups.setdefault((base, v["candidate"]), []).append({"file": _label(p), "met": v["met"], "why": why})
     return [{"baseline": b, "candidate": c, "runs": rs} for (b, c), rs in sorted(groups.items()) if len(rs) > 1]
 
 

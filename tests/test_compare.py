@@ -170,7 +170,7 @@ def test_repeat_spread_pairs_repeats_of_one_stock_config_only(tmp_path):
     assert f["step"] == 25 and f["stock_runs"] == 2  # not step 26 (other cohort), not CODA's step 26 bump
     assert f["stock_rel_range"] == pytest.approx(0.02)
     assert [e["loss"] for e in f["losses"]] == [5.0, 5.0, 5.0, 5.1]
-    table = compare.spread_tables(runs, paths)
+    table = compare.spread_tables(runs)
     assert "| b | 2 | 2.00% (25) |" in table and "step 25" in table
     assert q["max_rel_dev_10step_mean"] == pytest.approx(0.1 / 50)  # one 10-step window holds the bump
 
@@ -197,7 +197,7 @@ def test_consensus_spread_measures_every_run_against_the_mean_of_the_baselines_r
     assert sorted(b["last"]) == pytest.approx([-0.075 / 5.025, 0.0, 0.075 / 4.975])
     assert cand["config"] == "c" and not cand["stock"] and cand["last"] == pytest.approx([-0.02])  # (steps 31-80)
     assert cand["mean_abs"] == pytest.approx([0.02 * 50 / 60])  # after step 20: 60 steps, 50 of them off
-    table = compare.spread_tables(compare.loss_runs(paths), paths)
+    table = compare.spread_tables(compare.loss_runs(paths))
     assert "| c | no | 1 | 1.67%-1.67% | -2.00% to -2.00% | 1 of 1 |" in table
 
 
@@ -251,7 +251,7 @@ def test_track_record_counts_each_candidates_verdicts_over_every_stored_curve(tm
     assert [r["met"] for r in t["runs"]] == [True, False, False]
     assert t["runs"][1]["why"] == ["last-50 mean +1.20%"]  # inside the spread, 1.2% off at the end
     assert t["runs"][2]["why"] == ["deviations outside the repeats' spread"]
-    table = compare.spread_tables(compare.loss_runs(paths), paths)
+    table = compare.track_record_table(compare.track_record(paths))
     assert "| c | b | 3 | 1 | `loss_curve_1.json`: last-50 mean +1.20%; `loss_curve_2.json`: deviations" in table
     alone = [tmp_path / "loss_curve_0.json"]  # without the second file the baseline has no repeats
     assert compare.track_record(alone) == []

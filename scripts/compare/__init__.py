@@ -34,7 +34,8 @@ naming, the TOML writer), ``wandb_history`` (reads an offline W&B run back).
 
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, RESULTS, ROOT, _attention_of, dump_toml, with_attention  # noqa: E402,F401
 from scripts.compare.parity import (against_repeats, consensus_spread, fragile_step, loss_runs, parity,  # noqa: E402,F401
-                                    repeat_spread, spread_tables, track_record, against_noise_floor)
+                                    repeat_spread, spread_tables, track_record, track_record_table,
+                                    against_noise_floor)
 from scripts.compare.profile import idle_gaps, kernel_category, summarize_trace  # noqa: E402,F401
 from scripts.compare.run import parse_log, run_config, summarize  # noqa: E402,F401
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets  # noqa: E402,F401

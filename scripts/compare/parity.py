@@ -186,6 +186,20 @@ def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = N
     return [{"baseline": b, "candidate": c, "runs": rs} for (b, c), rs in sorted(groups.items()) if len(rs) > 1]
 
 
+def track_record_table(rec: list[dict]) -> str:
+    """``track_record``'s rows as markdown: runs, how many met, each miss with its file and reason."""
+    if not rec:
+        return ""
+    lines = ["Each candidate config judged in more than one stored loss curve, against its baseline's repeats (the "
+             "criterion of the loss-curve tables; the config as it stood on each run's day):", "",
+             "| candidate | baseline | runs | met | the misses |", "|---|---|---:|---:|---|"]
+    for t in rec:
+        miss = "; ".join(f"`{r['file']}`: {', '.join(r['why'])}" for r in t["runs"] if not r["met"])
+        lines.append(f"| {t['candidate']} | {t['baseline']} | {len(t['runs'])} | "
+                     f"{sum(r['met'] for r in t['runs'])} | {miss or 'none'} |")
+    return "\n".join(lines)
+
+
 def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
     """The step after ``skip`` where the stock runs of the largest cohort disagree most (relative
     range of their losses), with every run's loss of that cohort at that step."""
@@ -254,8 +268,7 @@ def _consensus_lines(c: dict) -> list[str]:
     return lines + [""]
 
 
-def spread_tables(runs: list[dict], paths: list[Path] | None = None) -> str:
-    """The run-to-run spread's tables over ``runs`` (``loss_runs(paths)``; ``paths`` None: every stored curve)."""
+def spread_tables(runs: list[dict]) -> str:
     pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
     lines = []
     rep = repeat_spread(runs)
@@ -275,20 +288,6 @@ def spread_tables(runs: list[dict], paths: list[Path] | None = None) -> str:
                 f"| {q['config']} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
                 f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
                 f"{pct(mlo)}-{pct(mhi)} | {pct(q['max_rel_dev_10step_mean'])} | {q['pairs_within_tolerance']} of {q['pairs']} |")
-        lines.append("")
-    rec = track_record(spreads=rep) if paths is None else track_record(paths, rep)
-    if rec:
-        lines += [
-            "Each candidate config judged in more than one stored loss curve, against its baseline's repeats (the "
-            "criterion of the tables above; the config as it stood on each run's day):",
-            "",
-            "| candidate | baseline | runs | met | the misses |",
-            "|---|---|---:|---:|---|",
-        ]
-        for t in rec:
-            miss = "; ".join(f"`{r['file']}`: {', '.join(r['why'])}" for r in t["runs"] if not r["met"])
-            lines.append(f"| {t['candidate']} | {t['baseline']} | {len(t['runs'])} | "
-                         f"{sum(r['met'] for r in t['runs'])} | {miss or 'none'} |")
         lines.append("")
     c = consensus_spread(runs)
     if c:

@@ -117,6 +117,8 @@
 #                  (default "4 1"), PREC=fp8 (default) or bf16 (table step_chunks_PREC)
 #     mlpht        float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_mlp_h_t on / off (A/B)
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
+#     bf16acc      scripts/probes/bf16_step_accuracy.py: one bf16 step's gradients of stock eager / compiled and CODA
+#                  eager / compiled against the same step in fp32 (1B, seq 8192 x 2), and against stock eager
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
@@ -292,8 +294,10 @@ for phase in "$@"; do
       ;;
     parity)
       # (the compiled CODA config, the one the headline recommends; PARITY_CODA=configs/llama3_1b_bf16_coda.toml: eager)
+      # (PARITY_NO_TWIN=1: without stock compiled, a repeat of stock eager and CODA for the results page's repeat pairs)
+      twin=configs/llama3_1b_bf16_baseline_compile.toml; [ -n "${PARITY_NO_TWIN:-}" ] && twin=""
       $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml "${PARITY_CODA:-configs/llama3_1b_bf16_coda_compile.toml}" \
-        configs/llama3_1b_bf16_baseline_compile.toml --steps "${PARITY_STEPS:-300}"
+        $twin --steps "${PARITY_STEPS:-300}"
       ;;
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15
@@ -501,6 +505,9 @@ for phase in "$@"; do
       ;;
     fp8headparity)
       curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"
+      ;;
+    bf16acc)
+      probe bf16acc bf16_step_accuracy "loss|wrote|Error|error" 600
       ;;
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \

@@ -379,3 +379,34 @@ def test_the_floor_measures_every_piece_and_runs_their_best_calls_at_the_cap(mon
     assert doc["complete"] and len(doc["gemms"]) == 4 * 2 * 3 + 3
     assert seen == {"bf16": n * 14 + 4, "fp8": n * 14 + 4}
     assert doc["totals"]["fp8"]["capped_floor_ms"] == 7.0 and "_fns" not in doc["fa4"]
+
+
+def test_bf16_pairs_of_one_day_are_gathered_by_kind_with_coda_measured_against_stock():
+    from scripts.compare.parity import parity
+    from scripts.report import bf16_parity
+
+    rng = random.Random(0)
+    base = [6 - 0.01 * i for i in range(60)]
+    noisy = lambda s: [x * (1 + rng.gauss(0, s)) for x in base]  # noqa: E731
+    run = lambda f, config, stock, loss, precision="bf16": dict(  # noqa: E731
+        file=f, config=config, stock=stock, precision=precision, cohort="h100", loss=loss)
+    a, b = "loss_curve_NVIDIA_X_2026-11-28.json", "loss_curve_bf16_repeat_NVIDIA_X_2026-11-28.json"
+    runs = [run(a, "llama3_1b_bf16_baseline", True, base), run(a, "llama3_1b_bf16_coda_compile", False, noisy(0.02)),
+            run(a, "llama3_1b_bf16_baseline_compile", True, noisy(0.001)),
+            run(b, "llama3_1b_bf16_baseline", True, noisy(0.002)), run(b, "llama3_1b_bf16_coda_compile", False, noisy(0.03)),
+            run(b, "llama3_1b_bf16_coda_other", False, noisy(0.01)),  # (another CODA config: no CODA / CODA class)
+            run(b, "llama3_1b_fp8_baseline_compile", True, noisy(0.5), "fp8"),  # (fp8: not a bf16 pair)
+            run("loss_curve_NVIDIA_X_2026-11-27.json", "llama3_1b_bf16_baseline", True, noisy(0.5))]  # (a lone day)
+    groups = bf16_parity.pair_classes(runs)
+    assert [g["day"] for g in groups] == ["2026-11-28"] and groups[0]["runs"] == 6
+    c = groups[0]["classes"]
+    assert {k: v["pairs"] for k, v in c.items()} == {"stock / stock": 3, "CODA / stock": 9, "CODA / CODA repeat": 1}
+    coda = [r["loss"] for r in runs[:6] if not r["stock"]]
+    stock = [r["loss"] for r in runs[:6] if r["stock"]]
+    want = [parity(s, k)["mean_abs_rel_dev"] for s in stock for k in coda]  # (relative to the stock run's loss)
+    assert c["CODA / stock"]["mean_abs_rel_dev"] == (min(want), max(want))
+    assert c["CODA / CODA repeat"]["mean_abs_rel_dev"][0] == parity(coda[0], coda[1])["mean_abs_rel_dev"]
+    assert c["stock / stock"]["max_rel_dev"][1] < c["CODA / stock"]["max_rel_dev"][0]
+    table = bf16_parity.pair_table(groups)
+    assert table.count("| 2026-11-28 | 6 (2) |") == 3 and "2026-11-27" not in table
+    assert bf16_parity.pair_table([]) == ""

@@ -12,7 +12,7 @@ from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _lat
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
 from scripts.compare.parity import (LAST_MEAN_TOL, LAST_STEPS, against_noise_floor, against_repeats, loss_runs, parity,
                                     repeat_spread, spread_tables, track_record, track_record_table)
-from scripts.report import png
+from scripts.report import bf16_parity, png
 
 from .profiles import profile_table  # noqa: F401  (re-exported: scripts.compare.profile prints it)
 
@@ -411,6 +411,9 @@ def section() -> str:
     record = track_record_table(track_record(spreads=spreads))
     if record:
         parts += [record, ""]
+    bf16 = bf16_parity.section(runs)
+    if bf16:
+        parts += [bf16, ""]
     profiles = [json.loads(p.read_text()) for p in _latest("profile")]
     if len(profiles) > 1:
         parts += [profile_side_by_side(profiles), ""]

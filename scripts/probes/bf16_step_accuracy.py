@@ -1,0 +1,231 @@
+"""Probe (GPU): one bf16 training step's gradients of stock TorchTitan llama3 (eager and compiled) and of
+CODA (eager and compiled), each against the same step in fp32, on the 1B at the configs' shapes.
+
+    source .gpu/part2/activate.sh && python3 -m scripts.probes.bf16_step_accuracy
+
+Issue 18's loss-parity criterion asks CODA's deviation from stock eager over 300 steps to be no larger
+than stock compiled's. Two bf16 trainings drift apart from the first step's rounding differences on, so
+that criterion reads how large each config's first-step perturbation is. This probe measures it
+directly: the same weights (the 1B's init, bf16), the same random tokens (seq 8192 x batch 2), one forward
+and backward in each of
+
+* ``fp32``: the CODA torch backend in fp32 (TF32 off; SDPA), the reference,
+* ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
+  compiles them), ``coda_eager``, ``coda_compiled`` (the cute backend as the bf16 configs run it), all with FA4.
+
+For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
+elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
+first update that moves), and both again against ``stock_eager`` (what the parity criterion compares).
+Writes ``$OUT/probe_bf16_step_accuracy_<gpu>.json`` with every parameter's numbers and a summary per model:
+the median over parameters, the largest, and the whole-model error (all gradients as one vector).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+
+import torch
+from torchtitan.tools.utils import set_default_dtype
+
+MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the probe builds: the GPU run's defaults; the CPU test takes a debug flavor, the torch backend, SDPA."""
+    flavor: str = "1B"
+    seqlen: int = 8192
+    batch: int = 2
+    device: str = "cuda"
+    backend: str = "cute"
+    fa4: bool = True
+
+
+def _stock(s: Setup, compiled: bool, dtype=torch.bfloat16) -> torch.nn.Module:
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.titan.fa4 import swap_attention
+
+    coda = coda_llama3_args[s.flavor]  # (the same shape as CODA's, field for field: TorchTitan's 1B is this)
+    args = TransformerModelArgs(**{f.name: getattr(coda, f.name) for f in dataclasses.fields(TransformerModelArgs)
+                                   if f.init})
+    args = dataclasses.replace(args, max_seq_len=s.seqlen)
+    with torch.device(s.device), set_default_dtype(dtype):  # (as TorchTitan's trainer builds it: RoPE stays complex64)
+        model = Transformer(args)
+        with torch.no_grad():
+            model.init_weights()
+    if s.fa4:
+        swap_attention(model)
+    if compiled:
+        for name, block in model.layers.named_children():
+            model.layers.register_module(name, torch.compile(block, fullgraph=True))
+    return model
+
+
+class _Fp32Attention(torch.nn.Module):
+    """The reference's causal attention: k and v repeated to every q head, then SDPA's memory-efficient kernel
+    (on CUDA; its math kernel with GQA materializes 16 GiB of fp32 scores a layer at seq 8192)."""
+
+    def forward(self, q, k, v, enable_gqa: bool = False, **_):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        backend = SDPBackend.EFFICIENT_ATTENTION if q.is_cuda else SDPBackend.MATH
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _coda(s: Setup, backend: str, dtype=torch.bfloat16, compiled: bool = False, checkpoint: bool = False) -> torch.nn.Module:
+    from coda_titan.model.args import coda_llama3_args
+    from coda_titan.model.model import CodaTransformer
+    from coda_titan.titan.fa4 import swap_attention
+    from coda_titan.titan.job_config import Coda
+
+    coda = Coda(backend=backend, tile_n=128, ce_chunk_rows=4096)  # (the bf16 configs' [coda] section)
+    args = dataclasses.replace(coda_llama3_args[s.flavor], max_seq_len=s.seqlen, coda=coda)
+    with torch.device(s.device), set_default_dtype(dtype):
+        model = CodaTransformer(args)
+    if backend != "torch" and s.fa4:
+        swap_attention(model)
+    if checkpoint:
+        for block in model.layers.children():
+            block.attention.inner_attention = _Fp32Attention()
+    for name, block in model.layers.named_children():
+        if checkpoint:  # (the fp32 reference: 16 layers of fp32 activations at 16,384 tokens do not fit beside it)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if compiled:
+            block = torch.compile(block, fullgraph=True)
+        model.layers.register_module(name, block)
+    return model
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters under their TorchTitan names (without the wrappers' prefixes)."""
+    strip = re.compile(r"(_orig_mod\.|_checkpoint_wrapped_module\.)")
+    return {strip.sub("", n): p for n, p in model.named_parameters()}
+
+
+def _step(model: torch.nn.Module, weights: dict, tokens, labels, stock: bool, loss_fn=None) -> tuple[float, dict]:
+    with torch.no_grad():
+        for n, p in _params(model).items():
+            p.copy_(weights[n])
+    if stock:
+        loss = loss_fn(model(tokens), labels)
+    else:
+        loss = model(tokens, labels=labels)
+    loss.backward()
+    grads = {n: p.grad for n, p in _params(model).items()}
+    bad = [n for n, g in grads.items() if g is None or not g.isfinite().all()]
+    if bad:
+        raise AssertionError(f"missing or non-finite gradients in {bad[:3]}")
+    return loss.double().item(), grads
+
+
+def _compare(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(||g - ref||^2, ||ref||^2, fraction of elements whose sign differs where ref is not zero)."""
+    d, r = g.double() - ref.double(), ref.double()
+    live = ref != 0
+    flips = ((torch.sign(g.float()) != torch.sign(ref.float())) & live).sum().item() / max(live.sum().item(), 1)
+    return (d * d).sum().item(), (r * r).sum().item(), flips
+
+
+def _summary(per: dict[str, dict]) -> dict:
+    rel = {n: q["err"] for n, q in per.items()}
+    flips = {n: q["flips"] for n, q in per.items()}
+    worst = max(rel, key=rel.get)
+    return {"median_rel": statistics.median(rel.values()), "max_rel": rel[worst], "max_rel_param": worst,
+            "whole_rel": (sum(q["d2"] for q in per.values()) / sum(q["r2"] for q in per.values())) ** 0.5,
+            "median_flips": statistics.median(flips.values()), "max_flips": max(flips.values())}
+
+
+def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS) -> dict:
+    """The probe's result document (without the header): losses, per-parameter numbers, summaries."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    stock0 = _stock(s, False)
+    weights = {n: p.detach().to(torch.bfloat16).clone() for n, p in _params(stock0).items()}
+    vocab = stock0.model_args.vocab_size
+    del stock0
+    gen = torch.Generator(device=s.device).manual_seed(1)
+    tokens = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
+    labels = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
+
+    ref = _coda(s, "torch", torch.float32, checkpoint=True)
+    loss_ref, g_ref = _step(ref, {n: w.float() for n, w in weights.items()}, tokens, labels, stock=False)
+    g_ref = {n: g.detach().clone() for n, g in g_ref.items()}
+    del ref
+    _free()
+    print(f"fp32 reference: loss {loss_ref:.6f}", flush=True)
+    doc = {"model": f"llama3/{s.flavor}", "seq_len": s.seqlen, "local_batch_size": s.batch,
+           "reference": "CODA torch backend, fp32 (TF32 off), SDPA on repeated k, v (its memory-efficient kernel on CUDA)",
+           "attention": "fa4" if s.fa4 else "sdpa",
+           "loss": {"fp32": loss_ref}, "params": {}, "summary": {}}
+    compiled_loss = torch.compile(cross_entropy_loss)
+    g_stock = None
+    for name in models:
+        stock, compiled = name.startswith("stock"), name.endswith("compiled")
+        model = _stock(s, compiled) if stock else _coda(s, s.backend, compiled=compiled)
+        loss, grads = _step(model, weights, tokens, labels, stock,
+                            loss_fn=compiled_loss if compiled else cross_entropy_loss)
+        doc["loss"][name] = loss
+        per = {n: _entry(g, g_ref[n]) for n, g in grads.items()}
+        vs = {} if g_stock is None else {n: _entry(g, g_stock[n]) for n, g in grads.items()}
+        if name == "stock_eager":
+            g_stock = {n: g.detach().clone() for n, g in grads.items()}
+        doc["params"][name] = {"vs_fp32": per, "vs_stock_eager": vs}
+        doc["summary"][name] = {"vs_fp32": _summary(per), "vs_stock_eager": _summary(vs) if vs else None,
+                                "loss_rel_err": (loss - loss_ref) / abs(loss_ref)}
+        print(_line(name, loss, doc["summary"][name]), flush=True)
+        del model, grads
+        _free()
+    return doc
+
+
+def _entry(g: torch.Tensor, ref: torch.Tensor) -> dict:
+    d2, r2, flips = _compare(g, ref)
+    return {"err": (d2 / r2) ** 0.5 if r2 else 0.0, "d2": d2, "r2": r2, "flips": flips}
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _line(name: str, loss: float, s: dict) -> str:
+    f, v = s["vs_fp32"], s["vs_stock_eager"]
+    line = (f"{name:15} loss {loss:.6f} ({s['loss_rel_err']:+.2e}); vs fp32: whole {f['whole_rel']:.3e} "
+            f"median {f['median_rel']:.3e} max {f['max_rel']:.3e} ({f['max_rel_param']}), "
+            f"sign flips median {f['median_flips']:.4f}")
+    if v:
+        line += f"; vs stock eager: whole {v['whole_rel']:.3e} flips median {v['median_flips']:.4f}"
+    return line
+
+
+def main() -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (before CUDA starts)
+    from scripts.bench.common import header
+
+    doc = {**header(), "kind": "probe_bf16_step_accuracy", **measure()}
+    out = os.environ.get("OUT", "outputs")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"probe_bf16_step_accuracy_{re.sub(r'[^A-Za-z0-9]+', '_', doc['device']).strip('_')}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The BF16 parity evidence of the results page: every pair of one day's BF16 loss curves on one GPU by kind
+(stock against stock, CODA against stock, CODA against its own repeat), and one bf16 step's gradients
+against the same step in fp32 (``scripts/probes/bf16_step_accuracy.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from scripts.compare.common import RESULTS
+from scripts.compare.parity import loss_runs, parity
+
+KINDS = ("stock / stock", "CODA / stock", "CODA / CODA repeat")
+
+
+def _kind(a: dict, b: dict) -> str | None:
+    if a["stock"] and b["stock"]:
+        return KINDS[0]
+    if a["stock"] != b["stock"]:
+        return KINDS[1]
+    return KINDS[2] if a["config"] == b["config"] else None  # (two different CODA configs: no class)
+
+
+def pair_classes(runs: list[dict] | None = None) -> list[dict]:
+    """For each (cohort, day) with bf16 runs from two or more stored curves: the parity statistics of every
+    pair of its runs, gathered by kind of pair (a CODA run's deviation is taken against the stock run)."""
+    runs = loss_runs() if runs is None else runs
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        day = re.search(r"\d{4}-\d{2}-\d{2}", r["file"])
+        if r["precision"] == "bf16" and day:
+            groups.setdefault((r["cohort"], day.group(0)), []).append(r)
+    out = []
+    for (_, day), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        if len({r["file"] for r in rs}) < 2:
+            continue
+        classes: dict[str, list[dict]] = {}
+        for i, a in enumerate(rs):
+            for b in rs[i + 1:]:
+                kind = _kind(a, b)
+                if kind is not None:
+                    base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
+                    classes.setdefault(kind, []).append(parity(base["loss"], cand["loss"]))
+        out.append({"day": day, "files": sorted({r["file"] for r in rs}), "runs": len(rs),
+                    "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}})
+    return out
+
+
+def _spread(pairs: list[dict]) -> dict:
+    span = lambda key: (min(p[key] for p in pairs), max(p[key] for p in pairs))  # noqa: E731
+    return {"pairs": len(pairs), "mean_abs_rel_dev": span("mean_abs_rel_dev"),
+            "max_rel_dev_10step_mean": span("max_rel_dev_10step_mean"), "max_rel_dev": span("max_rel_dev")}
+
+
+def pair_table(groups: list[dict]) -> str:
+    if not groups:
+        return ""
+    pct = lambda v: f"{100 * v[0]:.2f}-{100 * v[1]:.2f}%"  # noqa: E731
+    lines = ["BF16 runs of one day on one GPU (same data, seed and step count), every pair by kind. Two bf16 runs of "
+             "one config differ by their nondeterministic kernels alone (FA4's backward), two configs also by their "
+             "rounding: a CODA config at parity deviates from stock about as much as stock deviates from itself.", "",
+             "| day | runs (files) | pair | pairs | mean abs. deviation | largest 10-step-mean deviation | "
+             "max deviation |", "|---|---:|---|---:|---:|---:|---:|"]
+    for g in groups:
+        for kind, s in g["classes"].items():
+            lines.append(f"| {g['day']} | {g['runs']} ({len(g['files'])}) | {kind} | {s['pairs']} | "
+                         f"{pct(s['mean_abs_rel_dev'])} | {pct(s['max_rel_dev_10step_mean'])} | {pct(s['max_rel_dev'])} |")
+    return "\n".join(lines)
+
+
+def step_accuracy_table(doc: dict) -> str:
+    """The probe's summary: each bf16 model's first-step loss and gradients against fp32 and against stock eager."""
+    lines = [f"One bf16 step against the same step in fp32 ({doc['model']}, seq {doc['seq_len']} x batch "
+             f"{doc['local_batch_size']}, the init weights and random tokens; {doc['device']}, {doc['date'][:10]}; "
+             f"reference: {doc['reference']}). Gradient error: ||g - g_ref|| / ||g_ref|| over all gradients as one "
+             "vector, and per parameter; sign flips: the share of elements whose sign differs (AdamW's first "
+             "update is lr * sign(g)).", "",
+             "| model | loss error | gradient error, whole | per parameter, median | largest (parameter) | "
+             "sign flips, median | against stock eager: error | sign flips |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in doc["summary"].items():
+        f, v = s["vs_fp32"], s["vs_stock_eager"]
+        vs = f"{v['whole_rel']:.2e} | {100 * v['median_flips']:.2f}%" if v else "- | -"
+        lines.append(f"| {name} | {s['loss_rel_err']:+.1e} | {f['whole_rel']:.2e} | {f['median_rel']:.2e} | "
+                     f"{f['max_rel']:.2e} (`{f['max_rel_param']}`) | {100 * f['median_flips']:.2f}% | {vs} |")
+    return "\n".join(lines)
+
+
+def section(runs: list[dict] | None = None) -> str:
+    parts = [pair_table(pair_classes(runs))]
+    for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
+        parts.append(step_accuracy_table(json.loads(p.read_text())))
+    return "\n\n".join(x for x in parts if x)

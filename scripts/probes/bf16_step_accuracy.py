@@ -11,7 +11,9 @@ and backward in each of
 
 * ``fp32``: the CODA torch backend in fp32 (TF32 off; SDPA), the reference,
 * ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
-  compiles them), ``coda_eager``, ``coda_compiled`` (the cute backend as the bf16 configs run it), all with FA4.
+  compiles them), ``coda_eager``, ``coda_compiled`` (the cute backend as the bf16 configs run it), all with FA4,
+* and on request ``torch_eager``: CODA's torch backend in bf16 (SDPA), the same math in the same precision as
+  the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``).
 
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
@@ -176,7 +178,8 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS) -> dict:
     g_stock = None
     for name in models:
         stock, compiled = name.startswith("stock"), name.endswith("compiled")
-        model = _stock(s, compiled) if stock else _coda(s, s.backend, compiled=compiled)
+        backend = "torch" if name.startswith("torch") else s.backend
+        model = _stock(s, compiled) if stock else _coda(s, backend, compiled=compiled)
         loss, grads = _step(model, weights, tokens, labels, stock,
                             loss_fn=compiled_loss if compiled else cross_entropy_loss)
         doc["loss"][name] = loss

@@ -185,3 +185,33 @@ def test_bf16_step_accuracy_measures_stock_and_coda_bf16_against_the_same_step_i
 
     table = step_accuracy_table({**doc, "device": "cpu", "date": "2026-11-28"})
     assert "| stock_eager |" in table and "| coda_eager |" in table and f"{coda['whole_rel']:.2e}" in table
+
+
+def test_bf16_step_accuracy_starts_from_a_trained_state_at_the_batch_its_next_step_reads(tmp_path, cache_dir, monkeypatch):
+    """``trained_state``: the weights of a training run's checkpoint at step 3 and the batch of its step 4. Stock
+    llama3 in fp32 on them gives the loss the run logged at step 4 (the same ops on the same CPU: equal up to
+    the 5 printed decimals), so the weights and the batch are that step's; a batch or checkpoint one step off
+    gives another loss. Then the probe runs from that state."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    from scripts.probes.bf16_step_accuracy import Setup, _step, _stock, measure, trained_state
+    from scripts.report.bf16_parity import step_accuracy_table
+
+    from .conftest import logged_losses, run_cli
+
+    config, run = str(CONFIGS / "debug_cpu_baseline.toml"), tmp_path / "run"
+    proc = run_cli(["train", config, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "3",
+                    "--job.dump_folder", str(run), "--metrics.disable_color_printing"], cwd=tmp_path, cache_dir=cache_dir)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    logged = logged_losses(proc.stdout + proc.stderr)
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(cache_dir))
+    s = Setup(flavor="debugmodel_gqa", seqlen=128, batch=4, device="cpu", backend="torch", fa4=False)
+    state = trained_state(s, config, 3, str(run))  # (the run's checkpoint: no training here)
+    loss, _ = _step(_stock(s, False, torch.float32), state[0], state[1], state[2], True, loss_fn=cross_entropy_loss)
+    assert abs(loss / state[2].numel() - logged[4]) <= 5e-6 + 4 * 2.0**-24 * logged[4]
+    assert abs(logged[4] - logged[3]) > 1e-3  # (so a batch one step off would show)
+
+    doc = measure(s, models=("stock_eager", "coda_eager"), state=state)
+    assert doc["loss"]["fp32"] == pytest.approx(loss, rel=2.0**-20)
+    doc.update(device="cpu", date="2026-11-28", state={"config": config, "steps": 3})
+    assert "the weights after 3 steps of `debug_cpu_baseline` and its next batch" in step_accuracy_table(doc)

@@ -7,7 +7,8 @@ Issue 18's loss-parity criterion asks CODA's deviation from stock eager over 300
 than stock compiled's. Two bf16 trainings drift apart from the first step's rounding differences on, so
 that criterion reads how large each config's first-step perturbation is. This probe measures it
 directly: the same weights (the 1B's init, bf16), the same random tokens (seq 8192 x batch 2), one forward
-and backward in each of
+and backward (``--state-steps N``: from the weights after N steps of the stock eager config, on the batch its
+step N + 1 reads) in each of
 
 * ``fp32``: the CODA torch backend in fp32 (TF32 off; SDPA), the reference,
 * ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
@@ -149,20 +150,59 @@ def _summary(per: dict[str, dict]) -> dict:
             "median_flips": statistics.median(flips.values()), "max_flips": max(flips.values())}
 
 
-def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS) -> dict:
-    """The probe's result document (without the header): losses, per-parameter numbers, summaries."""
+def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The weights after ``steps`` steps of ``config`` and the batch its step ``steps + 1`` reads: the config
+    trains in a ``coda-titan train`` process with a checkpoint at ``steps`` (reused if ``workdir`` holds it),
+    the weights come from that checkpoint (``torch.distributed.checkpoint``, one process) and the batch from
+    TorchTitan's dataloader for that config, its first ``steps`` batches skipped."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+    from coda_titan.cli import parse_config
+    from coda_titan.titan.train_spec import build_tokenizer
+
+    folder = Path(workdir) / "checkpoint" / f"step-{steps}"
+    if not folder.exists():
+        cmd = [sys.executable, "-m", "coda_titan.cli", "train", config, "--training.steps", str(steps),
+               "--checkpoint.enable", "--checkpoint.interval", str(steps), "--checkpoint.folder", "checkpoint",
+               "--job.dump_folder", str(workdir)]
+        subprocess.run(cmd, check=True)
+    cfg = parse_config(config, [])
+    # (the parameters in the dtype the config trains them in, on the CPU: the checkpoint's own tensors)
+    model = _stock(dataclasses.replace(s, device="cpu", fa4=False), False, TORCH_DTYPE_MAP[cfg.training.dtype])
+    weights = {n: p.detach().clone() for n, p in _params(model).items()}
+    del model
+    dcp.load(weights, checkpoint_id=str(folder))
+    loader = build_text_dataloader(dp_world_size=1, dp_rank=0, tokenizer=build_tokenizer(cfg), job_config=cfg)
+    for i, (inputs, labels) in enumerate(loader):
+        if i == steps:
+            break
+    return {n: w.to(s.device) for n, w in weights.items()}, inputs["input"].to(s.device), labels.to(s.device)
+
+
+def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple | None = None) -> dict:
+    """The probe's result document (without the header): losses, per-parameter numbers, summaries. ``state``:
+    (weights, tokens, labels) to start from (``trained_state``), else the init weights and random tokens."""
     from torchtitan.components.loss import cross_entropy_loss
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    stock0 = _stock(s, False)
-    weights = {n: p.detach().to(torch.bfloat16).clone() for n, p in _params(stock0).items()}
-    vocab = stock0.model_args.vocab_size
-    del stock0
-    gen = torch.Generator(device=s.device).manual_seed(1)
-    tokens = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
-    labels = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
+    if state is None:
+        stock0 = _stock(s, False)
+        weights = {n: p.detach().to(torch.bfloat16).clone() for n, p in _params(stock0).items()}
+        vocab = stock0.model_args.vocab_size
+        del stock0
+        gen = torch.Generator(device=s.device).manual_seed(1)
+        tokens = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
+        labels = torch.randint(0, vocab, (s.batch, s.seqlen), generator=gen, device=s.device)
+    else:
+        weights, tokens, labels = state
 
     ref = _coda(s, "torch", torch.float32, checkpoint=True)
     loss_ref, g_ref = _step(ref, {n: w.float() for n, w in weights.items()}, tokens, labels, stock=False)
@@ -217,14 +257,28 @@ def _line(name: str, loss: float, s: dict) -> str:
     return line
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="One bf16 step's gradients of stock and CODA against fp32.")
+    ap.add_argument("--state-steps", type=int, default=0,
+                    help="start from the weights after this many steps of --state-config and its next batch "
+                         "(0: the init weights and random tokens)")
+    ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
+    ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
+    args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (before CUDA starts)
     from scripts.bench.common import header
 
-    doc = {**header(), "kind": "probe_bf16_step_accuracy", **measure()}
+    s = Setup()
+    state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
+    doc = {**header(), "kind": "probe_bf16_step_accuracy",
+           "state": {"config": args.state_config, "steps": args.state_steps} if state else "init",
+           **measure(s, state=state)}
     out = os.environ.get("OUT", "outputs")
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"probe_bf16_step_accuracy_{re.sub(r'[^A-Za-z0-9]+', '_', doc['device']).strip('_')}.json")
+    at = f"step{args.state_steps}_" if state else ""
+    path = os.path.join(out, f"probe_bf16_step_accuracy_{at}{re.sub(r'[^A-Za-z0-9]+', '_', doc['device']).strip('_')}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print("wrote", path)

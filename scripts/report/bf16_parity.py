@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from scripts.compare.common import RESULTS
 from scripts.compare.parity import loss_runs, parity
@@ -70,8 +71,11 @@ def pair_table(groups: list[dict]) -> str:
 
 def step_accuracy_table(doc: dict) -> str:
     """The probe's summary: each bf16 model's first-step loss and gradients against fp32 and against stock eager."""
+    state = doc.get("state", "init")
+    start = ("the init weights and random tokens" if state == "init" else
+             f"the weights after {state['steps']} steps of `{Path(state['config']).stem}` and its next batch")
     lines = [f"One bf16 step against the same step in fp32 ({doc['model']}, seq {doc['seq_len']} x batch "
-             f"{doc['local_batch_size']}, the init weights and random tokens; {doc['device']}, {doc['date'][:10]}; "
+             f"{doc['local_batch_size']}, {start}; {doc['device']}, {doc['date'][:10]}; "
              f"reference: {doc['reference']}). Gradient error: ||g - g_ref|| / ||g_ref|| over all gradients as one "
              "vector, and per parameter; sign flips: the share of elements whose sign differs (AdamW's first "
              "update is lr * sign(g)).", "",

@@ -119,7 +119,8 @@
 #     mlphtparity  300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_mlp_h_t, and without
 #     bf16acc      scripts/probes/bf16_step_accuracy.py: one bf16 step's gradients of stock eager / compiled and CODA
 #                  eager / compiled against the same step in fp32 (1B, seq 8192 x 2), and against stock eager;
-#                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch
+#                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
+#                  MODELS="stock_eager coda_eager": those models only
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
@@ -509,7 +510,7 @@ for phase in "$@"; do
       ;;
     bf16acc)
       # (STATE_STEPS=N: from the weights after N steps of the stock eager config and its next batch)
-      python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} \
+      python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} ${MODELS:+--models $MODELS} \
         > "$logs/bf16_step_accuracy.log" 2>&1
       echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error" "$logs/bf16_step_accuracy.log" | cut -c1-600
       ;;

@@ -185,9 +185,11 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict
     return {n: w.to(s.device) for n, w in weights.items()}, inputs["input"].to(s.device), labels.to(s.device)
 
 
-def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple | None = None) -> dict:
+def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple | None = None,
+            done=lambda doc: None) -> dict:
     """The probe's result document (without the header): losses, per-parameter numbers, summaries. ``state``:
-    (weights, tokens, labels) to start from (``trained_state``), else the init weights and random tokens."""
+    (weights, tokens, labels) to start from (``trained_state``), else the init weights and random tokens.
+    ``done(doc)`` is called after each model (the GPU run writes what it has, in case its call times out)."""
     from torchtitan.components.loss import cross_entropy_loss
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -231,6 +233,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         doc["summary"][name] = {"vs_fp32": _summary(per), "vs_stock_eager": _summary(vs) if vs else None,
                                 "loss_rel_err": (loss - loss_ref) / abs(loss_ref)}
         print(_line(name, loss, doc["summary"][name]), flush=True)
+        done(doc)
         del model, grads
         _free()
     return doc
@@ -266,21 +269,25 @@ def main(argv=None) -> None:
                          "(0: the init weights and random tokens)")
     ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
     ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager"])
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (before CUDA starts)
     from scripts.bench.common import header
 
     s = Setup()
     state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
-    doc = {**header(), "kind": "probe_bf16_step_accuracy",
-           "state": {"config": args.state_config, "steps": args.state_steps} if state else "init",
-           **measure(s, state=state)}
+    head = {**header(), "kind": "probe_bf16_step_accuracy",
+            "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}
     out = os.environ.get("OUT", "outputs")
     os.makedirs(out, exist_ok=True)
     at = f"step{args.state_steps}_" if state else ""
-    path = os.path.join(out, f"probe_bf16_step_accuracy_{at}{re.sub(r'[^A-Za-z0-9]+', '_', doc['device']).strip('_')}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    path = os.path.join(out, f"probe_bf16_step_accuracy_{at}{re.sub(r'[^A-Za-z0-9]+', '_', head['device']).strip('_')}.json")
+
+    def write(doc: dict) -> None:
+        with open(path, "w") as f:
+            json.dump({**head, **doc}, f, indent=1)
+
+    measure(s, tuple(args.models), state=state, done=write)
     print("wrote", path)
 
 

@@ -410,3 +410,14 @@ def test_bf16_pairs_of_one_day_are_gathered_by_kind_with_coda_measured_against_s
     table = bf16_parity.pair_table(groups)
     assert table.count("| 2026-11-28 | 6 (2) |") == 3 and "2026-11-27" not in table
     assert bf16_parity.pair_table([]) == ""
+    one = [run("loss_curve_NVIDIA_X_2026-11-29.json", c, True, noisy(0.001)) for c in ("a", "b")]  # (no repeat)
+    assert bf16_parity.pair_classes(one) == []
+    one.append(run("loss_curve_NVIDIA_X_2026-11-29.json", "a", True, noisy(0.001)))  # (a repeat in one file)
+    assert [(g["day"], g["classes"]["stock / stock"]["pairs"]) for g in bf16_parity.pair_classes(one)] == [("2026-11-29", 3)]
+
+
+def test_a_configs_repeats_in_one_loss_curve_are_numbered_in_its_plot():
+    from scripts.report.training import _run_labels
+
+    runs = [{"config": "configs/x.toml"}, {"config": "configs/y.toml"}, {"config": "other/x.toml"}]
+    assert [_run_labels(runs)[id(r)] for r in runs] == ["x", "y", "x #2"]

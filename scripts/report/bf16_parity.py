@@ -23,8 +23,9 @@ def _kind(a: dict, b: dict) -> str | None:
 
 
 def pair_classes(runs: list[dict] | None = None) -> list[dict]:
-    """For each (cohort, day) with bf16 runs from two or more stored curves: the parity statistics of every
-    pair of its runs, gathered by kind of pair (a CODA run's deviation is taken against the stock run)."""
+    """For each (cohort, day) whose bf16 runs repeat a config (in one stored curve or across several): the
+    parity statistics of every pair of its runs, gathered by kind of pair (a CODA run's deviation is taken
+    against the stock run)."""
     runs = loss_runs() if runs is None else runs
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -33,7 +34,7 @@ def pair_classes(runs: list[dict] | None = None) -> list[dict]:
             groups.setdefault((r["cohort"], day.group(0)), []).append(r)
     out = []
     for (_, day), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
-        if len({r["file"] for r in rs}) < 2:
+        if len({r["config"] for r in rs}) == len(rs):  # (no config ran twice: no run-to-run spread to set against)
             continue
         classes: dict[str, list[dict]] = {}
         for i, a in enumerate(rs):

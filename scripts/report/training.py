@@ -276,6 +276,17 @@ def plot_compare(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _run_labels(runs: list[dict]) -> dict[int, str]:
+    """Each run's config name, a config's later runs numbered (a repeat: ``name #2``)."""
+    seen: dict[str, int] = {}
+    out = {}
+    for r in runs:
+        stem = Path(r["config"]).stem
+        seen[stem] = seen.get(stem, 0) + 1
+        out[id(r)] = stem if seen[stem] == 1 else f"{stem} #{seen[stem]}"
+    return out
+
+
 def plot_loss_curve(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -286,10 +297,11 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
     panels = 3 if norms else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 2 * panels + 2), sharex=True,
                              gridspec_kw={"height_ratios": [3, 1, 1][:panels]})
+    label = _run_labels(doc["runs"])
     for r in doc["runs"]:
-        axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=Path(r["config"]).stem, lw=1)
+        axes[0].plot(range(1, len(r["loss"]) + 1), r["loss"], label=label[id(r)], lw=1)
     for r in norms:
-        axes[2].plot(range(1, len(r["grad_norm"]) + 1), r["grad_norm"], lw=0.8, label=Path(r["config"]).stem)
+        axes[2].plot(range(1, len(r["grad_norm"]) + 1), r["grad_norm"], lw=0.8, label=label[id(r)])
     if norms:
         axes[2].set_ylabel("grad norm")
         axes[2].set_yscale("log")
@@ -300,7 +312,7 @@ def plot_loss_curve(doc: dict, path: Path) -> None:
         b = r["loss"]
         n = min(len(a), len(b))
         axes[1].plot(range(1, n + 1), [100 * (b[i] - a[i]) / abs(a[i]) for i in range(n)], lw=1,
-                     label=f"{Path(r['config']).stem} vs {Path(doc['runs'][0]['config']).stem}")
+                     label=f"{label[id(r)]} vs {label[id(doc['runs'][0])]}")
     tol = max((p.get("tolerance", PARITY_TOL) for p in doc.get("parity", [])), default=PARITY_TOL)
     axes[1].axhline(100 * tol, ls="--", color="k", lw=0.7)
     axes[1].axhline(-100 * tol, ls="--", color="k", lw=0.7)

@@ -296,10 +296,18 @@ for phase in "$@"; do
       ;;
     parity)
       # (the compiled CODA config, the one the headline recommends; PARITY_CODA=configs/llama3_1b_bf16_coda.toml: eager)
-      # (PARITY_NO_TWIN=1: without stock compiled, a repeat of stock eager and CODA for the results page's repeat pairs)
-      twin=configs/llama3_1b_bf16_baseline_compile.toml; [ -n "${PARITY_NO_TWIN:-}" ] && twin=""
-      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml "${PARITY_CODA:-configs/llama3_1b_bf16_coda_compile.toml}" \
-        $twin --steps "${PARITY_STEPS:-300}"
+      # (PARITY_ARMS: the runs after stock eager, default "coda compiled"; "coda eager": a CODA run and stock eager's
+      # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host)
+      cfgs=()
+      for a in ${PARITY_ARMS:-coda compiled}; do
+        case $a in
+          eager) cfgs+=(configs/llama3_1b_bf16_baseline.toml) ;;
+          compiled) cfgs+=(configs/llama3_1b_bf16_baseline_compile.toml) ;;
+          coda) cfgs+=("${PARITY_CODA:-configs/llama3_1b_bf16_coda_compile.toml}") ;;
+          *) echo "PARITY_ARMS takes eager, compiled and coda"; exit 2 ;;
+        esac
+      done
+      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml "${cfgs[@]}" --steps "${PARITY_STEPS:-300}"
       ;;
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15

@@ -5,10 +5,10 @@ CODA (eager and compiled), each against the same step in fp32, on the 1B at the 
 
 Issue 18's loss-parity criterion asks CODA's deviation from stock eager over 300 steps to be no larger
 than stock compiled's. Two bf16 trainings drift apart from the first step's rounding differences on, so
-that criterion reads how large each config's first-step perturbation is. This probe measures it
-directly: the same weights (the 1B's init, bf16), the same random tokens (seq 8192 x batch 2), one forward
-and backward (``--state-steps N``: from the weights after N steps of the stock eager config, on the batch its
-step N + 1 reads) in each of
+that criterion reads how large each config's per-step perturbation is. This probe measures it directly:
+one forward and backward from the same weights on the same tokens (the 1B's init weights in bf16 and
+random tokens, seq 8192 x batch 2; with ``--state-steps N`` the weights after N steps of the stock eager
+config and the batch its step N + 1 reads) in each of
 
 * ``fp32``: the CODA torch backend in fp32 (TF32 off; SDPA), the reference,
 * ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
@@ -19,7 +19,7 @@ step N + 1 reads) in each of
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
 first update that moves), and both again against ``stock_eager`` (what the parity criterion compares).
-Writes ``$OUT/probe_bf16_step_accuracy_<gpu>.json`` with every parameter's numbers and a summary per model:
+Writes ``$OUT/probe_bf16_step_accuracy[_step<N>]_<gpu>.json`` (after each model) with every parameter's numbers and a summary per model:
 the median over parameters, the largest, and the whole-model error (all gradients as one vector).
 """
 
@@ -97,13 +97,11 @@ def _coda(s: Setup, backend: str, dtype=torch.bfloat16, compiled: bool = False, 
         model = CodaTransformer(args)
     if backend != "torch" and s.fa4:
         swap_attention(model)
-    if checkpoint:
-        for block in model.layers.children():
-            block.attention.inner_attention = _Fp32Attention()
     for name, block in model.layers.named_children():
         if checkpoint:  # (the fp32 reference: 16 layers of fp32 activations at 16,384 tokens do not fit beside it)
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+            block.attention.inner_attention = _Fp32Attention()
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if compiled:
             block = torch.compile(block, fullgraph=True)
@@ -213,9 +211,9 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
     _free()
     print(f"fp32 reference: loss {loss_ref:.6f}", flush=True)
     doc = {"model": f"llama3/{s.flavor}", "seq_len": s.seqlen, "local_batch_size": s.batch,
-           "reference": "CODA torch backend, fp32 (TF32 off), SDPA on repeated k, v (its memory-efficient kernel on CUDA)",
-           "attention": "fa4" if s.fa4 else "sdpa",
-           "loss": {"fp32": loss_ref}, "params": {}, "summary": {}}
+           "reference": ("CODA torch backend, fp32 (TF32 off), SDPA on repeated k, v "
+                         "(its memory-efficient kernel on CUDA)"),
+           "attention": "fa4" if s.fa4 else "sdpa", "loss": {"fp32": loss_ref}, "params": {}, "summary": {}}
     compiled_loss = torch.compile(cross_entropy_loss)
     g_stock = None
     for name in models:
@@ -272,16 +270,13 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager"])
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (before CUDA starts)
-    from scripts.bench.common import header
+    from scripts.bench.common import header, out_json
 
     s = Setup()
     state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
     head = {**header(), "kind": "probe_bf16_step_accuracy",
             "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}
-    out = os.environ.get("OUT", "outputs")
-    os.makedirs(out, exist_ok=True)
-    at = f"step{args.state_steps}_" if state else ""
-    path = os.path.join(out, f"probe_bf16_step_accuracy_{at}{re.sub(r'[^A-Za-z0-9]+', '_', head['device']).strip('_')}.json")
+    path = out_json("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else ""))
 
     def write(doc: dict) -> None:
         with open(path, "w") as f:

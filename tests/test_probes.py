@@ -164,6 +164,7 @@ def test_bf16_step_accuracy_measures_stock_and_coda_bf16_against_the_same_step_i
     against fp32 is within twice the other's (docs/design.md's bound for another summation order). A stock model
     cast with ``.to(bfloat16)`` (its complex RoPE table cast to real) was 50x off on ``wq`` and fails here."""
     from scripts.probes.bf16_step_accuracy import Setup, _compare, measure
+    from scripts.report.bf16_parity import step_accuracy_table
 
     g = torch.randn(1000, dtype=torch.float64)
     flipped = g.clone()
@@ -180,9 +181,8 @@ def test_bf16_step_accuracy_measures_stock_and_coda_bf16_against_the_same_step_i
     assert set(doc["params"]["coda_eager"]["vs_fp32"]) == set(doc["params"]["stock_eager"]["vs_fp32"])
     assert set(doc["params"]["coda_eager"]["vs_stock_eager"]) == set(doc["params"]["coda_eager"]["vs_fp32"])
     assert doc["summary"]["stock_eager"]["vs_stock_eager"] is None
+    # (the loss, a mean of fp32 sums over bf16 operands: within two bf16 roundings of fp32's)
     assert all(abs(doc["loss"][n] / doc["loss"]["fp32"] - 1) < 2 ** -7 for n in ("stock_eager", "coda_eager"))
-    from scripts.report.bf16_parity import step_accuracy_table
-
     table = step_accuracy_table({**doc, "device": "cpu", "date": "2026-11-28"})
     assert "| stock_eager |" in table and "| coda_eager |" in table and f"{coda['whole_rel']:.2e}" in table
 

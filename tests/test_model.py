@@ -805,6 +805,75 @@ def test_bad_precision_is_refused():
         _models(precision="fp4")
 
 
+
+# --- autocast and TorchTitan's AMP ------------------------------------------------------------------
+# TorchTitan runs every step on one device (or DDP) under torch.autocast(mixed_precision_param). The
+# programs choose their precision by their operands' dtypes and accumulate in fp32, so the model runs
+# them with autocast off; with fp32 parameters (training.dtype = "float32", AMP) it casts each parameter
+# to autocast's dtype where a program reads it, as autocast casts a stock linear's weight.
+
+
+def _params_to(model, dtype):
+    """``model`` with every parameter (not the buffers) in ``dtype``."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def _step(model, autocast: bool, tokens=None, labels=None):
+    """One forward and backward (under autocast to bf16 on the CPU, or not): (loss, every parameter's gradient)."""
+    if tokens is None:
+        tokens, labels = _batch(model.model_args.vocab_size)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(tokens, labels=labels)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bf16_programs_give_the_same_bits_under_autocast(precision):
+    """A bf16 model under TorchTitan's autocast computes exactly what it computes without: before the programs
+    ran with autocast off, the reference's fp32 GEMM accumulators came back rounded to bf16 (and the loss with them)."""
+    bf16, fp8 = _models(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_down_proj=True, fp8_out_proj=True)
+    model = _params_to(bf16 if precision == "bf16" else fp8, torch.bfloat16)
+    twin = copy.deepcopy(model)  # (a training forward records fp8 amaxes: each arm its own model)
+    loss, g = _step(model, autocast=False)
+    loss_ac, g_ac = _step(twin, autocast=True)
+    assert loss_ac.dtype == loss.dtype == torch.float32
+    assert torch.equal(loss_ac, loss), (loss_ac.item(), loss.item())
+    assert g.keys() == g_ac.keys() and all(torch.equal(g_ac[n], g[n]) for n in g), \
+        [n for n in g if not torch.equal(g_ac[n], g[n])]
+
+
+def test_amp_runs_the_programs_on_bf16_casts_of_fp32_parameters():
+    """fp32 parameters under autocast (TorchTitan's AMP): the loss is the bf16 model's (same parameters rounded
+    to bf16) bit for bit, and every gradient its bf16 gradient, arriving in fp32 on the fp32 parameters. The
+    batch's tokens are distinct, so the embedding's gradient rows are single terms (with repeats the fp32
+    embedding sums them in fp32, as stock's does under AMP, the bf16 one in bf16)."""
+    model, _ = _models()
+    ref = _params_to(copy.deepcopy(model), torch.bfloat16)
+    vocab = model.model_args.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randperm(vocab, generator=gen)[:64].view(2, 32)
+    labels = torch.randint(0, vocab, (2, 32), generator=gen)
+    loss, g = _step(model, autocast=True, tokens=tokens, labels=labels)
+    loss_ref, g_ref = _step(ref, autocast=False, tokens=tokens, labels=labels)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(loss, loss_ref), (loss.item(), loss_ref.item())
+    for n in g_ref:
+        assert g[n].dtype == torch.float32, n
+        assert torch.equal(g[n], g_ref[n].float()), n
+
+
+def test_fp8_under_amp_is_refused_in_one_line():
+    _, fp8 = _models()
+    tokens, labels = _batch(fp8.model_args.vocab_size)
+    with pytest.raises(ValueError, match='training.dtype = "bfloat16"'):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fp8(tokens, labels=labels)
+
+
 # --- GPU: the cute backend ------------------------------------------------------------------------
 
 

@@ -51,6 +51,12 @@ class ProgramConfig:
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
     fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
     fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
+    amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A parameter as the programs read it: under AMP cast (differentiably: its gradient comes back in the
+        parameter's dtype) to ``amp_dtype``, as autocast casts a stock linear's weight; else the parameter."""
+        return w if self.amp_dtype is None or w.dtype == self.amp_dtype else w.to(self.amp_dtype)
 
 
 def _weight_t(cfg: ProgramConfig, w_t: torch.Tensor | None) -> torch.Tensor | None:

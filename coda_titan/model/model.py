@@ -23,6 +23,8 @@ epilogue needs to write H.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
@@ -50,16 +52,16 @@ class CodaTransformerBlock(TransformerBlock):
         ``fp8.qkv_h_t`` the next layer's Hq^T (hq_next, amax_next and hq_t_next None on the last layer), and the
         MLP's amax token for the next layer's F3 (``edges.amax_token``; None unless ``fp8.mlp_amax``), amax |a| (``fp8.preact``)."""
         # x, h: (M, dim) with M = bs * seqlen; rstd: (M,); freqs: (head_dim/2,) fp64
-        attn, hd = self.attention, self.attention.head_dim
+        attn, hd, w = self.attention, self.attention.head_dim, cfg.weight
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        qkv, x = NormRoPE.apply(h, rstd, x, self.attention_norm.weight, attn.wq.weight, attn.wk.weight,
-                                attn.wv.weight, freqs, seqlen, cfg, n_q + n_kv, hd,
+        qkv, x = NormRoPE.apply(h, rstd, x, w(self.attention_norm.weight), w(attn.wq.weight), w(attn.wk.weight),
+                                w(attn.wv.weight), freqs, seqlen, cfg, n_q + n_kv, hd,
                                 *(() if fp8 is None else (fp8.attn, fp8.qkv_grad_sink, fp8.amax_tok)))
         o = attention_on_packed(attn.inner_attention, qkv, seqlen, n_q, n_kv, attn.enable_gqa)  # (M, n_heads * head_dim)
         ff = self.feed_forward
-        mlp_weights = (self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, gamma_next)
+        mlp_weights = (w(self.ffn_norm.weight), w(ff.w1.weight), w(ff.w3.weight), w(ff.w2.weight), gamma_next)
         if fp8 is None:
-            x, h, s = ResidualRMS.apply(o, attn.wo.weight, x, self.ffn_norm.weight, cfg)
+            x, h, s = ResidualRMS.apply(o, w(attn.wo.weight), x, mlp_weights[0], cfg)
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
             x, h, s = NormSwiGLUResidual.apply(h, rstd, x, *mlp_weights, cfg)
             rstd = cfg.backend.rstd_finalize(partials=s, dim=x.shape[1], eps=cfg.eps)
@@ -141,10 +143,11 @@ class LMHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, dim))
 
     def forward(self, h, rstd, x=None, norm_weight=None, labels=None, cfg: ProgramConfig | None = None):
+        weight = self.weight if self.weight.dtype == h.dtype else self.weight.to(h.dtype)  # (AMP: ProgramConfig.weight)
         if labels is None:
-            return (h @ self.weight.t()).to(rstd.dtype) * rstd[:, None]
+            return (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
         compute_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, self.weight))
-        return LMHeadCE.apply(h, rstd, x, norm_weight, self.weight, labels, cfg, compute_grad)
+        return LMHeadCE.apply(h, rstd, x, norm_weight, weight, labels, cfg, compute_grad)
 
 
 class CodaTransformer(Transformer):
@@ -195,22 +198,45 @@ class CodaTransformer(Transformer):
                 torch._dynamo.mark_static_address(self._freqs_cache[device])
         return self._freqs_cache[device]
 
+    def amp_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The 16-bit dtype TorchTitan's AMP asks for (``training.dtype = "float32"`` with
+        ``mixed_precision_param = "bfloat16"`` on one device or DDP: the step runs under ``torch.autocast``) when
+        the parameters are wider, else None. Under FSDP2 its mixed precision gathers the parameters in
+        ``param_dtype`` instead, and TorchTitan runs no autocast."""
+        kind = device.type
+        if not torch.is_autocast_enabled(kind):
+            return None
+        dtype, p = torch.get_autocast_dtype(kind), self.tok_embeddings.weight if self.tok_embeddings is not None else None
+        return dtype if p is not None and p.dtype.itemsize > dtype.itemsize else None
+
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
-        if attention_masks is not None or positions is not None:
-            raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
+        """The program chain runs with autocast off: each program's precision is its operands' dtypes and its
+        accumulators' (fp32), which autocast would change (the reference's GEMMs rounded to bf16 before
+        their epilogues). Under AMP the parameters come to the programs cast to autocast's dtype (``amp_dtype``)."""
+        amp = self.amp_dtype(tokens.device)
+        if amp is not None and self.model_args.coda.precision == "fp8":
+            raise ValueError(
+                '[coda] precision = "fp8" runs on bf16 parameters, not under TorchTitan\'s AMP (fp32 parameters, '
+                'autocast): set training.dtype = "bfloat16", or shard with FSDP2 (data_parallel_shard_degree > 1)')
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self._forward(tokens, labels, amp)
+
+    def _forward(self, tokens, labels, amp: torch.dtype | None):
         # ([coda] optimizer_stream: the last step, on its stream; with step_chunk_layers each block waits for its own chunk)
         step_wait = getattr(getattr(self, "optimizer_stream", None), "wait_for", _no_wait)
         step_wait(-1)  # (the embedding and the norms)
         cfg = self.program_config()
+        cfg = cfg if amp is None else dataclasses.replace(cfg, amp_dtype=amp)
         bs, seqlen = tokens.shape
         x = self.tok_embeddings(tokens).view(bs * seqlen, -1)  # (M, dim)
+        x = x if amp is None else x.to(amp)
         freqs = self._freqs(x.device)
         layers = list(self.layers.values())
         blocks = self._blocks(layers, tokens.is_cuda)
         fp8 = self.model_args.coda.precision == "fp8" and bool(layers)
         with torch.no_grad():  # prologue: H and S are non-differentiable by construction
-            gammas = _attention_gammas(layers, getattr(self, "fsdp_param_dtype", None))
-            gamma0 = gammas[0] if layers else self.norm.weight
+            gammas = [cfg.weight(g) for g in _attention_gammas(layers, getattr(self, "fsdp_param_dtype", None))]
+            gamma0 = gammas[0] if layers else cfg.weight(self.norm.weight)
             if fp8:
                 inv = self.fp8_scaling.activation_inv_scales()
                 h, s, hq, amax0 = cfg.backend.rms_partial_fp8(x=x, gamma=gamma0, tile_n=cfg.tile_n, inv_scale=inv[0])
@@ -221,13 +247,13 @@ class CodaTransformer(Transformer):
             x, h, rstd = self._fp8_layers(x, h, hq, amax0, inv, rstd, freqs, seqlen, cfg, layers, gammas, blocks, step_wait)
         else:
             for i, block in enumerate(blocks):
-                gamma_next = gammas[i + 1] if i + 1 < len(layers) else self.norm.weight
+                gamma_next = gammas[i + 1] if i + 1 < len(layers) else cfg.weight(self.norm.weight)
                 step_wait(i)
                 x, h, rstd = block(x, h, rstd, freqs, seqlen, gamma_next, cfg)
         step_wait(None)  # (the LM head: the whole step, and the backward after it)
         if labels is None:
             return self.output(h, rstd).to(h.dtype).view(bs, seqlen, -1)
-        return self.output(h, rstd, x, self.norm.weight, labels.reshape(-1), cfg)
+        return self.output(h, rstd, x, cfg.weight(self.norm.weight), labels.reshape(-1), cfg)
 
     def _blocks(self, layers, cuda: bool) -> list:
         """What the forward calls per layer. With ``[coda] cuda_graphs`` the first forward runs the blocks

@@ -866,6 +866,14 @@ def test_amp_runs_the_programs_on_bf16_casts_of_fp32_parameters():
         assert torch.equal(g[n], g_ref[n].float()), n
 
 
+def test_attention_masks_and_positions_are_refused():
+    model, _ = _models()
+    tokens, labels = _batch(model.model_args.vocab_size)
+    for kw in (dict(attention_masks=torch.ones(1)), dict(positions=torch.arange(32))):
+        with pytest.raises(NotImplementedError, match="contiguous positions"):
+            model(tokens, labels=labels, **kw)
+
+
 def test_fp8_under_amp_is_refused_in_one_line():
     _, fp8 = _models()
     tokens, labels = _batch(fp8.model_args.vocab_size)

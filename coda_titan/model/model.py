@@ -213,6 +213,8 @@ class CodaTransformer(Transformer):
         """The program chain runs with autocast off: each program's precision is its operands' dtypes and its
         accumulators' (fp32), which autocast would change (the reference's GEMMs rounded to bf16 before
         their epilogues). Under AMP the parameters come to the programs cast to autocast's dtype (``amp_dtype``)."""
+        if attention_masks is not None or positions is not None:
+            raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
         amp = self.amp_dtype(tokens.device)
         if amp is not None and self.model_args.coda.precision == "fp8":
             raise ValueError(

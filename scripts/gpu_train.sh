@@ -297,8 +297,10 @@ for phase in "$@"; do
     parity)
       # (the compiled CODA config, the one the headline recommends; PARITY_CODA=configs/llama3_1b_bf16_coda.toml: eager)
       # (PARITY_ARMS: the runs after stock eager, default "coda compiled"; "coda eager": a CODA run and stock eager's
-      # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host)
+      # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host;
+      # PARITY_AMP=1: every run with fp32 master weights, training.dtype = float32, TorchTitan's AMP)
       cfgs=()
+      amp=(); [ "${PARITY_AMP:-0}" = 1 ] && amp=(--set training.dtype=float32 --tag bf16_amp)
       for a in ${PARITY_ARMS:-coda compiled}; do
         case $a in
           eager) cfgs+=(configs/llama3_1b_bf16_baseline.toml) ;;
@@ -307,7 +309,7 @@ for phase in "$@"; do
           *) echo "PARITY_ARMS takes eager, compiled and coda"; exit 2 ;;
         esac
       done
-      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml "${cfgs[@]}" --steps "${PARITY_STEPS:-300}"
+      $cmp --loss-curve configs/llama3_1b_bf16_baseline.toml "${cfgs[@]}" --steps "${PARITY_STEPS:-300}" "${amp[@]}"
       ;;
     profile)
       $cmp --profile configs/llama3_1b_bf16_coda.toml --steps 15

@@ -746,3 +746,19 @@ def test_a_stored_profile_is_summarized_again_from_its_kept_trace(tmp_path):
     # (and the step as a timeline: no optimizer phase here, so the whole trace: 300 + 50 us of kernels)
     t = doc["summary"]["step_timeline"]
     assert t["window"] == "whole trace" and t["step_ms"] == 0.45 and t["gpu_busy_ms"] == 0.35, t
+
+
+def test_a_runs_precision_names_amp_apart_from_pure_bf16_and_fp32():
+    from types import SimpleNamespace as NS
+
+    from scripts.compare.run import _precision
+
+    def job(dtype, mixed, name="llama3", converters=(), precision="bf16"):
+        return NS(model=NS(name=name, converters=list(converters)), coda=NS(precision=precision),
+                  training=NS(dtype=dtype, mixed_precision_param=mixed))
+
+    assert _precision(job("bfloat16", "bfloat16")) == "bf16"
+    assert _precision(job("float32", "float32")) == "fp32"
+    assert _precision(job("float32", "bfloat16")) == "bf16-amp"
+    assert _precision(job("bfloat16", "bfloat16", "coda_llama3", precision="fp8")) == "fp8"
+    assert _precision(job("bfloat16", "bfloat16", converters=["quantize.linear.float8"])) == "fp8"

@@ -198,6 +198,8 @@ def _precision(job) -> str:
         return "fp8"
     if job.model.name == "coda_llama3" and getattr(getattr(job, "coda", None), "precision", "bf16") == "fp8":
         return "fp8"
+    if job.training.dtype == "float32" and job.training.mixed_precision_param == "bfloat16":
+        return "bf16-amp"  # (fp32 master weights, bf16 compute: TorchTitan's AMP on one device, FSDP2's mixed precision)
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(job.training.dtype, job.training.dtype)
 
 

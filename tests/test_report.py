@@ -414,6 +414,9 @@ def test_bf16_pairs_of_one_day_are_gathered_by_kind_with_coda_measured_against_s
     assert bf16_parity.pair_classes(one) == []
     one.append(run("loss_curve_NVIDIA_X_2026-11-29.json", "a", True, noisy(0.001)))  # (a repeat in one file)
     assert [(g["day"], g["classes"]["stock / stock"]["pairs"]) for g in bf16_parity.pair_classes(one)] == [("2026-11-29", 3)]
+    amp = [run("loss_curve_bf16_amp_NVIDIA_X_2026-11-29.json", c, True, noisy(0.001), "bf16-amp") for c in ("a", "a")]
+    got = [(g["day"], g["runs"]) for g in bf16_parity.pair_classes(one + amp)]  # (AMP runs: a group of their own)
+    assert got == [("2026-11-29", 3), ("2026-11-29 (bf16-amp)", 2)]
 
 
 def test_a_configs_repeats_in_one_loss_curve_are_numbered_in_its_plot():
@@ -421,3 +424,17 @@ def test_a_configs_repeats_in_one_loss_curve_are_numbered_in_its_plot():
 
     runs = [{"config": "configs/x.toml"}, {"config": "configs/y.toml"}, {"config": "other/x.toml"}]
     assert [_run_labels(runs)[id(r)] for r in runs] == ["x", "y", "x #2"]
+
+
+def test_the_cpu_precision_table_lists_every_pair_with_its_runs_last_50_mean():
+    from scripts.probes.cpu_precision import SHAPE, summarize
+    from scripts.report import bf16_parity
+
+    ref = [5.0 + 0.001 * s for s in range(60)]
+    losses = {"stock_fp32": ref, "coda_fp32": ref, "stock_bf16": [v * 1.02 for v in ref]}
+    doc = {"steps": 60, "shape": SHAPE, "date": "2026-11-28T23:00:00Z", **summarize(losses)}
+    table = bf16_parity.precision_table(doc)
+    rows = [line for line in table.splitlines() if line.startswith("| stock_bf16 |") or line.startswith("| coda_fp32 |")]
+    assert len(rows) == 3 and "| coda_fp32 | stock_fp32 | 0.000% |" in table
+    assert "| stock_bf16 | stock_fp32 | 2.000% | 2.000% | 2.000% |" in table
+    assert f"{1.02 * sum(ref[-50:]) / 50:.4f} against {sum(ref[-50:]) / 50:.4f}" in table

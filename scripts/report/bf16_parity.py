@@ -30,10 +30,10 @@ def pair_classes(runs: list[dict] | None = None) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         day = re.search(r"\d{4}-\d{2}-\d{2}", r["file"])
-        if r["precision"] == "bf16" and day:
-            groups.setdefault((r["cohort"], day.group(0)), []).append(r)
+        if r["precision"] in ("bf16", "bf16-amp") and day:  # (pure bf16 and AMP runs apart: two recipes)
+            groups.setdefault((r["cohort"], day.group(0), r["precision"]), []).append(r)
     out = []
-    for (_, day), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
+    for (_, day, precision), rs in sorted(groups.items(), key=lambda kv: kv[0][1:]):
         if len({r["config"] for r in rs}) == len(rs):  # (no config ran twice: no run-to-run spread to set against)
             continue
         classes: dict[str, list[dict]] = {}
@@ -43,7 +43,8 @@ def pair_classes(runs: list[dict] | None = None) -> list[dict]:
                 if kind is not None:
                     base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
                     classes.setdefault(kind, []).append(parity(base["loss"], cand["loss"]))
-        out.append({"day": day, "files": sorted({r["file"] for r in rs}), "runs": len(rs),
+        out.append({"day": day if precision == "bf16" else f"{day} ({precision})", "files": sorted({r["file"] for r in rs}),
+                    "runs": len(rs),
                     "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}})
     return out
 
@@ -91,8 +92,27 @@ def step_accuracy_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def precision_table(doc: dict) -> str:
+    """``scripts/probes/cpu_precision.py``: each recipe's last-50 mean loss, and each pair's deviations."""
+    sh = doc["shape"]
+    lines = [f"Precision recipes on the CPU (the debug pair, {doc['steps']} steps, seq {sh['seq_len']} x batch "
+             f"{sh['local_batch_size']}, lr {sh['lr']}; {doc['date'][:10]}; deterministic runs, so a pair differs by "
+             "rounding alone): fp32; AMP (fp32 parameters, bf16 autocast); pure bf16 (the GPU configs' recipe). "
+             "Deviations after step 20.", "",
+             "| run | against | mean abs. deviation | largest 10-step-mean deviation | max deviation | last-50 mean loss |",
+             "|---|---|---:|---:|---:|---:|"]
+    last = doc["last50_mean"]
+    for p in doc["pairs"]:
+        lines.append(f"| {p['candidate']} | {p['reference']} | {100 * p['mean_abs_rel_dev']:.3f}% | "
+                     f"{100 * p['max_rel_dev_10step_mean']:.3f}% | {100 * p['max_rel_dev']:.3f}% | "
+                     f"{last[p['candidate']]:.4f} against {last[p['reference']]:.4f} |")
+    return "\n".join(lines)
+
+
 def section(runs: list[dict] | None = None) -> str:
     parts = [pair_table(pair_classes(runs))]
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
         parts.append(step_accuracy_table(json.loads(p.read_text())))
+    for p in sorted(RESULTS.glob("cpu_precision_*.json")):
+        parts.append(precision_table(json.loads(p.read_text())))
     return "\n\n".join(x for x in parts if x)

@@ -38,6 +38,7 @@ from .autograd import LMHeadCE, NormRoPE, NormSwiGLUResidual, ProgramConfig, Res
 from .fp8_operands import Fp8Input, Fp8Operands, LayerFp8, MlpFp8, QuantizeH
 from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
+from .precision import amp_dtype
 from .rope import rope_freqs
 from .weight_prefetch import is_sharded as _is_sharded
 
@@ -198,28 +199,13 @@ class CodaTransformer(Transformer):
                 torch._dynamo.mark_static_address(self._freqs_cache[device])
         return self._freqs_cache[device]
 
-    def amp_dtype(self, device: torch.device) -> torch.dtype | None:
-        """The 16-bit dtype TorchTitan's AMP asks for (``training.dtype = "float32"`` with
-        ``mixed_precision_param = "bfloat16"`` on one device or DDP: the step runs under ``torch.autocast``) when
-        the parameters are wider, else None. Under FSDP2 its mixed precision gathers the parameters in
-        ``param_dtype`` instead, and TorchTitan runs no autocast."""
-        kind = device.type
-        if not torch.is_autocast_enabled(kind):
-            return None
-        dtype, p = torch.get_autocast_dtype(kind), self.tok_embeddings.weight if self.tok_embeddings is not None else None
-        return dtype if p is not None and p.dtype.itemsize > dtype.itemsize else None
-
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None, labels=None):
         """The program chain runs with autocast off: each program's precision is its operands' dtypes and its
         accumulators' (fp32), which autocast would change (the reference's GEMMs rounded to bf16 before
-        their epilogues). Under AMP the parameters come to the programs cast to autocast's dtype (``amp_dtype``)."""
+        their epilogues). Under AMP the parameters come to the programs cast to autocast's dtype (``precision``)."""
         if attention_masks is not None or positions is not None:
             raise NotImplementedError("coda_llama3 runs causal SDPA on contiguous positions only")
-        amp = self.amp_dtype(tokens.device)
-        if amp is not None and self.model_args.coda.precision == "fp8":
-            raise ValueError(
-                '[coda] precision = "fp8" runs on bf16 parameters, not under TorchTitan\'s AMP (fp32 parameters, '
-                'autocast): set training.dtype = "bfloat16", or shard with FSDP2 (data_parallel_shard_degree > 1)')
+        amp = amp_dtype(self.tok_embeddings, tokens.device, self.model_args.coda.precision)
         with torch.autocast(tokens.device.type, enabled=False):
             return self._forward(tokens, labels, amp)
 

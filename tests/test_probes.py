@@ -218,20 +218,23 @@ def test_bf16_step_accuracy_starts_from_a_trained_state_at_the_batch_its_next_st
 
 
 def test_cpu_precision_measures_each_pair_after_step_20_against_the_second_named():
-    from scripts.probes.cpu_precision import command, deviations, summarize
+    from scripts.probes.cpu_precision import command, summarize
 
     ref = [10.0 - 0.01 * s for s in range(40)]
     cand = list(ref)
     cand[25] *= 1.03  # (step 26: 3% high)
     cand[5] *= 2.0  # (step 6: before step 20, not counted)
-    d = deviations(cand, ref)
-    assert d["max_rel_dev"] == pytest.approx(0.03) and d["max_rel_dev_step"] == 26
-    assert d["mean_abs_rel_dev"] == pytest.approx(0.03 / 20) and d["max_rel_dev_10step_mean"] == pytest.approx(0.003)
-    with pytest.raises(ValueError):
-        deviations(cand[:30], ref[:30])
     s = summarize({"a": ref, "b": cand, "c": ref})
     assert [(p["candidate"], p["reference"]) for p in s["pairs"]] == [("b", "a"), ("c", "a"), ("c", "b")]
+    d = s["pairs"][0]
+    assert d["max_rel_dev"] == pytest.approx(0.03) and d["max_rel_dev_step"] == 26
+    assert d["mean_abs_rel_dev"] == pytest.approx(0.03 / 20)
+    assert d["max_rel_dev_10step_mean"] == pytest.approx(0.03 * ref[25] / sum(ref[25:35]))  # (the 10-step sums')
     assert s["last50_mean"]["a"] == pytest.approx(sum(ref) / len(ref))
+    with pytest.raises(ValueError):
+        summarize({"a": ref[:30], "b": cand[:30]})
+    with pytest.raises(ValueError):
+        summarize({"a": ref, "b": cand[:39]})
     cmd = command("configs/debug_cpu_coda.toml", "amp", 7, ROOT / "x")
     assert cmd[cmd.index("--training.dtype") + 1] == "float32" and cmd[cmd.index("--training.mixed_precision_param") + 1] == "bfloat16"
     assert cmd[cmd.index("--training.steps") + 1] == "7"

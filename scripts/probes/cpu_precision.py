@@ -30,10 +30,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from scripts.compare.common import PARITY_SKIP
+
 RECIPES = {"fp32": ("float32", "float32"), "amp": ("float32", "bfloat16"), "bf16": ("bfloat16", "bfloat16")}
 MODELS = {"stock": "configs/debug_cpu_baseline.toml", "coda": "configs/debug_cpu_coda.toml"}
 SHAPE = dict(seq_len=256, local_batch_size=4, lr=8e-4, warmup_steps=20)
-AFTER = 20  # (the parity criterion's: deviations after the first 20 steps)
 
 
 def command(config: str, recipe: str, steps: int, dump: Path) -> list[str]:
@@ -45,22 +46,17 @@ def command(config: str, recipe: str, steps: int, dump: Path) -> list[str]:
             "--metrics.log_freq", "1", "--metrics.no-enable_wandb", "--metrics.disable_color_printing"]
 
 
-def deviations(cand: list[float], ref: list[float], after: int = AFTER) -> dict:
-    """The parity measures of ``cand`` against ``ref`` (losses of steps 1..n): relative deviation per step after
-    ``after``; its mean absolute value, its largest (and where), the largest |mean| over 10 consecutive steps."""
-    if len(cand) != len(ref) or len(ref) <= after + 10:
-        raise ValueError(f"need two curves of equal length > {after + 10} steps, got {len(cand)} and {len(ref)}")
-    rel = [(c - r) / r for c, r in zip(cand[after:], ref[after:])]
-    worst = max(range(len(rel)), key=lambda i: abs(rel[i]))
-    windows = [sum(rel[i:i + 10]) / 10 for i in range(len(rel) - 9)]
-    return {"mean_abs_rel_dev": sum(abs(x) for x in rel) / len(rel), "max_rel_dev": abs(rel[worst]),
-            "max_rel_dev_step": after + worst + 1, "max_rel_dev_10step_mean": max(abs(w) for w in windows)}
-
-
 def summarize(losses: dict[str, list[float]]) -> dict:
-    """Each run's last-50 mean and every pair's ``deviations`` (the second named is the reference)."""
+    """Each run's last-50 mean and every pair's parity measures (``scripts.compare.parity.parity``, the loss-curve
+    pages' own: after step 20; the second named is the reference)."""
+    from scripts.compare.parity import parity
+
+    n = {len(ls) for ls in losses.values()}
+    if len(n) != 1 or n.pop() <= PARITY_SKIP + 10:
+        raise ValueError(f"need curves of one length > {PARITY_SKIP + 10} steps, got {[len(v) for v in losses.values()]}")
     last = {name: sum(ls[-50:]) / len(ls[-50:]) for name, ls in losses.items()}
-    pairs = [{"candidate": a, "reference": b, **deviations(losses[a], losses[b])}
+    keep = ("mean_abs_rel_dev", "max_rel_dev", "max_rel_dev_step", "max_rel_dev_10step_mean")
+    pairs = [{"candidate": a, "reference": b, **{k: v for k, v in parity(losses[b], losses[a]).items() if k in keep}}
              for b, a in itertools.combinations(losses, 2)]
     return {"last50_mean": last, "pairs": pairs}
 
@@ -81,7 +77,16 @@ def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    ap.add_argument("--resummarize", metavar="JSON", help="recompute a written file's pairs from its stored losses")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        path = Path(args.resummarize)
+        doc = json.loads(path.read_text())
+        doc.update(summarize({name: r["loss"] for name, r in doc["runs"].items()}))
+        doc["resummarized"] = "python -m scripts.probes.cpu_precision --resummarize " + args.resummarize
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+        return path
     import torch
     import torchtitan
 

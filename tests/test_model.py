@@ -924,6 +924,58 @@ def test_whole_1b_model_cute_matches_torch_backend():
 
 
 @pytest.mark.gpu
+def test_amp_on_the_cute_backend_runs_the_bf16_models_kernels(caplog):
+    """TorchTitan's AMP (fp32 parameters, CUDA autocast) on the cute backend: two 1B-shaped layers at seq 2048 x 2.
+    The programs read bf16 casts of the fp32 parameters, so the forward is the bf16 model's kernels on the same
+    bits: the same loss to the bit (a program that fell back to the reference on fp32 weights, or ran under
+    autocast, would not give it). Each gradient arrives in fp32 and is the bf16 model's within the bf16 model's
+    own run-to-run spread (FA4's backward sums dq in an order that changes between runs): at most twice the
+    deviation between two runs of the same bf16 step, and equal bits where those two runs agree to the bit."""
+    from coda_titan.model.args import coda_llama3_args
+
+    torch.manual_seed(0)
+    coda = Coda(backend="cute", tile_n=128, ce_chunk_rows=4096)  # (the bf16 configs' [coda] section)
+    args = dataclasses.replace(coda_llama3_args["1B"], n_layers=2, max_seq_len=2048, coda=coda)
+    with torch.device("cuda"):
+        amp = CodaTransformer(args)
+        with torch.no_grad():
+            amp.init_weights()
+    swap_attention(amp)
+    bf16 = _params_to(copy.deepcopy(amp), torch.bfloat16)
+    vocab = args.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    tokens = torch.randperm(vocab, device="cuda", generator=gen)[:4096].view(2, 2048)  # (distinct: see the CPU test)
+    labels = torch.randint(0, vocab, (2, 2048), device="cuda", generator=gen)
+
+    def step(model, autocast):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens, labels=labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    with caplog.at_level("WARNING", logger="coda_titan"):
+        loss, g = step(amp, autocast=True)
+    loss_a, g_a = step(bf16, autocast=False)
+    loss_b, g_b = step(bf16, autocast=False)
+    assert not [r.getMessage() for r in caplog.records if "cannot take" in r.getMessage()]
+    assert all(p.dtype == torch.float32 for p in amp.parameters())
+    assert loss.dtype == torch.float32 and torch.equal(loss, loss_a), (loss.item(), loss_a.item())
+    assert g.keys() == g_a.keys()
+    worst, worst_ratio = None, 0.0
+    for n in g_a:
+        assert g[n].dtype == torch.float32, n
+        dev = (g[n] - g_a[n].float()).norm().item()
+        spread = (g_b[n].float() - g_a[n].float()).norm().item()
+        ratio = dev / (2 * spread) if spread else (0.0 if dev == 0 else math.inf)
+        if ratio >= worst_ratio:
+            worst, worst_ratio = n, ratio
+    log_bound("AMP cute gradients vs the bf16 model's", worst=worst, ratio=worst_ratio, bound=1.0,
+              loss=loss.item())
+    assert worst_ratio <= 1, f"{worst}: AMP's gradient moved {worst_ratio:.3g}x twice the bf16 run-to-run spread"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mlp_dgrad,down_proj,down_dgrad,layer_wgrads,e5m2",
                          [(False, False, False, False, True), (True, False, False, False, True),
                           (True, True, False, False, True), (True, True, False, False, False),

@@ -299,8 +299,10 @@ for phase in "$@"; do
       # (PARITY_ARMS: the runs after stock eager, default "coda compiled"; "coda eager": a CODA run and stock eager's
       # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host;
       # PARITY_AMP=1: every run with fp32 master weights, training.dtype = float32, TorchTitan's AMP)
-      cfgs=()
-      amp=(); [ "${PARITY_AMP:-0}" = 1 ] && amp=(--set training.dtype=float32 --tag bf16_amp)
+      # (PARITY_ARMS named: the file's tag names them, so that two calls of a day keep both files)
+      cfgs=(); arms=${PARITY_ARMS:+_${PARITY_ARMS// /_}}
+      amp=(); [ "${PARITY_AMP:-0}" = 1 ] && amp=(--set training.dtype=float32 --tag "bf16_amp$arms")
+      [ "${PARITY_AMP:-0}" = 1 ] || [ -z "$arms" ] || amp=(--tag "bf16$arms")
       for a in ${PARITY_ARMS:-coda compiled}; do
         case $a in
           eager) cfgs+=(configs/llama3_1b_bf16_baseline.toml) ;;

@@ -257,6 +257,36 @@ def test_track_record_counts_each_candidates_verdicts_over_every_stored_curve(tm
     assert compare.track_record(alone) == []
 
 
+def test_amp_runs_are_repeats_only_of_amp_runs_and_keep_their_own_track_record(tmp_path):
+    """An AMP run (``--training.dtype float32``: an override, not in its config text) sees the same batches as the
+    pure-bf16 runs of its config but trains another recipe: its stock runs are repeats of AMP runs only, its
+    candidates' verdicts are a track-record row of their own, and the tables name the precision."""
+    base = [5.0] * 80
+    bump = lambda i, v, c=base: [v if j == i else x for j, x in enumerate(c)]  # noqa: E731
+
+    def doc(prec, b, cand):
+        runs = [dict(_curve_run("b", b), precision=prec), dict(_curve_run("c", cand, coda=True), precision=prec)]
+        return {"device": "d", "date": "2026-11-29", "steps": 80, "runs": runs,
+                "parity": [{"candidate": "c", **compare.parity(b, cand)}]}
+
+    docs = [doc("bf16", base, bump(50, 5.05)), doc("bf16", bump(40, 5.5), bump(50, 5.05, bump(40, 5.5))),
+            doc("bf16-amp", base, bump(50, 5.3)), doc("bf16-amp", bump(40, 5.1), bump(50, 5.3, bump(40, 5.1)))]
+    paths = []
+    for i, d in enumerate(docs):
+        paths.append(tmp_path / f"loss_curve_{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    runs = compare.loss_runs(paths)
+    spreads = {q["precision"]: q for q in compare.repeat_spread(runs)}
+    assert set(spreads) == {"bf16", "bf16-amp"} and all(q["runs"] == 2 for q in spreads.values())
+    assert spreads["bf16"]["max_rel_dev"] == pytest.approx(0.1) and spreads["bf16-amp"]["max_rel_dev"] == pytest.approx(0.02)
+    # (pooled, the AMP candidate's 6% would sit inside the bf16 repeats' 10%: apart, it is outside the AMP repeats' 2%)
+    rec = {t["candidate"]: [r["met"] for r in t["runs"]] for t in compare.track_record(paths)}
+    assert rec == {"c": [True, True], "c (bf16-amp)": [False, False]}
+    assert "| b (bf16-amp) | 2 | 2.00% (41) |" in compare.spread_tables(runs)
+    assert "bf16-amp: every run with fp32 master weights" in training.parity_table(docs[2], list(spreads.values()))
+    assert "bf16-amp" not in training.parity_table(docs[0], list(spreads.values()))
+
+
 def test_a_bf16_candidate_is_judged_against_the_compiled_stock_runs_deviation_in_the_same_run():
     """The BF16 issue's criterion: where a result holds the eager stock baseline and its compiled twin, each CODA
     candidate's mean abs. and largest 10-step-mean deviation must be no larger than the twin's; the results

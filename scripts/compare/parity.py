@@ -38,6 +38,16 @@ def parity(a: list[float], b: list[float], skip: int = PARITY_SKIP, tol: float =
     }
 
 
+def _precision(run: dict) -> str:
+    """The run's precision label (``scripts.compare.run``: bf16, fp8, bf16-amp ...; bf16 in files older than it)."""
+    return run.get("precision", "bf16")
+
+
+def shown(config: str, precision: str) -> str:
+    """A config as the tables name it: AMP runs (fp32 master weights, another recipe) carry their label."""
+    return f"{config} ({precision})" if precision.endswith("-amp") else config
+
+
 def _cohort(doc: dict, run: dict) -> str:
     """Runs with the same device, step count, data, seed, optimizer and schedule see the same batches."""
     try:
@@ -76,7 +86,7 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
                 "file": _label(p),
                 "config": Path(r["config"]).stem,
                 "stock": _stock(r),
-                "precision": r.get("precision", "bf16"),
+                "precision": _precision(r),
                 "cohort": _cohort(doc, r),
                 "loss": r["loss"],
             })
@@ -84,11 +94,12 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
 
 
 def _stock_groups(runs: list[dict]) -> dict[tuple, list[dict]]:
-    """The stock runs by (cohort, config): each group's runs are repeats of one another."""
+    """The stock runs by (cohort, config, precision): each group's runs are repeats of one another (an AMP run's
+    ``--training.dtype float32`` is an override, not in its config: its precision label tells it apart)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r["stock"]:
-            groups.setdefault((r["cohort"], r["config"]), []).append(r)
+            groups.setdefault((r["cohort"], r["config"], r["precision"]), []).append(r)
     return groups
 
 
@@ -96,14 +107,14 @@ def repeat_spread(runs: list[dict]) -> list[dict]:
     """Stock configs trained more than once in one cohort: the parity statistics of every pair of
     repeats. Same config, data, seed and code, so they measure run-to-run nondeterminism alone."""
     out = []
-    for (_, config), rs in _stock_groups(runs).items():
+    for (_, config, _), rs in _stock_groups(runs).items():
         if len(rs) < 2:
             continue
         tol = PARITY_TOL_FP8 if rs[0]["precision"] == "fp8" else PARITY_TOL
         pairs = [parity(a["loss"], b["loss"], tol=tol) for i, a in enumerate(rs) for b in rs[i + 1:]]
         worst = max(pairs, key=lambda q: q["max_rel_dev"])
         out.append({
-            "cohort": rs[0]["cohort"], "config": config, "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
+            "cohort": rs[0]["cohort"], "config": config, "precision": rs[0]["precision"], "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
             "max_rel_dev": worst["max_rel_dev"], "max_rel_dev_step": worst["max_rel_dev_step"],
             "min_pair_max_rel_dev": min(q["max_rel_dev"] for q in pairs),
             "steps_over_tolerance": (min(q["steps_over_tolerance"] for q in pairs),
@@ -126,8 +137,8 @@ def against_repeats(doc: dict, spreads: list[dict]) -> list[dict]:
     (``repeat_spread``), no non-finite loss, and the mean of the last 50 steps within 1% of the
     baseline's. ``inside`` is None where the baseline has no repeats in that cohort."""
     base = doc["runs"][0]
-    key = (_cohort(doc, base), Path(base["config"]).stem)
-    spread = next((q for q in spreads if (q["cohort"], q["config"]) == key), None)
+    key = (_cohort(doc, base), Path(base["config"]).stem, _precision(base))
+    spread = next((q for q in spreads if (q["cohort"], q["config"], q["precision"]) == key), None)
     out = []
     for q, run in zip(doc["parity"], doc["runs"][1:]):
         last = min(LAST_STEPS, len(run["loss"]), len(base["loss"]))
@@ -175,15 +186,17 @@ def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = N
         if "parity" not in doc or len(doc["parity"]) != len(doc["runs"]) - 1:
             continue
         base = Path(doc["runs"][0]["config"]).stem
-        for v, q in zip(against_repeats(doc, spreads), doc["parity"]):
+        for v, q, run in zip(against_repeats(doc, spreads), doc["parity"], doc["runs"][1:]):
             if not v["repeats"]:
                 continue
             last = v["last_mean_rel_dev"]
             why = [] if v["inside"] else ["deviations outside the repeats' spread"]
             why += [] if abs(last) <= LAST_MEAN_TOL else [f"last-{LAST_STEPS} mean {100 * last:+.2f}%"]
             why += ["non-finite loss"] if q["non_finite"]["candidate"] else []
-            groups.setdefault((base, v["candidate"]), []).append({"file": _label(p), "met": v["met"], "why": why})
-    return [{"baseline": b, "candidate": c, "runs": rs} for (b, c), rs in sorted(groups.items()) if len(rs) > 1]
+            groups.setdefault((base, v["candidate"], _precision(run)), []).append(
+                {"file": _label(p), "met": v["met"], "why": why})
+    return [{"baseline": b, "candidate": shown(c, prec), "runs": rs}
+            for (b, c, prec), rs in sorted(groups.items()) if len(rs) > 1]
 
 
 def track_record_table(rec: list[dict]) -> str:
@@ -214,7 +227,8 @@ def fragile_step(runs: list[dict], skip: int = PARITY_SKIP) -> dict | None:
     spread = lambda i: (max(r["loss"][i] for r in stock) - min(r["loss"][i] for r in stock)) / min(r["loss"][i] for r in stock)  # noqa: E731
     i = max(range(skip, n), key=spread)
     return {"step": i + 1, "stock_rel_range": spread(i), "stock_runs": len(stock),
-            "losses": sorted(({"file": r["file"], "config": r["config"], "stock": r["stock"], "loss": r["loss"][i]}
+            "losses": sorted(({"file": r["file"], "config": shown(r["config"], r["precision"]), "stock": r["stock"],
+                               "loss": r["loss"][i]}
                               for r in rs), key=lambda e: e["loss"])}
 
 
@@ -227,7 +241,7 @@ def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) 
     groups = _stock_groups(runs)
     if not groups:
         return None
-    (cohort, ref_config), reps = max(groups.items(), key=lambda kv: len(kv[1]))
+    (cohort, ref_config, ref_precision), reps = max(groups.items(), key=lambda kv: len(kv[1]))
     if len(reps) < 3:
         return None
     n = min(len(r["loss"]) for r in reps)
@@ -243,10 +257,11 @@ def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) 
             continue
         ref = reference(r) if any(r is q for q in reps) else shared
         dev = [(r["loss"][i] - ref[i]) / ref[i] for i in range(skip, n)]
-        row = rows.setdefault(r["config"], {"config": r["config"], "stock": r["stock"], "mean_abs": [], "last": []})
+        name = shown(r["config"], r["precision"])
+        row = rows.setdefault(name, {"config": name, "stock": r["stock"], "mean_abs": [], "last": []})
         row["mean_abs"].append(statistics.fmean(abs(d) for d in dev))
         row["last"].append(statistics.fmean(dev[-last:]))
-    return {"reference": ref_config, "repeats": len(reps), "steps": n, "after_step": skip, "last_steps": last,
+    return {"reference": shown(ref_config, ref_precision), "repeats": len(reps), "steps": n, "after_step": skip, "last_steps": last,
             "configs": sorted(rows.values(), key=lambda q: (not q["stock"], q["config"]))}
 
 
@@ -285,7 +300,7 @@ def spread_tables(runs: list[dict]) -> str:
             lo, hi = q["steps_over_tolerance"]
             mlo, mhi = q["mean_abs_rel_dev"]
             lines.append(
-                f"| {q['config']} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
+                f"| {shown(q['config'], q['precision'])} | {q['runs']} | {pct(q['max_rel_dev'])} ({q['max_rel_dev_step']}) | "
                 f"{pct(q['min_pair_max_rel_dev'])} | {lo}-{hi} of {q['compared_steps']} (over {100 * q['tolerance']:g}%) | "
                 f"{pct(mlo)}-{pct(mhi)} | {pct(q['max_rel_dev_10step_mean'])} | {q['pairs_within_tolerance']} of {q['pairs']} |")
         lines.append("")

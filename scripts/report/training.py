@@ -212,8 +212,11 @@ def scaling_pairs() -> list[tuple[dict, dict]]:
 
 def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:
     tol = f"{100 * max((q.get('tolerance', PARITY_TOL) for q in doc['parity']), default=PARITY_TOL):g}%"
+    precisions = {r.get("precision", "bf16") for r in doc["runs"]}
+    amp = (f", {'+'.join(sorted(precisions))}: every run with fp32 master weights under TorchTitan's autocast"
+           if all(p.endswith("-amp") for p in precisions) else "")
     lines = [
-        f"Loss parity on {doc['device']} ({doc['date'][:10]}): {doc['steps']} steps, same data and seed; "
+        f"Loss parity on {doc['device']} ({doc['date'][:10]}{amp}): {doc['steps']} steps, same data and seed; "
         f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}.",
         "",
         f"| candidate | max rel. deviation | at step | steps over {tol} | mean abs. deviation | max over 10-step means | "

@@ -187,6 +187,25 @@ def test_bf16_step_accuracy_measures_stock_and_coda_bf16_against_the_same_step_i
     assert "| stock_eager |" in table and "| coda_eager |" in table and f"{coda['whole_rel']:.2e}" in table
 
 
+def test_bf16_step_accuracy_amp_models_run_under_autocast_on_fp32_parameters():
+    """The probe's AMP models (CPU, debug flavor): CODA under AMP runs its bf16 programs on bf16 casts, so its
+    step is the bf16 model's to the bit (but for the embedding's gradient, whose repeated rows the fp32 table sums
+    in fp32); stock under AMP keeps its residual stream in fp32 (autocast casts only the
+    linears and attention), so its error against fp32 is below its pure-bf16 error, and with that stream cast to
+    bf16 it is back in pure bf16's class (within twice, either way: another summation order's bound)."""
+    from scripts.probes.bf16_step_accuracy import Setup, measure
+
+    doc = measure(Setup(flavor="debugmodel", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False),
+                  models=("stock_eager", "coda_eager", "stock_amp", "coda_amp", "stock_amp_bf16_stream"))
+    whole = {n: doc["summary"][n]["vs_fp32"]["whole_rel"] for n in doc["summary"]}
+    amp, bf16 = (dict(doc["params"][n]["vs_fp32"]) for n in ("coda_amp", "coda_eager"))
+    amp.pop("tok_embeddings.weight"), bf16.pop("tok_embeddings.weight")  # (repeated tokens: summed in fp32 under AMP)
+    assert amp == bf16
+    assert doc["loss"]["coda_amp"] == doc["loss"]["coda_eager"]
+    assert 0 < whole["stock_amp"] < whole["stock_eager"], whole
+    assert whole["stock_eager"] / 2 <= whole["stock_amp_bf16_stream"] <= 2 * whole["stock_eager"], whole
+
+
 def test_bf16_step_accuracy_starts_from_a_trained_state_at_the_batch_its_next_step_reads(tmp_path, cache_dir, monkeypatch):
     """``trained_state``: the weights of a training run's checkpoint at step 3 and the batch of its step 4. Stock
     llama3 in fp32 on them gives the loss the run logged at step 4 (the same ops on the same CPU: equal up to

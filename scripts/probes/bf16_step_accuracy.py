@@ -14,7 +14,12 @@ config and the batch its step N + 1 reads) in each of
 * ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
   compiles them), ``coda_eager``, ``coda_compiled`` (the cute backend as the bf16 configs run it), all with FA4,
 * and on request ``torch_eager``: CODA's torch backend in bf16 (SDPA), the same math in the same precision as
-  the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``).
+  the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``);
+* on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
+  bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
+  cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
+  so stock AMP's residual stream is fp32; CODA's programs keep it in bf16 in either recipe. The third model
+  isolates that difference.
 
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
@@ -36,6 +41,7 @@ import torch
 from torchtitan.tools.utils import set_default_dtype
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
+AMP_MODELS = ("stock_amp", "coda_amp", "stock_amp_bf16_stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +121,18 @@ def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {strip.sub("", n): p for n, p in model.named_parameters()}
 
 
-def _step(model: torch.nn.Module, weights: dict, tokens, labels, stock: bool, loss_fn=None) -> tuple[float, dict]:
+def _step(model: torch.nn.Module, weights: dict, tokens, labels, stock: bool, loss_fn=None,
+          amp: bool = False) -> tuple[float, dict]:
+    """One forward and backward from ``weights`` (copied into the model's parameters, in their dtype); ``amp``:
+    under autocast to bf16, the model's forward and its loss, as TorchTitan's trainer runs them."""
     with torch.no_grad():
         for n, p in _params(model).items():
             p.copy_(weights[n])
-    if stock:
-        loss = loss_fn(model(tokens), labels)
-    else:
-        loss = model(tokens, labels=labels)
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=amp):
+        if stock:
+            loss = loss_fn(model(tokens), labels)
+        else:
+            loss = model(tokens, labels=labels)
     loss.backward()
     grads = {n: p.grad for n, p in _params(model).items()}
     bad = [n for n, g in grads.items() if g is None or not g.isfinite().all()]
@@ -217,11 +227,14 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
     compiled_loss = torch.compile(cross_entropy_loss)
     g_stock = None
     for name in models:
-        stock, compiled = name.startswith("stock"), name.endswith("compiled")
+        stock, compiled, amp = name.startswith("stock"), name.endswith("compiled"), name in AMP_MODELS
         backend = "torch" if name.startswith("torch") else s.backend
-        model = _stock(s, compiled) if stock else _coda(s, backend, compiled=compiled)
+        dtype = torch.float32 if amp else torch.bfloat16  # (AMP: fp32 parameters holding the same bf16 values)
+        model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
+        if name == "stock_amp_bf16_stream":
+            model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
         loss, grads = _step(model, weights, tokens, labels, stock,
-                            loss_fn=compiled_loss if compiled else cross_entropy_loss)
+                            loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
         doc["loss"][name] = loss
         per = {n: _entry(g, g_ref[n]) for n, g in grads.items()}
         vs = {} if g_stock is None else {n: _entry(g, g_stock[n]) for n, g in grads.items()}
@@ -267,16 +280,31 @@ def main(argv=None) -> None:
                          "(0: the init weights and random tokens)")
     ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
     ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS])
+    ap.add_argument("--cpu", action="store_true", help="the debug model (debugmodel_gqa, seq 256 x batch 4) on the "
+                    "CPU, CODA on its torch backend, SDPA; the file goes to $OUT or benchmarks/results as _cpu.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (before CUDA starts)
     from scripts.bench.common import header, out_json
 
-    s = Setup()
+    s = Setup(flavor="debugmodel_gqa", seqlen=256, batch=4, device="cpu", backend="torch", fa4=False) if args.cpu else Setup()
     state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
-    head = {**header(), "kind": "probe_bf16_step_accuracy",
+    name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
+            + ("_amp" if set(args.models) & set(AMP_MODELS) else ""))
+    if args.cpu:
+        import datetime
+        import platform
+
+        head = {"device": "CPU", "host": platform.node() or "cpu", "date": datetime.date.today().isoformat(),
+                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+        out_dir = os.environ.get("OUT", "benchmarks/results")
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{name}_cpu.json")
+    else:
+        head, path = header(), out_json(name)
+    head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
+            + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
             "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}
-    path = out_json("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else ""))
 
     def write(doc: dict) -> None:
         with open(path, "w") as f:

@@ -114,7 +114,8 @@ def repeat_spread(runs: list[dict]) -> list[dict]:
         pairs = [parity(a["loss"], b["loss"], tol=tol) for i, a in enumerate(rs) for b in rs[i + 1:]]
         worst = max(pairs, key=lambda q: q["max_rel_dev"])
         out.append({
-            "cohort": rs[0]["cohort"], "config": config, "precision": rs[0]["precision"], "runs": len(rs), "pairs": len(pairs), "tolerance": tol,
+            "cohort": rs[0]["cohort"], "config": config, "precision": rs[0]["precision"], "runs": len(rs),
+            "pairs": len(pairs), "tolerance": tol,
             "max_rel_dev": worst["max_rel_dev"], "max_rel_dev_step": worst["max_rel_dev_step"],
             "min_pair_max_rel_dev": min(q["max_rel_dev"] for q in pairs),
             "steps_over_tolerance": (min(q["steps_over_tolerance"] for q in pairs),
@@ -261,7 +262,8 @@ def consensus_spread(runs: list[dict], skip: int = PARITY_SKIP, last: int = 50) 
         row = rows.setdefault(name, {"config": name, "stock": r["stock"], "mean_abs": [], "last": []})
         row["mean_abs"].append(statistics.fmean(abs(d) for d in dev))
         row["last"].append(statistics.fmean(dev[-last:]))
-    return {"reference": shown(ref_config, ref_precision), "repeats": len(reps), "steps": n, "after_step": skip, "last_steps": last,
+    return {"reference": shown(ref_config, ref_precision), "repeats": len(reps), "steps": n, "after_step": skip,
+            "last_steps": last,
             "configs": sorted(rows.values(), key=lambda q: (not q["stock"], q["config"]))}
 
 

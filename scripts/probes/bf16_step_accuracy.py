@@ -2,6 +2,7 @@
 CODA (eager and compiled), each against the same step in fp32, on the 1B at the configs' shapes.
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.bf16_step_accuracy
+    python -m scripts.probes.bf16_step_accuracy --cpu --models ...   (the debug model on the CPU)
 
 Issue 18's loss-parity criterion asks CODA's deviation from stock eager over 300 steps to be no larger
 than stock compiled's. Two bf16 trainings drift apart from the first step's rounding differences on, so
@@ -36,6 +37,7 @@ import json
 import os
 import re
 import statistics
+import sys
 
 import torch
 from torchtitan.tools.utils import set_default_dtype
@@ -303,7 +305,7 @@ def main(argv=None) -> None:
     else:
         head, path = header(), out_json(name)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
-            + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            + " ".join(sys.argv[1:] if argv is None else argv),
             "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}
 
     def write(doc: dict) -> None:

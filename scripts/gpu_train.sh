@@ -120,7 +120,8 @@
 #     bf16acc      scripts/probes/bf16_step_accuracy.py: one bf16 step's gradients of stock eager / compiled and CODA
 #                  eager / compiled against the same step in fp32 (1B, seq 8192 x 2), and against stock eager;
 #                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
-#                  MODELS="stock_eager coda_eager": those models only
+#                  MODELS="stock_eager coda_eager": those models only (also torch_eager, and the AMP models
+#                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp)
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py

@@ -16,9 +16,15 @@ SEQLEN = 8192
 BF = torch.bfloat16
 
 
-def header() -> dict:
+def _on_cpu(cpu: bool | None) -> bool:
+    """A result measured on the CPU: as asked, else where CUDA is absent."""
+    return not torch.cuda.is_available() if cpu is None else cpu
+
+
+def header(cpu: bool | None = None) -> dict:
     """device, host (``host_id``: which lease), date and versions: the first keys of every kernel result file
-    (quack's version None where it is not installed: a probe of torch kernels alone)."""
+    (quack's version None where it is not installed: a probe of torch kernels alone; device "CPU" without CUDA,
+    or ``cpu``: a probe's CPU mode)."""
     from scripts.compare.common import host_id
 
     try:
@@ -26,7 +32,7 @@ def header() -> dict:
     except ImportError:
         quack = None
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": "CPU" if _on_cpu(cpu) else torch.cuda.get_device_name(),
         "host": host_id(),
         "date": datetime.date.today().isoformat(),
         "versions": {"torch": torch.__version__, "quack": getattr(quack, "__version__", "?") if quack else None,
@@ -34,15 +40,16 @@ def header() -> dict:
     }
 
 
-def out_json(name: str) -> str:
-    """``$OUT/<name>_<gpu>.json`` (benchmarks/results without $OUT), its folder created."""
+def out_json(name: str, cpu: bool | None = None) -> str:
+    """``$OUT/<name>_<gpu>.json`` (``_cpu.json`` without CUDA; benchmarks/results without $OUT), its folder created."""
     import os
 
     from scripts.compare.common import _slug
 
     out_dir = os.environ.get("OUT", "benchmarks/results")
     os.makedirs(out_dir, exist_ok=True)
-    return os.path.join(out_dir, f"{name}_{_slug(torch.cuda.get_device_name())}.json")
+    gpu = "cpu" if _on_cpu(cpu) else _slug(torch.cuda.get_device_name())
+    return os.path.join(out_dir, f"{name}_{gpu}.json")
 
 
 def log_row(doc: dict, key: str, row: dict, path: str) -> None:

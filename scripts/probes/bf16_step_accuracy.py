@@ -293,17 +293,7 @@ def main(argv=None) -> None:
     state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
     name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
             + ("_amp" if set(args.models) & set(AMP_MODELS) else ""))
-    if args.cpu:
-        import datetime
-        import platform
-
-        head = {"device": "CPU", "host": platform.node() or "cpu", "date": datetime.date.today().isoformat(),
-                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
-        out_dir = os.environ.get("OUT", "benchmarks/results")
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{name}_cpu.json")
-    else:
-        head, path = header(), out_json(name)
+    head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}

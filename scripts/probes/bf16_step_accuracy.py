@@ -162,9 +162,11 @@ def _summary(per: dict[str, dict]) -> dict:
 
 def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The weights after ``steps`` steps of ``config`` and the batch its step ``steps + 1`` reads: the config
-    trains in a ``coda-titan train`` process with a checkpoint at ``steps`` (reused if ``workdir`` holds it),
-    the weights come from that checkpoint (``torch.distributed.checkpoint``, one process) and the batch from
-    TorchTitan's dataloader for that config, its first ``steps`` batches skipped."""
+    trains in a ``coda-titan train`` process with a checkpoint at ``steps``, the weights come from that checkpoint
+    (``torch.distributed.checkpoint``, one process) and the batch from TorchTitan's dataloader for that config,
+    its first ``steps`` batches skipped. A run's checkpoint at ``steps`` in ``workdir/checkpoint`` is used as it
+    is; otherwise the probe trains in ``workdir/steps<N>``, a dump folder of that step count's own: in a folder
+    holding another count's checkpoint, TorchTitan would resume from it (and fail on its model-only last save)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -176,11 +178,13 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict
     from coda_titan.cli import parse_config
     from coda_titan.titan.train_spec import build_tokenizer
 
-    folder = Path(workdir) / "checkpoint" / f"step-{steps}"
+    folder, own = Path(workdir) / "checkpoint" / f"step-{steps}", Path(workdir) / f"steps{steps}"
+    if not folder.exists():
+        folder = own / "checkpoint" / f"step-{steps}"
     if not folder.exists():
         cmd = [sys.executable, "-m", "coda_titan.cli", "train", config, "--training.steps", str(steps),
                "--checkpoint.enable", "--checkpoint.interval", str(steps), "--checkpoint.folder", "checkpoint",
-               "--job.dump_folder", str(workdir)]
+               "--job.dump_folder", str(own)]
         subprocess.run(cmd, check=True)
     cfg = parse_config(config, [])
     # (the parameters in the dtype the config trains them in, on the CPU: the checkpoint's own tensors)

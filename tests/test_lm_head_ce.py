@@ -10,7 +10,8 @@ from torch.library import opcheck
 from coda_titan.kernels.lm_head_ce import IGNORE_INDEX
 from coda_titan.model.autograd import LMHeadCE
 
-from .helpers import CFG, D, DIMS, EPS, M, V, check_cute_matches_reference, deferred_norm, op_cases, rand64, run_interpreter_check
+from .helpers import (CFG, D, DIMS, EPS, M, TORCH, V, check_cute_matches_reference, deferred_norm, op_cases, rand64,
+                      run_interpreter_check)
 
 
 def test_lm_head_ce_backward():
@@ -54,6 +55,44 @@ def test_lm_head_ce_matches_full_logits_and_chunking():
         torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
 
 
+def _confident_case(m=64, d=64, v=512, seed=3):
+    """bf16 operands whose logits reach |l| ~ 15 and whose softmax puts most of a row on one token (the trained
+    states where a rounding of the logits moves the loss by more than fp32's error), every target that token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=g).to(torch.bfloat16)
+    gamma = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
+    w = (4 * torch.randn(v, d, generator=g) / d ** 0.5).to(torch.bfloat16)
+    h, r = TORCH.rms_partial(x=x, gamma=gamma, tile_n=16)
+    r = TORCH.rstd_finalize(partials=r, dim=d, eps=EPS)
+    logits32 = (h.float() @ w.float().t()) * r.float()[:, None]
+    return x, gamma, w, h, r, logits32.argmax(-1), logits32
+
+
+def test_lm_head_ce_takes_loss_and_softmax_from_the_logits_rounded_as_stored():
+    """In bf16 the reference rounds the logits to bf16 (what the CUDA program stores, and stock's bf16 head gives
+    its cross-entropy) before the log-sum-exp, the loss and the softmax, so the softmax sums to one over the
+    values the gradient is made of. Its loss is cross_entropy of those rounded logits in fp32, within fp32's
+    error: a row's sum of exp (terms <= 1, sum >= 1) to (V + 4) units, so its log to that many absolute units,
+    plus 4 units of |lse| and of the max, then the sum over rows ((M + 4) units of the sum of |terms|). The
+    rounding is resolvable at this case's logits: the loss of the unrounded logits is farther than 10 such
+    bounds."""
+    x, gamma, w, h, r, targets, _ = _confident_case()
+    loss, dx, dgamma, dw = TORCH.lm_head_ce(h=h, rstd=r, x=x, gamma=gamma, weight=w, targets=targets,
+                                           chunk_rows=16)
+    acc = h.float() @ w.float().t()  # (the reference's product: fp32 sums of the bf16 operands, the same CPU op)
+    l16 = (acc * r.float()[:, None]).bfloat16().float()
+    ce = lambda z: torch.nn.functional.cross_entropy(z, targets, reduction="sum")  # noqa: E731
+    p = torch.softmax(l16, -1)
+    assert float(p.amax(-1).median()) > 0.5  # (confident rows, as the docstring says)
+    u = 2.0 ** -24
+    lse = torch.logsumexp(l16, -1)
+    (m, v), terms = l16.shape, lse - l16.gather(1, targets[:, None]).squeeze(1)
+    bound = u * (m * (v + 4) + 4 * float((lse.abs() + l16.abs().amax(-1)).sum()) + (m + 4) * float(terms.abs().sum()))
+    assert abs(float(loss) - float(ce(l16))) <= bound, (float(loss), float(ce(l16)), bound)
+    assert abs(float(ce(acc * r.float()[:, None])) - float(ce(l16))) > 10 * bound
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and torch.isfinite(dgamma).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ['lm_head_ce'])
 def test_opcheck(name, dtype):
@@ -83,6 +122,47 @@ def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
     if arm == "inductor":
         monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
     check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm == "one_chunk" else {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cute_f4_epilogue_takes_lse_and_target_logit_from_the_logits_it_stores(dtype):
+    """F4's epilogue rounds r * acc to the logits' dtype before its log-sum-exp and target-logit sinks, so the
+    gradient pass's softmax of the stored logits sums to one. On confident rows (|l| up to ~20, W scaled by 4):
+    each row's target logit is its stored logit, bit for bit; the fold of its log-sum-exp partials is the fp64
+    log-sum-exp of its stored logits within the kernel's fp32 error: per tile an online sum of at most 256 exps,
+    each within 2^-21 (ex2.approx) and u |l - max| (its argument's rounding) of exact, and (256 + 4) u of
+    summation; the fold over the tiles in fp32 ((64 + 4) u, the tiles' count at most 64 here); 8 u of |lse| and
+    of the row's max for the roundings around them: 2^-21 + 2 u max|l| + 330 u + 8 u (|lse| + max|l|), taken
+    as 2^-21 + 512 u + 10 u (|lse| + max|l|). An epilogue whose sinks read the unrounded values misses it by
+    the logits' rounding (2^-9 |l| of bf16, 2^-12 |l| of fp16, at the row's dominant logits)."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.cute._dispatch import gemm
+    from coda_titan.kernels.cute.lm_head_ce import f4_epilogue
+
+    from .helpers import log_bound
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    m, d, v, u = 2048, 2048, 8192, 2.0 ** -24
+    h = torch.randn(m, d, generator=gen, device="cuda").to(dtype)
+    w = (4 * torch.randn(v, d, generator=gen, device="cuda") * d ** -0.5).to(dtype)
+    r = torch.rand(m, generator=gen, device="cuda") + 0.5
+    targets = ((h.float() @ w.float().t()) * r[:, None]).argmax(-1)
+    targets[::97] = IGNORE_INDEX
+    logits = torch.empty(m, v, dtype=dtype, device="cuda")
+    res = gemm(f4_epilogue(dtype), h, w.t(), None, {"D": logits}, rstd=r, target=targets)
+    lf = logits.double()
+    valid = targets != IGNORE_INDEX
+    stored_t = lf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    assert torch.equal(res["target_logit"].double()[valid], stored_t[valid])
+    parts = res["lse"].float()
+    assert parts.shape[0] == m and parts.shape[1] <= 64, parts.shape
+    lse, lse64, lmax = torch.logsumexp(parts, -1).double(), torch.logsumexp(lf, -1), lf.abs().amax(-1)
+    bound = 2.0 ** -21 + 512 * u + 10 * u * (lse64.abs() + lmax)
+    worst = float(((lse - lse64).abs() / bound).max())
+    log_bound(f"f4_epilogue_lse_{str(dtype)[6:]}", measured=worst, bound=1.0, top_p=float(torch.exp(
+        lf.amax(-1) - lse64).median()))
+    assert float(torch.exp(lf.amax(-1) - lse64).median()) > 0.5 and worst <= 1.0, worst
 
 
 def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():
@@ -179,14 +259,17 @@ def test_cute_fp8_head_matches_reference():
     GEMM's sum is the SM90 fp8 MMA's (quack's logits and B2 with fast accumulation, cuBLAS's dW promoting each
     MMA): within 2 c P of exact, c that accumulator's measured error per unit of sum |products| P
     (``helpers.fp8_mma_error``). So the logits are within eps_l = r (2 c P + 2^-24 |l|) + 2 fp32 roundings of
-    r s_h s_w; their bf16 store (the CE pass reads l16, one bf16 step of l apart); the lse fold (64 fp32 units
-    of |lse| + max |l|). So p = exp(l16 - lse) is within delta = 2^-8 |l| + 2 max eps_l + 64 units of the
-    reference's, relative; a code of da is one e5m2 step off only where da +- delta p r straddles a rounding
-    boundary. The loss within 2 max eps_l plus the fold a row, dW, D (dX = D gamma + x corr) and dgamma within
+    r s_h s_w; their bf16 store l16 (half a bf16 step, 2^-9 |l|, from the logits), of which the epilogue takes the
+    lse and the target logit too, so lse16 is within 2^-9 max |l| + max eps_l of lse (log-sum-exp moves by at
+    most its inputs' largest move); the lse fold (64 fp32 units of |lse| + max |l|). So p = exp(l16 - lse16) is
+    within delta = 2^-9 (|l| + max |l|) + 3 max eps_l + the fold of the reference's, relative; a code of da is
+    one e5m2 step off only where da +- delta p r straddles a rounding boundary. The loss within 2^-8 max |l| +
+    3 max eps_l plus the fold a row, dW, D (dX = D gamma + x corr) and dgamma within
     those steps plus their GEMM's accumulator (2 c P, on codes moved by those steps), the reference's own fp32
     sums (n 2^-24 of the sums of magnitudes) and their bf16 stores; zdz within delta's and bf16's worth of
-    sum p |l|. (The first GPU run, 2026-11-28, took every fp8 sum for an fp32 one and failed on dX at 1.14 of
-    that bound: B2's accumulator, not in it, was the bug.)"""
+    sum p |l|, plus the target logit's rounding (2^-9 |l_t| + 2 max eps_l). (The first GPU run, 2026-11-28, took
+    every fp8 sum for an fp32 one and failed on dX at 1.14 of that bound: B2's accumulator, not in it, was the
+    bug.)"""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels.gemm import quantize_tensorwise
     from coda_titan.kernels.lm_head_ce import dlogits_inv_scale
@@ -218,9 +301,10 @@ def test_cute_fp8_head_matches_reference():
     tgt = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     terms = torch.where(valid, lse - tgt, 0.0)
     fold = 64 * u * (lse.abs() + lmax)
-    loss_bound = float((torch.where(valid, 2 * emax + fold, 0.0)).sum() + (m + 4) * u * terms.abs().sum())
+    loss_bound = float((torch.where(valid, 2.0 ** -8 * lmax + 3 * emax + fold, 0.0)).sum()
+                       + (m + 4) * u * terms.abs().sum())
     p = torch.exp(logits - lse[:, None])
-    delta = 2.0 ** -8 * logits.abs() + (2 * emax + 64 * u)[:, None]
+    delta = 2.0 ** -9 * (logits.abs() + lmax[:, None]) + (3 * emax + fold)[:, None]
     da = (p - torch.nn.functional.one_hot(targets.clamp(min=0), v).float()) * (r * valid)[:, None]
     inv = dlogits_inv_scale(r, targets).float()
     codes_q = quantize_e5m2(da, inv)
@@ -240,7 +324,7 @@ def test_cute_fp8_head_matches_reference():
     d_bound = moved_d * (1 + 2 * c_d) + ((v + 4) * u + 2 * c_d) * mag_d + u * d_r.abs()
     pl = (p * logits.abs()).sum(-1)
     zdz = torch.where(valid, (p * logits).sum(-1) - tgt, 0.0)
-    zdz_bound = ((delta + 2.0 ** -8) * p * logits.abs()).sum(-1) + (v + 4) * u * pl + emax
+    zdz_bound = ((delta + 2.0 ** -8) * p * logits.abs()).sum(-1) + (v + 4) * u * pl + 2.0 ** -9 * tgt.abs() + 3 * emax
     dx_r = d_r * gamma.float() - x.float() * (r * r / d * zdz)[:, None]
     dx_bound = (d_bound * gamma.float() + x.float().abs() * (r * r / d * zdz_bound)[:, None] + 4 * u * dx_r.abs()
                 + 2.0 ** -8 * dx.float().abs())

@@ -3,12 +3,18 @@ forward.
 
 For each chunk of rows (never all M x V logits at once), with H = X * gamma_final:
 
-    logits = r * (H @ W_out^T)                       (rows, V) fp32
+    logits = rnd(r * (H @ W_out^T))                  (rows, V), rounded to H's dtype, held in fp32
     lse    = logsumexp(logits);  loss_i = lse - logits[target_i]   (rows with target -100 skipped)
     dp     = softmax(logits) - onehot(target)        (zero on ignored rows)
     zdz    = sum_n logits_n dp_n;   da = r * dp   (gradient of the unscaled H @ W_out^T)
     (dX, dgamma) = norm_residual_bwd(da, W_out, X, gamma, r, zdz, no residual)
     dW_out += da^T @ H
+
+The logits are rounded to H's dtype (the program stores them so, chunk by chunk) *before* the log-sum-exp, the
+loss and the softmax: every one of them is taken from the same values, as stock's cross-entropy takes them from
+its bf16 logits, so each row's softmax sums to one over the logits the gradient is made of. (A log-sum-exp of the
+unrounded logits beside a softmax of the rounded ones leaves sum p - 1 = sum p delta, delta the roundings: on a
+confident row the error of dlogits at the top token is p delta where stock's is p (1 - p) delta.)
 
 The loss is the last op, so d(loss_sum) = 1 and every gradient is final up to the scalar the
 trainer multiplies the loss by (1 / global tokens); the autograd wiring scales the saved gradients
@@ -56,7 +62,7 @@ def lm_head_ce(
         r = rstd[rows]
         tgt = targets[rows]
         acc = mm(h[rows], weight.t())
-        logits = acc * r.to(acc.dtype)[:, None]
+        logits = stored_logits(acc * r.to(acc.dtype)[:, None], h.dtype)
         chunk_loss, dp, zdz = _ce(logits, tgt, compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
@@ -73,6 +79,11 @@ def lm_head_ce(
     if compute_grad:
         dweight = dweight.to(weight.dtype)
     return loss, dx, dgamma, dweight
+
+
+def stored_logits(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The logits as the program stores them: rounded to ``dtype`` (to nearest even), held in their own dtype."""
+    return logits.to(dtype).to(logits.dtype)
 
 
 def _ce(logits: torch.Tensor, tgt: torch.Tensor, compute_grad: bool):
@@ -105,8 +116,9 @@ def lm_head_ce_fp8(
     compute_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """F4 on fp8 operands, the fp8 LM head (torchao's formats): logits = r * s_h s_w (hq @ weight_q^T) from e4m3
-    H (H ~ hq s_h) and W (~ weight_q s_w); backward on da = r (softmax - onehot) in e5m2 at
-    ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)), and dW_out = da^T H on the same codes.
+    H (H ~ hq s_h) and W (~ weight_q s_w), rounded to x's dtype as the bf16 head's (``stored_logits``); backward
+    on da = r (softmax - onehot) in e5m2 at ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)),
+    and dW_out = da^T H on the same codes.
     Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x). (loss_sum, dX, dgamma, dW_out in x's
     dtype); the gradients None without ``compute_grad``."""
     check_e4m3(hq, weight_q, weight_tq)
@@ -121,7 +133,7 @@ def lm_head_ce_fp8(
     for start in range(0, hq.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, hq.shape[0]))
         r = rstd[rows].to(ct)
-        logits = fp8_mm(hq[rows], weight_q, ct) * (s_h.to(ct) * s_w.to(ct) * r)[:, None]
+        logits = stored_logits(fp8_mm(hq[rows], weight_q, ct) * (s_h.to(ct) * s_w.to(ct) * r)[:, None], x.dtype)
         chunk_loss, dp, zdz = _ce(logits, targets[rows], compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:

@@ -45,19 +45,46 @@ def _lse_partials():
     return _raw(OnlineLSEReduce("lse"))
 
 
+def _bits_op(asm: str):
+    """A one-f32-in, one-f32-out inline PTX op for the epilogue functions."""
+    @dsl_user_op
+    def op(w: Float32, *, loc=None, ip=None) -> Float32:
+        return Float32(llvm.inline_asm(T.f32(), [Float32(w).ir_value(loc=loc, ip=ip)], asm, "=f,f",
+                                       has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
+    return op
+
+
+# An f32 rounded to nearest even in bf16 / f16, returned as its exact f32: the value a 16-bit D stores.
+_round_bf16 = _bits_op("{.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $1, $1;\nand.b32 $0, t, 0xFFFF0000;}")
+_round_f16 = _bits_op("{.reg .b16 t;\ncvt.rn.f16.f32 t, $1;\ncvt.f32.f16 $0, t;}")
+
+
 @gemm_epilogue(
     ops={"rstd": ColVecLoad("rstd")},
-    outs={
-        "lse": _lse_partials(),
-        "target_logit": ColVecSelect("target_logit", idx_op=_target_idx),
-    },
+    outs={"lse": _lse_partials(), "target_logit": ColVecSelect("target_logit", idx_op=_target_idx)},
     extra_ops=(_target_idx,),
 )
 def rstd_lse_target_epi(acc, rstd):
-    """F4's epilogue: logits = r * acc (deferred final-norm rstd), written as D; each row's log-sum-exp
-    over each N tile (``_lse_partials``); the row's target logit gathered exactly in fp32 (rows
-    whose target is -100 are left untouched)."""
-    v = acc * rstd
+    """F4's epilogue, bf16 logits: logits = r * acc (deferred final-norm rstd) rounded to bf16, written as D; each
+    row's log-sum-exp over each N tile (``_lse_partials``) and its target logit (rows whose target is -100 are
+    left untouched) taken from those rounded values, so that the gradient pass's softmax of the stored logits
+    sums to one (the reference's ``stored_logits``)."""
+    v = _round_bf16(acc * rstd)
+    return {"D": v, "lse": v, "target_logit": v}
+
+
+_target_idx16 = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"rstd": ColVecLoad("rstd")},
+    outs={"lse": _lse_partials(), "target_logit": ColVecSelect("target_logit", idx_op=_target_idx16)},
+    extra_ops=(_target_idx16,),
+)
+def rstd_lse_target_f16_epi(acc, rstd):
+    """``rstd_lse_target_epi`` for float16 logits."""
+    v = _round_f16(acc * rstd)
     return {"D": v, "lse": v, "target_logit": v}
 
 
@@ -252,15 +279,6 @@ def _dswiglu_e5m2(g, u, rstd, dyk, transposed=False, da_scale=None):
     if da_scale is not None:
         out["D"] = pack(dgq * da_scale, duq * da_scale)
     return out
-
-
-def _bits_op(asm: str):
-    @dsl_user_op
-    def op(w: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(llvm.inline_asm(T.f32(), [Float32(w).ir_value(loc=loc, ip=ip)], asm, "=f,f",
-                                       has_side_effects=False, is_align_stack=False,
-                                       asm_dialect=llvm.AsmDialect.AD_ATT))
-    return op
 
 
 # The two bf16 halves of a 32-bit word, each as its exact f32 (its bits in the high half): the low

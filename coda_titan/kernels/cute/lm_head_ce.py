@@ -1,8 +1,9 @@
 """CUDA kernel of F4 (``coda_titan.kernels.lm_head_ce``).
 
-Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc, online (max, sum exp) per N tile
-and the target logit in the epilogue); one Triton pass (``ce_grad_pass``) folds the row's log-sum-exp
-partials, turns the logits into da = r * (softmax - onehot) in place and writes B2's row vector and the
+Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc rounded to the stored dtype, online
+(max, sum exp) per N tile and the target logit of those rounded logits in the epilogue); one Triton pass
+(``ce_grad_pass``) folds the row's log-sum-exp partials, turns the logits into da = r * (softmax - onehot)
+in place and writes B2's row vector and the
 row's loss term; then B2 (``rms_bwd_apply_last_epi``; with
 ``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s) and the dW_out GEMM, accumulated over
 chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass). The loss is
@@ -30,7 +31,7 @@ from ..scaling import E5M2
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
-from .epilogues import rstd_lse_target_epi
+from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
@@ -46,6 +47,11 @@ def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
     r = torch.where(valid, rstd, 0.0)
     da = ((p - onehot.float()) * r[:, None]).to(logits.dtype)
     return da, zdz
+
+
+def f4_epilogue(dtype: torch.dtype):
+    """F4's epilogue for logits stored in ``dtype``: each rounds them to it before the log-sum-exp."""
+    return {torch.bfloat16: rstd_lse_target_epi, torch.float16: rstd_lse_target_f16_epi}[dtype]
 
 
 @torch.library.register_kernel("coda::lm_head_ce", "cuda")
@@ -64,6 +70,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
+    epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
     for i, start in enumerate(range(0, m, chunk_rows)):
@@ -71,7 +78,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
         logits = logits_buf[: stop - start]
         with first_call("lm_head_ce", hc, weight):
-            res = gemm(rstd_lse_target_epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
+            res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
         if compute_grad and in_place:
             da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop])
@@ -119,7 +126,7 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
         r, t = rstd[start:stop], targets[start:stop]
         logits = logits_buf[: stop - start]
         with first_call("lm_head_ce_fp8", hq, weight_q):
-            res = gemm(rstd_lse_target_epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
+            res = gemm(f4_epilogue(logits.dtype), hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
                        target=t)
         parts, tl = res["lse"], res["target_logit"]
         if not compute_grad:

@@ -264,3 +264,21 @@ def test_cpu_precision_measures_each_pair_after_step_20_against_the_second_named
     cmd = command("configs/debug_cpu_coda.toml", "amp", 7, ROOT / "x")
     assert cmd[cmd.index("--training.dtype") + 1] == "float32" and cmd[cmd.index("--training.mixed_precision_param") + 1] == "bfloat16"
     assert cmd[cmd.index("--training.steps") + 1] == "7"
+
+
+def test_ce_rounding_probe_finds_the_unrounded_lse_worse_only_on_confident_rows():
+    """The probe's two ways of a bf16-rounded cross-entropy: with lse, loss and softmax of the same rounded logits
+    each row's dlogits sums to zero (fp64's error); with the unrounded logits' lse it does not, and on confident
+    rows (sigma 6: the median row's top probability over 0.3) its dlogits error is over 1.5x the stored way's,
+    where on diffuse rows (sigma 0.5) the two are within 5% of each other. The report renders the file."""
+    from scripts.probes.ce_rounding import measure
+    from scripts.report.bf16_parity import ce_rounding_table
+
+    rows = measure(rows=128, vocab=1024, dim=64, sigmas=(0.5, 6.0))
+    low, high = rows
+    assert all(r["stored"]["row_sum_abs"] < 1e-12 for r in rows)
+    assert high["lse_fp32"]["row_sum_abs"] > 1e-4 and high["top_p_median"] > 0.3
+    assert high["lse_fp32"]["dlogits"] > 1.5 * high["stored"]["dlogits"]
+    assert abs(low["lse_fp32"]["dlogits"] / low["stored"]["dlogits"] - 1) < 0.05
+    doc = {"date": "2026-11-29", "shape": {"rows": 128, "vocab": 1024, "dim": 64}, "rows": rows}
+    assert "| 6 | " in ce_rounding_table(doc)

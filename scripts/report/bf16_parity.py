@@ -92,6 +92,23 @@ def step_accuracy_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def ce_rounding_table(doc: dict) -> str:
+    """``scripts/probes/ce_rounding.py``: the bf16 logits' rounding in the cross-entropy's gradient, two ways."""
+    sh = doc["shape"]
+    lines = [f"The cross-entropy's gradient with its logits rounded to bf16, in fp64 otherwise (CPU, {doc['date'][:10]}; "
+             f"{sh['rows']} rows, vocab {sh['vocab']}, d {sh['dim']}; a calibrated model's rows, targets drawn from "
+             "their softmax, sigma the logits' scale). `stored`: log-sum-exp, loss and softmax all of the rounded "
+             "logits (stock's bf16 head; CODA's F4 since c6d0abd); `lse_fp32`: the softmax of the rounded logits "
+             "with the log-sum-exp of the unrounded ones (CODA's F4 before). Relative error against exact.", "",
+             "| sigma | top p, median | dlogits: stored | lse_fp32 | dH = dlogits W: stored | lse_fp32 | "
+             "dlogits row sum, lse_fp32 |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        a, b = r["stored"], r["lse_fp32"]
+        lines.append(f"| {r['sigma']:g} | {r['top_p_median']:.2f} | {a['dlogits']:.2e} | {b['dlogits']:.2e} | "
+                     f"{a['dh']:.2e} | {b['dh']:.2e} | {b['row_sum_abs']:.1e} |")
+    return "\n".join(lines)
+
+
 def precision_table(doc: dict) -> str:
     """``scripts/probes/cpu_precision.py``: each recipe's last-50 mean loss, and each pair's deviations."""
     sh = doc["shape"]
@@ -113,6 +130,8 @@ def section(runs: list[dict] | None = None) -> str:
     parts = [pair_table(pair_classes(runs))]
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
         parts.append(step_accuracy_table(json.loads(p.read_text())))
+    for p in sorted(RESULTS.glob("probe_ce_rounding_*.json")):
+        parts.append(ce_rounding_table(json.loads(p.read_text())))
     for p in sorted(RESULTS.glob("cpu_precision_*.json")):
         parts.append(precision_table(json.loads(p.read_text())))
     return "\n\n".join(x for x in parts if x)

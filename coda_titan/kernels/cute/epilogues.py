@@ -60,11 +60,13 @@ _round_bf16 = _bits_op("{.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $1, $1;\nand.b32 $0,
 _round_f16 = _bits_op("{.reg .b16 t;\ncvt.rn.f16.f32 t, $1;\ncvt.f32.f16 $0, t;}")
 
 
-@gemm_epilogue(
-    ops={"rstd": ColVecLoad("rstd")},
-    outs={"lse": _lse_partials(), "target_logit": ColVecSelect("target_logit", idx_op=_target_idx)},
-    extra_ops=(_target_idx,),
-)
+def _f4_sinks(target_idx) -> dict:
+    """F4's epilogue operands and sinks: the row's rstd, its log-sum-exp partials, its target logit."""
+    return dict(ops={"rstd": ColVecLoad("rstd")}, extra_ops=(target_idx,),
+                outs={"lse": _lse_partials(), "target_logit": ColVecSelect("target_logit", idx_op=target_idx)})
+
+
+@gemm_epilogue(**_f4_sinks(_target_idx))
 def rstd_lse_target_epi(acc, rstd):
     """F4's epilogue, bf16 logits: logits = r * acc (deferred final-norm rstd) rounded to bf16, written as D; each
     row's log-sum-exp over each N tile (``_lse_partials``) and its target logit (rows whose target is -100 are
@@ -74,14 +76,7 @@ def rstd_lse_target_epi(acc, rstd):
     return {"D": v, "lse": v, "target_logit": v}
 
 
-_target_idx16 = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"rstd": ColVecLoad("rstd")},
-    outs={"lse": _lse_partials(), "target_logit": ColVecSelect("target_logit", idx_op=_target_idx16)},
-    extra_ops=(_target_idx16,),
-)
+@gemm_epilogue(**_f4_sinks(ColVecLoad("target")))
 def rstd_lse_target_f16_epi(acc, rstd):
     """``rstd_lse_target_epi`` for float16 logits."""
     v = _round_f16(acc * rstd)

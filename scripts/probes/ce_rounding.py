@@ -4,7 +4,10 @@
     lse_fp32    softmax exp(l16 - lse(l)) with the log-sum-exp of the unrounded logits l (CODA's F4 before:
                 its epilogue took lse and the target logit from fp32 r * acc, its gradient pass read l16)
 
-Everything but that rounding is exact (fp64), so each error below is the rounding's alone. Rows are a
+and each of the two with dlogits cast to e5m2 (``_e5m2``: the fp8 head's ``ce_grad_e5m2``, at its power-of-two
+scale from the largest r, 1 here, so that |dlogits| <= 1 never saturates).
+
+Everything but those roundings is exact (fp64), so each error below is the rounding's alone. Rows are a
 calibrated model's: H ~ N(0, 1), W ~ N(0, sigma^2 / d), each row's target drawn from its own softmax; sigma sets
 how confident the rows are (the median of each row's largest probability is in the file). For each sigma: the
 relative error (norm-wise, against exact) of dlogits = softmax - onehot, of dH = dlogits W and of
@@ -22,8 +25,10 @@ import sys
 
 import torch
 
+from coda_titan.kernels.scaling import E5M2_MAX, pow2_floor, quantize_e5m2
+
 SIGMAS = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
-VARIANTS = ("stored", "lse_fp32")
+VARIANTS = ("stored", "lse_fp32", "stored_e5m2", "lse_fp32_e5m2")
 
 
 def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, seed: int = 0) -> list[dict]:
@@ -42,8 +47,12 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
         l16 = logits.to(torch.bfloat16).double()
         got = {"stored": (l16, torch.logsumexp(l16, -1)), "lse_fp32": (l16, lse)}
         row = {"sigma": sigma, "top_p_median": float(p.amax(-1).median()), "loss_mean": float(exact["loss"].mean())}
-        for name, (z, z_lse) in got.items():
+        inv = pow2_floor(torch.tensor(E5M2_MAX, dtype=torch.float64))  # (E5M2_MAX / max r, r = 1)
+        for name in VARIANTS:
+            z, z_lse = got[name.removesuffix("_e5m2")]
             dl = torch.exp(z - z_lse[:, None]) - onehot
+            if name.endswith("_e5m2"):
+                dl = quantize_e5m2(dl, inv).double() / inv
             loss = z_lse - z.gather(1, targets[:, None]).squeeze(1)
             e = dl - exact["dlogits"]
             row[name] = {
@@ -73,8 +82,8 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     for r in doc["rows"]:
-        print(f"sigma {r['sigma']}: top p {r['top_p_median']:.2f}; dlogits error stored {r['stored']['dlogits']:.2e}, "
-              f"lse_fp32 {r['lse_fp32']['dlogits']:.2e}; dH {r['stored']['dh']:.2e} / {r['lse_fp32']['dh']:.2e}")
+        print(f"sigma {r['sigma']}: top p {r['top_p_median']:.2f}; dlogits error "
+              + ", ".join(f"{v} {r[v]['dlogits']:.2e}" for v in VARIANTS))
     print(f"wrote {path}")
     return 0
 

@@ -125,8 +125,9 @@ def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cute_f4_epilogue_takes_lse_and_target_logit_from_the_logits_it_stores(dtype):
+@pytest.mark.parametrize("dtype,arm", [(torch.bfloat16, "rounded"), (torch.float16, "rounded"),
+                                       (torch.bfloat16, "unrounded")])
+def test_cute_f4_epilogue_takes_lse_and_target_logit_from_the_logits_it_stores(dtype, arm, monkeypatch):
     """F4's epilogue rounds r * acc to the logits' dtype before its log-sum-exp and target-logit sinks, so the
     gradient pass's softmax of the stored logits sums to one. On confident rows (|l| up to ~20, W scaled by 4):
     each row's target logit is its stored logit, bit for bit; the fold of its log-sum-exp partials is the fp64
@@ -135,12 +136,16 @@ def test_cute_f4_epilogue_takes_lse_and_target_logit_from_the_logits_it_stores(d
     summation; the fold over the tiles in fp32 ((64 + 4) u, the tiles' count at most 64 here); 8 u of |lse| and
     of the row's max for the roundings around them: 2^-21 + 2 u max|l| + 330 u + 8 u (|lse| + max|l|), taken
     as 2^-21 + 512 u + 10 u (|lse| + max|l|). An epilogue whose sinks read the unrounded values misses it by
-    the logits' rounding (2^-9 |l| of bf16, 2^-12 |l| of fp16, at the row's dominant logits)."""
+    the logits' rounding (2^-9 |l| of bf16, 2^-12 |l| of fp16, at the row's dominant logits): the ``unrounded``
+    arm (``CODA_TITAN_F4_LSE``, the epilogue before c6d0abd) is the check's negative control, and must fail it
+    by more than 10 x the bound at some row and differ from the stored target logit somewhere."""
     import coda_titan.kernels.cute  # noqa: F401
     from coda_titan.kernels.cute._dispatch import gemm
-    from coda_titan.kernels.cute.lm_head_ce import f4_epilogue
+    from coda_titan.kernels.cute.lm_head_ce import F4_LSE_ENV, f4_epilogue
 
     from .helpers import log_bound
+
+    monkeypatch.setenv(F4_LSE_ENV, arm)
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     m, d, v, u = 2048, 2048, 8192, 2.0 ** -24
@@ -154,15 +159,19 @@ def test_cute_f4_epilogue_takes_lse_and_target_logit_from_the_logits_it_stores(d
     lf = logits.double()
     valid = targets != IGNORE_INDEX
     stored_t = lf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-    assert torch.equal(res["target_logit"].double()[valid], stored_t[valid])
+    same_t = torch.equal(res["target_logit"].double()[valid], stored_t[valid])
     parts = res["lse"].float()
     assert parts.shape[0] == m and parts.shape[1] <= 64, parts.shape
     lse, lse64, lmax = torch.logsumexp(parts, -1).double(), torch.logsumexp(lf, -1), lf.abs().amax(-1)
     bound = 2.0 ** -21 + 512 * u + 10 * u * (lse64.abs() + lmax)
     worst = float(((lse - lse64).abs() / bound).max())
-    log_bound(f"f4_epilogue_lse_{str(dtype)[6:]}", measured=worst, bound=1.0, top_p=float(torch.exp(
-        lf.amax(-1) - lse64).median()))
-    assert float(torch.exp(lf.amax(-1) - lse64).median()) > 0.5 and worst <= 1.0, worst
+    top_p = float(torch.exp(lf.amax(-1) - lse64).median())
+    log_bound(f"f4_epilogue_lse_{str(dtype)[6:]}_{arm}", measured=worst, bound=1.0, top_p=top_p, same_target=same_t)
+    assert top_p > 0.5, top_p
+    if arm == "rounded":
+        assert same_t and worst <= 1.0, (same_t, worst)
+    else:
+        assert not same_t and worst > 10.0, (same_t, worst)
 
 
 def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter():

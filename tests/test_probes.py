@@ -282,3 +282,13 @@ def test_ce_rounding_probe_finds_the_unrounded_lse_worse_only_on_confident_rows(
     assert abs(low["lse_fp32"]["dlogits"] / low["stored"]["dlogits"] - 1) < 0.05
     doc = {"date": "2026-11-29", "shape": {"rows": 128, "vocab": 1024, "dim": 64}, "rows": rows}
     assert "| 6 | " in ce_rounding_table(doc)
+
+
+def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
+    """``coda_eager_lse_unrounded`` is the cute F4's arm (an environment variable its kernel reads): on the torch
+    backend it would be ``coda_eager`` under another name, so the probe refuses it before it runs anything."""
+    from scripts.probes.bf16_step_accuracy import UNROUNDED, Setup, measure
+
+    s = Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
+    with pytest.raises(ValueError, match="cute backend"):
+        measure(s, models=("stock_eager", UNROUNDED))

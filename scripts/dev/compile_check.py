@@ -157,6 +157,19 @@ def _f4(dtype=None, m=512, k=256, v=1024):
                               target=torch.zeros(m, dtype=torch.int64))
 
 
+def _f4_unrounded():
+    """F4's other arm (``CODA_TITAN_F4_LSE=unrounded``), bf16."""
+    import os
+
+    from coda_titan.kernels.cute.lm_head_ce import F4_LSE_ENV
+
+    os.environ[F4_LSE_ENV] = "unrounded"
+    try:
+        _f4(torch_dtype("bfloat16"))
+    finally:
+        del os.environ[F4_LSE_ENV]
+
+
 def _b2(config=None, m=512, k=512, d=256):
     """B2 (bf16): quack's ``rms_bwd_apply_epi`` as ``coda::norm_residual_bwd`` calls it, on a pinned config."""
     import torch
@@ -287,6 +300,7 @@ PROGRAMS = {
     "f4": lambda: _f4(torch_dtype("bfloat16")),
     "f4_f16": lambda: _f4(torch_dtype("float16")),
     "f4_fp8": lambda: _f4(),
+    "f4_unrounded": lambda: _f4_unrounded(),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),
     "f1_q_fp8_t": lambda: _f1_q_fp8(transposed=True),

@@ -20,7 +20,10 @@ config and the batch its step N + 1 reads) in each of
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
   so stock AMP's residual stream is fp32; CODA's programs keep it in bf16 in either recipe. The third model
-  isolates that difference.
+  isolates that difference;
+* on request, ``coda_eager_lse_unrounded``: ``coda_eager`` with F4's epilogue as before c6d0abd (its log-sum-exp
+  and target logit of the unrounded logits, ``CODA_TITAN_F4_LSE=unrounded``; the cute backend only), so that the
+  fix is measured against its predecessor on one trained state in one call.
 
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
@@ -38,12 +41,14 @@ import os
 import re
 import statistics
 import sys
+import unittest.mock
 
 import torch
 from torchtitan.tools.utils import set_default_dtype
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
 AMP_MODELS = ("stock_amp", "coda_amp", "stock_amp_bf16_stream")
+UNROUNDED = "coda_eager_lse_unrounded"  # (the cute F4 before c6d0abd: CODA_TITAN_F4_LSE=unrounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,8 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
     ``done(doc)`` is called after each model (the GPU run writes what it has, in case its call times out)."""
     from torchtitan.components.loss import cross_entropy_loss
 
+    if UNROUNDED in models and s.backend != "cute":
+        raise ValueError(f"{UNROUNDED} is an arm of the cute backend's F4 (the GPU); the backend here is {s.backend}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -239,8 +246,10 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
         if name == "stock_amp_bf16_stream":
             model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
-        loss, grads = _step(model, weights, tokens, labels, stock,
-                            loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
+        arm = {"CODA_TITAN_F4_LSE": "unrounded"} if name == UNROUNDED else {}
+        with unittest.mock.patch.dict(os.environ, arm):
+            loss, grads = _step(model, weights, tokens, labels, stock,
+                                loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
         doc["loss"][name] = loss
         per = {n: _entry(g, g_ref[n]) for n, g in grads.items()}
         vs = {} if g_stock is None else {n: _entry(g, g_stock[n]) for n, g in grads.items()}
@@ -286,7 +295,7 @@ def main(argv=None) -> None:
                          "(0: the init weights and random tokens)")
     ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
     ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, UNROUNDED])
     ap.add_argument("--cpu", action="store_true", help="the debug model (debugmodel_gqa, seq 256 x batch 4) on the "
                     "CPU, CODA on its torch backend, SDPA; the file goes to $OUT or benchmarks/results as _cpu.json")
     args = ap.parse_args(argv)

@@ -83,6 +83,14 @@ def rstd_lse_target_f16_epi(acc, rstd):
     return {"D": v, "lse": v, "target_logit": v}
 
 
+@gemm_epilogue(**_f4_sinks(ColVecLoad("target")))
+def rstd_lse_target_unrounded_epi(acc, rstd):
+    """F4's epilogue before c6d0abd, the probes' other arm (``CODA_TITAN_F4_LSE=unrounded``): log-sum-exp and
+    target logit of the unrounded r * acc, D rounded by its store."""
+    v = acc * rstd
+    return {"D": v, "lse": v, "target_logit": v}
+
+
 @gemm_epilogue(ops={"w": RowVecLoad("w"), "corr": ColVecLoad("corr")}, reduces={"dw": RowVecReduce("dw", scaled=True)})
 def norm_residual_bwd_epi(acc, c, y, w, corr):
     """B2's epilogue (the math of quack's ``rms_bwd_apply_epi``): D = acc * gamma + dres + X * corr and

@@ -31,10 +31,13 @@ from ..scaling import E5M2
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
-from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi
+from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi, rstd_lse_target_unrounded_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
+# "unrounded": the epilogue's log-sum-exp and target logit of the unrounded logits, as before c6d0abd (the probes'
+# other arm: scripts/probes/bf16_step_accuracy.py's coda_eager_lse_unrounded, the epilogue's GPU test)
+F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -50,7 +53,10 @@ def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
 
 
 def f4_epilogue(dtype: torch.dtype):
-    """F4's epilogue for logits stored in ``dtype``: each rounds them to it before the log-sum-exp."""
+    """F4's epilogue for logits stored in ``dtype``: each rounds them to it before the log-sum-exp (the unrounded
+    arm with ``CODA_TITAN_F4_LSE=unrounded``)."""
+    if os.environ.get(F4_LSE_ENV, "rounded") == "unrounded":
+        return rstd_lse_target_unrounded_epi
     return {torch.bfloat16: rstd_lse_target_epi, torch.float16: rstd_lse_target_f16_epi}[dtype]
 
 

@@ -34,6 +34,9 @@ from .norm_residual_bwd import norm_residual_bwd, norm_residual_bwd_fp8
 from .scaling import E5M2_MAX, check_e4m3, compute_dtype, fp8_mm, inv_scale_from_amax, pow2_floor, quantize_e5m2
 
 IGNORE_INDEX = -100
+# "unrounded": the CUDA program's F4 epilogue takes its log-sum-exp and target logit of the unrounded logits, as
+# before c6d0abd (the probes' other arm: bf16_step_accuracy's coda_eager_lse_unrounded, the epilogue's GPU test)
+F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 
 
 def lm_head_ce(

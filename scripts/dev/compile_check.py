@@ -143,31 +143,24 @@ def _f1_q_fp8(config=None, m=512, k=256, d=256, transposed=False):
         inv_scale=torch.ones(1))
 
 
-def _f4(dtype=None, m=512, k=256, v=1024):
-    """F4's GEMM with the CE epilogue as ``coda::lm_head_ce`` calls it (``dtype``: H, W and the logits; None:
-    ``coda::lm_head_ce_fp8``'s, e4m3 H and W on the fp8 mainloop, bf16 logits), on quack's default config."""
+def _f4(dtype: str | None = None, unrounded: bool = False, m=512, k=256, v=1024):
+    """F4's GEMM with the CE epilogue as ``coda::lm_head_ce`` calls it (``dtype``: torch's name of H's, W's and the
+    logits' dtype; None: ``coda::lm_head_ce_fp8``'s, e4m3 H and W on the fp8 mainloop, bf16 logits; ``unrounded``:
+    its other arm, ``CODA_TITAN_F4_LSE=unrounded``), on quack's default config."""
+    import unittest.mock
+
     import torch
 
     from coda_titan.kernels.cute.lm_head_ce import f4_epilogue
+    from coda_titan.kernels.lm_head_ce import F4_LSE_ENV
     from coda_titan.kernels.scaling import E4M3
 
-    hq, wq = torch.zeros(m, k, dtype=dtype or E4M3), torch.zeros(v, k, dtype=dtype or E4M3)
-    logits = torch.empty(m, v, dtype=dtype or torch.bfloat16)
-    f4_epilogue(logits.dtype)(hq, wq.t(), None, out={"D": logits}, tuned=False, rstd=torch.ones(m),
-                              target=torch.zeros(m, dtype=torch.int64))
-
-
-def _f4_unrounded():
-    """F4's other arm (``CODA_TITAN_F4_LSE=unrounded``), bf16."""
-    import os
-
-    from coda_titan.kernels.cute.lm_head_ce import F4_LSE_ENV
-
-    os.environ[F4_LSE_ENV] = "unrounded"
-    try:
-        _f4(torch_dtype("bfloat16"))
-    finally:
-        del os.environ[F4_LSE_ENV]
+    dt = getattr(torch, dtype) if dtype else E4M3
+    hq, wq = torch.zeros(m, k, dtype=dt), torch.zeros(v, k, dtype=dt)
+    logits = torch.empty(m, v, dtype=getattr(torch, dtype or "bfloat16"))
+    with unittest.mock.patch.dict(os.environ, {F4_LSE_ENV: "unrounded"} if unrounded else {}):
+        f4_epilogue(logits.dtype)(hq, wq.t(), None, out={"D": logits}, tuned=False, rstd=torch.ones(m),
+                                  target=torch.zeros(m, dtype=torch.int64))
 
 
 def _b2(config=None, m=512, k=512, d=256):
@@ -280,12 +273,6 @@ def _overlapped(fn):
         fn(config=_pingpong())
 
 
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
 PROGRAMS = {
     "b3_t": lambda: _b3_t(),
     "b3_t_q": lambda: _b3_t(fp8_gemm=True),
@@ -297,10 +284,10 @@ PROGRAMS = {
         "scripts.probes.b3_math", "lite_t_yq_q_epi"))),
     "f2_qa": lambda: _f2_qa(),
     "f1": lambda: _f1(),
-    "f4": lambda: _f4(torch_dtype("bfloat16")),
-    "f4_f16": lambda: _f4(torch_dtype("float16")),
+    "f4": lambda: _f4("bfloat16"),
+    "f4_f16": lambda: _f4("float16"),
     "f4_fp8": lambda: _f4(),
-    "f4_unrounded": lambda: _f4_unrounded(),
+    "f4_unrounded": lambda: _f4("bfloat16", unrounded=True),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),
     "f1_q_fp8_t": lambda: _f1_q_fp8(transposed=True),

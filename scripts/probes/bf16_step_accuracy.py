@@ -46,6 +46,8 @@ import unittest.mock
 import torch
 from torchtitan.tools.utils import set_default_dtype
 
+from coda_titan.kernels.lm_head_ce import F4_LSE_ENV
+
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
 AMP_MODELS = ("stock_amp", "coda_amp", "stock_amp_bf16_stream")
 UNROUNDED = "coda_eager_lse_unrounded"  # (the cute F4 before c6d0abd: CODA_TITAN_F4_LSE=unrounded)
@@ -246,7 +248,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
         if name == "stock_amp_bf16_stream":
             model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
-        arm = {"CODA_TITAN_F4_LSE": "unrounded"} if name == UNROUNDED else {}
+        arm = {F4_LSE_ENV: "unrounded"} if name == UNROUNDED else {}
         with unittest.mock.patch.dict(os.environ, arm):
             loss, grads = _step(model, weights, tokens, labels, stock,
                                 loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)

@@ -35,9 +35,6 @@ from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi, rstd_lse_ta
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
-# "unrounded": the epilogue's log-sum-exp and target logit of the unrounded logits, as before c6d0abd (the probes'
-# other arm: scripts/probes/bf16_step_accuracy.py's coda_eager_lse_unrounded, the epilogue's GPU test)
-F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -55,7 +52,7 @@ def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
 def f4_epilogue(dtype: torch.dtype):
     """F4's epilogue for logits stored in ``dtype``: each rounds them to it before the log-sum-exp (the unrounded
     arm with ``CODA_TITAN_F4_LSE=unrounded``)."""
-    if os.environ.get(F4_LSE_ENV, "rounded") == "unrounded":
+    if os.environ.get(ref.F4_LSE_ENV, "rounded") == "unrounded":
         return rstd_lse_target_unrounded_epi
     return {torch.bfloat16: rstd_lse_target_epi, torch.float16: rstd_lse_target_f16_epi}[dtype]
 
@@ -127,13 +124,13 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
         dx, dgamma = torch.empty_like(x), torch.zeros(d, device=x.device, dtype=torch.float32)
         daq_t = torch.empty((vocab, m), device=x.device, dtype=E5M2)  # (every chunk's codes, token-major)
     logits_buf = x.new_empty((min(chunk_rows, m), vocab))
+    epi = f4_epilogue(logits_buf.dtype)
     for start in range(0, m, chunk_rows):
         stop = min(start + chunk_rows, m)
         r, t = rstd[start:stop], targets[start:stop]
         logits = logits_buf[: stop - start]
         with first_call("lm_head_ce_fp8", hq, weight_q):
-            res = gemm(f4_epilogue(logits.dtype), hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale,
-                       target=t)
+            res = gemm(epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * scale, target=t)
         parts, tl = res["lse"], res["target_logit"]
         if not compute_grad:
             lse = torch.logsumexp(parts, dim=-1)

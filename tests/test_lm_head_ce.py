@@ -55,19 +55,6 @@ def test_lm_head_ce_matches_full_logits_and_chunking():
         torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
 
 
-def _confident_case(m=64, d=64, v=512, seed=3):
-    """bf16 operands whose logits reach |l| ~ 15 and whose softmax puts most of a row on one token (the trained
-    states where a rounding of the logits moves the loss by more than fp32's error), every target that token."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, d, generator=g).to(torch.bfloat16)
-    gamma = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
-    w = (4 * torch.randn(v, d, generator=g) / d ** 0.5).to(torch.bfloat16)
-    h, r = TORCH.rms_partial(x=x, gamma=gamma, tile_n=16)
-    r = TORCH.rstd_finalize(partials=r, dim=d, eps=EPS)
-    logits32 = (h.float() @ w.float().t()) * r.float()[:, None]
-    return x, gamma, w, h, r, logits32.argmax(-1), logits32
-
-
 def test_lm_head_ce_takes_loss_and_softmax_from_the_logits_rounded_as_stored():
     """In bf16 the reference rounds the logits to bf16 (what the CUDA program stores, and stock's bf16 head gives
     its cross-entropy) before the log-sum-exp, the loss and the softmax, so the softmax sums to one over the
@@ -75,11 +62,16 @@ def test_lm_head_ce_takes_loss_and_softmax_from_the_logits_rounded_as_stored():
     error: a row's sum of exp (terms <= 1, sum >= 1) to (V + 4) units, so its log to that many absolute units,
     plus 4 units of |lse| and of the max, then the sum over rows ((M + 4) units of the sum of |terms|). The
     rounding is resolvable at this case's logits: the loss of the unrounded logits is farther than 10 such
-    bounds."""
-    x, gamma, w, h, r, targets, _ = _confident_case()
+    bounds. The case: bf16 operands whose logits reach |l| ~ 15, every target its row's most likely token."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    gamma = (torch.rand(64, generator=g) + 0.5).to(torch.bfloat16)
+    w = (4 * torch.randn(512, 64, generator=g) / 64 ** 0.5).to(torch.bfloat16)
+    h, r = deferred_norm(x, gamma)
+    acc = h.float() @ w.float().t()  # (the reference's product: fp32 sums of the bf16 operands, the same CPU op)
+    targets = (acc * r.float()[:, None]).argmax(-1)
     loss, dx, dgamma, dw = TORCH.lm_head_ce(h=h, rstd=r, x=x, gamma=gamma, weight=w, targets=targets,
                                            chunk_rows=16)
-    acc = h.float() @ w.float().t()  # (the reference's product: fp32 sums of the bf16 operands, the same CPU op)
     l16 = (acc * r.float()[:, None]).bfloat16().float()
     ce = lambda z: torch.nn.functional.cross_entropy(z, targets, reduction="sum")  # noqa: E731
     p = torch.softmax(l16, -1)

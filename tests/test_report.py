@@ -417,6 +417,15 @@ def test_bf16_pairs_of_one_day_are_gathered_by_kind_with_coda_measured_against_s
     amp = [run("loss_curve_bf16_amp_NVIDIA_X_2026-11-29.json", c, True, noisy(0.001), "bf16-amp") for c in ("a", "a")]
     got = [(g["day"], g["runs"]) for g in bf16_parity.pair_classes(one + amp)]  # (AMP runs: a group of their own)
     assert got == [("2026-11-29", 3), ("2026-11-29 (bf16-amp)", 2)]
+    # two commits of CODA on one day: a set each, with every stock run; no CODA / CODA pair across them
+    day = "loss_curve_NVIDIA_X_2026-11-30.json"
+    two = [run(day, "llama3_1b_bf16_baseline", True, base), run(day, "llama3_1b_bf16_baseline", True, noisy(0.002)),
+           dict(run(day, "llama3_1b_bf16_coda_compile", False, noisy(0.03)), commit="aaa"),
+           dict(run(day, "llama3_1b_bf16_coda_compile", False, noisy(0.01)), commit="bbb")]
+    got = {g["day"]: {k: v["pairs"] for k, v in g["classes"].items()} for g in bf16_parity.pair_classes(two)}
+    assert got == {f"2026-11-30, CODA at {c}": {"stock / stock": 1, "CODA / stock": 2} for c in ("aaa", "bbb")}
+    spans = [g["classes"]["CODA / stock"]["mean_abs_rel_dev"] for g in bf16_parity.pair_classes(two)]
+    assert spans[0][0] > spans[1][1]  # (the noisier commit's span apart from the other's, not pooled with it)
 
 
 def test_a_configs_repeats_in_one_loss_curve_are_numbered_in_its_plot():

@@ -64,6 +64,13 @@ def _stock(run: dict) -> bool:
     return "\nname = \"coda_llama3\"" not in run["config_run"]
 
 
+def _commit(doc: dict) -> str | None:
+    """The coda_titan commit a file's runs ran (``-dirty`` dropped: the device calls run a committed tree with the
+    kept traces and plots moved aside); None in files older than the field."""
+    c = doc.get("versions", {}).get("coda_titan_commit")
+    return c.removesuffix("-dirty") if c else None
+
+
 def _curve_paths() -> list[Path]:
     """Every stored loss curve, ``archive/`` included."""
     return sorted(RESULTS.glob("loss_curve_*.json")) + sorted(RESULTS.glob("archive/loss_curve_*.json"))
@@ -88,6 +95,7 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
                 "stock": _stock(r),
                 "precision": _precision(r),
                 "cohort": _cohort(doc, r),
+                "commit": _commit(doc),
                 "loss": r["loss"],
             })
     return out

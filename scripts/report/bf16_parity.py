@@ -34,19 +34,36 @@ def pair_classes(runs: list[dict] | None = None) -> list[dict]:
             groups.setdefault((r["cohort"], day.group(0), r["precision"]), []).append(r)
     out = []
     for (_, day, precision), rs in sorted(groups.items(), key=lambda kv: kv[0][1:]):
-        if len({r["config"] for r in rs}) == len(rs):  # (no config ran twice: no run-to-run spread to set against)
-            continue
-        classes: dict[str, list[dict]] = {}
-        for i, a in enumerate(rs):
-            for b in rs[i + 1:]:
-                kind = _kind(a, b)
-                if kind is not None:
-                    base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
-                    classes.setdefault(kind, []).append(parity(base["loss"], cand["loss"]))
-        out.append({"day": day if precision == "bf16" else f"{day} ({precision})", "files": sorted({r["file"] for r in rs}),
-                    "runs": len(rs),
-                    "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}})
+        for commit, rs in _by_coda_commit(rs):
+            if len({r["config"] for r in rs}) == len(rs):  # (no config ran twice: no run-to-run spread to set against)
+                continue
+            label = day if precision == "bf16" else f"{day} ({precision})"
+            out.append(_classes(rs, f"{label}, CODA at {commit}" if commit else label))
     return out
+
+
+def _by_coda_commit(rs: list[dict]) -> list[tuple[str | None, list[dict]]]:
+    """A day's runs as one set per coda_titan commit its CODA runs ran (each with every stock run of the day:
+    stock TorchTitan is the same code whatever our commit), so that two versions of CODA's kernels are neither
+    pooled in one "CODA / stock" span nor paired as a "CODA / CODA repeat"; no commit named where there is one."""
+    stock = [r for r in rs if r["stock"]]
+    commits = sorted({r.get("commit") for r in rs if not r["stock"]}, key=str)
+    if len(commits) <= 1:
+        return [(None, rs)]
+    return [(c, stock + [r for r in rs if not r["stock"] and r.get("commit") == c]) for c in commits]
+
+
+def _classes(rs: list[dict], day: str) -> dict:
+    """Every pair of one set's runs, by kind."""
+    classes: dict[str, list[dict]] = {}
+    for i, a in enumerate(rs):
+        for b in rs[i + 1:]:
+            kind = _kind(a, b)
+            if kind is not None:
+                base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
+                classes.setdefault(kind, []).append(parity(base["loss"], cand["loss"]))
+    return {"day": day, "files": sorted({r["file"] for r in rs}), "runs": len(rs),
+            "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}}
 
 
 def _spread(pairs: list[dict]) -> dict:

@@ -304,6 +304,11 @@ for phase in "$@"; do
       cfgs=(); arms=${PARITY_ARMS:+_${PARITY_ARMS// /_}}
       amp=(); [ "${PARITY_AMP:-0}" = 1 ] && amp=(--set training.dtype=float32 --tag "bf16_amp$arms")
       [ "${PARITY_AMP:-0}" = 1 ] || [ -z "$arms" ] || amp=(--tag "bf16$arms")
+      # (PARITY_SEED=N: every run from the init weights of seed N, --set debug.seed=N, the tag naming it: another
+      # sample of how two roundings' trajectories part, a cohort of its own on the results page)
+      if [ -n "${PARITY_SEED:-}" ]; then
+        amp+=(--set "debug.seed=$PARITY_SEED" --tag "bf16$([ "${PARITY_AMP:-0}" = 1 ] && echo _amp)${arms}_seed$PARITY_SEED")
+      fi
       for a in ${PARITY_ARMS:-coda compiled}; do
         case $a in
           eager) cfgs+=(configs/llama3_1b_bf16_baseline.toml) ;;

@@ -201,6 +201,20 @@ def test_consensus_spread_measures_every_run_against_the_mean_of_the_baselines_r
     assert "| c | no | 1 | 1.67%-1.67% | -2.00% to -2.00% | 1 of 1 |" in table
 
 
+def test_a_seed_set_on_the_command_line_is_a_cohort_of_its_own(tmp_path):
+    """``gpu_train.sh parity`` with PARITY_SEED runs the configs (seed 42 in their files) with ``--debug.seed N``:
+    those runs start from other weights, so they are no repeat of the configs' runs, while the overrides every
+    run has (steps, dump folder) leave the cohort as it is."""
+    common = ["--training.steps", "30", "--job.dump_folder", "/tmp/x", "--checkpoint.no-enable"]
+    runs = [dict(_curve_run("b", [5.0] * 30), overrides=common), dict(_curve_run("b", [5.0] * 30), overrides=[]),
+            dict(_curve_run("b", [5.0] * 30), overrides=common + ["--debug.seed", "7"]),
+            dict(_curve_run("b", [5.0] * 30, seed=7), overrides=common)]
+    path = tmp_path / "loss_curve_0.json"
+    path.write_text(json.dumps({"device": "d", "runs": runs}))
+    cohorts = [r["cohort"] for r in compare.loss_runs([path])]
+    assert cohorts[0] == cohorts[1] != cohorts[2] == cohorts[3]
+
+
 def test_a_candidate_is_judged_against_the_baselines_own_repeats(tmp_path):
     """The fp8 issue's parity criterion: a candidate's max and mean abs. deviation no larger than the
     baseline's largest repeat pair's (same cohort), no NaN, and the last-50 mean within 1%; the

@@ -56,6 +56,14 @@ def _cohort(doc: dict, run: dict) -> str:
         import tomli as tomllib
     t = tomllib.loads(run["config_run"])
     same = {k: t.get(k) for k in ("training", "optimizer", "lr_scheduler", "debug")}
+    ov = run.get("overrides") or []
+    for flag, value in zip(ov, ov[1:]):  # (a seed set on the command line, ``--set debug.seed=N``: other weights)
+        if flag.startswith("--debug."):
+            try:  # (as the config file would have it: 7 an integer, as ``seed = 7`` is)
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                pass
+            same["debug"] = {**(same["debug"] or {}), flag.removeprefix("--debug."): value}
     return json.dumps({"device": doc["device"], "steps": len(run["loss"]), **same}, sort_keys=True)
 
 

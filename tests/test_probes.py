@@ -280,8 +280,15 @@ def test_ce_rounding_probe_finds_the_unrounded_lse_worse_only_on_confident_rows(
     assert high["lse_fp32"]["row_sum_abs"] > 1e-4 and high["top_p_median"] > 0.3
     assert high["lse_fp32"]["dlogits"] > 1.5 * high["stored"]["dlogits"]
     assert abs(low["lse_fp32"]["dlogits"] / low["stored"]["dlogits"] - 1) < 0.05
+    # a head without its gradient pass (bf16 exp(l - c), the target's term apart): below the stored bf16 dlogits'
+    # error on diffuse and on confident rows, with c from the Cauchy-Schwarz bound keeping the top e a normal bf16
+    for r in rows:
+        assert r["c_margin_min"] > -87, r["c_margin_min"]
+        assert r["exp_stored_bound"]["dlogits"] < r["stored_bf16"]["dlogits"], r
+        assert r["exp_stored_bound"]["dw"] < r["stored_bf16"]["dw"], r
     doc = {"date": "2026-11-29", "shape": {"rows": 128, "vocab": 1024, "dim": 64}, "rows": rows}
-    assert "| 6 | " in ce_rounding_table(doc)
+    table = ce_rounding_table(doc)
+    assert "| 6 | " in table and f"{high['exp_stored_bound']['dlogits']:.2e}" in table
 
 
 def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():

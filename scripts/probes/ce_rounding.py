@@ -5,7 +5,17 @@
                 its epilogue took lse and the target logit from fp32 r * acc, its gradient pass read l16)
 
 and each of the two with dlogits cast to e5m2 (``_e5m2``: the fp8 head's ``ce_grad_e5m2``, at its power-of-two
-scale from the largest r, 1 here, so that |dlogits| <= 1 never saturates).
+scale from the largest r, 1 here, so that |dlogits| <= 1 never saturates). Then a third way, the numerics of a
+head without its gradient pass (docs/cute_backend.md, "F4 without its gradient pass"), against ``stored_bf16``
+(``stored`` with dlogits rounded to bf16, as the bf16 head's gradient pass stores them):
+
+    exp_stored  F4 would store e_n = exp(l_n - c) in bf16 instead of the logits (c a per-row constant known before
+                the GEMM) and zero at the target, so that the row as stored is dlogits / s off the target,
+                s = exp(c - lse(l)) a per-row scale for the backward GEMMs' epilogues, which add the target's
+                term, (p_t - 1) times a row of W or H, in fp32; lse and the loss of the unrounded logits. c = max_n l_n here (``exp_stored``), and
+                c = ||h|| max_n ||w_n|| - 70 (``exp_stored_bound``: Cauchy-Schwarz, computable before the GEMM,
+                70 keeping every e below e^70); ``c_margin_min``: the smallest max_n l_n - c over the rows, which
+                must stay above -87 for the top e to be a normal bf16.
 
 Everything but those roundings is exact (fp64), so each error below is the rounding's alone. Rows are a
 calibrated model's: H ~ N(0, 1), W ~ N(0, sigma^2 / d), each row's target drawn from its own softmax; sigma sets
@@ -29,7 +39,8 @@ from coda_titan.kernels.lm_head_ce import stored_logits
 from coda_titan.kernels.scaling import E5M2_MAX, pow2_floor, quantize_e5m2
 
 SIGMAS = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
-VARIANTS = ("stored", "lse_fp32", "stored_e5m2", "lse_fp32_e5m2")
+VARIANTS = ("stored", "lse_fp32", "stored_e5m2", "lse_fp32_e5m2", "stored_bf16", "exp_stored", "exp_stored_bound")
+BOUND_MARGIN = 70.0  # (exp_stored_bound: c = ||h|| max ||w_n|| - this, so that every e_n <= e^70)
 
 
 def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, seed: int = 0) -> list[dict]:
@@ -48,13 +59,22 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
         exact = {"dlogits": p - onehot, "loss": lse - logits.gather(1, targets[:, None]).squeeze(1)}
         l16 = stored_logits(logits, torch.bfloat16)
         got = {"stored": (l16, torch.logsumexp(l16, -1)), "lse_fp32": (l16, lse)}
-        row = {"sigma": sigma, "top_p_median": float(p.amax(-1).median()), "loss_mean": float(exact["loss"].mean())}
+        bound = h.norm(dim=-1) * w.norm(dim=-1).max() - BOUND_MARGIN
+        offsets = {"exp_stored": logits.amax(-1), "exp_stored_bound": bound}
+        row = {"sigma": sigma, "top_p_median": float(p.amax(-1).median()), "loss_mean": float(exact["loss"].mean()),
+               "c_margin_min": float((logits.amax(-1) - bound).min())}
         for name in VARIANTS:
-            z, z_lse = got[name.removesuffix("_e5m2")]
-            dl = torch.exp(z - z_lse[:, None]) - onehot
-            if name.endswith("_e5m2"):
-                dl = quantize_e5m2(dl, inv).double() / inv
-            loss = z_lse - z.gather(1, targets[:, None]).squeeze(1)
+            if name in offsets:
+                dl = _exp_stored(logits, targets, offsets[name], lse)
+                loss = exact["loss"]  # (lse and the target logit of the unrounded logits: exact here)
+            else:
+                z, z_lse = got[name.removesuffix("_e5m2").removesuffix("_bf16")]
+                dl = torch.exp(z - z_lse[:, None]) - onehot
+                if name.endswith("_e5m2"):
+                    dl = quantize_e5m2(dl, inv).double() / inv
+                if name.endswith("_bf16"):
+                    dl = dl.to(torch.bfloat16).double()
+                loss = z_lse - z.gather(1, targets[:, None]).squeeze(1)
             e = dl - exact["dlogits"]
             row[name] = {
                 "dlogits": float(e.norm() / exact["dlogits"].norm()),
@@ -65,6 +85,16 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
             }
         out.append(row)
     return out
+
+
+def _exp_stored(logits, targets, c, lse):
+    """dlogits as a head without its gradient pass would make them: e = exp(l - c) rounded to bf16 and zero at the
+    target, the row times s = exp(c - lse), and the target's own p_t - 1 unrounded (the backward GEMMs would add
+    its term in their epilogues in fp32: -(1 - p_t) times W's target row, exact in bf16, for dH; for dW a
+    scatter of -(1 - p_t) times H's row)."""
+    e = torch.exp(logits - c[:, None]).scatter(1, targets[:, None], 0.0).to(torch.bfloat16).double()
+    p_t = torch.exp(logits.gather(1, targets[:, None]) - lse[:, None])
+    return (e * torch.exp(c - lse)[:, None]).scatter(1, targets[:, None], p_t - 1)
 
 
 def main(argv=None) -> int:

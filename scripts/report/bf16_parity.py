@@ -117,15 +117,21 @@ def ce_rounding_table(doc: dict) -> str:
              "their softmax, sigma the logits' scale). `stored`: log-sum-exp, loss and softmax all of the rounded "
              "logits (stock's bf16 head; CODA's F4 since c6d0abd); `lse_fp32`: the softmax of the rounded logits "
              "with the log-sum-exp of the unrounded ones (CODA's F4 before); `_e5m2`: dlogits then cast to e5m2 (the "
-             "fp8 head's). Relative error against exact.", "",
+             "fp8 head's); `stored_bf16`: `stored` with dlogits rounded to bf16 (the bf16 head's gradient pass); "
+             "`exp_stored_bound`: a head without that pass (bf16 exp(l - c), c from the Cauchy-Schwarz bound less 70, "
+             "the target's term apart in fp32; its margin: the smallest max l - c, above -87 for a normal bf16). "
+             "Relative error against exact.", "",
              "| sigma | top p, median | dlogits: stored | lse_fp32 | dH = dlogits W: stored | lse_fp32 | "
-             "dlogits row sum, lse_fp32 | dlogits: stored_e5m2 | lse_fp32_e5m2 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "dlogits row sum, lse_fp32 | dlogits: stored_e5m2 | lse_fp32_e5m2 | stored_bf16 | exp_stored_bound | "
+             "margin |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         a, b = r["stored"], r["lse_fp32"]
         e5 = (f" {r['stored_e5m2']['dlogits']:.2e} | {r['lse_fp32_e5m2']['dlogits']:.2e} |" if "stored_e5m2" in r
               else " - | - |")
+        ex = (f" {r['stored_bf16']['dlogits']:.2e} | {r['exp_stored_bound']['dlogits']:.2e} | {r['c_margin_min']:.1f} |"
+              if "exp_stored_bound" in r else " - | - | - |")
         lines.append(f"| {r['sigma']:g} | {r['top_p_median']:.2f} | {a['dlogits']:.2e} | {b['dlogits']:.2e} | "
-                     f"{a['dh']:.2e} | {b['dh']:.2e} | {b['row_sum_abs']:.1e} |" + e5)
+                     f"{a['dh']:.2e} | {b['dh']:.2e} | {b['row_sum_abs']:.1e} |" + e5 + ex)
     return "\n".join(lines)
 
 

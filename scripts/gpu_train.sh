@@ -122,6 +122,9 @@
 #                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
 #                  MODELS="stock_eager coda_eager": those models only (also torch_eager, and the AMP models
 #                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp)
+#     ceslack      scripts/probes/ce_offset_slack.py: the Cauchy-Schwarz bound's slack over each LM-head row's largest
+#                  logit (an F4 without its gradient pass needs it under 157) at the init weights and after
+#                  SLACK_STEPS (default "0 46 300") steps of stock eager (each trained first, about 3 min for 300)
 #     qkvwgrad     float8 baseline (compiled) vs CODA fp8 compiled with [coda] fp8_qkv_wgrad on / off (A/B)
 #     qkvdgrad     GPU tests of the fp8 B1 -> B2, then float8 + compile vs CODA fp8 compiled with [coda] fp8_dgrad on / off
 #     epistages    B2 with a lower C-stage base (CODA_TITAN_EPI_C_STAGES): GPU test, then scripts/probes/epi_stages.py
@@ -531,6 +534,10 @@ for phase in "$@"; do
       python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} ${MODELS:+--models $MODELS} \
         > "$logs/bf16_step_accuracy.log" 2>&1
       echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error" "$logs/bf16_step_accuracy.log" | cut -c1-600
+      ;;
+    ceslack)
+      python3 -m scripts.probes.ce_offset_slack --state-steps ${SLACK_STEPS:-0 46 300} > "$logs/ce_offset_slack.log" 2>&1
+      echo "ceslack rc=$?"; grep -E "^state|wrote|Error|error" "$logs/ce_offset_slack.log" | cut -c1-400
       ;;
     adamwprobe)
       cp "$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/ATen/native/cuda/fused_adam_utils.cuh" \

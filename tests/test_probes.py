@@ -299,3 +299,23 @@ def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
     s = Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
     with pytest.raises(ValueError, match="cute backend"):
         measure(s, models=("stock_eager", UNROUNDED))
+
+
+def test_ce_offset_slack_measures_the_cauchy_schwarz_bound_over_each_rows_largest_logit():
+    """``scripts.probes.ce_offset_slack``: a row along W's longest row meets the bound (slack 0), a row orthogonal to
+    every W row has slack ||h|| max ||W_n|| (its largest logit 0) and counts over the limit when that passes 157;
+    the probe's own forward (CPU, debug model, init weights) reads the head's input and logits off stock llama3."""
+    from scripts.probes.bf16_step_accuracy import Setup
+    from scripts.probes.ce_offset_slack import SLACK_LIMIT, measure, slack
+
+    w = torch.zeros(4, 8, dtype=torch.float64)
+    w[:, :4] = torch.diag(torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64))
+    h = torch.zeros(3, 8, dtype=torch.float64)
+    h[0, 1] = 3.0  # (along W's longest row, norm 2: logit 6 = the bound)
+    h[1, 5] = 10.0  # (orthogonal: slack 20)
+    h[2, 6] = 100.0  # (orthogonal: slack 200, over the limit)
+    r = slack(h, w, h @ w.t())
+    assert r["slack"]["q0"] == 0.0 and r["slack_max"] == 200.0 and r["rows_over_limit"] == 1 and r["rows_over_warn"] == 1
+    assert r["weight_row_norm_max"] == 2.0 and r["max_logit"]["q100"] == 6.0 and SLACK_LIMIT == 157.0
+    got = measure(Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False), None)
+    assert got["rows"] == 128 and got["slack"]["q0"] >= 0 and got["bound"]["q50"] > got["max_logit"]["q50"] > 0

@@ -12,10 +12,12 @@ head without its gradient pass (docs/cute_backend.md, "F4 without its gradient p
     exp_stored  F4 would store e_n = exp(l_n - c) in bf16 instead of the logits (c a per-row constant known before
                 the GEMM) and zero at the target, so that the row as stored is dlogits / s off the target,
                 s = exp(c - lse(l)) a per-row scale for the backward GEMMs' epilogues, which add the target's
-                term, (p_t - 1) times a row of W or H, in fp32; lse and the loss of the unrounded logits. c = max_n l_n here (``exp_stored``), and
+                term, (p_t - 1) times a row of W or H, in fp32; lse and the loss of the unrounded logits.
+                c = max_n l_n here (``exp_stored``), and
                 c = ||h|| max_n ||w_n|| - 70 (``exp_stored_bound``: Cauchy-Schwarz, computable before the GEMM,
                 70 keeping every e below e^70); ``c_margin_min``: the smallest max_n l_n - c over the rows, which
-                must stay above -87 for the top e to be a normal bf16.
+                must stay above -87 for the top e to be a normal bf16. Their dW has the wgrad GEMM's operand
+                s h rounded to bf16 (a rounding the bf16 head's wgrad, on H as it is, does not have).
 
 Everything but those roundings is exact (fp64), so each error below is the rounding's alone. Rows are a
 calibrated model's: H ~ N(0, 1), W ~ N(0, sigma^2 / d), each row's target drawn from its own softmax; sigma sets
@@ -64,8 +66,9 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
         row = {"sigma": sigma, "top_p_median": float(p.amax(-1).median()), "loss_mean": float(exact["loss"].mean()),
                "c_margin_min": float((logits.amax(-1) - bound).min())}
         for name in VARIANTS:
+            dw = None
             if name in offsets:
-                dl = _exp_stored(logits, targets, offsets[name], lse)
+                dl, dw = _exp_stored(logits, targets, offsets[name], lse, h)
                 loss = exact["loss"]  # (lse and the target logit of the unrounded logits: exact here)
             else:
                 z, z_lse = got[name.removesuffix("_e5m2").removesuffix("_bf16")]
@@ -75,11 +78,11 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
                 if name.endswith("_bf16"):
                     dl = dl.to(torch.bfloat16).double()
                 loss = z_lse - z.gather(1, targets[:, None]).squeeze(1)
-            e = dl - exact["dlogits"]
+            e, dw_exact = dl - exact["dlogits"], exact["dlogits"].t() @ h
             row[name] = {
                 "dlogits": float(e.norm() / exact["dlogits"].norm()),
                 "dh": float((e @ w).norm() / (exact["dlogits"] @ w).norm()),
-                "dw": float((e.t() @ h).norm() / (exact["dlogits"].t() @ h).norm()),
+                "dw": float((e.t() @ h if dw is None else dw - dw_exact).norm() / dw_exact.norm()),
                 "loss_abs_err": float((loss - exact["loss"]).abs().mean()),
                 "row_sum_abs": float(dl.sum(-1).abs().mean()),
             }
@@ -87,14 +90,17 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
     return out
 
 
-def _exp_stored(logits, targets, c, lse):
-    """dlogits as a head without its gradient pass would make them: e = exp(l - c) rounded to bf16 and zero at the
-    target, the row times s = exp(c - lse), and the target's own p_t - 1 unrounded (the backward GEMMs would add
-    its term in their epilogues in fp32: -(1 - p_t) times W's target row, exact in bf16, for dH; for dW a
-    scatter of -(1 - p_t) times H's row)."""
+def _exp_stored(logits, targets, c, lse, h):
+    """(dlogits, dW) as a head without its gradient pass would make them: e = exp(l - c) rounded to bf16 and zero
+    at the target, the row times s = exp(c - lse), and the target's own p_t - 1 unrounded (the backward GEMMs would
+    add its term in their epilogues in fp32: -(1 - p_t) times W's target row, exact in bf16, for dH); dW is
+    e^T (s h) with s h rounded to bf16 (the wgrad GEMM's operand), plus (p_t - 1) h scattered to the targets' rows."""
     e = torch.exp(logits - c[:, None]).scatter(1, targets[:, None], 0.0).to(torch.bfloat16).double()
+    s = torch.exp(c - lse)
     p_t = torch.exp(logits.gather(1, targets[:, None]) - lse[:, None])
-    return (e * torch.exp(c - lse)[:, None]).scatter(1, targets[:, None], p_t - 1)
+    dw = e.t() @ (s[:, None] * h).to(torch.bfloat16).double()
+    dw = dw.index_add(0, targets, (p_t - 1) * h)
+    return (e * s[:, None]).scatter(1, targets[:, None], p_t - 1), dw
 
 
 def main(argv=None) -> int:

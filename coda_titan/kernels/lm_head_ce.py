@@ -30,7 +30,7 @@ import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
 from .gemm import wgrad
-from .norm_residual_bwd import norm_residual_bwd, norm_residual_bwd_fp8
+from .norm_residual_bwd import norm_residual_apply, norm_residual_bwd, norm_residual_bwd_fp8
 from .scaling import E5M2_MAX, check_e4m3, compute_dtype, fp8_mm, inv_scale_from_amax, pow2_floor, quantize_e5m2
 
 IGNORE_INDEX = -100
@@ -82,6 +82,79 @@ def lm_head_ce(
     if compute_grad:
         dweight = dweight.to(weight.dtype)
     return loss, dx, dgamma, dweight
+
+
+EXP_MARGIN = 70.0  # lm_head_ce_exp: every stored e = exp(l - c) at most e^70 (the GEMMs' fp32 sums cannot overflow)
+EXP_FLOOR = 87.0  # ... and a row's largest e at least e^-87, a normal bf16 (fp32's exponent range)
+
+
+def exp_offsets(h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The Cauchy-Schwarz offsets c = r ||H_row|| max_n ||W_n|| - EXP_MARGIN (compute dtype), known before the GEMM:
+    no logit r H_row . W_n exceeds the bound, so no e exceeds e^70; a row whose largest logit is more than
+    EXP_MARGIN + EXP_FLOOR below its bound is out of range (``lm_head_ce_exp`` repairs it)."""
+    ct = acc_dtype(h, weight)
+    return rstd.to(ct) * h.to(ct).norm(dim=-1) * weight.to(ct).norm(dim=-1).amax() - EXP_MARGIN
+
+
+def lm_head_ce_exp(
+    *, h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
+    targets: torch.Tensor, chunk_rows: int, offsets: torch.Tensor, compute_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+    """The reference of F4 without its gradient pass (docs/cute_backend.md, "F4 without its gradient pass"; not
+    yet a program of either backend). ``offsets``: each row's c (``exp_offsets``, or a delayed estimate). Per
+    chunk, with l = r (H @ W^T) unrounded (the compute dtype):
+
+        lse = logsumexp(l) (F4's tile-max partials, never c + log sum e);  loss_i = lse - l_t
+        e = exp(l - c), stored in H's dtype with 0 at the target: the one M x V tensor, no pass over it.
+            A row whose max l - c is outside [-EXP_FLOOR, EXP_MARGIN] is repaired: its e again with c = max l
+            (the kernels: a GEMM of the listed rows; the count is returned)
+        q = exp(c - lse) (p_n = q e_n), s = r q, k = r (p_t - 1), zdz = q sum_{n != t} e_n l_n + (p_t - 1) l_t
+        da = s e + k onehot_t                        (= r (softmax - onehot), never formed)
+        acc = s (e @ W) + k W[t]  ->  B2's epilogue (``norm_residual_apply``)
+        dW += e^T @ rnd(s H)  +  k H scattered to the targets' rows
+
+    (ignored rows: s = k = zdz = 0). The target's term is exact (W's row as stored, k in the compute dtype), so
+    rounding touches the probabilities, not the logits: against fp64 its dlogits error is several times below the
+    bf16 head's (``scripts/probes/ce_rounding.py``). In fp64 it is ``lm_head_ce`` up to fp64's rounding.
+    (loss_sum, dX, dgamma, dW_out as ``lm_head_ce``, the number of rows repaired)."""
+    check_2d("h", h, weight.shape[1])
+    if targets.shape != (h.shape[0],) or offsets.shape != (h.shape[0],) or chunk_rows <= 0:
+        raise ValueError(f"targets and offsets must be ({h.shape[0]},) and chunk_rows positive, got "
+                         f"{tuple(targets.shape)}, {tuple(offsets.shape)}, {chunk_rows}")
+    ct = acc_dtype(h, weight)
+    loss = dgamma = dweight = None
+    dx = torch.empty_like(x) if compute_grad else None
+    repaired = 0
+    for start in range(0, h.shape[0], chunk_rows):
+        rows = slice(start, min(start + chunk_rows, h.shape[0]))
+        r, tgt = rstd[rows].to(ct), targets[rows]
+        valid = tgt != IGNORE_INDEX
+        safe_tgt = torch.where(valid, tgt, 0)
+        logits = mm(h[rows], weight.t()) * r[:, None]
+        lse = torch.logsumexp(logits, -1)
+        l_t = logits.gather(1, safe_tgt[:, None]).squeeze(1)
+        chunk_loss = torch.where(valid, lse - l_t, 0).sum()
+        loss = chunk_loss if loss is None else loss + chunk_loss
+        if not compute_grad:
+            continue
+        top, c = logits.amax(-1), offsets[rows].to(ct)
+        bad = valid & (((top - c) > EXP_MARGIN) | ((top - c) < -EXP_FLOOR))
+        repaired += int(bad.sum())
+        c = torch.where(bad, top, c)
+        e = torch.exp(logits - c[:, None]).scatter(1, safe_tgt[:, None], 0.0)
+        q, dp_t = torch.exp(c - lse), torch.exp(l_t - lse) - 1
+        s, k = torch.where(valid, r * q, 0), torch.where(valid, r * dp_t, 0)
+        zdz = torch.where(valid, q * (e * logits).sum(-1) + dp_t * l_t, 0)
+        stored = e.to(h.dtype)
+        acc = mm(stored, weight) * s[:, None] + k[:, None] * weight[safe_tgt].to(ct)
+        dx[rows], dg_c = norm_residual_apply(acc, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
+        hf = h[rows].to(ct)
+        dw_c = wgrad(grad=stored, inp=(hf * s[:, None]).to(h.dtype), out_dtype=ct)
+        dw_c.index_add_(0, safe_tgt, hf * k[:, None])  # (k = 0 on ignored rows)
+        dgamma = dg_c if dgamma is None else dgamma + dg_c
+        dweight = dw_c if dweight is None else dweight + dw_c
+    assert loss is not None, "empty batch"
+    return loss, dx, dgamma, None if dweight is None else dweight.to(weight.dtype), repaired
 
 
 def stored_logits(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -127,13 +127,9 @@ def lm_head_ce_exp(
     repaired = 0
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, h.shape[0]))
-        r, tgt = rstd[rows].to(ct), targets[rows]
-        valid = tgt != IGNORE_INDEX
-        safe_tgt = torch.where(valid, tgt, 0)
+        r = rstd[rows].to(ct)
         logits = mm(h[rows], weight.t()) * r[:, None]
-        lse = torch.logsumexp(logits, -1)
-        l_t = logits.gather(1, safe_tgt[:, None]).squeeze(1)
-        chunk_loss = torch.where(valid, lse - l_t, 0).sum()
+        chunk_loss, valid, safe_tgt, lse, l_t = _ce_loss(logits, targets[rows])
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
             continue
@@ -162,14 +158,19 @@ def stored_logits(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits.to(dtype).to(logits.dtype)
 
 
-def _ce(logits: torch.Tensor, tgt: torch.Tensor, compute_grad: bool):
-    """A chunk's (loss sum, dp = softmax - onehot, zdz = sum logits * dp) from its logits (dp and zdz None
-    without ``compute_grad``); rows with target -100 add nothing and get dp = 0."""
+def _ce_loss(logits: torch.Tensor, tgt: torch.Tensor):
+    """A chunk's (loss sum, valid rows, targets with ignored rows at 0, lse, target logits) from its logits."""
     valid = tgt != IGNORE_INDEX
     safe_tgt = torch.where(valid, tgt, 0)
     lse = torch.logsumexp(logits, dim=-1)
     tgt_logit = logits.gather(1, safe_tgt[:, None]).squeeze(1)
-    chunk_loss = torch.where(valid, lse - tgt_logit, 0).sum()
+    return torch.where(valid, lse - tgt_logit, 0).sum(), valid, safe_tgt, lse, tgt_logit
+
+
+def _ce(logits: torch.Tensor, tgt: torch.Tensor, compute_grad: bool):
+    """A chunk's (loss sum, dp = softmax - onehot, zdz = sum logits * dp) from its logits (dp and zdz None
+    without ``compute_grad``); rows with target -100 add nothing and get dp = 0."""
+    chunk_loss, valid, safe_tgt, _, _ = _ce_loss(logits, tgt)
     if not compute_grad:
         return chunk_loss, None, None
     dp = torch.softmax(logits, dim=-1)

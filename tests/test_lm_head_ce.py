@@ -55,6 +55,16 @@ def test_lm_head_ce_matches_full_logits_and_chunking():
         torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
 
 
+def _confident_bf16():
+    """(its generator, then x, gamma, W, H, r): bf16 operands whose logits reach |l| ~ 15 and whose softmax puts
+    most of a row on one token, the trained states where rounding the logits shows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    gamma = (torch.rand(64, generator=g) + 0.5).to(torch.bfloat16)
+    w = (4 * torch.randn(512, 64, generator=g) / 64 ** 0.5).to(torch.bfloat16)
+    return (g, x, gamma, w, *deferred_norm(x, gamma))
+
+
 def test_lm_head_ce_takes_loss_and_softmax_from_the_logits_rounded_as_stored():
     """In bf16 the reference rounds the logits to bf16 (what the CUDA program stores, and stock's bf16 head gives
     its cross-entropy) before the log-sum-exp, the loss and the softmax, so the softmax sums to one over the
@@ -62,12 +72,8 @@ def test_lm_head_ce_takes_loss_and_softmax_from_the_logits_rounded_as_stored():
     error: a row's sum of exp (terms <= 1, sum >= 1) to (V + 4) units, so its log to that many absolute units,
     plus 4 units of |lse| and of the max, then the sum over rows ((M + 4) units of the sum of |terms|). The
     rounding is resolvable at this case's logits: the loss of the unrounded logits is farther than 10 such
-    bounds. The case: bf16 operands whose logits reach |l| ~ 15, every target its row's most likely token."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
-    gamma = (torch.rand(64, generator=g) + 0.5).to(torch.bfloat16)
-    w = (4 * torch.randn(512, 64, generator=g) / 64 ** 0.5).to(torch.bfloat16)
-    h, r = deferred_norm(x, gamma)
+    bounds. The case: ``_confident_bf16``'s, every target its row's most likely token."""
+    _, x, gamma, w, h, r = _confident_bf16()
     acc = h.float() @ w.float().t()  # (the reference's product: fp32 sums of the bf16 operands, the same CPU op)
     targets = (acc * r.float()[:, None]).argmax(-1)
     loss, dx, dgamma, dw = TORCH.lm_head_ce(h=h, rstd=r, x=x, gamma=gamma, weight=w, targets=targets,
@@ -125,11 +131,7 @@ def test_lm_head_ce_exp_in_bf16_rounds_the_probabilities_not_the_logits():
     dW by over 2x (its bf16 output's rounding, 2^-9, is in both)."""
     from coda_titan.kernels.lm_head_ce import exp_offsets, lm_head_ce, lm_head_ce_exp
 
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
-    gamma = (torch.rand(64, generator=g) + 0.5).to(torch.bfloat16)
-    w = (4 * torch.randn(512, 64, generator=g) / 64 ** 0.5).to(torch.bfloat16)
-    h, r = deferred_norm(x, gamma)
+    g, x, gamma, w, h, r = _confident_bf16()
     logits = (h.double() @ w.double().t()) * r.double()[:, None]
     targets = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(1)
     targets[5] = IGNORE_INDEX

@@ -108,6 +108,8 @@
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
+#     ceexp        CODA compiled with F4 without its gradient pass (CODA_TITAN_CE_PASS=exp) against the configured F4 and
+#                  its pass (PREC, default bf16; ARMS=3 repeats the configured run)
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
@@ -479,6 +481,17 @@ for phase in "$@"; do
       ;;
     cepass)
       envab "ce_triton_${PREC:-fp8}" "ce_inductor_${PREC:-fp8}" CODA_TITAN_CE_PASS=inductor
+      ;;
+    ceexp)
+      # F4 without its gradient pass (CODA_TITAN_CE_PASS=exp, kernels/cute/ce_exp.py) against the configured F4 and
+      # its pass: CODA compiled (PREC, default bf16) as configured, then with the switch (tables ce_pass_P, ce_exp_P;
+      # ARMS=3: the configured run again, ce_pass2_P); STEPS (default 30), LOG_FREQ (default 10)
+      p=${PREC:-bf16}
+      cx() { $cmp configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" \
+        --tag "$1_$p"; }
+      cx ce_pass
+      CODA_TITAN_CE_PASS=exp cx ce_exp
+      [ "${ARMS:-2}" = 3 ] && cx ce_pass2
       ;;
     b1probe)
       probe b1probe b1_pass '"variant"'

@@ -259,6 +259,63 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert all(got["refusals"].values()), got["refusals"]
 
 
+def test_ce_exp_row_kernels_give_the_gemms_the_softmax_gradient_in_the_interpreter():
+    """F4 without its gradient pass (``kernels/cute/ce_exp.py``, ``CODA_TITAN_CE_PASS=exp``): its per-row kernels
+    through Triton's CPU interpreter (``tests/ce_exp_interpreter_check.py``), F4's epilogue stood in for by torch
+    (E = exp(l - c) in bf16, the partials in fp32). What the backward GEMMs are handed, s E + kt onehot_t, is
+    r (softmax - onehot) of fp64 within E's one bf16 step (the interpreter truncates) plus what the logits' fp32
+    error and exp's units move p, and at the target within 8 fp32 units of r (the target's term exact, not E's
+    rounded e_t); k is that exact term; corr = -(r^2 / d) zdz within zdz's bound; the loss terms within the
+    logits' error. Two rows get offsets out of range (E would overflow in one, underflow in the other): exactly
+    those are listed, their offsets become their lse, the repair kernel rewrites their E (finite, at most 1)
+    and their sums; an ignored row gets 0 everywhere; E with a column stride is refused."""
+    g = run_interpreter_check("ce_exp_interpreter_check.py")
+    assert g["count"] == 2 and g["offsets_moved"] == [3, 5] and g["listed_offsets_are_lse"], g
+    assert g["repaired_rows_finite"] and g["repaired_rows_max"] <= 1.0, g
+    assert g["da_err_over_bound"] <= 1.0 and g["corr_err_over_bound"] <= 1.0 and g["k_is_exact_target_term"] <= 1.0, g
+    assert g["loss_err"] <= g["loss_bound"] and g["ignored_zero"] and g["et_is_stored"], g
+    assert g["sq_norms_err"] <= 1.0 and g["range_hi_lo"] == [70.0 + g["ln_v"], g["ln_v"] - 87.0], g
+    assert all(g["refusals"].values()), g["refusals"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_cute_lm_head_ce_exp_matches_reference(scale, monkeypatch):
+    """``CODA_TITAN_CE_PASS=exp`` (F4 without its gradient pass) against fp64, with the bound of the same math in the
+    same precisions: ``lm_head_ce_exp`` run in bf16 on the same inputs with the same (Cauchy-Schwarz) offsets,
+    each output within 2 x that reference's norm-wise error + 2^-24 (``check_cute_matches_reference``'s rule).
+    ``scale`` multiplies W: at 1 no row is out of the offset's range; at 40 the bound's slack exceeds the range
+    (logits of a few hundred), so rows are repaired on the device (the count must be positive, and the
+    reference repairs rows too); the program's results are still within the bound."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.cute.lm_head_ce import CE_PASS_ENV, take_repaired
+    from coda_titan.kernels.lm_head_ce import exp_offsets, lm_head_ce, lm_head_ce_exp
+
+    from .helpers import gpu_inputs, log_bound, poison, rel, to64
+
+    monkeypatch.setenv(CE_PASS_ENV, "exp")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    kw = gpu_inputs("lm_head_ce", 2048, gen)
+    kw["weight"] = (kw["weight"].float() * scale).bfloat16()
+    ref64 = lm_head_ce(**to64(kw))
+    offsets = exp_offsets(kw["h"], kw["rstd"], kw["weight"])
+    *bf, ref_repaired = lm_head_ce_exp(**kw, offsets=offsets)
+    take_repaired()
+    poison()
+    out = torch.ops.coda.lm_head_ce(*(kw[k] for k in ("h", "rstd", "x", "gamma", "weight", "targets", "chunk_rows",
+                                                      "compute_grad")))
+    repaired = take_repaired()
+    log_bound(f"lm_head_ce_exp scale={scale}", repaired=repaired, ref_repaired=ref_repaired, rows=kw["h"].shape[0])
+    assert (repaired > 0) == (scale > 1) and (ref_repaired > 0) == (scale > 1), (repaired, ref_repaired)
+    for i, (o, r64, b) in enumerate(zip(out, ref64, bf)):
+        assert o.shape == r64.shape and o.dtype == b.dtype, (i, o.shape, r64.shape, o.dtype, b.dtype)
+        assert not o.isnan().any(), f"output {i}: NaN"
+        err, err_ref = rel(o, r64), rel(b, r64)
+        bound = 2 * err_ref + 2.0**-24
+        log_bound(f"lm_head_ce_exp[{i}] scale={scale}", dtype=str(o.dtype), err=err, err_ref=err_ref, bound=bound)
+        assert err <= bound, f"output {i}: rel err {err:.3e} > 2 x reference {err_ref:.3e} + 2^-24"
+
+
 def _fp8_head_case(dtype=torch.float64):
     """The fp8 head's operands from fp64 H and W (torchao's current tensorwise e4m3 casts), every row's target a
     token but one ignored row, and the bf16 program's inputs: H and W as their codes dequantized."""

@@ -26,6 +26,8 @@ gradients are empty (0-element) tensors, which ``lm_head_ce_program`` maps back 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._common import acc_dtype, check_2d, mm, program_op
@@ -88,6 +90,15 @@ EXP_MARGIN = 70.0  # lm_head_ce_exp: every stored e = exp(l - c) at most e^70 (t
 EXP_FLOOR = 87.0  # ... and a row's largest e at least e^-87, a normal bf16 (fp32's exponent range)
 
 
+def exp_range(vocab: int) -> tuple[float, float]:
+    """(HI, LO): ``lm_head_ce_exp`` lists (repairs) a row when lse - c > HI or < LO, judged from the lse since F4's
+    kernels have no row maximum (l_max <= lse <= l_max + ln V): a row listed at HI = EXP_MARGIN + ln V has its
+    largest l above c + EXP_MARGIN (never, with ``exp_offsets``; and a row not listed keeps sum e <=
+    e^(EXP_MARGIN + ln V), finite in fp32); every row whose largest l lies below c - EXP_FLOOR is listed at
+    LO = ln V - EXP_FLOOR (and a row within ln V above that may be: a repair it did not need)."""
+    return EXP_MARGIN + math.log(vocab), math.log(vocab) - EXP_FLOOR
+
+
 def exp_offsets(h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The Cauchy-Schwarz offsets c = r ||H_row|| max_n ||W_n|| - EXP_MARGIN (compute dtype), known before the GEMM:
     no logit r H_row . W_n exceeds the bound, so no e exceeds e^70; a row whose largest logit is more than
@@ -106,8 +117,8 @@ def lm_head_ce_exp(
 
         lse = logsumexp(l) (F4's tile-max partials, never c + log sum e);  loss_i = lse - l_t
         e = exp(l - c), stored in H's dtype with 0 at the target: the one M x V tensor, no pass over it.
-            A row whose max l - c is outside [-EXP_FLOOR, EXP_MARGIN] is repaired: its e again with c = max l
-            (the kernels: a GEMM of the listed rows; the count is returned)
+            A row whose lse - c is outside ``exp_range`` is repaired: its e again with c = its lse (the
+            kernels: a GEMV of each listed row; the count is returned)
         q = exp(c - lse) (p_n = q e_n), s = r q, k = r (p_t - 1), zdz = q sum_{n != t} e_n l_n + (p_t - 1) l_t
         da = s e + k onehot_t                        (= r (softmax - onehot), never formed)
         acc = s (e @ W) + k W[t]  ->  B2's epilogue (``norm_residual_apply``)
@@ -133,10 +144,10 @@ def lm_head_ce_exp(
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
             continue
-        top, c = logits.amax(-1), offsets[rows].to(ct)
-        bad = valid & (((top - c) > EXP_MARGIN) | ((top - c) < -EXP_FLOOR))
+        c, (hi, lo) = offsets[rows].to(ct), exp_range(weight.shape[0])
+        bad = valid & (((lse - c) > hi) | ((lse - c) < lo))
         repaired += int(bad.sum())
-        c = torch.where(bad, top, c)
+        c = torch.where(bad, lse, c)
         e = torch.exp(logits - c[:, None]).scatter(1, safe_tgt[:, None], 0.0)
         q, dp_t = torch.exp(c - lse), torch.exp(l_t - lse) - 1
         s, k = torch.where(valid, r * q, 0), torch.where(valid, r * dp_t, 0)

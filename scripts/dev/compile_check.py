@@ -163,6 +163,29 @@ def _f4(dtype: str | None = None, unrounded: bool = False, m=512, k=256, v=1024)
                                   target=torch.zeros(m, dtype=torch.int64))
 
 
+def _f4_exp(m=512, k=256, v=1024):
+    """F4 without its gradient pass (``CODA_TITAN_CE_PASS=exp``): E = exp(l - c) stored, its partials."""
+    import torch
+
+    from coda_titan.kernels.cute.epilogues import rstd_exp_lse_target_epi
+
+    h, w = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(v, k, dtype=torch.bfloat16)
+    rstd_exp_lse_target_epi(h, w.t(), None, out={"D": torch.empty(m, v, dtype=torch.bfloat16)}, tuned=False,
+                            rstd=torch.ones(m), offset=torch.zeros(m), target=torch.zeros(m, dtype=torch.int64))
+
+
+def _b2_exp(m=512, v=1024, d=256):
+    """The LM head's B2 on E (``CODA_TITAN_CE_PASS=exp``): s (E @ W) + kt W[t] (C), then the norm's backward."""
+    import torch
+
+    from coda_titan.kernels.cute.epilogues import exp_norm_bwd_last_epi
+
+    e, w, x = (torch.zeros(m, v, dtype=torch.bfloat16), torch.zeros(v, d, dtype=torch.bfloat16),
+               torch.zeros(m, d, dtype=torch.bfloat16))
+    exp_norm_bwd_last_epi(e, w, torch.zeros_like(x), out={"D": torch.empty_like(x)}, tuned=False, y=x,
+                          w=torch.ones(d), corr=torch.zeros(m), s=torch.ones(m), kt=torch.zeros(m))
+
+
 def _b2(config=None, m=512, k=512, d=256):
     """B2 (bf16): quack's ``rms_bwd_apply_epi`` as ``coda::norm_residual_bwd`` calls it, on a pinned config."""
     import torch
@@ -288,6 +311,8 @@ PROGRAMS = {
     "f4_f16": lambda: _f4("float16"),
     "f4_fp8": lambda: _f4(),
     "f4_unrounded": lambda: _f4("bfloat16", unrounded=True),
+    "f4_exp": lambda: _f4_exp(),
+    "b2_exp": lambda: _b2_exp(),
     "f1_overlap": lambda: _overlapped(_f1),
     "f1_q_fp8": lambda: _f1_q_fp8(),
     "f1_q_fp8_t": lambda: _f1_q_fp8(transposed=True),

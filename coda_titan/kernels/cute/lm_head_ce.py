@@ -10,6 +10,9 @@ chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no 
 one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
+``CODA_TITAN_CE_PASS=exp`` (bf16, with gradients) runs F4 without its gradient pass (``_lm_head_ce_exp``,
+``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
+it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.
 
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
@@ -26,15 +29,27 @@ from quack.gemm_interface import gemm as quack_gemm
 from quack.gemm_interface import gemm_add, gemm_add_inplace
 
 from .. import lm_head_ce as ref
-from . import stages
+from . import ce_exp, stages
 from ..scaling import E5M2
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
-from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi, rstd_lse_target_unrounded_epi
+from .epilogues import (exp_norm_bwd_last_epi, rstd_exp_lse_target_epi, rstd_lse_target_epi, rstd_lse_target_f16_epi,
+                        rstd_lse_target_unrounded_epi)
 from .norm_residual_bwd import epilogue as b2_epilogue
 
-CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B)
+CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass
+# rows F4 without its pass repaired (their largest logit outside the offset's range), counted on the device (one
+# counter a device) over every call since the last ``take_repaired()``
+_REPAIRED: dict[torch.device, torch.Tensor] = {}
+
+
+def take_repaired() -> int:
+    """The number of LM-head rows repaired (``CODA_TITAN_CE_PASS=exp``) since the last call (a host sync)."""
+    n = sum(int(t.item()) for t in _REPAIRED.values())
+    for t in _REPAIRED.values():
+        t.zero_()
+    return n
 
 
 def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
@@ -62,6 +77,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     why = unsupported(h, x, weight)
     if why:
         return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
+        return _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows)
     m, d = h.shape
     vocab = weight.shape[0]
     loss_rows = torch.empty(m, device=h.device, dtype=torch.float32)
@@ -106,6 +123,57 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
+
+
+def _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows):
+    """F4 without its gradient pass, bf16 with gradients (module docstring; docs/cute_backend.md). Per chunk: F4
+    storing E and its partials; ``ce_exp.exp_program`` (M values: loss terms, s, k, kt, corr; rows out of the
+    offset's range repaired on the device); B2 on E with C = W's target rows; dW += E^T (s H) in fp32 with each
+    row's target correction k H - rnd(e_t) (s H) scattered first (``index_put_``, deterministic), the last chunk's
+    GEMM writing the sum in W's dtype."""
+    m, d = h.shape
+    vocab = weight.shape[0]
+    dev = h.device
+    r_all = rstd.float()
+    # the Cauchy-Schwarz offsets (``ref.exp_offsets``): no logit above c + EXP_MARGIN
+    offsets = (r_all * ce_exp.sq_norms(h).sqrt() * ce_exp.sq_norms(weight).amax().sqrt() - ref.EXP_MARGIN).contiguous()
+    gamma32 = gamma.float()
+    safe_t = torch.where(targets != ref.IGNORE_INDEX, targets, 0)
+    loss_rows = torch.empty(m, device=dev, dtype=torch.float32)
+    dx = torch.empty_like(x)
+    dgamma = torch.zeros(d, device=dev, dtype=torch.float32)
+    one = m <= chunk_rows
+    dw = (torch.zeros if one else torch.empty)((vocab, d), device=dev, dtype=torch.float32)
+    e_buf = h.new_empty((min(chunk_rows, m), vocab))
+    base = stages.requested_base()
+    repaired = _REPAIRED.setdefault(dev, torch.zeros(1, device=dev, dtype=torch.int64))
+    out_w = None
+    for i, start in enumerate(range(0, m, chunk_rows)):
+        stop = min(start + chunk_rows, m)
+        hc, r, t, c, st = h[start:stop], r_all[start:stop], targets[start:stop], offsets[start:stop], safe_t[start:stop]
+        e = e_buf[: stop - start]
+        with first_call("lm_head_ce_exp", hc, weight):
+            res = gemm(rstd_exp_lse_target_epi, hc, weight.t(), None, {"D": e}, rstd=r, offset=c, target=t)
+        s, k, kt, et, corr, count = ce_exp.exp_program(e, res["el"], res["lse"], res["target_logit"], t, r, c, hc,
+                                                       weight, ref.IGNORE_INDEX, d, loss_rows[start:stop])
+        repaired += count
+        with stages.capped(base):
+            out = gemm(exp_norm_bwd_last_epi, e, weight, weight.index_select(0, st), {"D": dx[start:stop]},
+                       y=x[start:stop], w=gamma32, corr=corr, s=s, kt=kt)
+        dgamma += out["dw"]
+        hf = hc.float()
+        sh = (hf * s[:, None]).to(h.dtype)
+        fix = hf * k[:, None] - et[:, None] * sh.float()  # (the target's exact term minus what the GEMM adds)
+        if i > 0 or one:
+            dw.index_put_((st,), fix, accumulate=True)
+        if stop == m:
+            out_w = gemm_add(e.t(), sh, dw, out_dtype=weight.dtype, tuned=TUNE)
+        elif i == 0:
+            quack_gemm(e.t(), sh, out=dw, tuned=TUNE)
+            dw.index_put_((st,), fix, accumulate=True)
+        else:
+            gemm_add_inplace(e.t(), sh, dw, tuned=TUNE)
+    return loss_rows.sum(), dx, dgamma, out_w
 
 
 @torch.library.register_kernel("coda::lm_head_ce_fp8", "cuda")

@@ -525,6 +525,33 @@ def test_a_loss_curve_keeps_every_steps_loss_and_gradient_norm(tmp_path, monkeyp
     assert coda["grad_norm"][3] == pytest.approx(1.01 * 3.03) and "rows" not in coda
 
 
+def test_a_loss_curve_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """A loss-curve call killed during its third run (a device call's time limit) leaves its file with the two
+    finished runs, their parity judged, and the three configs it planned; nothing is plotted until the last run."""
+    from scripts.compare import loss_curve as lc_mod
+
+    calls, plots = [], []
+
+    def fake_run(cfg, **kw):
+        calls.append(cfg)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")  # (what the outer timeout's signal does to the process)
+        rows = [{"step": i + 1, "loss": 10.0 - 0.1 * i + 0.001 * len(calls), "grad_norm": 3.0} for i in range(25)]
+        return {"config": str(cfg), "config_run": "", "precision": "bf16", "attention": "sdpa", "rows": rows,
+                "seq_len": 8, "local_batch_size": 1, "tokens_per_step": 8, "returncode": 0}
+
+    monkeypatch.setattr(lc_mod, "run_config", fake_run)
+    monkeypatch.setattr("scripts.report.training.plot_loss_curve", lambda doc, path: plots.append(path))
+    cfgs = [str(CONFIGS / n) for n in ("debug_cpu_baseline.toml", "debug_cpu_coda.toml", "debug_cpu_baseline.toml")]
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(["--loss-curve", *cfgs, "--steps", "25", "--out", str(tmp_path / "res"),
+                      "--workdir", str(tmp_path / "work")])
+    (path,) = (tmp_path / "res").glob("loss_curve_*.json")
+    doc = json.loads(path.read_text())
+    assert len(doc["runs"]) == 2 and doc["planned"] == cfgs and not plots
+    assert len(doc["parity"]) == 1 and doc["parity"][0]["candidate"] == "debug_cpu_coda", doc["parity"]
+
+
 def test_a_loss_curve_plot_shows_the_gradient_norms_where_the_runs_stored_them(tmp_path):
     """Runs with ``grad_norm`` get a third panel (their norms, log scale); older results plot as before."""
     import matplotlib.pyplot as plt

@@ -11,21 +11,27 @@ from scripts.compare.run import run_config
 
 
 def loss_curve(args) -> Path:
+    """Each finished run is written at once (the file rewritten with every run so far, ``planned`` naming them
+    all), so a call cut short by a device's time limit keeps the runs it finished; the plot and the parity lines
+    come with the last one."""
     from scripts.report.training import plot_loss_curve, refresh  # (here: the report imports this package)
 
     doc = _header("loss_curve")
-    doc.update(tag=args.tag, steps=args.steps, attention=args.attention, sets=args.set, runs=[])
+    doc.update(tag=args.tag, steps=args.steps, attention=args.attention, sets=args.set, runs=[],
+               planned=[str(c) for c in args.configs])
+    path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
     for cfg in args.configs:
         r = run_config(Path(cfg), steps=args.steps, workdir=Path(args.workdir), attention=args.attention,
                        sets=args.set, timeout=args.timeout)
         rows = r.pop("rows")  # (each step's loss, and its gradient norm before clipping: where runs part)
         r["loss"], r["grad_norm"] = [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
         doc["runs"].append(r)
-    doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
-    refresh(doc)  # parity of each candidate against the first run
-    path = _out_path(Path(args.out), "loss_curve", doc["device"], doc["date"], extra=f"{args.tag}_" if args.tag else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+        doc["precision"] = "+".join(sorted({r["precision"] for r in doc["runs"]}))
+        refresh(doc)  # parity of each candidate against the first run
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        if len(doc["runs"]) < len(args.configs):
+            _say(f"wrote {path} ({len(doc['runs'])} of {len(args.configs)} runs)")
     plot_loss_curve(doc, path.with_suffix(".png"))
     for p in doc["parity"]:
         _say(f"{p['candidate']} vs {p['baseline']}: max relative loss deviation after step {p['after_step']}: "

@@ -77,6 +77,15 @@ got = {
     "range_hi_lo": list(ref.exp_range(vocab)),
     "ln_v": math.log(vocab),
 }
+# the dW operands: rnd(s H) one bf16 step from s H (the interpreter truncates), the correction k H - rnd(e_t) rnd(s H)
+# of that very rounding within 2 fp32 units of its terms
+sh, fix = ce_exp.wgrad_operands(h, s, k, et)
+shf = h.float() * s[:, None]
+got["sh_err_over_step"] = float(((sh.float() - shf).abs() / (2.0**-7 * shf.abs() + 1e-30)).max())
+fix64 = h.double() * k.double()[:, None] - et.double()[:, None] * sh.double()
+got["fix_err_over_bound"] = float(((fix.double() - fix64).abs() / (2 * U * ((h.double() * k.double()[:, None]).abs()
+                                   + (et.double()[:, None] * sh.double()).abs()) + 1e-30)).max())
+got["sh_dtype"], got["fix_dtype"] = str(sh.dtype), str(fix.dtype)
 got["refusals"] = {"strided_e": refuses(ce_exp.exp_program, e.t(), el_parts, lse_parts, tl_, targets, r, c, h, w,
                                         ref.IGNORE_INDEX, d, loss_rows, says="unit column stride")}
 print(json.dumps(got))

@@ -266,7 +266,8 @@ def test_ce_exp_row_kernels_give_the_gemms_the_softmax_gradient_in_the_interpret
     r (softmax - onehot) of fp64 within E's one bf16 step (the interpreter truncates) plus what the logits' fp32
     error and exp's units move p, and at the target within 8 fp32 units of r (the target's term exact, not E's
     rounded e_t); k is that exact term; corr = -(r^2 / d) zdz within zdz's bound; the loss terms within the
-    logits' error. Two rows get offsets out of range (E would overflow in one, underflow in the other): exactly
+    logits' error; the dW operands (``wgrad_operands``): rnd(s H) within one bf16 step of s H, and the target
+    rows' correction k H - rnd(e_t) rnd(s H) of that rounding within 2 fp32 units. Two rows get offsets out of range (E would overflow in one, underflow in the other): exactly
     those are listed, their offsets become their lse, the repair kernel rewrites their E (finite, at most 1)
     and their sums; an ignored row gets 0 everywhere; E with a column stride is refused."""
     g = run_interpreter_check("ce_exp_interpreter_check.py")
@@ -274,6 +275,8 @@ def test_ce_exp_row_kernels_give_the_gemms_the_softmax_gradient_in_the_interpret
     assert g["repaired_rows_finite"] and g["repaired_rows_max"] <= 1.0, g
     assert g["da_err_over_bound"] <= 1.0 and g["corr_err_over_bound"] <= 1.0 and g["k_is_exact_target_term"] <= 1.0, g
     assert g["loss_err"] <= g["loss_bound"] and g["ignored_zero"] and g["et_is_stored"], g
+    assert g["sh_err_over_step"] <= 1.0 and g["fix_err_over_bound"] <= 1.0, g
+    assert g["sh_dtype"] == "torch.bfloat16" and g["fix_dtype"] == "torch.float32", g
     assert g["sq_norms_err"] <= 1.0 and g["range_hi_lo"] == [70.0 + g["ln_v"], g["ln_v"] - 87.0], g
     assert all(g["refusals"].values()), g["refusals"]
 

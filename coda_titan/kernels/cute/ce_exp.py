@@ -138,6 +138,33 @@ def _exp_coefs_kernel(el_ptr, tlogit_ptr, target_ptr, r_ptr, c_ptr, lse_ptr, e_p
     tl.store(corr_ptr + row, tl.where(valid, -((r * r) * inv_d) * zdz, 0.0))
 
 
+@triton.jit
+def _wgrad_operands_kernel(h_ptr, s_ptr, k_ptr, et_ptr, sh_ptr, fix_ptr, D, stride_h, BD: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.load(s_ptr + row)
+    k = tl.load(k_ptr + row)
+    et = tl.load(et_ptr + row)
+    for start in range(0, D, BD):
+        cols = start + tl.arange(0, BD)
+        inside = cols < D
+        hf = tl.load(h_ptr + row.to(tl.int64) * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
+        sh = (hf * s).to(sh_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(sh_ptr + row.to(tl.int64) * D + cols, sh, mask=inside)
+        tl.store(fix_ptr + row.to(tl.int64) * D + cols, hf * k - et * sh.to(tl.float32), mask=inside)
+
+
+def wgrad_operands(h: torch.Tensor, s: torch.Tensor, k: torch.Tensor, et: torch.Tensor):
+    """(rnd(s H) in H's dtype, the target rows' correction k H - rnd(e_t) rnd(s H) in fp32), (rows, d) each, in
+    one pass over H (the aten ops of the same arithmetic were about eight a chunk)."""
+    if h.dim() != 2 or h.stride(1) != 1:
+        raise ValueError(f"wgrad_operands takes H with unit column stride, got {tuple(h.shape)} {h.stride()}")
+    rows, d = h.shape
+    sh = torch.empty((rows, d), device=h.device, dtype=h.dtype)
+    fix = torch.empty((rows, d), device=h.device, dtype=torch.float32)
+    _wgrad_operands_kernel[(rows,)](h, s, k, et, sh, fix, d, h.stride(0), BD=1024, num_warps=4)
+    return sh, fix
+
+
 def exp_program(e, el_parts, lse_parts, tgt_logit, targets, rstd, offsets, h, weight, ignore_index: int, dim: int,
                 loss_rows):
     """The per-row work between F4 and the backward GEMMs, on one chunk: ``e`` (rows, V) bf16, F4's stored E

@@ -161,9 +161,7 @@ def _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows):
             out = gemm(exp_norm_bwd_last_epi, e, weight, weight.index_select(0, st), {"D": dx[start:stop]},
                        y=x[start:stop], w=gamma32, corr=corr, s=s, kt=kt)
         dgamma += out["dw"]
-        hf = hc.float()
-        sh = (hf * s[:, None]).to(h.dtype)
-        fix = hf * k[:, None] - et[:, None] * sh.float()  # (the target's exact term minus what the GEMM adds)
+        sh, fix = ce_exp.wgrad_operands(hc, s, k, et)  # (fix: the target's exact term minus what the GEMM adds)
         if i > 0 or one:
             dw.index_put_((st,), fix, accumulate=True)
         if stop == m:

@@ -110,6 +110,7 @@
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
 #     ceexp        CODA compiled with F4 without its gradient pass (CODA_TITAN_CE_PASS=exp) against the configured F4 and
 #                  its pass (PREC, default bf16; ARMS=3 repeats the configured run)
+#     ceexpprofile one profiled step of CODA compiled with and without F4's gradient pass (PREC), under $out/ceexp/
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
@@ -492,6 +493,14 @@ for phase in "$@"; do
       cx ce_pass
       CODA_TITAN_CE_PASS=exp cx ce_exp
       [ "${ARMS:-2}" = 3 ] && cx ce_pass2
+      ;;
+    ceexpprofile)
+      # one profiled step of CODA compiled (PREC, default bf16) with F4's gradient pass and without it
+      # (CODA_TITAN_CE_PASS=exp), each under $out/ceexp/{pass,exp}/ (the same file name: the results page's
+      # newest-profile tables never see them; archive them there)
+      c=configs/llama3_1b_${PREC:-bf16}_coda_compile.toml
+      $cmp --profile "$c" --steps 15 --out "$out/ceexp/pass"
+      CODA_TITAN_CE_PASS=exp $cmp --profile "$c" --steps 15 --out "$out/ceexp/exp"
       ;;
     b1probe)
       probe b1probe b1_pass '"variant"'

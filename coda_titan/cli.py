@@ -299,7 +299,7 @@ def train(config_path: str, overrides: list[str]) -> None:
     from torchtitan.train import Trainer
 
     from .titan import fp8_state, input_stream
-    from .titan.run_summary import StepLog, newest_checkpoint, summary
+    from .titan.run_summary import StepLog, lm_head_repairs, newest_checkpoint, summary
 
     init_logger()
     logger.info(f"coda-titan: training {config.model.name}/{config.model.flavor} from {config_path}")
@@ -330,7 +330,7 @@ def train(config_path: str, overrides: list[str]) -> None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    _say(f"done: {summary(steps.rows)}")
+    _say(f"done: {summary(steps.rows)}{lm_head_repairs()}")
     if clamped:
         _say(clamped)
     ckpt = newest_checkpoint(config)

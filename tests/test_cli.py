@@ -243,3 +243,24 @@ def test_fp8_on_the_torch_backend_says_it_is_the_emulation(capsys, tmp_path, cac
                                                                       "--job.dump_folder", str(tmp_path / "o")])
     cli.validate(config)
     assert "exact fp8 emulation" in capsys.readouterr().out
+
+
+def test_the_run_summary_reports_the_lm_head_rows_repaired_only_when_the_exp_head_ran(monkeypatch):
+    """``CODA_TITAN_CE_PASS=exp``: the end-of-run line says how many LM-head rows the repair kernel rewrote (read
+    and reset through the program's ``take_repaired``); without the cute head loaded, or with no counter made
+    (the exp head never ran), it adds nothing."""
+    import sys
+    import types
+
+    from coda_titan.titan.run_summary import lm_head_repairs
+
+    monkeypatch.delitem(sys.modules, "coda_titan.kernels.cute.lm_head_ce", raising=False)
+    assert lm_head_repairs() == ""
+    taken = []
+    mod = types.ModuleType("coda_titan.kernels.cute.lm_head_ce")
+    mod._REPAIRED = {}
+    mod.take_repaired = lambda: taken.append(1) or 1234
+    monkeypatch.setitem(sys.modules, "coda_titan.kernels.cute.lm_head_ce", mod)
+    assert lm_head_repairs() == "" and not taken
+    mod._REPAIRED = {"cuda:0": object()}
+    assert lm_head_repairs() == ", 1,234 LM-head rows repaired (CODA_TITAN_CE_PASS=exp)" and taken == [1]

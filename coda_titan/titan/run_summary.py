@@ -35,6 +35,18 @@ def summary(rows, warmup: int = 1) -> str:
             f"tokens/s, peak memory {max(r[2] for r in rows):.2f} GiB")
 
 
+def lm_head_repairs() -> str:
+    """", N LM-head rows repaired" when F4 without its gradient pass ran (``CODA_TITAN_CE_PASS=exp``: rows whose
+    largest logit fell out of its offset's range, rewritten by its repair kernel; a host sync, at the run's end),
+    else "". Many of them mean the offsets' bound is loose for this model: each repaired row costs a GEMV."""
+    import sys
+
+    mod = sys.modules.get("coda_titan.kernels.cute.lm_head_ce")
+    if mod is None or not getattr(mod, "_REPAIRED", None):
+        return ""
+    return f", {mod.take_repaired():,} LM-head rows repaired (CODA_TITAN_CE_PASS=exp)"
+
+
 def newest_checkpoint(config) -> str | None:
     """The newest complete checkpoint step folder of the run, or None."""
     if not config.checkpoint.enable:

@@ -307,7 +307,9 @@ for phase in "$@"; do
       # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host;
       # PARITY_AMP=1: every run with fp32 master weights, training.dtype = float32, TorchTitan's AMP)
       # (PARITY_ARMS named: the file's tag names them, so that two calls of a day keep both files)
-      cfgs=(); arms=${PARITY_ARMS:+_${PARITY_ARMS// /_}}
+      # (CODA_TITAN_CE_PASS=exp in the call's environment: CODA's runs with F4 without its gradient pass, the tag
+      # naming it; the stock runs do not read it)
+      cfgs=(); arms=${PARITY_ARMS:+_${PARITY_ARMS// /_}}${CODA_TITAN_CE_PASS:+_ce_$CODA_TITAN_CE_PASS}
       amp=(); [ "${PARITY_AMP:-0}" = 1 ] && amp=(--set training.dtype=float32 --tag "bf16_amp$arms")
       [ "${PARITY_AMP:-0}" = 1 ] || [ -z "$arms" ] || amp=(--tag "bf16$arms")
       # (PARITY_SEED=N: every run from the init weights of seed N, --set debug.seed=N, the tag naming it: another

@@ -215,6 +215,22 @@ def test_a_seed_set_on_the_command_line_is_a_cohort_of_its_own(tmp_path):
     assert cohorts[0] == cohorts[1] != cohorts[2] == cohorts[3]
 
 
+def test_a_run_under_a_coda_titan_switch_is_another_arm_than_its_config(tmp_path):
+    """A loss-curve run records the coda_titan switches of its environment (``CODA_TITAN_CE_PASS=exp``: F4
+    without its gradient pass, an arm its config does not name; not the compile cache's folder): the results
+    page names such a run apart from its config's runs, so it is neither their repeat nor pooled with them; runs
+    without the field (older files) keep their config's name."""
+    from scripts.compare import run as run_mod
+
+    runs = [_curve_run("c", [5.0] * 30, coda=True), dict(_curve_run("c", [5.0] * 30, coda=True), switches={}),
+            dict(_curve_run("c", [5.0] * 30, coda=True), switches={"CODA_TITAN_CE_PASS": "exp"})]
+    path = tmp_path / "loss_curve_0.json"
+    path.write_text(json.dumps({"device": "d", "runs": runs}))
+    assert [r["config"] for r in compare.loss_runs([path])] == ["c", "c", "c [ce_pass=exp]"]
+    env = {"PATH": "/bin", "CODA_TITAN_CACHE": "/tmp/c", "CODA_TITAN_CE_PASS": "exp", "CODA_TITAN_B1_PASS": "inductor"}
+    assert run_mod.switches(env) == {"CODA_TITAN_B1_PASS": "inductor", "CODA_TITAN_CE_PASS": "exp"}
+
+
 def test_a_candidate_is_judged_against_the_baselines_own_repeats(tmp_path):
     """The fp8 issue's parity criterion: a candidate's max and mean abs. deviation no larger than the
     baseline's largest repeat pair's (same cohort), no NaN, and the last-50 mean within 1%; the

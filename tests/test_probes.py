@@ -292,13 +292,15 @@ def test_ce_rounding_probe_finds_the_unrounded_lse_worse_only_on_confident_rows(
 
 
 def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
-    """``coda_eager_lse_unrounded`` is the cute F4's arm (an environment variable its kernel reads): on the torch
-    backend it would be ``coda_eager`` under another name, so the probe refuses it before it runs anything."""
+    """``coda_eager_lse_unrounded`` and the ``ce_exp`` arms are the cute F4's (an environment variable its kernels
+    read): on the torch backend each would be a CODA model under another name, so the probe refuses it before it
+    runs anything."""
     from scripts.probes.bf16_step_accuracy import UNROUNDED, Setup, measure
 
     s = Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
-    with pytest.raises(ValueError, match="cute backend"):
-        measure(s, models=("stock_eager", UNROUNDED))
+    for arm in (UNROUNDED, "coda_eager_ce_exp", "coda_ce_exp_compiled"):
+        with pytest.raises(ValueError, match="cute backend"):
+            measure(s, models=("stock_eager", arm))
 
 
 def test_ce_offset_slack_measures_the_cauchy_schwarz_bound_over_each_rows_largest_logit():

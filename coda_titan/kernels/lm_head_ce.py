@@ -39,6 +39,9 @@ IGNORE_INDEX = -100
 # "unrounded": the CUDA program's F4 epilogue takes its log-sum-exp and target logit of the unrounded logits, as
 # before c6d0abd (the probes' other arm: bf16_step_accuracy's coda_eager_lse_unrounded, the epilogue's GPU test)
 F4_LSE_ENV = "CODA_TITAN_F4_LSE"
+# "exp": the CUDA program's F4 without its gradient pass (``cute/ce_exp.py``; the math of ``lm_head_ce_exp``);
+# "inductor": its previous gradient pass; unset: the Triton gradient pass
+CE_PASS_ENV = "CODA_TITAN_CE_PASS"
 
 
 def lm_head_ce(

@@ -99,7 +99,9 @@ def loss_runs(paths: list[Path] | None = None) -> list[dict]:
         for r in doc["runs"]:
             out.append({
                 "file": _label(p),
-                "config": Path(r["config"]).stem,
+                # (a run under a coda_titan switch, CODA_TITAN_CE_PASS=exp say, is another arm than its config's)
+                "config": Path(r["config"]).stem + "".join(f" [{k.removeprefix('CODA_TITAN_').lower()}={v}]"
+                                                           for k, v in (r.get("switches") or {}).items()),
                 "stock": _stock(r),
                 "precision": _precision(r),
                 "cohort": _cohort(doc, r),

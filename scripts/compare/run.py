@@ -115,6 +115,12 @@ def _phase_entry(phase_log: Path, env_extra: dict | None) -> tuple[tuple[str, ..
     return ("-m", "scripts.probes.step_phases", "child"), {**(env_extra or {}), step_phases.ENV_LOG: str(phase_log)}
 
 
+def switches(env) -> dict[str, str]:
+    """The coda_titan switches a run's kernels read from its environment (``CODA_TITAN_CE_PASS=exp`` say: an A/B's
+    arm its config does not name); the compile cache's folder is not one."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith("CODA_TITAN_") and k != "CODA_TITAN_CACHE"}
+
+
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
                nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False,
                phases: bool = False, log_freq: int = 1) -> dict:
@@ -179,6 +185,7 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
         "wall_s": round(time.time() - t0, 1),
         "rows": rows,
         "tokens_per_step": tokens_per_step,
+        "switches": switches(env),
     }
     if clocks:
         result.update(clock_samples=sampler.samples, step_times=step_times)

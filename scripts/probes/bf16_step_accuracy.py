@@ -23,7 +23,9 @@ config and the batch its step N + 1 reads) in each of
   isolates that difference;
 * on request, ``coda_eager_lse_unrounded``: ``coda_eager`` with F4's epilogue as before c6d0abd (its log-sum-exp
   and target logit of the unrounded logits, ``CODA_TITAN_F4_LSE=unrounded``; the cute backend only), so that the
-  fix is measured against its predecessor on one trained state in one call.
+  fix is measured against its predecessor on one trained state in one call;
+* on request, ``coda_eager_ce_exp`` and ``coda_ce_exp_compiled``: CODA with F4 without its gradient pass
+  (``CODA_TITAN_CE_PASS=exp``: the probabilities rounded, not the logits; the cute backend only).
 
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
@@ -46,11 +48,15 @@ import unittest.mock
 import torch
 from torchtitan.tools.utils import set_default_dtype
 
-from coda_titan.kernels.lm_head_ce import F4_LSE_ENV
+from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
 AMP_MODELS = ("stock_amp", "coda_amp", "stock_amp_bf16_stream")
 UNROUNDED = "coda_eager_lse_unrounded"  # (the cute F4 before c6d0abd: CODA_TITAN_F4_LSE=unrounded)
+# the cute backend's arms, each an environment variable its kernels read: F4 before c6d0abd, and F4 without its
+# gradient pass (CODA_TITAN_CE_PASS=exp), eager and compiled
+ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_ENV: "exp"},
+            "coda_ce_exp_compiled": {CE_PASS_ENV: "exp"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +219,9 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
     ``done(doc)`` is called after each model (the GPU run writes what it has, in case its call times out)."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    if UNROUNDED in models and s.backend != "cute":
-        raise ValueError(f"{UNROUNDED} is an arm of the cute backend's F4 (the GPU); the backend here is {s.backend}")
+    for arm in set(models) & set(ENV_ARMS):
+        if s.backend != "cute":
+            raise ValueError(f"{arm} is an arm of the cute backend's F4 (the GPU); the backend here is {s.backend}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -248,8 +255,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
         if name == "stock_amp_bf16_stream":
             model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
-        arm = {F4_LSE_ENV: "unrounded"} if name == UNROUNDED else {}
-        with unittest.mock.patch.dict(os.environ, arm):
+        with unittest.mock.patch.dict(os.environ, ENV_ARMS.get(name, {})):
             loss, grads = _step(model, weights, tokens, labels, stock,
                                 loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
         doc["loss"][name] = loss
@@ -297,7 +303,7 @@ def main(argv=None) -> None:
                          "(0: the init weights and random tokens)")
     ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
     ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, UNROUNDED])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, *ENV_ARMS])
     ap.add_argument("--cpu", action="store_true", help="the debug model (debugmodel_gqa, seq 256 x batch 4) on the "
                     "CPU, CODA on its torch backend, SDPA; the file goes to $OUT or benchmarks/results as _cpu.json")
     args = ap.parse_args(argv)

@@ -38,7 +38,7 @@ from .epilogues import (exp_norm_bwd_last_epi, rstd_exp_lse_target_epi, rstd_lse
                         rstd_lse_target_unrounded_epi)
 from .norm_residual_bwd import epilogue as b2_epilogue
 
-CE_PASS_ENV = "CODA_TITAN_CE_PASS"  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass
+CE_PASS_ENV = ref.CE_PASS_ENV  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass
 # rows F4 without its pass repaired (their largest logit outside the offset's range), counted on the device (one
 # counter a device) over every call since the last ``take_repaired()``
 _REPAIRED: dict[torch.device, torch.Tensor] = {}

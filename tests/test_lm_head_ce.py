@@ -261,15 +261,16 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
 
 def test_ce_exp_row_kernels_give_the_gemms_the_softmax_gradient_in_the_interpreter():
     """F4 without its gradient pass (``kernels/cute/ce_exp.py``, ``CODA_TITAN_CE_PASS=exp``): its per-row kernels
-    through Triton's CPU interpreter (``tests/ce_exp_interpreter_check.py``), F4's epilogue stood in for by torch
-    (E = exp(l - c) in bf16, the partials in fp32). What the backward GEMMs are handed, s E + kt onehot_t, is
-    r (softmax - onehot) of fp64 within E's one bf16 step (the interpreter truncates) plus what the logits' fp32
-    error and exp's units move p, and at the target within 8 fp32 units of r (the target's term exact, not E's
-    rounded e_t); k is that exact term; corr = -(r^2 / d) zdz within zdz's bound; the loss terms within the
-    logits' error; the dW operands (``wgrad_operands``): rnd(s H) within one bf16 step of s H, and the target
-    rows' correction k H - rnd(e_t) rnd(s H) of that rounding within 2 fp32 units. Two rows get offsets out of range (E would overflow in one, underflow in the other): exactly
-    those are listed, their offsets become their lse, the repair kernel rewrites their E (finite, at most 1)
-    and their sums; an ignored row gets 0 everywhere; E with a column stride is refused."""
+    through Triton's CPU interpreter (``tests/ce_exp_interpreter_check.py``), F4's epilogue stood in for by torch (E
+    = exp(l - c) in bf16, the partials in fp32). What the backward GEMMs are handed, s E + kt onehot_t, is r
+    (softmax - onehot) of fp64 within E's one bf16 step (the interpreter truncates) plus what the logits' fp32 error
+    and exp's units move p, and at the target within 8 fp32 units of r (the target's term exact, not E's rounded
+    e_t); k is that exact term; corr = -(r^2 / d) zdz within zdz's bound; the loss terms within the logits' error;
+    the dW operands (``wgrad_operands``): rnd(s H) within one bf16 step of s H, and the target rows' correction k H
+    - rnd(e_t) rnd(s H) of that rounding within 2 fp32 units. Two rows get offsets out of range (E would overflow in
+    one, underflow in the other): exactly those are listed, their offsets become their lse, the repair kernel
+    rewrites their E (finite, at most 1) and their sums; an ignored row gets 0 everywhere; E with a column stride is
+    refused."""
     g = run_interpreter_check("ce_exp_interpreter_check.py")
     assert g["count"] == 2 and g["offsets_moved"] == [3, 5] and g["listed_offsets_are_lse"], g
     assert g["repaired_rows_finite"] and g["repaired_rows_max"] <= 1.0, g

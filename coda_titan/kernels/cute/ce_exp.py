@@ -8,18 +8,20 @@ target. Between that GEMM and the two backward GEMMs, which take E as it is, the
 - ``sq_norms``: the squared row norms in fp32 (H's rows and W's rows: the offsets c = r ||H_row|| max ||W_n||
   - EXP_MARGIN, ``kernels.lm_head_ce.exp_offsets``, known before the GEMM).
 - ``_exp_rows_kernel``: per row the log-sum-exp (the partials' fold), the loss term, and the range check
-  (``lm_head_ce.exp_range``, judged from the lse: l_max <= lse <= l_max + ln V): a row whose largest e may underflow (its
-  largest l below c - EXP_FLOOR) or may exceed e^EXP_MARGIN is listed, with c = its lse for the repair.
+  (``lm_head_ce.exp_range``, judged from the lse: l_max <= lse <= l_max + ln V): a row whose largest e may
+  underflow (its largest l below c - EXP_FLOOR) or may exceed e^EXP_MARGIN is listed, with c = its lse for the
+  repair.
 - ``_exp_repair_kernel``: for each listed row (none at the 1B's measured slack: the launch reads a zero count and
   exits), its logits again (a GEMV of its H row against W, fp32), E rewritten at the new c, and the row's sum E l,
   sum E and target logit from those logits: its gradient takes p = E / sum E (the epilogue's lse and these logits
   differ in fp32's last places, which softmax amplifies at large |l|). Its loss term stays the epilogue's.
-- ``_exp_coefs_kernel``: per row q = exp(c - lse) (a listed row: 1 / sum E), s = r q, k = r (p_t - 1) with
-  p_t = q exp(l_t - c), zdz = q sum E l - l_t (E's target term included: q E_t l_t = p_t l_t), B2's corr = -(r^2 / d) zdz, and the target's correction. E's target
-  element is the bf16 rounding of e_t: the GEMMs take s E, whose target term s rnd(e_t) is replaced by the
-  exact k: B2 adds kt W[t] with kt = k - s rnd(e_t) (``epilogues.exp_norm_bwd_last_epi``, W's target rows as
-  its C), and dW adds k H_row - rnd(e_t) rnd(s H_row) at the target's row (the same bf16 values its GEMM
-  took), so the target's term is exact up to fp32, as in the reference (which stores 0 there).
+- ``_exp_coefs_kernel``: per row q = exp(c - lse) (a listed row: 1 / sum E), s = r q, k = r (p_t - 1) with p_t = q
+  exp(l_t - c), zdz = q sum E l - l_t (E's target term included: q E_t l_t = p_t l_t), B2's corr = -(r^2 / d) zdz,
+  and the target's correction. E's target element is the bf16 rounding of e_t: the GEMMs take s E, whose target term
+  s rnd(e_t) is replaced by the exact k: B2 adds kt W[t] with kt = k - s rnd(e_t)
+  (``epilogues.exp_norm_bwd_last_epi``, W's target rows as its C), and dW adds k H_row - rnd(e_t) rnd(s H_row) at
+  the target's row (the same bf16 values its GEMM took), so the target's term is exact up to fp32, as in the
+  reference (which stores 0 there).
 
 Ignored rows (target -100): loss, s, k, kt, corr and the correction 0; they are never listed.
 """

@@ -167,7 +167,7 @@ def _f4_exp(m=512, k=256, v=1024):
     """F4 without its gradient pass (``CODA_TITAN_CE_PASS=exp``): E = exp(l - c) stored, its partials."""
     import torch
 
-    from coda_titan.kernels.cute.epilogues import rstd_exp_lse_target_epi
+    from coda_titan.kernels.cute.exp_epilogues import rstd_exp_lse_target_epi
 
     h, w = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(v, k, dtype=torch.bfloat16)
     rstd_exp_lse_target_epi(h, w.t(), None, out={"D": torch.empty(m, v, dtype=torch.bfloat16)}, tuned=False,
@@ -178,7 +178,7 @@ def _b2_exp(m=512, v=1024, d=256):
     """The LM head's B2 on E (``CODA_TITAN_CE_PASS=exp``): s (E @ W) + kt W[t] (C), then the norm's backward."""
     import torch
 
-    from coda_titan.kernels.cute.epilogues import exp_norm_bwd_last_epi
+    from coda_titan.kernels.cute.exp_epilogues import exp_norm_bwd_last_epi
 
     e, w, x = (torch.zeros(m, v, dtype=torch.bfloat16), torch.zeros(v, d, dtype=torch.bfloat16),
                torch.zeros(m, d, dtype=torch.bfloat16))

@@ -1,7 +1,7 @@
 """The per-row kernels of F4 without its gradient pass (``CODA_TITAN_CE_PASS=exp``; docs/cute_backend.md,
 "F4 without its gradient pass"; the reference is ``kernels.lm_head_ce.lm_head_ce_exp``).
 
-F4's epilogue (``epilogues.rstd_exp_lse_target_epi``) stores E = exp(l - c) in bf16 over all V columns (the
+F4's epilogue (``exp_epilogues.rstd_exp_lse_target_epi``) stores E = exp(l - c) in bf16 over all V columns (the
 target's column too), with the per-N-tile partials of the log-sum-exp of l and of sum E l, and l at the
 target. Between that GEMM and the two backward GEMMs, which take E as it is, these run on M values only:
 
@@ -19,7 +19,7 @@ target. Between that GEMM and the two backward GEMMs, which take E as it is, the
   exp(l_t - c), zdz = q sum E l - l_t (E's target term included: q E_t l_t = p_t l_t), B2's corr = -(r^2 / d) zdz,
   and the target's correction. E's target element is the bf16 rounding of e_t: the GEMMs take s E, whose target term
   s rnd(e_t) is replaced by the exact k: B2 adds kt W[t] with kt = k - s rnd(e_t)
-  (``epilogues.exp_norm_bwd_last_epi``, W's target rows as its C), and dW adds k H_row - rnd(e_t) rnd(s H_row) at
+  (``exp_epilogues.exp_norm_bwd_last_epi``, W's target rows as its C), and dW adds k H_row - rnd(e_t) rnd(s H_row) at
   the target's row (the same bf16 values its GEMM took), so the target's term is exact up to fp32, as in the
   reference (which stores 0 there).
 

@@ -34,8 +34,8 @@ from ..scaling import E5M2
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
-from .epilogues import (exp_norm_bwd_last_epi, rstd_exp_lse_target_epi, rstd_lse_target_epi, rstd_lse_target_f16_epi,
-                        rstd_lse_target_unrounded_epi)
+from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi, rstd_lse_target_unrounded_epi
+from .exp_epilogues import exp_norm_bwd_last_epi, rstd_exp_lse_target_epi
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = ref.CE_PASS_ENV  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass

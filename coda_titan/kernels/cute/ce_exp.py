@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..lm_head_ce import exp_range
+from .ce_grad_pass import fold_lse
 from .row_vectors import fp32_reciprocal
 
 
@@ -59,19 +60,10 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _fold_lse(parts_ptr, row, NT, PBLOCK: tl.constexpr):
-    pcols = tl.arange(0, PBLOCK)
-    parts = tl.load(parts_ptr + row.to(tl.int64) * NT + pcols, mask=pcols < NT, other=-float("inf"))
-    pmax = tl.max(parts, axis=0)
-    pmax = tl.where(tl.abs(pmax) == float("inf"), 0.0, pmax)
-    return tl.log(tl.sum(tl.exp(parts - pmax), axis=0)) + pmax
-
-
-@triton.jit
 def _exp_rows_kernel(parts_ptr, tlogit_ptr, target_ptr, c_ptr, lse_ptr, loss_ptr, list_ptr, count_ptr, flag_ptr, NT,
                      HI, LO, IGNORE: tl.constexpr, PBLOCK: tl.constexpr):
     row = tl.program_id(0)
-    lse = _fold_lse(parts_ptr, row, NT, PBLOCK)
+    lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     valid = tl.load(target_ptr + row) != IGNORE
     tl.store(loss_ptr + row, tl.where(valid, lse - tl.load(tlogit_ptr + row), 0.0))
     tl.store(lse_ptr + row, lse)

@@ -31,15 +31,22 @@ from .row_vectors import fp32_reciprocal
 
 
 @triton.jit
-def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
-                        daq_ptr, inv_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
-                        FP8: tl.constexpr, FMAX: tl.constexpr):
-    row = tl.program_id(0)
+def fold_lse(parts_ptr, row, NT, PBLOCK: tl.constexpr):
+    """A row's log-sum-exp from its NT per-tile partials (``torch.logsumexp``'s fold: the max, zero where
+    infinite, the sum of exp(x - max), its log plus the max)."""
     pcols = tl.arange(0, PBLOCK)
     parts = tl.load(parts_ptr + row.to(tl.int64) * NT + pcols, mask=pcols < NT, other=-float("inf"))
     pmax = tl.max(parts, axis=0)
     pmax = tl.where(tl.abs(pmax) == float("inf"), 0.0, pmax)
-    lse = tl.log(tl.sum(tl.exp(parts - pmax), axis=0)) + pmax
+    return tl.log(tl.sum(tl.exp(parts - pmax), axis=0)) + pmax
+
+
+@triton.jit
+def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
+                        daq_ptr, inv_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+                        FP8: tl.constexpr, FMAX: tl.constexpr):
+    row = tl.program_id(0)
+    lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
     target = tl.load(target_ptr + row)
     valid = target != IGNORE

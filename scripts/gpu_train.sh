@@ -125,6 +125,8 @@
 #                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
 #                  MODELS="stock_eager coda_eager": those models only (also torch_eager, and the AMP models
 #                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp)
+#     weightdrift  scripts/probes/weight_drift.py: bf16 runs' weights after 20 and 40 steps (before the first loss
+#                  spike), per parameter kind, against stock eager's and stock AMP's (WD_ARMS, WD_STEPS)
 #     ceslack      scripts/probes/ce_offset_slack.py: the Cauchy-Schwarz bound's slack over each LM-head row's largest
 #                  logit (an F4 without its gradient pass needs it under 157) at the init weights and after
 #                  SLACK_STEPS (default "0 46 300") steps of stock eager (each trained first, about 3 min for 300)
@@ -558,6 +560,13 @@ for phase in "$@"; do
       python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} ${MODELS:+--models $MODELS} \
         > "$logs/bf16_step_accuracy.log" 2>&1
       echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error" "$logs/bf16_step_accuracy.log" | cut -c1-600
+      ;;
+    weightdrift)
+      # (WD_ARMS: the arms in order, default stock_eager stock_compiled coda_compiled stock_amp stock_eager
+      # coda_compiled_ce_exp; WD_STEPS: the checkpoints, default "20 40"; six 40-step runs take about 8 minutes)
+      python3 -m scripts.probes.weight_drift ${WD_ARMS:+--arms $WD_ARMS} --steps ${WD_STEPS:-20 40} \
+        > "$logs/weight_drift.log" 2>&1
+      echo "weightdrift rc=$?"; grep -E "^[a-z_0-9]+: |wrote|Error|error" "$logs/weight_drift.log" | cut -c1-400
       ;;
     ceslack)
       python3 -m scripts.probes.ce_offset_slack --state-steps ${SLACK_STEPS:-0 46 300} > "$logs/ce_offset_slack.log" 2>&1

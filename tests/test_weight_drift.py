@@ -50,3 +50,20 @@ def test_the_probe_on_the_debug_pair(tmp_path, cache_dir, monkeypatch):
              "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm", "norm", "output", "all"}
     assert set(coda["2"]) == kinds
     assert doc["arms"]["coda"]["losses"].keys() == {"1", "2"} and doc["arms"]["coda"]["parts_from"] == {"stock": None}
+    from scripts.report.bf16_parity import weight_drift_table
+
+    table = weight_drift_table(doc, "probe_weight_drift_cpu.json")
+    assert "| coda | stock | " in table and "| stock_2 | stock | " in table and "ended before" not in table
+    doc["planned"] = doc["planned"] + ["coda"]  # (a call cut before its last run: the table says which)
+    assert "(the call ended before coda)" in weight_drift_table(doc, "x.json")
+    del doc["planned"]  # (a file from before the probe kept its plan: the command's --arms, else the default)
+    assert "(the call ended before" not in weight_drift_table(doc, "x.json")
+
+
+def test_the_report_reads_a_cut_calls_plan_off_its_command():
+    from scripts.probes.weight_drift import DEFAULT
+    from scripts.report.bf16_parity import _planned_arms
+
+    assert _planned_arms({"command": "python -m scripts.probes.weight_drift --arms a b --steps 20 40"}) == ["a", "b"]
+    assert _planned_arms({"command": "python -m scripts.probes.weight_drift --steps 20 40 --arms a b"}) == ["a", "b"]
+    assert _planned_arms({"command": "python -m scripts.probes.weight_drift --steps 20 40"}) == list(DEFAULT)

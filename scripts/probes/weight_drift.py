@@ -19,7 +19,8 @@ kind (``attention.wq``, ``feed_forward.w2``, ``ffn_norm``, ``output``, ...; laye
 A second run of one config (the arms' list may name one twice) gives the run-to-run floor of that config (FA4's
 backward accumulates in a nondeterministic order). Each arm's per-step losses are kept, with the first step at
 which they differ from each reference's by more than 1e-3 relative. Writes ``$OUT/probe_weight_drift_<gpu>.json``
-after every arm, so a call cut by its time limit keeps what it measured.
+after every arm (``--tag T``: ``probe_weight_drift_T_<gpu>.json``), so a call cut by its time limit keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CPU_ARMS = {
     "coda": ("configs/debug_cpu_coda.toml", [], {}),
 }
 DEFAULT = ("stock_eager", "stock_compiled", "coda_compiled", "stock_amp", "stock_eager", "coda_compiled_ce_exp")
+CPU_DEFAULT = ("stock", "coda", "stock")
 PART = 1e-3  # (a loss "parts" from a reference's at this relative difference, as docs/cute_backend.md counts it)
 _MODEL_ROOTS = ("tok_embeddings", "layers", "norm", "output")
 
@@ -138,12 +140,13 @@ def main(argv=None) -> None:
     ap.add_argument("--workdir", default="/tmp/weight_drift")
     ap.add_argument("--timeout", type=int, default=900, help="seconds a run may take")
     ap.add_argument("--cpu", action="store_true", help="the debug pair on the CPU (arms stock, coda, stock)")
+    ap.add_argument("--tag", default="", help="the file's name: probe_weight_drift_<tag>_<gpu>.json")
     args = ap.parse_args(argv)
     steps = sorted(args.steps)
     if any(s % steps[0] for s in steps):
         ap.error("--steps must be multiples of the first (one checkpoint interval)")
     table = CPU_ARMS if args.cpu else ARMS
-    arms = args.arms or (["stock", "coda", "stock"] if args.cpu else list(DEFAULT))
+    arms = args.arms or list(CPU_DEFAULT if args.cpu else DEFAULT)
     refs = args.refs or (["stock"] if args.cpu else ["stock_eager", "stock_amp"])
     unknown = [a for a in arms + refs if a not in table]
     if unknown:
@@ -151,10 +154,10 @@ def main(argv=None) -> None:
 
     from scripts.bench.common import header, out_json
 
-    path = out_json("probe_weight_drift", cpu=args.cpu)
+    path = out_json("probe_weight_drift" + (f"_{args.tag}" if args.tag else ""), cpu=args.cpu)
     doc = {**header(cpu=args.cpu), "kind": "probe_weight_drift",
            "command": "python -m scripts.probes.weight_drift " + " ".join(sys.argv[1:] if argv is None else argv),
-           "steps": steps, "refs": refs, "parting_threshold": PART, "arms": {}, "distances": {}}
+           "steps": steps, "refs": refs, "planned": arms, "parting_threshold": PART, "arms": {}, "distances": {}}
     weights: dict[str, dict[int, dict]] = {}
     losses: dict[str, dict[int, float]] = {}
     names: list[str] = []

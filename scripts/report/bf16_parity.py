@@ -152,6 +152,54 @@ def precision_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+            "feed_forward.w3", "output", "tok_embeddings")
+
+
+def _planned_arms(doc: dict) -> list[str]:
+    """The arms a weight-drift call meant to run: its ``planned`` list, else its command's ``--arms`` (files written
+    before the probe recorded it), else the probe's default."""
+    from scripts.probes.weight_drift import CPU_DEFAULT, DEFAULT
+
+    if "planned" in doc:
+        return doc["planned"]
+    words = doc["command"].split()
+    if "--arms" not in words:
+        return list(CPU_DEFAULT if "--cpu" in words else DEFAULT)
+    rest = words[words.index("--arms") + 1:]
+    return rest[:next((i for i, w in enumerate(rest) if w.startswith("--")), len(rest))]
+
+
+def weight_drift_table(doc: dict, name: str) -> str:
+    """``scripts/probes/weight_drift.py``: every (run, reference) pair's weight distance at each checkpoint, and at the
+    last per parameter kind in units of the reference's own move between the last two checkpoints."""
+    steps = [str(s) for s in doc["steps"]]
+    last, prev = steps[-1], steps[-2] if len(steps) > 1 else None
+    runs, planned = ", ".join(doc["arms"]), _planned_arms(doc)
+    if len(planned) > len(doc["arms"]):
+        runs += f" (the call ended before {', '.join(planned[len(doc['arms']):])})"
+    lines = [f"Weights of bf16 runs from one init (`{name}`, {doc['device']}, {doc['date']}, `{doc['command']}`; runs in "
+             f"order: {runs}): ||W - W_ref|| / ||W_ref|| over all parameters at each checkpoint; at step {last}, the "
+             f"same distance in units of the reference's own move from step {prev} to {last} ({'whole' if prev else '-'} "
+             "and per kind, layers pooled); the first step at which the run's loss differs from the reference's by more "
+             f"than {doc['parting_threshold']:g} relative.", "",
+             "| run | against | " + " | ".join(f"step {s}" for s in steps) + f" | moves @{last} | "
+             + " | ".join(k.split(".")[-1] for k in WD_KINDS) + " | loss parts at |",
+             "|---|---|" + "---:|" * (len(steps) + 2 + len(WD_KINDS))]
+    zero = None
+    for key, per in doc["distances"].items():
+        run, ref = key.split("|")
+        at = per[last]
+        zero = {k for k, v in at.items() if v["rel"] == 0.0} if zero is None else zero & {k for k, v in at.items() if v["rel"] == 0.0}
+        moves = [at[k].get("per_update") if k in at else None for k in ("all", *WD_KINDS)]
+        lines.append(f"| {run} | {ref} | " + " | ".join(f"{per[s]['all']['rel']:.2e}" for s in steps) + " | "
+                     + " | ".join("-" if m is None else f"{m:.3f}" for m in moves)
+                     + f" | {doc['arms'][run].get('parts_from', {}).get(ref) or '-'} |")
+    if zero:
+        lines += ["", f"Equal in every pair at step {last}: {', '.join(sorted(zero))}."]
+    return "\n".join(lines)
+
+
 def section(runs: list[dict] | None = None) -> str:
     parts = [pair_table(pair_classes(runs))]
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
@@ -160,4 +208,6 @@ def section(runs: list[dict] | None = None) -> str:
         parts.append(ce_rounding_table(json.loads(p.read_text())))
     for p in sorted(RESULTS.glob("cpu_precision_*.json")):
         parts.append(precision_table(json.loads(p.read_text())))
+    for p in sorted(RESULTS.glob("probe_weight_drift_*.json")):
+        parts.append(weight_drift_table(json.loads(p.read_text()), p.name))
     return "\n\n".join(x for x in parts if x)

@@ -124,7 +124,8 @@
 #                  eager / compiled against the same step in fp32 (1B, seq 8192 x 2), and against stock eager;
 #                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
 #                  MODELS="stock_eager coda_eager": those models only (also torch_eager, and the AMP models
-#                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp)
+#                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp; the bisection arms
+#                  coda_eager_fa4_unpacked, coda_eager_ref_{f3,b1,b2,wgrad,attn,all}: the probe's docstring)
 #     weightdrift  scripts/probes/weight_drift.py: bf16 runs' weights after 20 and 40 steps (before the first loss
 #                  spike), per parameter kind, against stock eager's and stock AMP's (WD_ARMS, WD_STEPS)
 #     ceslack      scripts/probes/ce_offset_slack.py: the Cauchy-Schwarz bound's slack over each LM-head row's largest

@@ -233,6 +233,20 @@ def test_traced_programs_leave_the_compiled_graph_and_stay_ops_in_eager():
         op_backend(traced={"norm_rope": code})
 
 
+def test_reference_programs_replace_only_the_programs_named():
+    """``CODA_TITAN_REFERENCE_PROGRAMS`` (a precision bisection's switch): the programs named run as the torch
+    reference's, every other stays the backend's; an unknown name is refused with the list."""
+    from coda_titan.kernels import PROGRAMS, REFERENCE_ENV, TORCH, with_reference_programs
+
+    be = op_backend()
+    got = with_reference_programs(be, " rope_bwd, wgrad ,")
+    assert got.rope_bwd is TORCH.rope_bwd and got.wgrad is TORCH.wgrad and got.name == "ops+reference:rope_bwd,wgrad"
+    assert all(getattr(got, p) is getattr(be, p) for p in PROGRAMS if p not in ("rope_bwd", "wgrad"))
+    assert with_reference_programs(be, "") is be
+    with pytest.raises(ValueError, match=f"{REFERENCE_ENV}: unknown program.*'rope'"):
+        with_reference_programs(be, "rope")
+
+
 def test_lean_kernels_call_the_device_kernel_without_torchs_alias_check(monkeypatch):
     """``lean_kernels`` puts an op's registered device kernel straight at its dispatch key (the cute backend does
     this for its programs): the same kernel runs and its output comes back, and torch's per-call wrapper, whose

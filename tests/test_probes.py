@@ -298,9 +298,33 @@ def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
     from scripts.probes.bf16_step_accuracy import UNROUNDED, Setup, measure
 
     s = Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
-    for arm in (UNROUNDED, "coda_eager_ce_exp", "coda_ce_exp_compiled"):
+    for arm in (UNROUNDED, "coda_eager_ce_exp", "coda_ce_exp_compiled", "coda_eager_ref_b1", "coda_eager_fa4_unpacked"):
         with pytest.raises(ValueError, match="cute backend"):
             measure(s, models=("stock_eager", arm))
+
+
+def test_bf16_step_accuracy_builds_each_arms_model_under_its_switches(monkeypatch):
+    """The bisection arms' switches are read when the model builds its backend (``CODA_TITAN_REFERENCE_PROGRAMS``),
+    so the probe builds each arm's model, not only runs its step, under the arm's environment; the fp32 reference
+    and the plain arm without it."""
+    from coda_titan.kernels import REFERENCE_ENV
+    from scripts.probes import bf16_step_accuracy as probe
+
+    monkeypatch.delenv(REFERENCE_ENV, raising=False)
+    built = []
+
+    def coda(s, backend, dtype=torch.bfloat16, compiled=False, checkpoint=False):
+        built.append((backend, dtype, os.environ.get(REFERENCE_ENV)))
+        return torch.nn.Module()
+
+    w = {"a.weight": torch.ones(2, 2)}
+    monkeypatch.setattr(probe, "_coda", coda)
+    monkeypatch.setattr(probe, "_step", lambda model, weights, *a, **k: (1.0, {n: v.float() for n, v in weights.items()}))
+    s = probe.Setup(flavor="debugmodel_gqa", seqlen=8, batch=1, device="cpu", backend="cute", fa4=False)
+    doc = probe.measure(s, models=("coda_eager", "coda_eager_ref_b1", "coda_eager_ref_attn"), state=(w, None, None))
+    assert built == [("torch", torch.float32, None), ("cute", torch.bfloat16, None), ("cute", torch.bfloat16, "rope_bwd"),
+                     ("cute", torch.bfloat16, "norm_rope,rope_bwd,norm_residual_bwd,wgrad")]
+    assert set(doc["loss"]) == {"fp32", "coda_eager", "coda_eager_ref_b1", "coda_eager_ref_attn"}
 
 
 def test_ce_offset_slack_measures_the_cauchy_schwarz_bound_over_each_rows_largest_logit():

@@ -90,6 +90,26 @@ def test_packed_ops_equal_the_ops_on_separate_tensors():
     torch.library.opcheck(fa.flash_attn_packed_bwd, (dout, qkv.detach(), out.detach(), lse.detach(), *args))
 
 
+def test_fa4_on_contiguous_copies_is_the_packed_call_in_value_and_gradient(monkeypatch):
+    """``CODA_TITAN_FA4_PACKED=0`` (a bisection arm): FA4 on contiguous q, k, v as stock calls it, the same values
+    and packed-buffer gradient as the packed ops (reference math, float64), eager and traced whole."""
+    qkv = _packed(*_qkv())
+    x = qkv.clone().requires_grad_()
+    want = fa.attention_on_packed(fa.FA4Attention(), x, 33, 4, 2, True)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    monkeypatch.setenv(fa.FA4_PACKED_ENV, "0")
+    calls = []
+    monkeypatch.setattr(fa, "flash_attn_packed_fwd", lambda *a: calls.append(a))  # (never reached when unpacked)
+    got = fa.attention_on_packed(fa.FA4Attention(), x, 33, 4, 2, True)
+    (g,) = torch.autograd.grad(got.square().sum(), x)
+    assert not calls and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
+    fn = torch.compile(lambda t: fa.attention_on_packed(fa.FA4Attention(), t, 33, 4, 2, True), backend="aot_eager",
+                       fullgraph=True)
+    torch.testing.assert_close(fn(x), want, rtol=1e-12, atol=1e-12)
+
+
 def test_attention_on_packed_runs_either_module_and_checks_gqa():
     """The model's attention call: SDPA's wrapper on the slices and FA4's packed ops agree (both
     reference math in float64), and FA4 refuses mismatched heads without enable_gqa as its module does."""

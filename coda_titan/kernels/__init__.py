@@ -261,6 +261,24 @@ def requested_c_stage_base(program: str = "b2") -> int | None:
     return int(raw)
 
 
+# the cute backend's programs to run as their torch references instead (comma-separated program names): a
+# precision bisection's switch (``scripts/probes/bf16_step_accuracy.py``'s ``coda_eager_ref_*`` arms), read when a
+# model builds its backend
+REFERENCE_ENV = "CODA_TITAN_REFERENCE_PROGRAMS"
+
+
+def with_reference_programs(be: Backend, names: str) -> Backend:
+    """``be`` with the programs named in ``names`` (comma-separated, ``REFERENCE_ENV``'s form) as the torch
+    reference's: the same math at the same rounding points, in plain torch (fp32 sums)."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"{REFERENCE_ENV}: unknown program(s) {unknown}; the programs are {', '.join(PROGRAMS)}")
+    if not wanted:
+        return be
+    return dataclasses.replace(be, name=f"{be.name}+reference:{','.join(wanted)}", **{n: getattr(TORCH, n) for n in wanted})
+
+
 def get_backend(name: str, traced: bool = True) -> Backend:
     """The programs of backend ``name`` ('torch' or 'cute'; use ``resolve_backend`` for 'auto').
     ``traced``: the cute backend's TRACEABLE programs are traced into a compiled caller's graph
@@ -276,4 +294,4 @@ def get_backend(name: str, traced: bool = True) -> Backend:
         from . import cute  # (registers the CUDA kernels of the ops)
 
         _cute[traced] = op_backend("cute", traced=cute.TRACED if traced else None)
-    return _cute[traced]
+    return with_reference_programs(_cute[traced], os.environ.get(REFERENCE_ENV, ""))

@@ -18,6 +18,7 @@ The converter refuses to run where FA4 cannot (no sm90/sm100 GPU or ``flash-attn
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -273,11 +274,20 @@ class FA4Attention(nn.Module):
         return out.transpose(1, 2)
 
 
+# "0": FA4 on contiguous copies of q, k and v, as stock TorchTitan calls it, not on F3's packed slices (a
+# precision bisection's arm: ``bf16_step_accuracy``'s ``coda_eager_fa4_unpacked``); read at each call
+FA4_PACKED_ENV = "CODA_TITAN_FA4_PACKED"
+
+
 def attention_on_packed(inner: nn.Module, qkv: torch.Tensor, seqlen: int, n_heads: int, n_kv_heads: int,
                         enable_gqa: bool) -> torch.Tensor:
     """Causal attention (tokens, h d) of ``inner`` (TorchTitan's attention wrapper, or
     :class:`FA4Attention`) on the packed q, k, v of ``qkv``: FA4 runs its packed ops (dq, dk, dv come
-    back packed), any other module the (b, h, s, d) views of the slices."""
+    back packed; with ``FA4_PACKED_ENV`` = "0" on contiguous copies), any other module the (b, h, s, d)
+    views of the slices."""
+    if isinstance(inner, FA4Attention) and os.environ.get(FA4_PACKED_ENV, "1") == "0":
+        q, k, v = (t.contiguous().transpose(1, 2) for t in split_packed(qkv, seqlen, n_heads, n_kv_heads))
+        return inner(q, k, v, enable_gqa=enable_gqa).transpose(1, 2).reshape(qkv.shape[0], -1)
     if isinstance(inner, FA4Attention):
         _check_gqa(n_heads, n_kv_heads, enable_gqa)
         d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)

@@ -25,7 +25,11 @@ config and the batch its step N + 1 reads) in each of
   and target logit of the unrounded logits, ``CODA_TITAN_F4_LSE=unrounded``; the cute backend only), so that the
   fix is measured against its predecessor on one trained state in one call;
 * on request, ``coda_eager_ce_exp`` and ``coda_ce_exp_compiled``: CODA with F4 without its gradient pass
-  (``CODA_TITAN_CE_PASS=exp``: the probabilities rounded, not the logits; the cute backend only).
+  (``CODA_TITAN_CE_PASS=exp``: the probabilities rounded, not the logits; the cute backend only);
+* on request, the bisection arms of CODA's attention-side gradient error at trained states (the cute backend
+  only): ``coda_eager_fa4_unpacked`` (FA4 on contiguous q, k, v, ``CODA_TITAN_FA4_PACKED=0``) and
+  ``coda_eager_ref_{f3,b1,b2,wgrad,attn,all}`` (those programs as their torch references on the GPU,
+  ``CODA_TITAN_REFERENCE_PROGRAMS``; ``all``: every program but the LM head's).
 
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
@@ -48,7 +52,9 @@ import unittest.mock
 import torch
 from torchtitan.tools.utils import set_default_dtype
 
+from coda_titan.kernels import PROGRAMS, REFERENCE_ENV
 from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV
+from coda_titan.titan.fa4 import FA4_PACKED_ENV
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
 AMP_MODELS = ("stock_amp", "coda_amp", "stock_amp_bf16_stream")
@@ -57,6 +63,15 @@ UNROUNDED = "coda_eager_lse_unrounded"  # (the cute F4 before c6d0abd: CODA_TITA
 # gradient pass (CODA_TITAN_CE_PASS=exp), eager and compiled
 ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_ENV: "exp"},
             "coda_ce_exp_compiled": {CE_PASS_ENV: "exp"}}
+# the bisection of CODA's attention-side gradient error at trained states (coda_eager with one piece swapped for
+# its torch reference, or FA4 called on contiguous q, k, v as stock calls it): the switches are read when the
+# model is built (REFERENCE_ENV) or at each call (FA4_PACKED_ENV), so each arm builds its model under them
+_ATTN = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"
+ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"},
+                 "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
+                 "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"}, "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
+                 "coda_eager_ref_attn": {REFERENCE_ENV: _ATTN},
+                 "coda_eager_ref_all": {REFERENCE_ENV: ",".join(p for p in PROGRAMS if not p.startswith("lm_head"))}})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,10 +267,10 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         stock, compiled, amp = name.startswith("stock"), name.endswith("compiled"), name in AMP_MODELS
         backend = "torch" if name.startswith("torch") else s.backend
         dtype = torch.float32 if amp else torch.bfloat16  # (AMP: fp32 parameters holding the same bf16 values)
-        model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
-        if name == "stock_amp_bf16_stream":
-            model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
-        with unittest.mock.patch.dict(os.environ, ENV_ARMS.get(name, {})):
+        with unittest.mock.patch.dict(os.environ, ENV_ARMS.get(name, {})):  # (the model built under its switches too)
+            model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
+            if name == "stock_amp_bf16_stream":
+                model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
             loss, grads = _step(model, weights, tokens, labels, stock,
                                 loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
         doc["loss"][name] = loss

@@ -298,7 +298,8 @@ def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
     from scripts.probes.bf16_step_accuracy import UNROUNDED, Setup, measure
 
     s = Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
-    for arm in (UNROUNDED, "coda_eager_ce_exp", "coda_ce_exp_compiled", "coda_eager_ref_b1", "coda_eager_fa4_unpacked"):
+    for arm in (UNROUNDED, "coda_eager_ce_exp", "coda_ce_exp_compiled", "coda_eager_ref_b1",
+                "coda_eager_fa4_unpacked"):
         with pytest.raises(ValueError, match="cute backend"):
             measure(s, models=("stock_eager", arm))
 
@@ -319,11 +320,12 @@ def test_bf16_step_accuracy_builds_each_arms_model_under_its_switches(monkeypatc
 
     w = {"a.weight": torch.ones(2, 2)}
     monkeypatch.setattr(probe, "_coda", coda)
-    monkeypatch.setattr(probe, "_step", lambda model, weights, *a, **k: (1.0, {n: v.float() for n, v in weights.items()}))
+    monkeypatch.setattr(probe, "_step",
+                        lambda model, weights, *a, **k: (1.0, {n: v.float() for n, v in weights.items()}))
     s = probe.Setup(flavor="debugmodel_gqa", seqlen=8, batch=1, device="cpu", backend="cute", fa4=False)
     doc = probe.measure(s, models=("coda_eager", "coda_eager_ref_b1", "coda_eager_ref_attn"), state=(w, None, None))
-    assert built == [("torch", torch.float32, None), ("cute", torch.bfloat16, None), ("cute", torch.bfloat16, "rope_bwd"),
-                     ("cute", torch.bfloat16, "norm_rope,rope_bwd,norm_residual_bwd,wgrad")]
+    assert built == [("torch", torch.float32, None), ("cute", torch.bfloat16, None),
+                     ("cute", torch.bfloat16, "rope_bwd"), ("cute", torch.bfloat16, "norm_rope,rope_bwd,norm_residual_bwd,wgrad")]
     assert set(doc["loss"]) == {"fp32", "coda_eager", "coda_eager_ref_b1", "coda_eager_ref_attn"}
 
 

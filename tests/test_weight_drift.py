@@ -12,8 +12,8 @@ from scripts.probes.weight_drift import distances, first_parting, kind, main
 def test_distances_are_per_kind_and_whole_relative_to_the_reference_and_to_its_own_move():
     ref_prev = {"layers.0.attention.wq.weight": torch.zeros(2, 2), "layers.1.attention.wq.weight": torch.zeros(2, 2),
                 "norm.weight": torch.ones(2)}
-    ref = {"layers.0.attention.wq.weight": torch.full((2, 2), 1.0), "layers.1.attention.wq.weight": torch.full((2, 2), 1.0),
-           "norm.weight": torch.ones(2)}
+    ref = {"layers.0.attention.wq.weight": torch.full((2, 2), 1.0),
+           "layers.1.attention.wq.weight": torch.full((2, 2), 1.0), "norm.weight": torch.ones(2)}
     w = {k: v.clone() for k, v in ref.items()}
     w["layers.1.attention.wq.weight"][0, 0] += 0.5
     w["norm.weight"][1] = 2.0
@@ -50,6 +50,7 @@ def test_the_probe_on_the_debug_pair(tmp_path, cache_dir, monkeypatch):
              "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm", "norm", "output", "all"}
     assert set(coda["2"]) == kinds
     assert doc["arms"]["coda"]["losses"].keys() == {"1", "2"} and doc["arms"]["coda"]["parts_from"] == {"stock": None}
+    assert doc["arms"]["coda"]["grad_norms"].keys() == {"1", "2"} and doc["arms"]["stock_2"]["grad_norms"]["2"] > 0
     from scripts.report.bf16_parity import weight_drift_table
 
     table = weight_drift_table(doc, "probe_weight_drift_cpu.json")

@@ -276,7 +276,8 @@ def with_reference_programs(be: Backend, names: str) -> Backend:
         raise ValueError(f"{REFERENCE_ENV}: unknown program(s) {unknown}; the programs are {', '.join(PROGRAMS)}")
     if not wanted:
         return be
-    return dataclasses.replace(be, name=f"{be.name}+reference:{','.join(wanted)}", **{n: getattr(TORCH, n) for n in wanted})
+    return dataclasses.replace(be, name=f"{be.name}+reference:{','.join(wanted)}",
+                               **{n: getattr(TORCH, n) for n in wanted})
 
 
 def get_backend(name: str, traced: bool = True) -> Backend:

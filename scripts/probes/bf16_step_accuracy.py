@@ -69,7 +69,8 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 _ATTN = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"
 ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
-                 "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"}, "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
+                 "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
+                 "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
                  "coda_eager_ref_attn": {REFERENCE_ENV: _ATTN},
                  "coda_eager_ref_all": {REFERENCE_ENV: ",".join(p for p in PROGRAMS if not p.startswith("lm_head"))}})
 

@@ -17,8 +17,9 @@ kind (``attention.wq``, ``feed_forward.w2``, ``ffn_norm``, ``output``, ...; laye
   distance in units of how far the reference itself moved between the two checkpoints.
 
 A second run of one config (the arms' list may name one twice) gives the run-to-run floor of that config (FA4's
-backward accumulates in a nondeterministic order). Each arm's per-step losses are kept, with the first step at
-which they differ from each reference's by more than 1e-3 relative. Writes ``$OUT/probe_weight_drift_<gpu>.json``
+backward accumulates in a nondeterministic order). Each arm's per-step losses (and gradient norms: the clip's
+divisor) are kept, with the first step at which they differ from each reference's by more than 1e-3 relative.
+Writes ``$OUT/probe_weight_drift_<gpu>.json``
 after every arm (``--tag T``: ``probe_weight_drift_T_<gpu>.json``), so a call cut by its time limit keeps what it
 measured.
 """
@@ -116,7 +117,7 @@ def first_parting(losses: dict[int, float], ref: dict[int, float]) -> int | None
 
 def train(config: str, overrides: list, env: dict, steps: list[int], folder: Path, timeout: int) -> dict[int, float]:
     """One run from the config's seed with a checkpoint at each of ``steps`` (their spacing the interval); its
-    per-step losses from TorchTitan's log (in ``folder/train.log``)."""
+    per-step (loss, gradient norm) from TorchTitan's log (in ``folder/train.log``)."""
     from scripts.compare.common import ROOT
     from scripts.compare.run import parse_log
 
@@ -128,7 +129,7 @@ def train(config: str, overrides: list, env: dict, steps: list[int], folder: Pat
     log = folder / "train.log"
     with open(log, "w") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=timeout)
-    return {r["step"]: r["loss"] for r in parse_log(log.read_text())}
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in parse_log(log.read_text())}
 
 
 def main(argv=None) -> None:
@@ -167,12 +168,14 @@ def main(argv=None) -> None:
         config, overrides, env = table[a]
         t0 = time.monotonic()
         folder = Path(args.workdir) / name
-        losses[name] = train(config, overrides, env, steps, folder, args.timeout)
+        logged = train(config, overrides, env, steps, folder, args.timeout)
+        losses[name] = {s: v[0] for s, v in logged.items()}
         weights[name] = {s: load_weights(folder / "checkpoint" / f"step-{s}") for s in steps}
         shutil.rmtree(folder / "checkpoint", ignore_errors=True)
         doc["arms"][name] = {"arm": a, "config": config, "overrides": overrides, "env": env,
                              "wall_s": round(time.monotonic() - t0, 1),
-                             "losses": {str(s): v for s, v in sorted(losses[name].items())}}
+                             "losses": {str(s): v for s, v in sorted(losses[name].items())},
+                             "grad_norms": {str(s): v[1] for s, v in sorted(logged.items())}}
         _compare(doc, names, weights, losses, refs, steps)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)

@@ -88,6 +88,10 @@ def pair_table(groups: list[dict]) -> str:
     return "\n".join(lines)
 
 
+WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+            "feed_forward.w3", "output", "tok_embeddings")
+
+
 def step_accuracy_table(doc: dict) -> str:
     """The probe's summary: each bf16 model's first-step loss and gradients against fp32 and against stock eager."""
     state = doc.get("state", "init")
@@ -106,6 +110,32 @@ def step_accuracy_table(doc: dict) -> str:
         vs = f"{v['whole_rel']:.2e} | {100 * v['median_flips']:.2f}%" if v else "- | -"
         lines.append(f"| {name} | {s['loss_rel_err']:+.1e} | {f['whole_rel']:.2e} | {f['median_rel']:.2e} | "
                      f"{f['max_rel']:.2e} (`{f['max_rel_param']}`) | {100 * f['median_flips']:.2f}% | {vs} |")
+    return "\n".join(lines + ["", step_accuracy_kinds(doc)])
+
+
+STEP_KINDS = (*WD_KINDS[:7], "attention_norm", "ffn_norm", "norm", *WD_KINDS[7:])
+
+
+def step_accuracy_kinds(doc: dict) -> str:
+    """The same gradient errors per parameter kind (layers pooled: sqrt of the summed squared differences over
+    the summed squared references), against fp32 and against stock eager: the whole-model number is mostly the LM
+    head's (its gradient is most of the squared norm)."""
+    from scripts.probes.weight_drift import kind
+
+    lines = ["The same per parameter kind (layers pooled), against fp32, then against stock eager:", "",
+             "| model | against | " + " | ".join(k.split(".")[-1] for k in STEP_KINDS) + " |",
+             "|---|---|" + "---:|" * len(STEP_KINDS)]
+    for against in ("vs_fp32", "vs_stock_eager"):
+        for name, per in doc["params"].items():
+            pooled: dict[str, list[float]] = {}
+            for n, e in per.get(against, {}).items():
+                acc = pooled.setdefault(kind(n), [0.0, 0.0])
+                acc[0] += e["d2"]
+                acc[1] += e["r2"]
+            if pooled:
+                cells = [f"{(pooled[k][0] / pooled[k][1]) ** 0.5:.2e}" if pooled.get(k, [0, 0])[1] else "-"
+                         for k in STEP_KINDS]
+                lines.append(f"| {name} | {against.removeprefix('vs_')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -152,10 +182,6 @@ def precision_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-            "feed_forward.w3", "output", "tok_embeddings")
-
-
 def _planned_arms(doc: dict) -> list[str]:
     """The arms a weight-drift call meant to run: its ``planned`` list, else its command's ``--arms`` (files written
     before the probe recorded it), else the probe's default."""
@@ -190,7 +216,8 @@ def weight_drift_table(doc: dict, name: str) -> str:
     for key, per in doc["distances"].items():
         run, ref = key.split("|")
         at = per[last]
-        zero = {k for k, v in at.items() if v["rel"] == 0.0} if zero is None else zero & {k for k, v in at.items() if v["rel"] == 0.0}
+        equal = {k for k, v in at.items() if v["rel"] == 0.0}
+        zero = equal if zero is None else zero & equal
         moves = [at[k].get("per_update") if k in at else None for k in ("all", *WD_KINDS)]
         lines.append(f"| {run} | {ref} | " + " | ".join(f"{per[s]['all']['rel']:.2e}" for s in steps) + " | "
                      + " | ".join("-" if m is None else f"{m:.3f}" for m in moves)

@@ -242,6 +242,14 @@ def test_bf16_step_accuracy_starts_from_a_trained_state_at_the_batch_its_next_st
     doc.update(device="cpu", date="2026-11-28", state={"config": config, "steps": 3})
     assert "the weights after 3 steps of `debug_cpu_baseline` and its next batch" in step_accuracy_table(doc)
 
+    # (overrides of the config: a run of their own, in a folder named by them, its weights in the dtype they set)
+    sets = ("training.dtype=bfloat16", "training.mixed_precision_param=bfloat16")
+    state3 = trained_state(s, config, 2, str(run), sets)
+    assert all(w.dtype == torch.bfloat16 for w in state3[0].values()) and torch.equal(state3[1], state2[1])
+    assert (run / "steps2_training_dtype_bfloat16_training_mixed_precision_param_bfloat16" / "checkpoint").is_dir()
+    doc["state"]["sets"] = list(sets)
+    assert "steps of `debug_cpu_baseline` (with training.dtype=bfloat16, training" in step_accuracy_table(doc)
+
 
 def test_cpu_precision_measures_each_pair_after_step_20_against_the_second_named():
     from scripts.probes.cpu_precision import command, summarize

@@ -189,13 +189,15 @@ def _summary(per: dict[str, dict]) -> dict:
             "median_flips": statistics.median(flips.values()), "max_flips": max(flips.values())}
 
 
-def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def trained_state(s: Setup, config: str, steps: int, workdir: str, sets: tuple[str, ...] = ()) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The weights after ``steps`` steps of ``config`` and the batch its step ``steps + 1`` reads: the config
     trains in a ``coda-titan train`` process with a checkpoint at ``steps``, the weights come from that checkpoint
     (``torch.distributed.checkpoint``, one process) and the batch from TorchTitan's dataloader for that config,
     its first ``steps`` batches skipped. A run's checkpoint at ``steps`` in ``workdir/checkpoint`` is used as it
     is; otherwise the probe trains in ``workdir/steps<N>``, a dump folder of that step count's own: in a folder
-    holding another count's checkpoint, TorchTitan would resume from it (and fail on its model-only last save)."""
+    holding another count's checkpoint, TorchTitan would resume from it (and fail on its model-only last save).
+    ``sets``: KEY=VALUE overrides of the config (``training.dtype=bfloat16``), for its run and its loader; the
+    folder's name carries them."""
     import subprocess
     import sys
     from pathlib import Path
@@ -207,15 +209,17 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str) -> tuple[dict
     from coda_titan.cli import parse_config
     from coda_titan.titan.train_spec import build_tokenizer
 
-    folder, own = Path(workdir) / "checkpoint" / f"step-{steps}", Path(workdir) / f"steps{steps}"
-    if not folder.exists():
+    flags = [w for kv in sets for w in (f"--{kv.partition('=')[0]}", kv.partition("=")[2])]
+    tag = "".join(f"_{re.sub(r'[^A-Za-z0-9]+', '_', kv)}" for kv in sets)
+    folder, own = Path(workdir) / "checkpoint" / f"step-{steps}", Path(workdir) / f"steps{steps}{tag}"
+    if sets or not folder.exists():
         folder = own / "checkpoint" / f"step-{steps}"
     if not folder.exists():
         cmd = [sys.executable, "-m", "coda_titan.cli", "train", config, "--training.steps", str(steps),
                "--checkpoint.enable", "--checkpoint.interval", str(steps), "--checkpoint.folder", "checkpoint",
-               "--job.dump_folder", str(own)]
+               "--job.dump_folder", str(own), *flags]
         subprocess.run(cmd, check=True)
-    cfg = parse_config(config, [])
+    cfg = parse_config(config, flags)
     # (the parameters in the dtype the config trains them in, on the CPU: the checkpoint's own tensors)
     model = _stock(dataclasses.replace(s, device="cpu", fa4=False), False, TORCH_DTYPE_MAP[cfg.training.dtype])
     weights = {n: p.detach().clone() for n, p in _params(model).items()}
@@ -319,6 +323,8 @@ def main(argv=None) -> None:
                          "(0: the init weights and random tokens)")
     ap.add_argument("--state-config", default="configs/llama3_1b_bf16_baseline.toml")
     ap.add_argument("--workdir", default="/tmp/probe_state", help="where that training run and its checkpoint go")
+    ap.add_argument("--state-set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="overrides of --state-config (training.dtype=bfloat16: the CPU debug pair trained in bf16)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, *ENV_ARMS])
     ap.add_argument("--cpu", action="store_true", help="the debug model (debugmodel_gqa, seq 256 x batch 4) on the "
                     "CPU, CODA on its torch backend, SDPA; the file goes to $OUT or benchmarks/results as _cpu.json")
@@ -327,13 +333,14 @@ def main(argv=None) -> None:
     from scripts.bench.common import header, out_json
 
     s = Setup(flavor="debugmodel_gqa", seqlen=256, batch=4, device="cpu", backend="torch", fa4=False) if args.cpu else Setup()
-    state = trained_state(s, args.state_config, args.state_steps, args.workdir) if args.state_steps else None
+    state = (trained_state(s, args.state_config, args.state_steps, args.workdir, tuple(args.state_set))
+             if args.state_steps else None)
     name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
             + ("_amp" if set(args.models) & set(AMP_MODELS) else ""))
     head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),
-            "state": {"config": args.state_config, "steps": args.state_steps} if state else "init"}
+            "state": {"config": args.state_config, "steps": args.state_steps, "sets": args.state_set} if state else "init"}
 
     def write(doc: dict) -> None:
         with open(path, "w") as f:

@@ -96,7 +96,8 @@ def step_accuracy_table(doc: dict) -> str:
     """The probe's summary: each bf16 model's first-step loss and gradients against fp32 and against stock eager."""
     state = doc.get("state", "init")
     start = ("the init weights and random tokens" if state == "init" else
-             f"the weights after {state['steps']} steps of `{Path(state['config']).stem}` and its next batch")
+             f"the weights after {state['steps']} steps of `{Path(state['config']).stem}`"
+             + (f" (with {', '.join(state['sets'])})" if state.get("sets") else "") + " and its next batch")
     lines = [f"One bf16 step against the same step in fp32 ({doc['model']}, seq {doc['seq_len']} x batch "
              f"{doc['local_batch_size']}, {start}; {doc['device']}, {doc['date'][:10]}; "
              f"reference: {doc['reference']}). Gradient error: ||g - g_ref|| / ||g_ref|| over all gradients as one "

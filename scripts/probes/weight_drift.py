@@ -19,9 +19,8 @@ kind (``attention.wq``, ``feed_forward.w2``, ``ffn_norm``, ``output``, ...; laye
 A second run of one config (the arms' list may name one twice) gives the run-to-run floor of that config (FA4's
 backward accumulates in a nondeterministic order). Each arm's per-step losses (and gradient norms: the clip's
 divisor) are kept, with the first step at which they differ from each reference's by more than 1e-3 relative.
-Writes ``$OUT/probe_weight_drift_<gpu>.json``
-after every arm (``--tag T``: ``probe_weight_drift_T_<gpu>.json``), so a call cut by its time limit keeps what it
-measured.
+Writes ``$OUT/probe_weight_drift_<gpu>.json`` after every arm (``--tag T``: ``probe_weight_drift_T_<gpu>.json``),
+so a call cut by its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -115,7 +114,8 @@ def first_parting(losses: dict[int, float], ref: dict[int, float]) -> int | None
     return None
 
 
-def train(config: str, overrides: list, env: dict, steps: list[int], folder: Path, timeout: int) -> dict[int, float]:
+def train(config: str, overrides: list, env: dict, steps: list[int], folder: Path,
+          timeout: int) -> dict[int, tuple[float, float]]:
     """One run from the config's seed with a checkpoint at each of ``steps`` (their spacing the interval); its
     per-step (loss, gradient norm) from TorchTitan's log (in ``folder/train.log``)."""
     from scripts.compare.common import ROOT
@@ -187,10 +187,7 @@ def main(argv=None) -> None:
 
 def _compare(doc: dict, names: list[str], weights: dict, losses: dict, refs: list[str], steps: list[int]) -> None:
     """Every pair (arm, reference run) not yet in ``doc``: the reference run is the first run of a ref arm."""
-    for r in refs:
-        ref = next((n for n in names if n == r), None)
-        if ref is None:
-            continue
+    for ref in (r for r in refs if r in names):
         for n in names:
             key = f"{n}|{ref}"
             if n == ref or key in doc["distances"]:

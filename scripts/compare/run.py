@@ -98,13 +98,19 @@ def _overrides(steps: int, run_dir: Path, sets: list[str], extra, log_freq: int 
         "--job.dump_folder", str(run_dir / "out"),
         "--checkpoint.no-enable",
     ]
+    return overrides + set_flags(sets) + list(extra)
+
+
+def set_flags(sets) -> list[str]:
+    """``--set`` KEY=VALUE pairs as TorchTitan's command-line flags (booleans as its ``--key`` / ``--no-key``)."""
+    flags = []
     for kv in sets:
         key, _, value = kv.partition("=")
         if value.lower() in ("true", "false"):
-            overrides.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
+            flags.append(f"--{key}" if value.lower() == "true" else f"--{key.rsplit('.', 1)[0]}.no-{key.rsplit('.', 1)[1]}")
         else:
-            overrides += [f"--{key}", value]
-    return overrides + list(extra)
+            flags += [f"--{key}", value]
+    return flags
 
 
 def _phase_entry(phase_log: Path, env_extra: dict | None) -> tuple[tuple[str, ...], dict]:

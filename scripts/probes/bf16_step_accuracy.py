@@ -189,7 +189,8 @@ def _summary(per: dict[str, dict]) -> dict:
             "median_flips": statistics.median(flips.values()), "max_flips": max(flips.values())}
 
 
-def trained_state(s: Setup, config: str, steps: int, workdir: str, sets: tuple[str, ...] = ()) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def trained_state(s: Setup, config: str, steps: int, workdir: str,
+                  sets: tuple[str, ...] = ()) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The weights after ``steps`` steps of ``config`` and the batch its step ``steps + 1`` reads: the config
     trains in a ``coda-titan train`` process with a checkpoint at ``steps``, the weights come from that checkpoint
     (``torch.distributed.checkpoint``, one process) and the batch from TorchTitan's dataloader for that config,
@@ -209,7 +210,9 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str, sets: tuple[s
     from coda_titan.cli import parse_config
     from coda_titan.titan.train_spec import build_tokenizer
 
-    flags = [w for kv in sets for w in (f"--{kv.partition('=')[0]}", kv.partition("=")[2])]
+    from scripts.compare.run import set_flags
+
+    flags = set_flags(sets)
     tag = "".join(f"_{re.sub(r'[^A-Za-z0-9]+', '_', kv)}" for kv in sets)
     folder, own = Path(workdir) / "checkpoint" / f"step-{steps}", Path(workdir) / f"steps{steps}{tag}"
     if sets or not folder.exists():
@@ -340,7 +343,8 @@ def main(argv=None) -> None:
     head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),
-            "state": {"config": args.state_config, "steps": args.state_steps, "sets": args.state_set} if state else "init"}
+            "state": ({"config": args.state_config, "steps": args.state_steps, "sets": args.state_set} if state
+                      else "init")}
 
     def write(doc: dict) -> None:
         with open(path, "w") as f:

@@ -564,7 +564,7 @@ for phase in "$@"; do
       ;;
     weightdrift)
       # (WD_ARMS: the arms in order, default stock_eager stock_compiled coda_compiled stock_amp stock_eager
-      # coda_compiled_ce_exp; WD_STEPS: the checkpoints, default "20 40"; a 40-step run takes about 70 s once the
+      # coda_compiled_ce_exp; also coda_compiled_fa4_unpacked, coda_compiled_ref_attn: the bisection's switches; WD_STEPS: the checkpoints, default "20 40"; a 40-step run takes about 70 s once the
       # host has compiled CODA's kernels, the first CODA run on a fresh host 300 s: four runs fit one call)
       # (WD_TAG: the file's tag, so that two calls of a session keep both files)
       python3 -m scripts.probes.weight_drift ${WD_ARMS:+--arms $WD_ARMS} --steps ${WD_STEPS:-20 40} ${WD_TAG:+--tag $WD_TAG} \

@@ -66,12 +66,12 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 # the bisection of CODA's attention-side gradient error at trained states (coda_eager with one piece swapped for
 # its torch reference, or FA4 called on contiguous q, k, v as stock calls it): the switches are read when the
 # model is built (REFERENCE_ENV) or at each call (FA4_PACKED_ENV), so each arm builds its model under them
-_ATTN = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"
+ATTN_PROGRAMS = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"  # (the attention side's programs)
 ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
-                 "coda_eager_ref_attn": {REFERENCE_ENV: _ATTN},
+                 "coda_eager_ref_attn": {REFERENCE_ENV: ATTN_PROGRAMS},
                  "coda_eager_ref_all": {REFERENCE_ENV: ",".join(p for p in PROGRAMS if not p.startswith("lm_head"))}})
 
 

@@ -37,7 +37,10 @@ from pathlib import Path
 
 import torch
 
+from coda_titan.kernels import REFERENCE_ENV
 from coda_titan.kernels.lm_head_ce import CE_PASS_ENV
+from coda_titan.titan.fa4 import FA4_PACKED_ENV
+from scripts.probes.bf16_step_accuracy import ATTN_PROGRAMS
 
 _BASE, _COMPILED = "configs/llama3_1b_bf16_baseline.toml", "configs/llama3_1b_bf16_baseline_compile.toml"
 _CODA = "configs/llama3_1b_bf16_coda_compile.toml"
@@ -48,6 +51,9 @@ ARMS = {
     "coda_compiled": (_CODA, [], {}),
     "coda_compiled_ce_exp": (_CODA, [], {CE_PASS_ENV: "exp"}),
     "stock_amp": (_BASE, ["--training.dtype", "float32"], {}),
+    # (the one-step probe's bisection arms as training runs: a fix's trajectory checked before it becomes code)
+    "coda_compiled_fa4_unpacked": (_CODA, [], {FA4_PACKED_ENV: "0"}),
+    "coda_compiled_ref_attn": (_CODA, [], {REFERENCE_ENV: ATTN_PROGRAMS}),
 }
 CPU_ARMS = {
     "stock": ("configs/debug_cpu_baseline.toml", [], {}),

@@ -92,13 +92,14 @@ WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "fee
             "feed_forward.w3", "output", "tok_embeddings")
 
 
-def step_accuracy_table(doc: dict) -> str:
+def step_accuracy_table(doc: dict, name: str | None = None) -> str:
     """The probe's summary: each bf16 model's first-step loss and gradients against fp32 and against stock eager."""
     state = doc.get("state", "init")
     start = ("the init weights and random tokens" if state == "init" else
              f"the weights after {state['steps']} steps of `{Path(state['config']).stem}`"
              + (f" (with {', '.join(state['sets'])})" if state.get("sets") else "") + " and its next batch")
-    lines = [f"One bf16 step against the same step in fp32 ({doc['model']}, seq {doc['seq_len']} x batch "
+    lines = [f"One bf16 step against the same step in fp32 ({f'`{name}`, ' if name else ''}{doc['model']}, seq "
+             f"{doc['seq_len']} x batch "
              f"{doc['local_batch_size']}, {start}; {doc['device']}, {doc['date'][:10]}; "
              f"reference: {doc['reference']}). Gradient error: ||g - g_ref|| / ||g_ref|| over all gradients as one "
              "vector, and per parameter; sign flips: the share of elements whose sign differs (AdamW's first "
@@ -231,7 +232,7 @@ def weight_drift_table(doc: dict, name: str) -> str:
 def section(runs: list[dict] | None = None) -> str:
     parts = [pair_table(pair_classes(runs))]
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
-        parts.append(step_accuracy_table(json.loads(p.read_text())))
+        parts.append(step_accuracy_table(json.loads(p.read_text()), p.name))
     for p in sorted(RESULTS.glob("probe_ce_rounding_*.json")):
         parts.append(ce_rounding_table(json.loads(p.read_text())))
     for p in sorted(RESULTS.glob("cpu_precision_*.json")):

@@ -193,8 +193,8 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str,
                   sets: tuple[str, ...] = ()) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The weights after ``steps`` steps of ``config`` and the batch its step ``steps + 1`` reads: the config
     trains in a ``coda-titan train`` process with a checkpoint at ``steps``, the weights come from that checkpoint
-    (``torch.distributed.checkpoint``, one process) and the batch from TorchTitan's dataloader for that config,
-    its first ``steps`` batches skipped. A run's checkpoint at ``steps`` in ``workdir/checkpoint`` is used as it
+    (``weight_drift.load_weights``: its model keys as saved) and the batch from TorchTitan's dataloader for that
+    config, its first ``steps`` batches skipped. A run's checkpoint at ``steps`` in ``workdir/checkpoint`` is used as it
     is; otherwise the probe trains in ``workdir/steps<N>``, a dump folder of that step count's own: in a folder
     holding another count's checkpoint, TorchTitan would resume from it (and fail on its model-only last save).
     ``sets``: KEY=VALUE overrides of the config (``training.dtype=bfloat16``), for its run and its loader; the
@@ -203,8 +203,6 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str,
     import sys
     from pathlib import Path
 
-    import torch.distributed.checkpoint as dcp
-    from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
     from coda_titan.cli import parse_config
@@ -223,11 +221,9 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str,
                "--job.dump_folder", str(own), *flags]
         subprocess.run(cmd, check=True)
     cfg = parse_config(config, flags)
-    # (the parameters in the dtype the config trains them in, on the CPU: the checkpoint's own tensors)
-    model = _stock(dataclasses.replace(s, device="cpu", fa4=False), False, TORCH_DTYPE_MAP[cfg.training.dtype])
-    weights = {n: p.detach().clone() for n, p in _params(model).items()}
-    del model
-    dcp.load(weights, checkpoint_id=str(folder))
+    from scripts.probes.weight_drift import load_weights  # (here: weight_drift imports this module)
+
+    weights = load_weights(folder)  # (the parameters as saved, on the CPU: no model built to name them)
     loader = build_text_dataloader(dp_world_size=1, dp_rank=0, tokenizer=build_tokenizer(cfg), job_config=cfg)
     for i, (inputs, labels) in enumerate(loader):
         if i == steps:

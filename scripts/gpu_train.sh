@@ -125,7 +125,8 @@
 #                  STATE_STEPS=N: from the weights after N steps of stock eager (trained first) and its next batch;
 #                  MODELS="stock_eager coda_eager": those models only (also torch_eager, and the AMP models
 #                  stock_amp, coda_amp, stock_amp_bf16_stream: the file then ends _amp; the bisection arms
-#                  coda_eager_fa4_unpacked, coda_eager_ref_{f3,b1,b2,wgrad,attn,all}: the probe's docstring)
+#                  coda_eager_fa4_unpacked, coda_eager_ref_{f3,b1,b2,wgrad,attn,all}: the probe's docstring);
+#                  TENSORS=1: also per layer the residual stream, attention inputs and output, their gradients
 #     weightdrift  scripts/probes/weight_drift.py: bf16 runs' weights after 20 and 40 steps (before the first loss
 #                  spike), per parameter kind, against stock eager's and stock AMP's (WD_ARMS, WD_STEPS)
 #     ceslack      scripts/probes/ce_offset_slack.py: the Cauchy-Schwarz bound's slack over each LM-head row's largest
@@ -558,9 +559,10 @@ for phase in "$@"; do
       ;;
     bf16acc)
       # (STATE_STEPS=N: from the weights after N steps of the stock eager config and its next batch)
+      # (TENSORS=1: also each layer's residual stream, attention inputs, output and their gradients: --tensors)
       python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} ${MODELS:+--models $MODELS} \
-        > "$logs/bf16_step_accuracy.log" 2>&1
-      echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error" "$logs/bf16_step_accuracy.log" | cut -c1-600
+        ${TENSORS:+--tensors} > "$logs/bf16_step_accuracy.log" 2>&1
+      echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error|layer|: +x" "$logs/bf16_step_accuracy.log" | cut -c1-600
       ;;
     weightdrift)
       # (WD_ARMS: the arms in order, default stock_eager stock_compiled coda_compiled stock_amp stock_eager

@@ -187,6 +187,34 @@ def test_bf16_step_accuracy_measures_stock_and_coda_bf16_against_the_same_step_i
     assert "| stock_eager |" in table and "| coda_eager |" in table and f"{coda['whole_rel']:.2e}" in table
 
 
+def test_attention_tensors_records_each_layer_against_the_reference_models_values():
+    """``bf16_step_accuracy --tensors`` (``attention_tensors.Recorder``): every layer's residual stream, attention
+    inputs and output and their gradients, for stock and CODA's torch backend alike (stock's (b, s, d) stream read
+    in CODA's (b * s, d) order), each against the fp32 reference's value; a tensor scaled by 1 + 2^-7 reads 2^-7;
+    the embedding output, exact in every precision here, reads 0; a tensor without a reference of its size fails."""
+    from scripts.probes.attention_tensors import KEYS, Recorder
+    from scripts.probes.bf16_step_accuracy import Setup, measure
+
+    rec = Recorder()
+    rec.name = "fp32"
+    rec._record(0, "q", torch.ones(4, 8))
+    rec.name, rec.rows["scaled"] = "scaled", {}
+    rec._record(0, "q", torch.full((32,), 1 + 2 ** -7))
+    assert rec.rows["scaled"][0]["q"] == pytest.approx(2 ** -7)
+    with pytest.raises(AssertionError, match="no reference"):
+        rec._record(0, "k", torch.ones(4, 8))
+
+    rec = Recorder()
+    s = Setup(flavor="debugmodel", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False)
+    measure(s, models=("stock_eager", "torch_eager"), instrument=rec.attach)
+    for name in ("stock_eager", "torch_eager"):
+        rows = rec.rows[name]
+        assert sorted(rows) == list(range(len(rows))) and len(rows) >= 2 and all(set(r) == set(KEYS) for r in rows.values())
+        assert rows[0]["x"] == 0  # (the embedding's rows, bf16 in both)
+        assert all(0 < rows[i][k] < 2 ** -4 for i in rows for k in KEYS if (i, k) != (0, "x")), rows
+    assert rec.summary()["stock_eager"]["q"]["max"] == max(r["q"] for r in rec.rows["stock_eager"].values())
+
+
 def test_bf16_step_accuracy_amp_models_run_under_autocast_on_fp32_parameters():
     """The probe's AMP models (CPU, debug flavor): CODA under AMP runs its bf16 programs on bf16 casts, so its
     step is the bf16 model's to the bit (but for the embedding's gradient, whose repeated rows the fp32 table sums

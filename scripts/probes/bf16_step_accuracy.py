@@ -34,6 +34,8 @@ config and the batch its step N + 1 reads) in each of
 For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g_fp32||, the fraction of
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
 first update that moves), and both again against ``stock_eager`` (what the parity criterion compares).
+With ``--tensors`` also each layer's residual stream, attention inputs and output and their gradients against fp32's
+(``attention_tensors.Recorder``; the file then ends ``_tensors``).
 Writes ``$OUT/probe_bf16_step_accuracy[_step<N>]_<gpu>.json`` (after each model) with every parameter's numbers and a summary per model:
 the median over parameters, the largest, and the whole-model error (all gradients as one vector).
 """
@@ -232,10 +234,12 @@ def trained_state(s: Setup, config: str, steps: int, workdir: str,
 
 
 def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple | None = None,
-            done=lambda doc: None) -> dict:
+            done=lambda doc: None, instrument=lambda name, model: None) -> dict:
     """The probe's result document (without the header): losses, per-parameter numbers, summaries. ``state``:
     (weights, tokens, labels) to start from (``trained_state``), else the init weights and random tokens.
-    ``done(doc)`` is called after each model (the GPU run writes what it has, in case its call times out)."""
+    ``done(doc)`` is called after each model (the GPU run writes what it has, in case its call times out);
+    ``instrument(name, model)`` after each model is built ("fp32" first), before its step (hooks of a probe
+    that reads the step's activations: ``attention_tensors``)."""
     from torchtitan.components.loss import cross_entropy_loss
 
     for arm in set(models) & set(ENV_ARMS):
@@ -256,6 +260,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         weights, tokens, labels = state
 
     ref = _coda(s, "torch", torch.float32, checkpoint=True)
+    instrument("fp32", ref)
     loss_ref, g_ref = _step(ref, {n: w.float() for n, w in weights.items()}, tokens, labels, stock=False)
     g_ref = {n: g.detach().clone() for n, g in g_ref.items()}
     del ref
@@ -275,6 +280,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
             model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
             if name == "stock_amp_bf16_stream":
                 model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
+            instrument(name, model)
             loss, grads = _step(model, weights, tokens, labels, stock,
                                 loss_fn=compiled_loss if compiled else cross_entropy_loss, amp=amp)
         doc["loss"][name] = loss
@@ -325,6 +331,9 @@ def main(argv=None) -> None:
     ap.add_argument("--state-set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="overrides of --state-config (training.dtype=bfloat16: the CPU debug pair trained in bf16)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, *ENV_ARMS])
+    ap.add_argument("--tensors", action="store_true",
+                    help="also each layer's residual stream, attention inputs and output, and their gradients, "
+                         "against fp32's (``attention_tensors``; the file ends _tensors)")
     ap.add_argument("--cpu", action="store_true", help="the debug model (debugmodel_gqa, seq 256 x batch 4) on the "
                     "CPU, CODA on its torch backend, SDPA; the file goes to $OUT or benchmarks/results as _cpu.json")
     args = ap.parse_args(argv)
@@ -335,18 +344,26 @@ def main(argv=None) -> None:
     state = (trained_state(s, args.state_config, args.state_steps, args.workdir, tuple(args.state_set))
              if args.state_steps else None)
     name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
-            + ("_amp" if set(args.models) & set(AMP_MODELS) else ""))
+            + ("_amp" if set(args.models) & set(AMP_MODELS) else "") + ("_tensors" if args.tensors else ""))
     head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "state": ({"config": args.state_config, "steps": args.state_steps, "sets": args.state_set} if state
                       else "init")}
 
+    from scripts.probes.attention_tensors import Recorder
+
+    rec = Recorder() if args.tensors else None
+
     def write(doc: dict) -> None:
+        if rec is not None:
+            doc = {**doc, "tensors": {"rows": rec.rows, "summary": rec.summary()}}
         with open(path, "w") as f:
             json.dump({**head, **doc}, f, indent=1)
 
-    measure(s, tuple(args.models), state=state, done=write)
+    measure(s, tuple(args.models), state=state, done=write, instrument=rec.attach if rec else lambda name, model: None)
+    if rec is not None:
+        print(rec.table())
     print("wrote", path)
 
 

@@ -15,7 +15,8 @@ config and the batch its step N + 1 reads) in each of
 * ``stock_eager``, ``stock_compiled`` (per-block ``torch.compile`` and the compiled loss, as TorchTitan
   compiles them), ``coda_eager``, ``coda_compiled`` (the cute backend as the bf16 configs run it), all with FA4,
 * and on request ``torch_eager``: CODA's torch backend in bf16 (SDPA), the same math in the same precision as
-  the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``);
+  the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``); ``torch_eager_fa4``: the
+  same with FA4 as stock calls it (the module on contiguous q, k, v: no cute kernel to compile);
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
@@ -69,7 +70,8 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 # its torch reference, or FA4 called on contiguous q, k, v as stock calls it): the switches are read when the
 # model is built (REFERENCE_ENV) or at each call (FA4_PACKED_ENV), so each arm builds its model under them
 ATTN_PROGRAMS = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"  # (the attention side's programs)
-ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"},
+TORCH_FA4 = "torch_eager_fa4"  # (the torch backend with FA4 on contiguous q, k, v)
+ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {FA4_PACKED_ENV: "0"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
@@ -278,6 +280,10 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         dtype = torch.float32 if amp else torch.bfloat16  # (AMP: fp32 parameters holding the same bf16 values)
         with unittest.mock.patch.dict(os.environ, ENV_ARMS.get(name, {})):  # (the model built under its switches too)
             model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
+            if name == TORCH_FA4:
+                from coda_titan.titan.fa4 import swap_attention
+
+                swap_attention(model)
             if name == "stock_amp_bf16_stream":
                 model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
             instrument(name, model)

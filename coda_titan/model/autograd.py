@@ -29,12 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import Backend
-from ..kernels._common import deinterleave_rows, interleave_rows
+from ..kernels._common import deinterleave_rows, interleave_rows, mm
 from ..kernels.scaling import E4M3, E5M2_MAX, amax_abs, dequant_scale, inv_scale_from_amax
 from .edges import amax_grad, amax_token, grads, needs
 from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH
 
 DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
+# "dgrad": the attention norm's row dot zdz from the dgrad, sum_k (da @ W)_k x_k gamma_k (one more GEMM), not B1's
+# sum y * dy over the rounded q, k, v (a precision probe's arm: ``bf16_step_accuracy``)
+ZDZ_ENV = "CODA_TITAN_ZDZ"
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,8 @@ class NormRoPE(torch.autograd.Function):
             sink = amax.float().reshape(()) if needs(ctx, NORM_ROPE_INPUTS, "grad_sink") else None
         else:
             da, zdz = be.rope_bwd(**rope)
+            if os.environ.get(ZDZ_ENV) == "dgrad":
+                zdz = (mm(da, w) * x.to(zdz.dtype) * gamma.to(zdz.dtype)).sum(-1)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
         if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, da cast at its current amax (B1's where it has
             # one; not B1's delayed-scale codes, which moved the loss: docs/fp8.md) and the forward's e4m3 input

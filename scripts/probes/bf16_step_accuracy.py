@@ -17,6 +17,8 @@ config and the batch its step N + 1 reads) in each of
 * and on request ``torch_eager``: CODA's torch backend in bf16 (SDPA), the same math in the same precision as
   the cute backend, the yardstick of the whole-model GPU test (``tests/test_model.py``); ``torch_eager_fa4``: the
   same with FA4 as stock calls it (the module on contiguous q, k, v: no cute kernel to compile);
+  ``torch_eager_fa4_zdz_dgrad`` and ``coda_eager_zdz_dgrad``: with the attention norm's row dot from the dgrad
+  (``CODA_TITAN_ZDZ=dgrad``), not B1's sum over the rounded q, k, v;
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
@@ -57,6 +59,7 @@ from torchtitan.tools.utils import set_default_dtype
 
 from coda_titan.kernels import PROGRAMS, REFERENCE_ENV
 from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV
+from coda_titan.model.autograd import ZDZ_ENV
 from coda_titan.titan.fa4 import FA4_PACKED_ENV
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")
@@ -72,6 +75,7 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 ATTN_PROGRAMS = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"  # (the attention side's programs)
 TORCH_FA4 = "torch_eager_fa4"  # (the torch backend with FA4 on contiguous q, k, v)
 ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {FA4_PACKED_ENV: "0"},
+                 TORCH_FA4 + "_zdz_dgrad": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad"}, "coda_eager_zdz_dgrad": {ZDZ_ENV: "dgrad"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
@@ -280,7 +284,7 @@ def measure(s: Setup = Setup(), models: tuple[str, ...] = MODELS, state: tuple |
         dtype = torch.float32 if amp else torch.bfloat16  # (AMP: fp32 parameters holding the same bf16 values)
         with unittest.mock.patch.dict(os.environ, ENV_ARMS.get(name, {})):  # (the model built under its switches too)
             model = _stock(s, compiled, dtype) if stock else _coda(s, backend, dtype, compiled=compiled)
-            if name == TORCH_FA4:
+            if name.startswith(TORCH_FA4):
                 from coda_titan.titan.fa4 import swap_attention
 
                 swap_attention(model)

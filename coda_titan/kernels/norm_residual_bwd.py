@@ -24,12 +24,19 @@ instead of reducing D again (the epilogue reduces it per tile).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from typing import Optional
 
 from ._common import acc_dtype, check_2d, mm, program_op
 from .scaling import E4M3, E5M2, amax_abs, compute_dtype
+
+# "dgrad_all" (the torch backend's programs): every norm's row dot zdz as sum_k acc_k X_k gamma_k from the dgrad
+# accumulator, not the consumer's sum p * dp over its rounded outputs (a precision probe's arm; equal in exact
+# math). ``coda_titan.model.autograd`` reads "dgrad" (the attention norm's only, by one more GEMM)
+ZDZ_ENV = "CODA_TITAN_ZDZ"
 
 
 def norm_residual_bwd(
@@ -56,6 +63,8 @@ def norm_residual_apply(
     ct = acc.dtype
     r = rstd.to(ct)
     xf = x.to(ct)
+    if os.environ.get(ZDZ_ENV) == "dgrad_all":  # (a precision probe's arm: every norm's row dot from acc, exact)
+        zdz = (acc * xf * gamma.to(ct)).sum(-1)
     corr = -(r * r / x.shape[1]) * zdz.to(ct)
     dx = acc * gamma.to(ct) + xf * corr[:, None]
     if dresidual is not None:

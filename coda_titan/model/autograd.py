@@ -30,14 +30,14 @@ import torch
 
 from ..kernels import Backend
 from ..kernels._common import deinterleave_rows, interleave_rows, mm
+from ..kernels.norm_residual_bwd import ZDZ_ENV
 from ..kernels.scaling import E4M3, E5M2_MAX, amax_abs, dequant_scale, inv_scale_from_amax
 from .edges import amax_grad, amax_token, grads, needs
 from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH
 
 DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
-# "dgrad": the attention norm's row dot zdz from the dgrad, sum_k (da @ W)_k x_k gamma_k (one more GEMM), not B1's
-# sum y * dy over the rounded q, k, v (a precision probe's arm: ``bf16_step_accuracy``)
-ZDZ_ENV = "CODA_TITAN_ZDZ"
+# ZDZ_ENV = "dgrad": the attention norm's row dot zdz from the dgrad, sum_k (da @ W)_k x_k gamma_k (one more GEMM),
+# not B1's sum y * dy over the rounded q, k, v (a precision probe's arm: ``bf16_step_accuracy``)
 
 
 @dataclass(frozen=True)

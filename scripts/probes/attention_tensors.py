@@ -9,7 +9,8 @@ every model has alike:
 
 * the block's input, the residual stream ``x``, and its gradient ``dx`` (the block's forward pre-hook);
 * the attention module's inputs ``q``, ``k``, ``v`` (post-RoPE, (b, h, s, d)), its output ``o``, and their
-  gradients ``dq``, ``dk``, ``dv``, ``do`` (a forward hook on ``attention.inner_attention``).
+  gradients ``dq``, ``dk``, ``dv``, ``do`` (a forward hook on ``attention.inner_attention``);
+* ``dx_sum`` and ``do_sum``: dx and do summed over the tokens.
 
 The reference model ("fp32", built first) keeps its tensors (fp32, on its device); every later model's are
 compared to them as they arrive, ||t - t_fp32|| / ||t_fp32||, and only the numbers are kept. The cute
@@ -25,7 +26,9 @@ import statistics
 
 import torch
 
-KEYS = ("x", "q", "k", "v", "o", "dx", "dq", "dk", "dv", "do")
+KEYS = ("x", "q", "k", "v", "o", "dx", "dq", "dk", "dv", "do", "dx_sum", "do_sum")
+# (dx_sum, do_sum: the gradients summed over the tokens, the part of their error every token shares, which a
+# sum over tokens such as dv = P^T dO does not average away)
 
 
 class Recorder:
@@ -65,6 +68,10 @@ class Recorder:
 
     def _grad(self, i: int, key: str, g: torch.Tensor) -> None:
         self._record(i, key, g)
+        if key == "dx":
+            self._record(i, "dx_sum", g.reshape(-1, g.shape[-1]).sum(0))
+        elif key == "do":
+            self._record(i, "do_sum", g.sum(2))
 
     def _record(self, i: int, key: str, t: torch.Tensor) -> None:
         with torch.no_grad():

@@ -36,8 +36,8 @@ from .edges import amax_grad, amax_token, grads, needs
 from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH
 
 DW2_RECAST_ENV = "CODA_TITAN_DW2_RECAST"  # "1": dW2 casts D itself again, not reusing B3's codes (the A/B's other arm)
-# ZDZ_ENV = "dgrad": the attention norm's row dot zdz from the dgrad, sum_k (da @ W)_k x_k gamma_k (one more GEMM),
-# not B1's sum y * dy over the rounded q, k, v (a precision probe's arm: ``bf16_step_accuracy``)
+# ZDZ_ENV = "dgrad" / "dgrad_mlp": the attention (MLP) norm's row dot zdz from the dgrad, sum_k (da @ W)_k x_k gamma_k
+# (one more GEMM), not B1's (B3's) sum over its rounded outputs (a precision probe's arm: ``bf16_step_accuracy``)
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
                                                            scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
-            dx, dgamma = be.norm_residual_bwd(da=da, weight=interleave_rows(w1, w3), zdz=zdz, **norm)
+            w13 = interleave_rows(w1, w3)
+            if os.environ.get(ZDZ_ENV) == "dgrad_mlp":
+                zdz = (mm(da, w13) * x.to(zdz.dtype) * gamma.to(zdz.dtype)).sum(-1)
+            dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
             dw2 = be.wgrad_fp8_q(gradq=dq if dq_t is None else dq_t.t(), grad_scale=s_d,

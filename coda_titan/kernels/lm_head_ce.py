@@ -27,6 +27,7 @@ gradients are empty (0-element) tensors, which ``lm_head_ce_program`` maps back 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -42,6 +43,9 @@ F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 # "exp": the CUDA program's F4 without its gradient pass (``cute/ce_exp.py``; the math of ``lm_head_ce_exp``);
 # "inductor": its previous gradient pass; unset: the Triton gradient pass
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"
+# "exact" / "target": the final norm's row dot zdz over the unrounded logits / with the target's term unrounded (the
+# torch backend; the bf16 step probe's arms torch_eager_fa4_f4zdz_*); else over the stored (rounded) logits
+F4_ZDZ_ENV = "CODA_TITAN_F4_ZDZ"
 
 
 def lm_head_ce(
@@ -70,11 +74,13 @@ def lm_head_ce(
         r = rstd[rows]
         tgt = targets[rows]
         acc = mm(h[rows], weight.t())
-        logits = stored_logits(acc * r.to(acc.dtype)[:, None], h.dtype)
+        lf = acc * r.to(acc.dtype)[:, None]
+        logits = stored_logits(lf, h.dtype)
         chunk_loss, dp, zdz = _ce(logits, tgt, compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
             continue
+        zdz = _zdz_variant(zdz, dp, lf, logits, tgt)
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
         dx_c, dg_c = norm_residual_bwd(
             da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
@@ -165,6 +171,20 @@ def lm_head_ce_exp(
         dweight = dw_c if dweight is None else dweight + dw_c
     assert loss is not None, "empty batch"
     return loss, dx, dgamma, None if dweight is None else dweight.to(weight.dtype), repaired
+
+
+def _zdz_variant(zdz, dp, lf, logits, tgt):
+    """zdz as ``F4_ZDZ_ENV`` asks (a precision probe's arms, the torch backend): "exact", sum dp l over the
+    unrounded logits l (what the dgrad's row dot sum_k g_k n_k makes of them); "target", the rounded logits' zdz
+    with the target's term on its unrounded logit; else the rounded logits' (the programs' today)."""
+    mode = os.environ.get(F4_ZDZ_ENV, "rounded")
+    if mode == "exact":
+        return (dp * lf).sum(-1)
+    if mode == "target":
+        valid = tgt != IGNORE_INDEX
+        t = torch.where(valid, tgt, 0)[:, None]
+        return zdz + torch.where(valid, (logits.gather(1, t) - lf.gather(1, t)).squeeze(1), 0)
+    return zdz
 
 
 def stored_logits(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,7 @@ config and the batch its step N + 1 reads) in each of
   ``torch_eager_fa4_zdz_dgrad`` and ``coda_eager_zdz_dgrad``: with the attention norm's row dot from the dgrad
   (``CODA_TITAN_ZDZ=dgrad``), not B1's sum over the rounded q, k, v; ``torch_eager_fa4_zdz_all``: every norm's
   (``dgrad_all``: the torch backend's B2 takes it from its accumulator); ``torch_eager_fa4_zdz_mlp``: the MLP norm's;
+  ``torch_eager_fa4_f4zdz_{exact,target}``: the final norm's over the unrounded logits, or its target term only;
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
@@ -59,7 +60,7 @@ import torch
 from torchtitan.tools.utils import set_default_dtype
 
 from coda_titan.kernels import PROGRAMS, REFERENCE_ENV
-from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV
+from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV, F4_ZDZ_ENV
 from coda_titan.kernels.norm_residual_bwd import ZDZ_ENV
 from coda_titan.titan.fa4 import FA4_PACKED_ENV
 
@@ -79,6 +80,8 @@ ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {F
                  TORCH_FA4 + "_zdz_dgrad": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad"}, "coda_eager_zdz_dgrad": {ZDZ_ENV: "dgrad"},
                  TORCH_FA4 + "_zdz_all": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad_all"},
                  TORCH_FA4 + "_zdz_mlp": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad_mlp"},
+                 TORCH_FA4 + "_f4zdz_exact": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "exact"},
+                 TORCH_FA4 + "_f4zdz_target": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "target"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},

@@ -559,9 +559,10 @@ for phase in "$@"; do
       ;;
     bf16acc)
       # (STATE_STEPS=N: from the weights after N steps of the stock eager config and its next batch)
-      # (TENSORS=1: also each layer's residual stream, attention inputs, output and their gradients: --tensors)
+      # (TENSORS=1: also each layer's residual stream, attention inputs, output and their gradients: --tensors;
+      # TAG: the file's tag, so that calls of one session keep their files apart)
       python3 -m scripts.probes.bf16_step_accuracy ${STATE_STEPS:+--state-steps $STATE_STEPS} ${MODELS:+--models $MODELS} \
-        ${TENSORS:+--tensors} > "$logs/bf16_step_accuracy.log" 2>&1
+        ${TENSORS:+--tensors} ${TAG:+--tag $TAG} > "$logs/bf16_step_accuracy.log" 2>&1
       echo "bf16acc rc=$?"; grep -E "loss|wrote|Error|error|layer|: +x" "$logs/bf16_step_accuracy.log" | cut -c1-600
       ;;
     weightdrift)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from coda_titan.kernels.lm_head_ce import IGNORE_INDEX
+from coda_titan.kernels.lm_head_ce import F4_ZDZ_ENV, IGNORE_INDEX
 from coda_titan.model.autograd import LMHeadCE
 
 from .helpers import (CFG, D, DIMS, EPS, M, TORCH, V, check_cute_matches_reference, deferred_norm, op_cases, rand64,
@@ -24,6 +24,40 @@ def test_lm_head_ce_backward():
         return LMHeadCE.apply(h, r, x, gamma, w, targets, CFG, True)
 
     assert torch.autograd.gradcheck(f, (x, gamma, w))
+
+
+@pytest.mark.parametrize("mode", ["rounded", "acc"])
+def test_lm_head_ce_zdz_from_b2s_accumulator_leaves_no_x_component_in_dx(mode, monkeypatch):
+    """The RMSNorm backward's dX has no component along X but eps r^2 zdz: sum_k dX_k X_k = zdz (1 - r^2 |X|^2 / d).
+    B2 subtracts (r^2 / d) X zdz from acc * gamma, acc = da @ W made of the *rounded* da, so that holds only for the
+    zdz of that da, sum_k acc_k X_k gamma_k. ``CODA_TITAN_F4_ZDZ=acc`` takes it from the accumulator (to fp32's
+    rounding, 4e-8 of |acc gamma| |X| here); the gradient pass's zdz, sum l (softmax - onehot) over the rounded
+    logits and the unrounded probabilities, leaves 6e-4: a per-token error along X, which on a trained model's
+    residual stream (its large shared features) every token repeats, and which sums over tokens (attention's
+    dv = P^T dO) then do not average away (the fifty-seventh session's one-step probes)."""
+    from coda_titan.kernels import lm_head_ce as ce
+    from coda_titan.kernels._common import mm
+
+    monkeypatch.setenv(ce.F4_ZDZ_ENV, mode)
+    torch.manual_seed(0)
+    m, d, v, eps = 64, 256, 512, 1e-5
+    x, gamma = torch.randn(m, d) * 3, torch.rand(d) + 0.5
+    r = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    h, w = (x * gamma).to(torch.bfloat16), (torch.randn(v, d) * 0.1).to(torch.bfloat16)
+    targets = torch.randint(0, v, (m,))
+    targets[3] = IGNORE_INDEX
+    _, dx, _, _ = ce.lm_head_ce(h=h, rstd=r, x=x, gamma=gamma, weight=w, targets=targets, chunk_rows=32)
+    _, dp, _ = ce._ce(ce.stored_logits(mm(h, w.t()) * r[:, None], torch.bfloat16), targets, True)
+    acc = mm((dp * r[:, None]).to(torch.bfloat16), w)
+    zdz = (acc * x * gamma).sum(-1)
+    off = ((dx.double() * x.double()).sum(-1) - eps * (r * r * zdz).double()).abs()
+    valid = targets != IGNORE_INDEX
+    rel = (off / ((acc * gamma).double().norm(dim=-1) * x.double().norm(dim=-1)))[valid].max().item()
+    assert off[~valid].max() == 0
+    if mode == "acc":
+        assert rel < 2 ** -20, rel  # (fp32 sums over d = 256 terms)
+    else:
+        assert rel > 2 ** -14, rel  # (the pass's zdz: the inconsistency the "acc" mode removes)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -168,13 +202,16 @@ def test_cute_matches_reference(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["one_chunk", "inductor"])
+@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "zdz_acc"])
 def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
     """The paths ``test_cute_matches_reference`` (several chunks, the in-place Triton pass, the last
-    chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum), and
-    the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast)."""
+    chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum),
+    the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast), and
+    B2 as a plain fp32 GEMM with zdz from its accumulator (``CODA_TITAN_F4_ZDZ=acc``, both sides)."""
     if arm == "inductor":
         monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
+    if arm == "zdz_acc":
+        monkeypatch.setenv(F4_ZDZ_ENV, "acc")
     check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm == "one_chunk" else {}))
 
 

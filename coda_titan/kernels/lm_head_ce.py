@@ -43,8 +43,10 @@ F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 # "exp": the CUDA program's F4 without its gradient pass (``cute/ce_exp.py``; the math of ``lm_head_ce_exp``);
 # "inductor": its previous gradient pass; unset: the Triton gradient pass
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"
-# "exact" / "target": the final norm's row dot zdz over the unrounded logits / with the target's term unrounded (the
-# torch backend; the bf16 step probe's arms torch_eager_fa4_f4zdz_*); else over the stored (rounded) logits
+# "acc": the final norm's row dot zdz from B2's accumulator, sum_k (da @ W)_k X_k gamma_k, B2 a plain GEMM keeping
+# it in fp32 and its epilogue in torch (both backends: the zdz of the rounded da B2 reads, as stock's norm backward
+# takes its row dot from its own bf16 gradient); "exact" / "target" / "consistent" / "consistent_rounded" (the torch
+# backend: ``_zdz_variant``); else over the stored (rounded) logits with the unrounded dp (the programs' today)
 F4_ZDZ_ENV = "CODA_TITAN_F4_ZDZ"
 
 
@@ -80,11 +82,12 @@ def lm_head_ce(
         loss = chunk_loss if loss is None else loss + chunk_loss
         if not compute_grad:
             continue
-        zdz = _zdz_variant(zdz, dp, lf, logits, tgt)
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
-        dx_c, dg_c = norm_residual_bwd(
-            da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r, zdz=zdz, dresidual=None
-        )
+        if os.environ.get(F4_ZDZ_ENV) == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
+            dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
+        else:
+            dx_c, dg_c = norm_residual_bwd(da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r,
+                                           zdz=_zdz_variant(zdz, dp, lf, logits, tgt, da, r), dresidual=None)
         dx[rows] = dx_c
         dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
         dgamma = dg_c if dgamma is None else dgamma + dg_c
@@ -173,17 +176,26 @@ def lm_head_ce_exp(
     return loss, dx, dgamma, None if dweight is None else dweight.to(weight.dtype), repaired
 
 
-def _zdz_variant(zdz, dp, lf, logits, tgt):
+def _zdz_variant(zdz, dp, lf, logits, tgt, da, r):
     """zdz as ``F4_ZDZ_ENV`` asks (a precision probe's arms, the torch backend): "exact", sum dp l over the
-    unrounded logits l (what the dgrad's row dot sum_k g_k n_k makes of them); "target", the rounded logits' zdz
-    with the target's term on its unrounded logit; else the rounded logits' (the programs' today)."""
+    unrounded logits l; "target", the rounded logits' zdz with the target's term on its unrounded logit;
+    "consistent", sum l da / r over the rounded logits (the target's unrounded) and the *rounded* da B2's GEMM
+    reads, so that B2's correction cancels the x-component of the gradient it is given, as stock's norm backward
+    does with its own bf16 gradient; "consistent_rounded", the same with every logit rounded (what the gradient
+    pass has in memory); else the rounded logits' sum dp l (the programs' today)."""
     mode = os.environ.get(F4_ZDZ_ENV, "rounded")
+    valid = tgt != IGNORE_INDEX
+    t = torch.where(valid, tgt, 0)[:, None]
     if mode == "exact":
         return (dp * lf).sum(-1)
     if mode == "target":
-        valid = tgt != IGNORE_INDEX
-        t = torch.where(valid, tgt, 0)[:, None]
         return zdz + torch.where(valid, (logits.gather(1, t) - lf.gather(1, t)).squeeze(1), 0)
+    if mode in ("consistent", "consistent_rounded"):
+        daf = da.to(lf.dtype)
+        dot = (logits * daf).sum(-1)
+        if mode == "consistent":
+            dot = dot + ((lf.gather(1, t) - logits.gather(1, t)) * daf.gather(1, t)).squeeze(1)
+        return torch.where(valid, dot / torch.where(valid, r.to(lf.dtype), 1), 0)
     return zdz
 
 

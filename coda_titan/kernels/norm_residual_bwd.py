@@ -56,14 +56,16 @@ def norm_residual_bwd(
 
 
 def norm_residual_apply(
-    acc: torch.Tensor, *, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor,
+    acc: torch.Tensor, *, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor | None,
     dresidual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B2's epilogue on the dgrad accumulator ``acc`` = da @ W (its compute dtype): (D, dgamma)."""
+    """B2's epilogue on the dgrad accumulator ``acc`` = da @ W (its compute dtype): (D, dgamma). ``zdz=None``: the
+    row dot from ``acc`` itself, sum_k acc_k X_k gamma_k: the zdz of the very gradient ``acc`` was made from,
+    whatever that gradient's rounding (the LM head's ``F4_ZDZ_ENV=acc``)."""
     ct = acc.dtype
     r = rstd.to(ct)
     xf = x.to(ct)
-    if os.environ.get(ZDZ_ENV) == "dgrad_all":  # (a precision probe's arm: every norm's row dot from acc, exact)
+    if zdz is None or os.environ.get(ZDZ_ENV) == "dgrad_all":  # ("dgrad_all": a probe's arm, every norm's so)
         zdz = (acc * xf * gamma.to(ct)).sum(-1)
     corr = -(r * r / x.shape[1]) * zdz.to(ct)
     dx = acc * gamma.to(ct) + xf * corr[:, None]

@@ -20,7 +20,8 @@ config and the batch its step N + 1 reads) in each of
   ``torch_eager_fa4_zdz_dgrad`` and ``coda_eager_zdz_dgrad``: with the attention norm's row dot from the dgrad
   (``CODA_TITAN_ZDZ=dgrad``), not B1's sum over the rounded q, k, v; ``torch_eager_fa4_zdz_all``: every norm's
   (``dgrad_all``: the torch backend's B2 takes it from its accumulator); ``torch_eager_fa4_zdz_mlp``: the MLP norm's;
-  ``torch_eager_fa4_f4zdz_{exact,target}``: the final norm's over the unrounded logits, or its target term only;
+  ``torch_eager_fa4_f4zdz_{exact,target,consistent,consistent_rounded,acc}``: the final norm's (``lm_head_ce``'s
+  ``F4_ZDZ_ENV``), ``coda_eager_f4zdz_acc`` and ``coda_f4zdz_acc_compiled`` the cute F4 with ``acc``;
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
@@ -40,7 +41,7 @@ For each bf16 model and every parameter: the relative error ||g - g_fp32|| / ||g
 elements whose sign differs from fp32's (AdamW's first update is lr * sign(g), so this is the part of the
 first update that moves), and both again against ``stock_eager`` (what the parity criterion compares).
 With ``--tensors`` also each layer's residual stream, attention inputs and output and their gradients against fp32's
-(``attention_tensors.Recorder``; the file then ends ``_tensors``).
+(``attention_tensors.Recorder``; the file then ends ``_tensors``); ``--tag T`` adds ``_T`` to the name.
 Writes ``$OUT/probe_bf16_step_accuracy[_step<N>]_<gpu>.json`` (after each model) with every parameter's numbers and a summary per model:
 the median over parameters, the largest, and the whole-model error (all gradients as one vector).
 """
@@ -82,6 +83,10 @@ ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {F
                  TORCH_FA4 + "_zdz_mlp": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad_mlp"},
                  TORCH_FA4 + "_f4zdz_exact": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "exact"},
                  TORCH_FA4 + "_f4zdz_target": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "target"},
+                 TORCH_FA4 + "_f4zdz_consistent": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent"},
+                 TORCH_FA4 + "_f4zdz_acc": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "acc"},
+                 "coda_eager_f4zdz_acc": {F4_ZDZ_ENV: "acc"}, "coda_f4zdz_acc_compiled": {F4_ZDZ_ENV: "acc"},
+                 TORCH_FA4 + "_f4zdz_consistent_rounded": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent_rounded"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
@@ -347,6 +352,7 @@ def main(argv=None) -> None:
     ap.add_argument("--state-set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="overrides of --state-config (training.dtype=bfloat16: the CPU debug pair trained in bf16)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "torch_eager", *AMP_MODELS, *ENV_ARMS])
+    ap.add_argument("--tag", default="", help="the file's name ends _<tag>_<gpu>.json (calls of one session apart)")
     ap.add_argument("--tensors", action="store_true",
                     help="also each layer's residual stream, attention inputs and output, and their gradients, "
                          "against fp32's (``attention_tensors``; the file ends _tensors)")
@@ -360,7 +366,7 @@ def main(argv=None) -> None:
     state = (trained_state(s, args.state_config, args.state_steps, args.workdir, tuple(args.state_set))
              if args.state_steps else None)
     name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
-            + ("_amp" if set(args.models) & set(AMP_MODELS) else "") + ("_tensors" if args.tensors else ""))
+            + ("_amp" if set(args.models) & set(AMP_MODELS) else "") + ("_tensors" if args.tensors else "") + (f"_{args.tag}" if args.tag else ""))
     head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from coda_titan.kernels import REFERENCE_ENV
-from coda_titan.kernels.lm_head_ce import CE_PASS_ENV
+from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_ZDZ_ENV
 from coda_titan.titan.fa4 import FA4_PACKED_ENV
 from scripts.probes.bf16_step_accuracy import ATTN_PROGRAMS
 
@@ -54,6 +54,7 @@ ARMS = {
     # (the one-step probe's bisection arms as training runs: a fix's trajectory checked before it becomes code)
     "coda_compiled_fa4_unpacked": (_CODA, [], {FA4_PACKED_ENV: "0"}),
     "coda_compiled_ref_attn": (_CODA, [], {REFERENCE_ENV: ATTN_PROGRAMS}),
+    "coda_compiled_f4zdz_acc": (_CODA, [], {F4_ZDZ_ENV: "acc"}),  # (the LM head's zdz from B2's accumulator)
 }
 CPU_ARMS = {
     "stock": ("configs/debug_cpu_baseline.toml", [], {}),

@@ -112,7 +112,22 @@ def step_accuracy_table(doc: dict, name: str | None = None) -> str:
         vs = f"{v['whole_rel']:.2e} | {100 * v['median_flips']:.2f}%" if v else "- | -"
         lines.append(f"| {name} | {s['loss_rel_err']:+.1e} | {f['whole_rel']:.2e} | {f['median_rel']:.2e} | "
                      f"{f['max_rel']:.2e} (`{f['max_rel_param']}`) | {100 * f['median_flips']:.2f}% | {vs} |")
-    return "\n".join(lines + ["", step_accuracy_kinds(doc)])
+    return "\n".join(lines + ["", step_accuracy_kinds(doc)] + (["", step_tensors_table(doc)] if "tensors" in doc else []))
+
+
+def step_tensors_table(doc: dict) -> str:
+    """``--tensors``: per model, each recorded tensor's error against fp32's, the median over layers and the largest
+    (its layer)."""
+    from scripts.probes.attention_tensors import KEYS
+
+    lines = ["Each layer's residual stream `x`, attention inputs `q k v` (post-RoPE) and output `o`, and their "
+             "gradients, against fp32's (`dx_sum`, `do_sum`: summed over the tokens): the median over layers / the "
+             "largest (layer).", "", "| model | " + " | ".join(KEYS) + " |", "|---|" + "---:|" * len(KEYS)]
+    for name, per in doc["tensors"]["summary"].items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{per[k]['median']:.2e} / {per[k]['max']:.2e} ({per[k]['max_layer']})" if k in per else "-"
+            for k in KEYS) + " |")
+    return "\n".join(lines)
 
 
 STEP_KINDS = (*WD_KINDS[:7], "attention_norm", "ffn_norm", "norm", *WD_KINDS[7:])

@@ -10,6 +10,8 @@ chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no 
 one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
+``CODA_TITAN_F4_ZDZ=acc``: B2 as a plain GEMM with an fp32 output and the reference's epilogue on it
+(``norm_residual_apply``), zdz taken from that accumulator, sum_k acc_k X_k gamma_k, not from the pass.
 ``CODA_TITAN_CE_PASS=exp`` (bf16, with gradients) runs F4 without its gradient pass (``_lm_head_ce_exp``,
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
 it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.
@@ -93,6 +95,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
+    zdz_acc = compute_grad and os.environ.get(ref.F4_ZDZ_ENV) == "acc"
     for i, start in enumerate(range(0, m, chunk_rows)):
         stop = min(start + chunk_rows, m)
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
@@ -109,9 +112,14 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
                 continue
             da, zdz = grad_fn(logits, lse, tl, t, r)
             corr = -(r * r / d) * zdz
-        with stages.capped(base):
-            out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
-        dgamma += out["dw"]
+        if zdz_acc:  # (zdz from B2's accumulator: the GEMM keeps it in fp32, the epilogue is the reference's)
+            dx[start:stop], dg = ref.norm_residual_apply(torch.mm(da, weight, out_dtype=torch.float32), x=x[start:stop],
+                                                         gamma=gamma32, rstd=r, zdz=None, dresidual=None)
+            dgamma += dg
+        else:
+            with stages.capped(base):
+                out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
+            dgamma += out["dw"]
         if in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
             dw = (quack_gemm(da.t(), hc, out_dtype=weight.dtype, tuned=TUNE) if dw is None
                   else gemm_add(da.t(), hc, dw, out_dtype=weight.dtype, tuned=TUNE))

@@ -100,6 +100,26 @@ got["fp8"] = {
     "ignored_row_zero": bool((daq[1].float() == 0).all()) and float(zdz[1]) == 0.0,
 }
 
+# the consistent zdz (``tdelta`` given): sum_n l_n da_n / r over the stored logits and the da the pass wrote, read
+# back from the buffer (whatever rounding the interpreter applied), the target's term on l_t + tdelta; in another
+# summation order: 2 V units of the sum of its terms' magnitudes, then the division and corr's two roundings
+buf = logits.clone()
+tdelta = (torch.rand(rows) - 0.5) * 0.02
+da, corr = ce_pass.ce_grad_inplace(buf, parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, tdelta=tdelta)
+daf = da.float()
+dat = daf.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+zdz_c = torch.where(valid, ((lf * daf).sum(-1) + tdelta * dat) / rstd, 0.0)
+corr_c = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_c
+zb = (2 * vocab * U * ((lf * daf).abs().sum(-1) + (tdelta * dat).abs()) / rstd + 2 * U * zdz_c.abs())
+got["consistent"] = {
+    "da_same": bool(torch.equal(da, ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd,
+                                                             ref.IGNORE_INDEX, d)[0])),
+    "corr_err_over_bound": float(((corr - corr_c).abs() / (rstd * rstd / d * zb + 2 * U * corr_c.abs() + 1e-30)).max()),
+    "ignored_row_zero": float(corr[1]) == 0.0,
+    # (and it is another value than the pass's usual zdz: the inconsistency it removes, relative)
+    "differs_from_plain": float(((corr - corr_r).abs() / corr_r.abs().clamp(min=1e-30))[valid].max()),
+}
+
 got["refusals"] = {
     "parts_rows": refuses(ce_pass.ce_grad_inplace, logits.clone(), parts[:2], tgt_logit, targets, rstd,
                           ref.IGNORE_INDEX, d, says="log-sum-exp partials"),

@@ -202,16 +202,17 @@ def test_cute_matches_reference(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "zdz_acc"])
+@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "zdz_acc", "zdz_consistent", "zdz_consistent_rounded"])
 def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
     """The paths ``test_cute_matches_reference`` (several chunks, the in-place Triton pass, the last
     chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum),
     the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast), and
-    B2 as a plain fp32 GEMM with zdz from its accumulator (``CODA_TITAN_F4_ZDZ=acc``, both sides)."""
+    the final norm's zdz modes (``CODA_TITAN_F4_ZDZ``, both sides): ``acc`` (B2 as a plain fp32 GEMM, zdz from its
+    accumulator), ``consistent`` and ``consistent_rounded`` (the pass's zdz of its rounded da)."""
     if arm == "inductor":
         monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
-    if arm == "zdz_acc":
-        monkeypatch.setenv(F4_ZDZ_ENV, "acc")
+    if arm.startswith("zdz_"):
+        monkeypatch.setenv(F4_ZDZ_ENV, arm.removeprefix("zdz_"))
     check_cute_matches_reference("lm_head_ce", 2048, **({"chunk_rows": 1 << 20} if arm == "one_chunk" else {}))
 
 
@@ -282,7 +283,9 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
     are refused. The fp8 head's mode (``ce_grad_e5m2``) leaves the logits and writes da's e5m2 codes (each the
     interpreter's rounding of a value within p's error of da * inv, and most of da * inv itself) and zdz (corr's
-    zdz bound)."""
+    zdz bound). Given ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz
+    sum l da / r over the da it wrote (read back) with the target's term on l_t + tdelta, within its summation
+    order's bound, and not the plain pass's value."""
     got = run_interpreter_check("ce_interpreter_check.py")
     for case in ("parts", "lse"):
         g = got[case]
@@ -293,6 +296,9 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     g, rows_cols = got["fp8"], 6 * 5000  # (the fp8 head's pass: the codes of values within p's error, zdz's bound)
     assert g["logits_kept"] and g["daq_dtype"] == "torch.float8_e5m2" and g["ignored_row_zero"], g
     assert g["codes_outside"] == 0 and g["codes_moved"] < 0.01 * rows_cols and g["zdz_err_over_bound"] <= 1.0, g
+    g = got["consistent"]  # (tdelta given: zdz of the rounded da written, the target's term moved by tdelta)
+    assert g["da_same"] and g["ignored_row_zero"] and g["corr_err_over_bound"] <= 1.0, g
+    assert g["differs_from_plain"] > 2 ** -13, g  # (another value than the plain pass's: what the mode changes)
     assert all(got["refusals"].values()), got["refusals"]
 
 

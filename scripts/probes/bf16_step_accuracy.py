@@ -21,7 +21,8 @@ config and the batch its step N + 1 reads) in each of
   (``CODA_TITAN_ZDZ=dgrad``), not B1's sum over the rounded q, k, v; ``torch_eager_fa4_zdz_all``: every norm's
   (``dgrad_all``: the torch backend's B2 takes it from its accumulator); ``torch_eager_fa4_zdz_mlp``: the MLP norm's;
   ``torch_eager_fa4_f4zdz_{exact,target,consistent,consistent_rounded,acc}``: the final norm's (``lm_head_ce``'s
-  ``F4_ZDZ_ENV``), ``coda_eager_f4zdz_acc`` and ``coda_f4zdz_acc_compiled`` the cute F4 with ``acc``;
+  ``F4_ZDZ_ENV``), ``coda_eager_f4zdz_{acc,consistent,consistent_rounded}`` and ``coda_f4zdz_acc_compiled``
+  the cute F4 so;
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
   cast to bf16. Autocast runs stock's residual adds and norms in fp32 (only the linears and attention in bf16),
@@ -86,6 +87,8 @@ ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {F
                  TORCH_FA4 + "_f4zdz_consistent": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent"},
                  TORCH_FA4 + "_f4zdz_acc": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "acc"},
                  "coda_eager_f4zdz_acc": {F4_ZDZ_ENV: "acc"}, "coda_f4zdz_acc_compiled": {F4_ZDZ_ENV: "acc"},
+                 "coda_eager_f4zdz_consistent": {F4_ZDZ_ENV: "consistent"},
+                 "coda_eager_f4zdz_consistent_rounded": {F4_ZDZ_ENV: "consistent_rounded"},
                  TORCH_FA4 + "_f4zdz_consistent_rounded": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent_rounded"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},

@@ -55,6 +55,7 @@ ARMS = {
     "coda_compiled_fa4_unpacked": (_CODA, [], {FA4_PACKED_ENV: "0"}),
     "coda_compiled_ref_attn": (_CODA, [], {REFERENCE_ENV: ATTN_PROGRAMS}),
     "coda_compiled_f4zdz_acc": (_CODA, [], {F4_ZDZ_ENV: "acc"}),  # (the LM head's zdz from B2's accumulator)
+    "coda_compiled_f4zdz_consistent": (_CODA, [], {F4_ZDZ_ENV: "consistent"}),  # (the pass's zdz of its rounded da)
 }
 CPU_ARMS = {
     "stock": ("configs/debug_cpu_baseline.toml", [], {}),

@@ -43,8 +43,8 @@ def fold_lse(parts_ptr, row, NT, PBLOCK: tl.constexpr):
 
 @triton.jit
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
-                        daq_ptr, inv_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
-                        FP8: tl.constexpr, FMAX: tl.constexpr):
+                        daq_ptr, inv_ptr, tdelta_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
+                        PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr):
     row = tl.program_id(0)
     lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
@@ -53,35 +53,50 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
     rstd = tl.load(rstd_ptr + row)
     r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
         lf = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
         p = tl.where(inside, tl.exp(lf - lse), 0.0)
-        acc += p * lf
+        if not CONSIST:
+            acc += p * lf
         da = (p - tl.where(cols == target, 1.0, 0.0)) * r
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"),
                      mask=inside)
         else:
-            tl.store(base + cols, da.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)
+            dab = da.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            tl.store(base + cols, dab, mask=inside)
+            if CONSIST:  # (zdz of the rounded da B2 reads: sum l da / r, l the stored logits)
+                daf = dab.to(tl.float32)
+                acc += tl.where(inside, lf * daf, 0.0)
+                dat += tl.where(cols == target, daf, 0.0)
     tlogit = tl.load(tlogit_ptr + row)
-    zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
+    if CONSIST:  # (the target's term on its unrounded logit: tdelta = l_t - its stored rounding)
+        zdz = tl.sum(acc, axis=0) + tl.load(tdelta_ptr + row) * tl.sum(dat, axis=0)
+        zdz = tl.where(valid, zdz / tl.where(valid, rstd, 1.0), 0.0)
+    else:
+        zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
     tl.store(corr_ptr + row, zdz if FP8 else -((rstd * rstd) * inv_d) * zdz)
     tl.store(loss_ptr + row, tl.where(valid, lse - tlogit, 0.0))
 
 
 def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
-                    block: int = 4096, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                    block: int = 4096, num_warps: int = 8,
+                    tdelta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
     corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
     log-sum-exp partials (a finished lse is its own single partial: (rows, 1)); tgt_logit, rstd (rows,) fp32,
     targets (rows,) integer. Each row's loss term (lse - target logit, 0 where ignored) goes to ``loss_rows``
     (rows,) fp32 when given. ``block`` columns per step of a row's program, ``num_warps`` per program
-    (``scripts/probes/ce_pass.py`` times the choices)."""
-    return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows, None, block, num_warps)
+    (``scripts/probes/ce_pass.py`` times the choices). ``tdelta`` (rows,) fp32: zdz is then that of the
+    rounded da the pass writes, sum_n l_n da_n / r over the stored logits, its target's term on l_t + tdelta (the
+    unrounded target logit: ``CODA_TITAN_F4_ZDZ=consistent``; zeros: ``consistent_rounded``)."""
+    return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows, None, block, num_warps,
+                    tdelta)
 
 
 def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
@@ -95,7 +110,7 @@ def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int):
+             num_warps: int, tdelta=None):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -111,8 +126,12 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
     inv_d = fp32_reciprocal(dim)
     fp8 = inv is not None
     daq = torch.empty((rows, vocab) if fp8 else (0,), device=logits.device, dtype=E5M2)
+    consist = tdelta is not None and not fp8
+    if consist and tdelta.shape != (rows,):
+        raise ValueError(f"tdelta must be ({rows},), got {tuple(tdelta.shape)}")
     ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
-                                 parts.shape[1], inv_d, daq, inv if fp8 else corr, IGNORE=ignore_index, BLOCK=block,
+                                 parts.shape[1], inv_d, daq, inv if fp8 else corr,
+                                 tdelta.float().contiguous() if consist else corr, IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
-                                 num_warps=num_warps)
+                                 CONSIST=consist, num_warps=num_warps)
     return (daq if fp8 else logits), corr

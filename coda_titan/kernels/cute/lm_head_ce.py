@@ -11,7 +11,9 @@ one sum of every row's term after the last chunk.
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
 ``CODA_TITAN_F4_ZDZ=acc``: B2 as a plain GEMM with an fp32 output and the reference's epilogue on it
-(``norm_residual_apply``), zdz taken from that accumulator, sum_k acc_k X_k gamma_k, not from the pass.
+(``norm_residual_apply``), zdz taken from that accumulator, sum_k acc_k X_k gamma_k, not from the pass;
+``consistent`` / ``consistent_rounded``: the pass's zdz of the rounded da it writes (``ce_grad_inplace``'s
+``tdelta``), the target's term on its unrounded logit (one row dot per token here) or on the stored one.
 ``CODA_TITAN_CE_PASS=exp`` (bf16, with gradients) runs F4 without its gradient pass (``_lm_head_ce_exp``,
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
 it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.
@@ -66,6 +68,12 @@ def _ce_grad_math(logits, lse, tgt_logit, targets, rstd):
     return da, zdz
 
 
+def _target_logit(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Each row's unrounded target logit r * (H_row . W[t]) in fp32 (ignored rows: row 0's, unused)."""
+    safe = torch.where(targets != ref.IGNORE_INDEX, targets, 0)
+    return rstd * (h.float() * weight.index_select(0, safe).float()).sum(-1)
+
+
 def f4_epilogue(dtype: torch.dtype):
     """F4's epilogue for logits stored in ``dtype``: each rounds them to it before the log-sum-exp (the unrounded
     arm with ``CODA_TITAN_F4_LSE=unrounded``)."""
@@ -95,7 +103,11 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
-    zdz_acc = compute_grad and os.environ.get(ref.F4_ZDZ_ENV) == "acc"
+    zdz_mode = os.environ.get(ref.F4_ZDZ_ENV, "rounded") if compute_grad else "rounded"
+    zdz_acc, consist = zdz_mode == "acc", zdz_mode in ("consistent", "consistent_rounded")
+    if consist and not in_place:
+        raise ValueError(f"{ref.F4_ZDZ_ENV}={zdz_mode} is a mode of the Triton gradient pass, not of "
+                         f"{CE_PASS_ENV}=inductor's")
     for i, start in enumerate(range(0, m, chunk_rows)):
         stop = min(start + chunk_rows, m)
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
@@ -104,7 +116,10 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
             res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
         if compute_grad and in_place:
-            da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop])
+            tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
+                                               else _target_logit(hc, weight, t, r) - tl)
+            da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
+                                       tdelta=tdelta)
         else:
             lse = torch.logsumexp(parts, dim=-1)
             loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)

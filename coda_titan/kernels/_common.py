@@ -115,3 +115,10 @@ def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def deinterleave_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``interleave_rows``: (t[0::2], t[1::2])."""
     return t[0::2], t[1::2]
+
+
+# a precision probe's arms (``scripts/probes/bf16_step_accuracy.py``), equal in exact math: "dgrad_all", every norm's
+# row dot zdz in the torch backend's B2 as sum_k acc_k X_k gamma_k from its dgrad accumulator, not the consumer's
+# sum p * dp over its rounded outputs; "dgrad" / "dgrad_mlp", the attention (MLP) norm's only, by one more GEMM
+# (``coda_titan.model.autograd``)
+ZDZ_ENV = "CODA_TITAN_ZDZ"

@@ -30,13 +30,8 @@ import torch
 
 from typing import Optional
 
-from ._common import acc_dtype, check_2d, mm, program_op
+from ._common import ZDZ_ENV, acc_dtype, check_2d, mm, program_op
 from .scaling import E4M3, E5M2, amax_abs, compute_dtype
-
-# "dgrad_all" (the torch backend's programs): every norm's row dot zdz as sum_k acc_k X_k gamma_k from the dgrad
-# accumulator, not the consumer's sum p * dp over its rounded outputs (a precision probe's arm; equal in exact
-# math). ``coda_titan.model.autograd`` reads "dgrad" (the attention norm's only, by one more GEMM)
-ZDZ_ENV = "CODA_TITAN_ZDZ"
 
 
 def norm_residual_bwd(

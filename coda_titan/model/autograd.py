@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import Backend
-from ..kernels._common import deinterleave_rows, interleave_rows, mm
-from ..kernels.norm_residual_bwd import ZDZ_ENV
+from ..kernels._common import ZDZ_ENV, deinterleave_rows, interleave_rows, mm
 from ..kernels.scaling import E4M3, E5M2_MAX, amax_abs, dequant_scale, inv_scale_from_amax
 from .edges import amax_grad, amax_token, grads, needs
 from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH

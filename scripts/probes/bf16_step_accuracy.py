@@ -63,7 +63,7 @@ from torchtitan.tools.utils import set_default_dtype
 
 from coda_titan.kernels import PROGRAMS, REFERENCE_ENV
 from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_LSE_ENV, F4_ZDZ_ENV
-from coda_titan.kernels.norm_residual_bwd import ZDZ_ENV
+from coda_titan.kernels._common import ZDZ_ENV
 from coda_titan.titan.fa4 import FA4_PACKED_ENV
 
 MODELS = ("stock_eager", "stock_compiled", "coda_eager", "coda_compiled")

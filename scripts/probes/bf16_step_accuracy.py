@@ -78,18 +78,13 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 # model is built (REFERENCE_ENV) or at each call (FA4_PACKED_ENV), so each arm builds its model under them
 ATTN_PROGRAMS = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"  # (the attention side's programs)
 TORCH_FA4 = "torch_eager_fa4"  # (the torch backend with FA4 on contiguous q, k, v)
-ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, TORCH_FA4: {FA4_PACKED_ENV: "0"},
-                 TORCH_FA4 + "_zdz_dgrad": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad"}, "coda_eager_zdz_dgrad": {ZDZ_ENV: "dgrad"},
-                 TORCH_FA4 + "_zdz_all": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad_all"},
-                 TORCH_FA4 + "_zdz_mlp": {FA4_PACKED_ENV: "0", ZDZ_ENV: "dgrad_mlp"},
-                 TORCH_FA4 + "_f4zdz_exact": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "exact"},
-                 TORCH_FA4 + "_f4zdz_target": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "target"},
-                 TORCH_FA4 + "_f4zdz_consistent": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent"},
-                 TORCH_FA4 + "_f4zdz_acc": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "acc"},
-                 "coda_eager_f4zdz_acc": {F4_ZDZ_ENV: "acc"}, "coda_f4zdz_acc_compiled": {F4_ZDZ_ENV: "acc"},
-                 "coda_eager_f4zdz_consistent": {F4_ZDZ_ENV: "consistent"},
-                 "coda_eager_f4zdz_consistent_rounded": {F4_ZDZ_ENV: "consistent_rounded"},
-                 TORCH_FA4 + "_f4zdz_consistent_rounded": {FA4_PACKED_ENV: "0", F4_ZDZ_ENV: "consistent_rounded"},
+F4_ZDZ_MODES = ("exact", "target", "consistent", "consistent_rounded", "acc")  # (``lm_head_ce.F4_ZDZ_ENV``'s)
+ENV_ARMS.update({TORCH_FA4 + suffix: {FA4_PACKED_ENV: "0", **env} for suffix, env in (
+    ("", {}), ("_zdz_dgrad", {ZDZ_ENV: "dgrad"}), ("_zdz_all", {ZDZ_ENV: "dgrad_all"}),
+    ("_zdz_mlp", {ZDZ_ENV: "dgrad_mlp"}), *((f"_f4zdz_{m}", {F4_ZDZ_ENV: m}) for m in F4_ZDZ_MODES))})
+ENV_ARMS.update({f"coda_eager_f4zdz_{m}": {F4_ZDZ_ENV: m} for m in ("acc", "consistent", "consistent_rounded")})
+ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, "coda_eager_zdz_dgrad": {ZDZ_ENV: "dgrad"},
+                 "coda_f4zdz_acc_compiled": {F4_ZDZ_ENV: "acc"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},
                  "coda_eager_ref_b2": {REFERENCE_ENV: "norm_residual_bwd"},
                  "coda_eager_ref_wgrad": {REFERENCE_ENV: "wgrad"},
@@ -369,7 +364,8 @@ def main(argv=None) -> None:
     state = (trained_state(s, args.state_config, args.state_steps, args.workdir, tuple(args.state_set))
              if args.state_steps else None)
     name = ("probe_bf16_step_accuracy" + (f"_step{args.state_steps}" if state else "")
-            + ("_amp" if set(args.models) & set(AMP_MODELS) else "") + ("_tensors" if args.tensors else "") + (f"_{args.tag}" if args.tag else ""))
+            + ("_amp" if set(args.models) & set(AMP_MODELS) else "") + ("_tensors" if args.tensors else "")
+            + (f"_{args.tag}" if args.tag else ""))
     head, path = header(cpu=args.cpu), out_json(name, cpu=args.cpu)
     head = {**head, "kind": "probe_bf16_step_accuracy", "command": "python -m scripts.probes.bf16_step_accuracy "
             + " ".join(sys.argv[1:] if argv is None else argv),

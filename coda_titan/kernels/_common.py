@@ -117,6 +117,12 @@ def deinterleave_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[0::2], t[1::2]
 
 
+def zdz_of_acc(acc: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """A norm's row dot zdz = sum_k acc_k X_k gamma_k from a dgrad accumulator acc = da @ W (its dtype): the zdz of
+    the very gradient da that acc was made of (B2's ``zdz=None``, the LM head's ``acc`` mode, the probe's arms)."""
+    return (acc * x.to(acc.dtype) * gamma.to(acc.dtype)).sum(-1)
+
+
 # a precision probe's arms (``scripts/probes/bf16_step_accuracy.py``), equal in exact math: "dgrad_all", every norm's
 # row dot zdz in the torch backend's B2 as sum_k acc_k X_k gamma_k from its dgrad accumulator, not the consumer's
 # sum p * dp over its rounded outputs; "dgrad" / "dgrad_mlp", the attention (MLP) norm's only, by one more GEMM

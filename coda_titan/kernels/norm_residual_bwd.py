@@ -30,7 +30,7 @@ import torch
 
 from typing import Optional
 
-from ._common import ZDZ_ENV, acc_dtype, check_2d, mm, program_op
+from ._common import ZDZ_ENV, acc_dtype, check_2d, mm, program_op, zdz_of_acc
 from .scaling import E4M3, E5M2, amax_abs, compute_dtype
 
 
@@ -61,7 +61,7 @@ def norm_residual_apply(
     r = rstd.to(ct)
     xf = x.to(ct)
     if zdz is None or os.environ.get(ZDZ_ENV) == "dgrad_all":  # ("dgrad_all": a probe's arm, every norm's so)
-        zdz = (acc * xf * gamma.to(ct)).sum(-1)
+        zdz = zdz_of_acc(acc, xf, gamma)
     corr = -(r * r / x.shape[1]) * zdz.to(ct)
     dx = acc * gamma.to(ct) + xf * corr[:, None]
     if dresidual is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import Backend
-from ..kernels._common import ZDZ_ENV, deinterleave_rows, interleave_rows, mm
+from ..kernels._common import ZDZ_ENV, deinterleave_rows, interleave_rows, mm, zdz_of_acc
 from ..kernels.scaling import E4M3, E5M2_MAX, amax_abs, dequant_scale, inv_scale_from_amax
 from .edges import amax_grad, amax_token, grads, needs
 from .fp8_operands import Fp8Input, Fp8Operands, MlpFp8, QuantizeH
@@ -214,7 +214,7 @@ class NormRoPE(torch.autograd.Function):
         else:
             da, zdz = be.rope_bwd(**rope)
             if os.environ.get(ZDZ_ENV) == "dgrad":
-                zdz = (mm(da, w) * x.to(zdz.dtype) * gamma.to(zdz.dtype)).sum(-1)
+                zdz = zdz_of_acc(mm(da, w), x, gamma)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
         if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, da cast at its current amax (B1's where it has
             # one; not B1's delayed-scale codes, which moved the loss: docs/fp8.md) and the forward's e4m3 input
@@ -313,7 +313,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
             w13 = interleave_rows(w1, w3)
             if os.environ.get(ZDZ_ENV) == "dgrad_mlp":
-                zdz = (mm(da, w13) * x.to(zdz.dtype) * gamma.to(zdz.dtype)).sum(-1)
+                zdz = zdz_of_acc(mm(da, w13), x, gamma)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
         if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)

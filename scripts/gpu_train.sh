@@ -441,7 +441,8 @@ for phase in "$@"; do
     cechunks)
       # probe: the LM head + CE program (F4) per token-chunk size against the full head's bare cuBLAS GEMMs
       # (CE_CHUNKS: the sizes; with 16384 the four do not fit one 600 s call)
-      python3 -m scripts.probes.ce_chunks --chunks ${CE_CHUNKS:-2048 4096 8192} 2>&1 | tail -6
+      # (CE_ZDZ="acc rounded": each size under those CODA_TITAN_F4_ZDZ modes)
+      python3 -m scripts.probes.ce_chunks --chunks ${CE_CHUNKS:-2048 4096 8192} ${CE_ZDZ:+--zdz $CE_ZDZ} 2>&1 | tail -8
       ;;
     ceab)
       # the step with [coda] ce_chunk_rows = 8192 and 16384 against the configs' 4096 (PREC=fp8 or bf16)

@@ -30,8 +30,8 @@ def test_lm_head_ce_zdz_from_b2s_accumulator_leaves_no_x_component_in_dx(monkeyp
     """The RMSNorm backward's dX has no component along X but eps r^2 zdz: sum_k dX_k X_k = zdz (1 - r^2 |X|^2 / d).
     B2 subtracts (r^2 / d) X zdz from acc * gamma, acc = da @ W made of the *rounded* da, so that holds only for the
     zdz of that da, sum_k acc_k X_k gamma_k. ``CODA_TITAN_F4_ZDZ=acc`` takes it from the accumulator (to fp32's
-    rounding); the gradient pass's zdz, sum l (softmax - onehot) over the rounded logits and the unrounded
-    probabilities ("rounded", the default), leaves a per-token error along X, which on a trained model's residual
+    rounding; the default); the gradient pass's zdz, sum l (softmax - onehot) over the rounded logits and the
+    unrounded probabilities ("rounded", the default before 2026-11-29), leaves a per-token error along X, which on a trained model's residual
     stream (its large shared features) every token repeats, and which sums over tokens (attention's dv = P^T dO)
     then do not average away (the fifty-seventh session's one-step probes). The pass's "consistent" zdz (of the
     rounded da it writes, the target's term on its unrounded logit) and "consistent_rounded" (every logit as stored)
@@ -203,13 +203,14 @@ def test_cute_matches_reference(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "zdz_acc", "zdz_consistent", "zdz_consistent_rounded"])
+@pytest.mark.parametrize("arm", ["one_chunk", "inductor", "zdz_rounded", "zdz_consistent", "zdz_consistent_rounded"])
 def test_cute_lm_head_ce_arms_match_reference(arm, monkeypatch):
     """The paths ``test_cute_matches_reference`` (several chunks, the in-place Triton pass, the last
     chunk's dW GEMM writing bf16) leaves out: one chunk (dW's GEMM straight to bf16, no fp32 sum),
     the previous program (``CODA_TITAN_CE_PASS=inductor``: the inductor pass, dW in fp32, then a cast), and
-    the final norm's zdz modes (``CODA_TITAN_F4_ZDZ``, both sides): ``acc`` (B2 as a plain fp32 GEMM, zdz from its
-    accumulator), ``consistent`` and ``consistent_rounded`` (the pass's zdz of its rounded da)."""
+    the final norm's other zdz modes (``CODA_TITAN_F4_ZDZ``, both sides; the default ``acc`` is B2 as an fp32 GEMM
+    and a row pass taking zdz from its accumulator): ``rounded`` (the pass's zdz as B2's epilogue row vector, the
+    previous default), ``consistent`` and ``consistent_rounded`` (the pass's zdz of its rounded da)."""
     if arm == "inductor":
         monkeypatch.setenv("CODA_TITAN_CE_PASS", "inductor")
     if arm.startswith("zdz_"):
@@ -303,6 +304,23 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert all(got["refusals"].values()), got["refusals"]
 
 
+def test_head_b2_row_pass_is_the_norm_backward_of_its_accumulator_in_the_interpreter():
+    """The LM head's B2 epilogue as a row pass (``kernels/cute/norm_apply_pass.py``, the default ``acc`` zdz) run by
+    Triton's CPU interpreter (``tests/norm_apply_interpreter_check.py``) against the same math in fp64 of its fp32
+    accumulator: D within its derived bound (zdz's d + 2 units of its terms, corr's 4 units, D's 3 in fp32, then one
+    step of X's dtype) on a ragged last program, a d below its power-of-two block (1 / d inexact) and fp16 X; D
+    without its correction far outside that bound; an all-zero (ignored) row's D exactly 0; dgamma (fp32, (d,)) within
+    (m + 2) units of sum |acc X|; refusals of a non-fp32 accumulator, a strided X and mismatched dx / rstd."""
+    got = run_interpreter_check("norm_apply_interpreter_check.py")
+    cases = [v for k, v in got.items() if k != "refusals"]
+    assert len(cases) == 3
+    for g in cases:
+        assert g["dx_err_over_bound"] <= 1.0 and g["dgamma_err_over_bound"] <= 1.0 and g["ignored_row_zero"], g
+        assert g["uncorrected_over_bound"] > 10.0 and g["dgamma_dtype"] == "torch.float32", g
+    assert [g["dx_dtype"] for g in cases] == ["torch.bfloat16", "torch.bfloat16", "torch.float16"], cases
+    assert all(got["refusals"].values()), got["refusals"]
+
+
 def test_ce_exp_row_kernels_give_the_gemms_the_softmax_gradient_in_the_interpreter():
     """F4 without its gradient pass (``kernels/cute/ce_exp.py``, ``CODA_TITAN_CE_PASS=exp``): its per-row kernels
     through Triton's CPU interpreter (``tests/ce_exp_interpreter_check.py``), F4's epilogue stood in for by torch (E
@@ -381,15 +399,18 @@ def _fp8_head_case(dtype=torch.float64):
     return fp8, plain
 
 
-def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding():
+def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding(monkeypatch):
     """In fp64: the fp8 head's loss is the bf16 program's on H and W dequantized from their e4m3 codes, and its
     gradients differ from that program's by exactly what da's e5m2 rounding e moves: dW by e^T H, D = da W by
     e W (dX = D gamma + x corr, corr the same), dgamma by sum_t (e W) x; each within fp64's summation error
     (n 2^-53 of the sums of magnitudes). e is a rounding to nearest with 3 significant bits (|e| <= (2^-3 |da
-    inv| + 2^-17) / inv; subnormal spacing 2^-16), and the scale is a power of two that never saturates."""
+    inv| + 2^-17) / inv; subnormal spacing 2^-16), and the scale is a power of two that never saturates. (The fp8
+    head keeps zdz from its logits, so the bf16 program it is held to is the one with ``CODA_TITAN_F4_ZDZ=rounded``:
+    with H dequantized, H != X gamma, and the accumulator's zdz differs from the logits' by H's rounding.)"""
     from coda_titan.kernels.lm_head_ce import dlogits_inv_scale, lm_head_ce, lm_head_ce_fp8
     from coda_titan.kernels.scaling import E5M2_MAX, quantize_e5m2
 
+    monkeypatch.setenv(F4_ZDZ_ENV, "rounded")
     fp8, plain = _fp8_head_case()
     loss, dx, dgamma, dw = lm_head_ce_fp8(**fp8)
     loss0, dx0, dgamma0, dw0 = lm_head_ce(**plain)

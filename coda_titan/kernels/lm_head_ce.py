@@ -6,8 +6,9 @@ For each chunk of rows (never all M x V logits at once), with H = X * gamma_fina
     logits = rnd(r * (H @ W_out^T))                  (rows, V), rounded to H's dtype, held in fp32
     lse    = logsumexp(logits);  loss_i = lse - logits[target_i]   (rows with target -100 skipped)
     dp     = softmax(logits) - onehot(target)        (zero on ignored rows)
-    zdz    = sum_n logits_n dp_n;   da = r * dp   (gradient of the unscaled H @ W_out^T)
-    (dX, dgamma) = norm_residual_bwd(da, W_out, X, gamma, r, zdz, no residual)
+    da     = rnd(r * dp)   (gradient of the unscaled H @ W_out^T, rounded to H's dtype as B2's GEMM reads it)
+    acc    = da @ W_out (fp32);  zdz = sum_k acc_k X_k gamma_k   (the final norm's row dot, of that very da)
+    (dX, dgamma) = norm_residual_apply(acc, X, gamma, r, zdz, no residual)
     dW_out += da^T @ H
 
 The logits are rounded to H's dtype (the program stores them so, chunk by chunk) *before* the log-sum-exp, the
@@ -15,6 +16,12 @@ loss and the softmax: every one of them is taken from the same values, as stock'
 its bf16 logits, so each row's softmax sums to one over the logits the gradient is made of. (A log-sum-exp of the
 unrounded logits beside a softmax of the rounded ones leaves sum p - 1 = sum p delta, delta the roundings: on a
 confident row the error of dlogits at the top token is p delta where stock's is p (1 - p) delta.)
+
+zdz is taken from B2's accumulator, not as sum_n logits_n dp_n (equal in exact math): that sum, over rounded
+logits and the unrounded dp, is not the row dot of the rounded da, and the difference leaves a per-token multiple of
+X in dX that a trained residual stream's shared features add up coherently over tokens (``F4_ZDZ_ENV``; the
+measurements in docs/cute_backend.md). A row's zdz spans every N tile, so the CUDA program keeps acc in fp32 and
+applies the epilogue in one row pass.
 
 The loss is the last op, so d(loss_sum) = 1 and every gradient is final up to the scalar the
 trainer multiplies the loss by (1 / global tokens); the autograd wiring scales the saved gradients
@@ -43,10 +50,11 @@ F4_LSE_ENV = "CODA_TITAN_F4_LSE"
 # "exp": the CUDA program's F4 without its gradient pass (``cute/ce_exp.py``; the math of ``lm_head_ce_exp``);
 # "inductor": its previous gradient pass; unset: the Triton gradient pass
 CE_PASS_ENV = "CODA_TITAN_CE_PASS"
-# "acc": the final norm's row dot zdz from B2's accumulator, sum_k (da @ W)_k X_k gamma_k, B2 a plain GEMM keeping
-# it in fp32 and its epilogue in torch (both backends: the zdz of the rounded da B2 reads, as stock's norm backward
-# takes its row dot from its own bf16 gradient); "exact" / "target" / "consistent" / "consistent_rounded" (the torch
-# backend: ``_zdz_variant``); else over the stored (rounded) logits with the unrounded dp (the programs' today)
+# "acc" (the default): the final norm's row dot zdz from B2's accumulator, sum_k (da @ W)_k X_k gamma_k, B2 a plain
+# GEMM keeping it in fp32 and its epilogue a row pass (both backends: the zdz of the rounded da B2 reads, as stock's
+# norm backward takes its row dot from its own bf16 gradient); "rounded": over the stored (rounded) logits with the
+# unrounded dp, the epilogue's row vector (the programs' before 2026-11-29, the A/B's other arm); "exact" /
+# "target" / "consistent" / "consistent_rounded" (the torch backend: ``_zdz_variant``; probe arms)
 F4_ZDZ_ENV = "CODA_TITAN_F4_ZDZ"
 
 
@@ -83,7 +91,7 @@ def lm_head_ce(
         if not compute_grad:
             continue
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
-        if os.environ.get(F4_ZDZ_ENV) == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
+        if os.environ.get(F4_ZDZ_ENV, "acc") == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
             dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         else:
             dx_c, dg_c = norm_residual_bwd(da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r,

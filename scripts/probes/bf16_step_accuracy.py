@@ -20,8 +20,9 @@ config and the batch its step N + 1 reads) in each of
   ``torch_eager_fa4_zdz_dgrad`` and ``coda_eager_zdz_dgrad``: with the attention norm's row dot from the dgrad
   (``CODA_TITAN_ZDZ=dgrad``), not B1's sum over the rounded q, k, v; ``torch_eager_fa4_zdz_all``: every norm's
   (``dgrad_all``: the torch backend's B2 takes it from its accumulator); ``torch_eager_fa4_zdz_mlp``: the MLP norm's;
-  ``torch_eager_fa4_f4zdz_{exact,target,consistent,consistent_rounded,acc}``: the final norm's (``lm_head_ce``'s
-  ``F4_ZDZ_ENV``), ``coda_eager_f4zdz_{acc,consistent,consistent_rounded}`` and ``coda_f4zdz_acc_compiled``
+  ``torch_eager_fa4_f4zdz_{exact,target,consistent,consistent_rounded,acc,rounded}``: the final norm's
+  (``lm_head_ce``'s ``F4_ZDZ_ENV``; "acc" the default since 2026-11-29, "rounded" the one before),
+  ``coda_eager_f4zdz_{consistent,consistent_rounded,acc,rounded}`` and ``coda_f4zdz_acc_compiled``
   the cute F4 so;
 * on request, TorchTitan's AMP (``training.dtype = "float32"``: fp32 parameters, the step under autocast to
   bf16, eager): ``stock_amp``, ``coda_amp``, and ``stock_amp_bf16_stream``, stock AMP with its embedding's output
@@ -78,11 +79,11 @@ ENV_ARMS = {UNROUNDED: {F4_LSE_ENV: "unrounded"}, "coda_eager_ce_exp": {CE_PASS_
 # model is built (REFERENCE_ENV) or at each call (FA4_PACKED_ENV), so each arm builds its model under them
 ATTN_PROGRAMS = "norm_rope,rope_bwd,norm_residual_bwd,wgrad"  # (the attention side's programs)
 TORCH_FA4 = "torch_eager_fa4"  # (the torch backend with FA4 on contiguous q, k, v)
-F4_ZDZ_MODES = ("exact", "target", "consistent", "consistent_rounded", "acc")  # (``lm_head_ce.F4_ZDZ_ENV``'s)
+F4_ZDZ_MODES = ("exact", "target", "consistent", "consistent_rounded", "acc", "rounded")  # (``F4_ZDZ_ENV``'s)
 ENV_ARMS.update({TORCH_FA4 + suffix: {FA4_PACKED_ENV: "0", **env} for suffix, env in (
     ("", {}), ("_zdz_dgrad", {ZDZ_ENV: "dgrad"}), ("_zdz_all", {ZDZ_ENV: "dgrad_all"}),
     ("_zdz_mlp", {ZDZ_ENV: "dgrad_mlp"}), *((f"_f4zdz_{m}", {F4_ZDZ_ENV: m}) for m in F4_ZDZ_MODES))})
-ENV_ARMS.update({f"coda_eager_f4zdz_{m}": {F4_ZDZ_ENV: m} for m in ("acc", "consistent", "consistent_rounded")})
+ENV_ARMS.update({f"coda_eager_f4zdz_{m}": {F4_ZDZ_ENV: m} for m in F4_ZDZ_MODES[2:]})
 ENV_ARMS.update({"coda_eager_fa4_unpacked": {FA4_PACKED_ENV: "0"}, "coda_eager_zdz_dgrad": {ZDZ_ENV: "dgrad"},
                  "coda_f4zdz_acc_compiled": {F4_ZDZ_ENV: "acc"},
                  "coda_eager_ref_f3": {REFERENCE_ENV: "norm_rope"}, "coda_eager_ref_b1": {REFERENCE_ENV: "rope_bwd"},

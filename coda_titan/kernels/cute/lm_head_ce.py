@@ -3,16 +3,16 @@
 Per token chunk: ``epilogues.rstd_lse_target_epi`` (logits = r * acc rounded to the stored dtype, online
 (max, sum exp) per N tile and the target logit of those rounded logits in the epilogue); one Triton pass
 (``ce_grad_pass``) folds the row's log-sum-exp partials, turns the logits into da = r * (softmax - onehot)
-in place and writes B2's row vector and the
-row's loss term; then B2 (``rms_bwd_apply_last_epi``; with
-``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s) and the dW_out GEMM, accumulated over
-chunks in fp32, the last chunk's GEMM writing the sum in the weight's dtype (no cast pass). The loss is
-one sum of every row's term after the last chunk.
+in place and writes the row's loss term; then B2: da @ W in fp32 (cuBLAS) and one row pass
+(``norm_apply_pass``) taking the final norm's row dot zdz from that accumulator (``ref.F4_ZDZ_ENV``'s default,
+"acc"), and the dW_out GEMM, accumulated over chunks in fp32, the last chunk's GEMM writing the sum in the weight's
+dtype (no cast pass). The loss is one sum of every row's term after the last chunk.
+``CODA_TITAN_F4_ZDZ=rounded`` runs the previous B2 (the A/B's other arm): zdz from the pass (over the stored
+logits and the unrounded dp) as the GEMM epilogue's row vector (``rms_bwd_apply_last_epi``; with
+``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s).
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
-``CODA_TITAN_F4_ZDZ=acc``: B2 as a plain GEMM with an fp32 output and the reference's epilogue on it
-(``norm_residual_apply``), zdz taken from that accumulator, sum_k acc_k X_k gamma_k, not from the pass;
-``consistent`` / ``consistent_rounded``: the pass's zdz of the rounded da it writes (``ce_grad_inplace``'s
+``CODA_TITAN_F4_ZDZ=consistent`` / ``consistent_rounded`` (probe arms): the pass's zdz of the rounded da it writes (``ce_grad_inplace``'s
 ``tdelta``), the target's term on its unrounded logit (one row dot per token here) or on the stored one.
 ``CODA_TITAN_CE_PASS=exp`` (bf16, with gradients) runs F4 without its gradient pass (``_lm_head_ce_exp``,
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
@@ -40,6 +40,7 @@ from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
 from .epilogues import rstd_lse_target_epi, rstd_lse_target_f16_epi, rstd_lse_target_unrounded_epi
 from .exp_epilogues import exp_norm_bwd_last_epi, rstd_exp_lse_target_epi
+from .norm_apply_pass import norm_apply_rows
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = ref.CE_PASS_ENV  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass
@@ -94,6 +95,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     loss_rows = torch.empty(m, device=h.device, dtype=torch.float32)
     rstd = rstd.float()
     gamma32 = gamma.float()
+    x = x.contiguous()
     in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
     if compute_grad:
         dx = torch.empty_like(x)
@@ -103,7 +105,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
-    zdz_mode = os.environ.get(ref.F4_ZDZ_ENV, "rounded") if compute_grad else "rounded"
+    zdz_mode = os.environ.get(ref.F4_ZDZ_ENV, "acc") if compute_grad else "rounded"
     zdz_acc, consist = zdz_mode == "acc", zdz_mode in ("consistent", "consistent_rounded")
     if consist and not in_place:
         raise ValueError(f"{ref.F4_ZDZ_ENV}={zdz_mode} is a mode of the Triton gradient pass, not of "
@@ -127,10 +129,9 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
                 continue
             da, zdz = grad_fn(logits, lse, tl, t, r)
             corr = -(r * r / d) * zdz
-        if zdz_acc:  # (zdz from B2's accumulator: the GEMM keeps it in fp32, the epilogue is the reference's)
-            dx[start:stop], dg = ref.norm_residual_apply(torch.mm(da, weight, out_dtype=torch.float32), x=x[start:stop],
-                                                         gamma=gamma32, rstd=r, zdz=None, dresidual=None)
-            dgamma += dg
+        if zdz_acc:  # (zdz from B2's accumulator: cuBLAS keeps it in fp32, one row pass applies the epilogue)
+            dgamma += norm_apply_rows(torch.mm(da, weight, out_dtype=torch.float32), x[start:stop], gamma32, r,
+                                      dx[start:stop])
         else:
             with stages.capped(base):
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)

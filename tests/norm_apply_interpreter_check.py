@@ -49,7 +49,8 @@ for m, d, dt in ((37, 2048, torch.bfloat16), (20, 3000, torch.bfloat16), (16, 51
     }
 f32, bx = torch.ones(4, 8), torch.ones(4, 8, dtype=torch.bfloat16)
 got["refusals"] = {
-    "acc_dtype": refuses(nap.norm_apply_rows, bx, bx, torch.ones(8), torch.ones(4), bx.clone(), says="fp32 accumulator"),
+    "acc_dtype": refuses(nap.norm_apply_rows, bx, bx, torch.ones(8), torch.ones(4), bx.clone(),
+                         says="fp32 accumulator"),
     "x_strided": refuses(nap.norm_apply_rows, f32, torch.ones(8, 4, dtype=torch.bfloat16).t(), torch.ones(8),
                          torch.ones(4), bx.clone(), says="x must be contiguous"),
     "dx_dtype": refuses(nap.norm_apply_rows, f32, bx, torch.ones(8), torch.ones(4), f32.clone(), says="do not fit"),

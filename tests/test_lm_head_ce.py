@@ -31,9 +31,9 @@ def test_lm_head_ce_zdz_from_b2s_accumulator_leaves_no_x_component_in_dx(monkeyp
     B2 subtracts (r^2 / d) X zdz from acc * gamma, acc = da @ W made of the *rounded* da, so that holds only for the
     zdz of that da, sum_k acc_k X_k gamma_k. ``CODA_TITAN_F4_ZDZ=acc`` takes it from the accumulator (to fp32's
     rounding; the default); the gradient pass's zdz, sum l (softmax - onehot) over the rounded logits and the
-    unrounded probabilities ("rounded", the default before 2026-11-29), leaves a per-token error along X, which on a trained model's residual
-    stream (its large shared features) every token repeats, and which sums over tokens (attention's dv = P^T dO)
-    then do not average away (the fifty-seventh session's one-step probes). The pass's "consistent" zdz (of the
+    unrounded probabilities ("rounded", the default before 2026-11-29), leaves a per-token error along X, which on
+    a trained model's residual stream (its large shared features) every token repeats, and which sums over tokens
+    (attention's dv = P^T dO) then do not average away (the fifty-seventh session's one-step probes). The pass's "consistent" zdz (of the
     rounded da it writes, the target's term on its unrounded logit) and "consistent_rounded" (every logit as stored)
     leave less of it than "rounded" (the other logits' roundings remain)."""
     from coda_titan.kernels import lm_head_ce as ce

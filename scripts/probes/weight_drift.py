@@ -54,7 +54,8 @@ ARMS = {
     # (the one-step probe's bisection arms as training runs: a fix's trajectory checked before it becomes code)
     "coda_compiled_fa4_unpacked": (_CODA, [], {FA4_PACKED_ENV: "0"}),
     "coda_compiled_ref_attn": (_CODA, [], {REFERENCE_ENV: ATTN_PROGRAMS}),
-    "coda_compiled_f4zdz_acc": (_CODA, [], {F4_ZDZ_ENV: "acc"}),  # (the LM head's zdz from B2's accumulator)
+    "coda_compiled_f4zdz_acc": (_CODA, [], {F4_ZDZ_ENV: "acc"}),  # (the LM head's zdz from B2's accumulator: default)
+    "coda_compiled_f4zdz_rounded": (_CODA, [], {F4_ZDZ_ENV: "rounded"}),  # (... from the pass: the previous default)
     "coda_compiled_f4zdz_consistent": (_CODA, [], {F4_ZDZ_ENV: "consistent"}),  # (the pass's zdz of its rounded da)
 }
 CPU_ARMS = {

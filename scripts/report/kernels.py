@@ -185,4 +185,19 @@ def section() -> str:
         doc = json.loads(path.read_text())
         plot(doc, path.with_suffix(".png"))
         tables.append(table(doc) + f"\n\n![kernel benchmark](../benchmarks/results/{path.with_suffix('.png').name})")
+    tables += [ce_chunks_table(json.loads(p.read_text()), p.name)
+               for p in sorted(RESULTS.glob("probe_ce_chunks*.json"))]
     return "\n\n".join(tables)
+
+
+def ce_chunks_table(doc: dict, name: str) -> str:
+    """The LM head + CE program (F4 with its backward) per token chunk (and ``CODA_TITAN_F4_ZDZ`` mode, where the
+    probe set one) against the full head's bare cuBLAS GEMMs (``scripts/probes/ce_chunks.py``)."""
+    bare = doc["bare_gemm_ms"]
+    head = (f"The LM head + cross-entropy program with its gradients (`{name}`, {doc['device']}, {doc['date'][:10]}, "
+            f"M = {doc['M']}, d = {doc['d']}, vocab {doc['vocab']}; {doc['timing']}); the full head's bare cuBLAS "
+            f"GEMMs: forward {bare['fwd']:.2f}, dgrad {bare['dgrad']:.2f}, wgrad {bare['wgrad']:.2f} ms.")
+    rows = [head, "", "| chunk rows | zdz | ms | / bare GEMMs | peak GiB |", "|---:|---|---:|---:|---:|"]
+    rows += [f"| {r['chunk_rows']} | {r.get('zdz', '-')} | {r['ms']:.2f} | {r['over_bare_gemms']:.3f} | "
+             f"{r['peak_gib']:.2f} |" for r in doc["rows"]]
+    return "\n".join(rows)

@@ -12,8 +12,9 @@ logits and the unrounded dp) as the GEMM epilogue's row vector (``rms_bwd_apply_
 ``CODA_TITAN_EPI_C_STAGES``, ``norm_residual_bwd.epilogue``'s).
 ``CODA_TITAN_CE_PASS=inductor`` runs the previous program instead (the A/B's other arm): the inductor
 pass into a buffer of its own, every chunk accumulated in fp32, then a cast.
-``CODA_TITAN_F4_ZDZ=consistent`` / ``consistent_rounded`` (probe arms): the pass's zdz of the rounded da it writes (``ce_grad_inplace``'s
-``tdelta``), the target's term on its unrounded logit (one row dot per token here) or on the stored one.
+``CODA_TITAN_F4_ZDZ=consistent`` / ``consistent_rounded`` (probe arms): the pass's zdz of the rounded da it
+writes (``ce_grad_inplace``'s ``tdelta``), the target's term on its unrounded logit (one row dot per token here) or
+on the stored one.
 ``CODA_TITAN_CE_PASS=exp`` (bf16, with gradients) runs F4 without its gradient pass (``_lm_head_ce_exp``,
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
 it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.

@@ -399,18 +399,21 @@ def _fp8_head_case(dtype=torch.float64):
     return fp8, plain
 
 
-def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding(monkeypatch):
+@pytest.mark.parametrize("zdz_mode", ["acc", "rounded"])
+def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding(zdz_mode, monkeypatch):
     """In fp64: the fp8 head's loss is the bf16 program's on H and W dequantized from their e4m3 codes, and its
     gradients differ from that program's by exactly what da's e5m2 rounding e moves: dW by e^T H, D = da W by
-    e W (dX = D gamma + x corr, corr the same), dgamma by sum_t (e W) x; each within fp64's summation error
-    (n 2^-53 of the sums of magnitudes). e is a rounding to nearest with 3 significant bits (|e| <= (2^-3 |da
-    inv| + 2^-17) / inv; subnormal spacing 2^-16), and the scale is a power of two that never saturates. (The fp8
-    head keeps zdz from its logits, so the bf16 program it is held to is the one with ``CODA_TITAN_F4_ZDZ=rounded``:
-    with H dequantized, H != X gamma, and the accumulator's zdz differs from the logits' by H's rounding.)"""
+    e W, dgamma by sum_t (e W) x; dX = D gamma + x corr, with corr the same in ``CODA_TITAN_F4_ZDZ=rounded`` (zdz
+    from the logits) and moved by -(r^2 / d) sum_k (e W)_k gamma_k x_k in ``acc`` (the default: zdz, the row dot of
+    B2's accumulator, is the e5m2 da's); each within fp64's summation error (n 2^-53 of the sums of magnitudes).
+    e is a rounding to nearest with 3 significant bits (|e| <= (2^-3 |da inv| + 2^-17) / inv; subnormal spacing
+    2^-16), and the scale is a power of two that never saturates. With ``acc`` the fp8 head's dX has no component
+    along X but eps r^2 zdz (to fp64's rounding); with ``rounded`` it keeps one (H's codes are not X gamma, da's
+    are not da)."""
     from coda_titan.kernels.lm_head_ce import dlogits_inv_scale, lm_head_ce, lm_head_ce_fp8
     from coda_titan.kernels.scaling import E5M2_MAX, quantize_e5m2
 
-    monkeypatch.setenv(F4_ZDZ_ENV, "rounded")
+    monkeypatch.setenv(F4_ZDZ_ENV, zdz_mode)
     fp8, plain = _fp8_head_case()
     loss, dx, dgamma, dw = lm_head_ce_fp8(**fp8)
     loss0, dx0, dgamma0, dw0 = lm_head_ce(**plain)
@@ -427,10 +430,18 @@ def test_fp8_head_is_the_head_on_its_dequantized_codes_up_to_dlogits_rounding(mo
     n = 2.0 ** -53 * (max(M, V, D) + 4)
     mag = da.abs() + e.abs()
     assert ((dw - dw0 - e.t() @ h).abs() <= n * (mag.t() @ h.abs()) + n * dw0.abs()).all()
-    de = e @ w
-    assert ((dx - dx0 - de * gamma).abs() <= n * ((mag @ w.abs()) * gamma.abs() + x.abs() * dx0.abs())).all()
+    de, dmag = e @ w, mag @ w.abs()
+    k = (r * r / D)[:, None]
+    moved = de * gamma - (x * k * (de * gamma * x).sum(-1, keepdim=True) if zdz_mode == "acc" else 0)
+    corr_mag = x.abs() * k * (dmag * (gamma * x).abs()).sum(-1, keepdim=True)
+    assert ((dx - dx0 - moved).abs() <= n * (dmag * gamma.abs() + x.abs() * dx0.abs() + corr_mag)).all()
     assert ((dgamma - dgamma0 - (de * x).sum(0)).abs() <= n * ((mag @ w.abs()) * x.abs()).sum(0) * 2).all()
     assert (e != 0).any(), "da's rounding moved nothing: the checks above tested nothing"
+    acc = (quantize_e5m2(da, inv).double() / inv) @ w
+    zdz = (acc * gamma * x).sum(-1)
+    off = ((dx * x).sum(-1) - EPS * r * r * zdz).abs()
+    rel = (off / ((acc * gamma).norm(dim=-1) * x.norm(dim=-1)))[valid[:, 0]].max().item()
+    assert rel < 2 ** -40 if zdz_mode == "acc" else rel > 2 ** -12, (zdz_mode, rel)
 
 
 def test_fp8_head_op_fake():
@@ -444,7 +455,8 @@ def test_fp8_head_op_fake():
 
 
 @pytest.mark.gpu
-def test_cute_fp8_head_matches_reference():
+@pytest.mark.parametrize("zdz_mode", ["acc", "rounded"])
+def test_cute_fp8_head_matches_reference(zdz_mode, monkeypatch):
     """The fp8 head's CUDA program (e4m3 GEMM with the CE epilogue, ``ce_grad_e5m2``, the fp8 B2, dW as one
     ``_scaled_mm``) against the reference's arithmetic, with every rounding it may do otherwise bounded. Each fp8
     GEMM's sum is the SM90 fp8 MMA's (quack's logits and B2 with fast accumulation, cuBLAS's dW promoting each
@@ -457,8 +469,11 @@ def test_cute_fp8_head_matches_reference():
     one e5m2 step off only where da +- delta p r straddles a rounding boundary. The loss within 2^-8 max |l| +
     3 max eps_l plus the fold a row, dW, D (dX = D gamma + x corr) and dgamma within
     those steps plus their GEMM's accumulator (2 c P, on codes moved by those steps), the reference's own fp32
-    sums (n 2^-24 of the sums of magnitudes) and their bf16 stores; zdz within delta's and bf16's worth of
-    sum p |l|, plus the target logit's rounding (2^-9 |l_t| + 2 max eps_l). (The first GPU run, 2026-11-28, took
+    sums (n 2^-24 of the sums of magnitudes) and their bf16 stores. zdz (``CODA_TITAN_F4_ZDZ``): ``rounded``, the
+    logits' (the fp8 B2 with the pass's zdz), within delta's and bf16's worth of sum p |l|, plus the target
+    logit's rounding (2^-9 |l_t| + 2 max eps_l); ``acc`` (the default: cuBLAS's B2 to fp32, the row pass), the
+    row dot of D with gamma X, within D's bound times |gamma X| summed plus its own (d + 4) units. dX's fp32
+    arithmetic: 4 units of its two terms' magnitudes (they cancel along X). (The first GPU run, 2026-11-28, took
     every fp8 sum for an fp32 one and failed on dX at 1.14 of that bound: B2's accumulator, not in it, was the
     bug.)"""
     import coda_titan.kernels.cute  # noqa: F401
@@ -469,6 +484,7 @@ def test_cute_fp8_head_matches_reference():
     from .helpers import fp8_mma_c, log_bound
 
     os.environ.setdefault("CODA_TITAN_AUTOTUNE", "0")
+    monkeypatch.setenv(F4_ZDZ_ENV, zdz_mode)
     gen = torch.Generator(device="cuda").manual_seed(7)
     m, d, v, u = 2048, 2048, 8192, 2.0 ** -24
     x = torch.randn(m, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -513,12 +529,19 @@ def test_cute_fp8_head_matches_reference():
     d_r = (codes / inv) @ wd
     moved_d, mag_d = step @ wd.abs(), (codes.abs() / inv) @ wd.abs()
     d_bound = moved_d * (1 + 2 * c_d) + ((v + 4) * u + 2 * c_d) * mag_d + u * d_r.abs()
-    pl = (p * logits.abs()).sum(-1)
-    zdz = torch.where(valid, (p * logits).sum(-1) - tgt, 0.0)
-    zdz_bound = ((delta + 2.0 ** -8) * p * logits.abs()).sum(-1) + (v + 4) * u * pl + 2.0 ** -9 * tgt.abs() + 3 * emax
-    dx_r = d_r * gamma.float() - x.float() * (r * r / d * zdz)[:, None]
-    dx_bound = (d_bound * gamma.float() + x.float().abs() * (r * r / d * zdz_bound)[:, None] + 4 * u * dx_r.abs()
-                + 2.0 ** -8 * dx.float().abs())
+    gx = gamma.float() * x.float()
+    if zdz_mode == "acc":
+        zdz = (d_r * gx).sum(-1)
+        zdz_bound = (d_bound * gx.abs()).sum(-1) + (d + 4) * u * (d_r * gx).abs().sum(-1)
+    else:
+        pl = (p * logits.abs()).sum(-1)
+        zdz = torch.where(valid, (p * logits).sum(-1) - tgt, 0.0)
+        zdz_bound = (((delta + 2.0 ** -8) * p * logits.abs()).sum(-1) + (v + 4) * u * pl + 2.0 ** -9 * tgt.abs()
+                     + 3 * emax)
+    corr_x = x.float() * (r * r / d * zdz)[:, None]
+    dx_r = d_r * gamma.float() - corr_x
+    dx_bound = (d_bound * gamma.float() + x.float().abs() * (r * r / d * zdz_bound)[:, None]
+                + 4 * u * ((d_r * gamma.float()).abs() + corr_x.abs()) + 2.0 ** -8 * dx.float().abs())
     dg_r = (d_r * x.float()).sum(0)
     dg_bound = (d_bound * x.float().abs()).sum(0) + (m + 4) * u * (d_r * x.float()).abs().sum(0)
     got = {"loss": float((loss - terms.sum()).abs()) / loss_bound, "moved": float(moved.float().mean()),
@@ -529,7 +552,8 @@ def test_cute_fp8_head_matches_reference():
     worst = int(((dx.float() - dx_r).abs() / dx_bound).argmax())  # (a failure names its terms)
     got["dx_worst"] = [float(t.flatten()[worst]) for t in (dx.float() - dx_r, d_bound * gamma.float(), dx_bound, dx_r)]
     for name in ("loss", "dw", "dx", "dgamma"):
-        log_bound(f"fp8_head_{name}", measured=got[name], bound=1.0, codes_moved=got["moved"], mma_c=got["mma_c"])
+        log_bound(f"fp8_head_{name}_{zdz_mode}", measured=got[name], bound=1.0, codes_moved=got["moved"],
+                  mma_c=got["mma_c"])
     assert float(r.max() * inv) <= E5M2_MAX and all(got[k] <= 1.0 for k in ("loss", "dw", "dx", "dgamma")), got
     loss_only = torch.ops.coda.lm_head_ce_fp8(*args, False)
     assert float((loss_only[0] - terms.sum()).abs()) <= loss_bound and loss_only[1].numel() == 0

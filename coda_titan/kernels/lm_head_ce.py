@@ -249,7 +249,10 @@ def lm_head_ce_fp8(
     """F4 on fp8 operands, the fp8 LM head (torchao's formats): logits = r * s_h s_w (hq @ weight_q^T) from e4m3
     H (H ~ hq s_h) and W (~ weight_q s_w), rounded to x's dtype as the bf16 head's (``stored_logits``); backward
     on da = r (softmax - onehot) in e5m2 at ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)),
-    and dW_out = da^T H on the same codes.
+    and dW_out = da^T H on the same codes. The final norm's zdz as the bf16 head's (``F4_ZDZ_ENV``): by default
+    the row dot of B2's accumulator, of the e5m2 da it reads (the straight-through backward of the quantized
+    head; with H's codes H != X gamma, so the logits' sum l dp is not even equal to it in exact math);
+    "rounded", the logits' sum.
     Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x). (loss_sum, dX, dgamma, dW_out in x's
     dtype); the gradients None without ``compute_grad``."""
     check_e4m3(hq, weight_q, weight_tq)
@@ -270,6 +273,7 @@ def lm_head_ce_fp8(
         if not compute_grad:
             continue
         daq = quantize_e5m2(dp * r[:, None], inv_g)
+        zdz = None if os.environ.get(F4_ZDZ_ENV, "acc") == "acc" else zdz  # (None: of B2's accumulator)
         dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_tq, scale=s_w.to(ct) / inv_g, x=x[rows],
                                               gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
         dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)

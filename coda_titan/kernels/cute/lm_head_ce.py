@@ -21,7 +21,8 @@ it as their A, with the per-row scales and the target's exact term in their epil
 
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
-the fp8 B2 on them and W^T's codes, each chunk's codes copied token-major into one buffer, and dW as one fp8
+B2 on them and W^T's codes (cuBLAS's ``_scaled_mm`` to fp32 and the row pass; with ``CODA_TITAN_F4_ZDZ=rounded``
+the fp8 B2 with the pass's zdz), each chunk's codes copied token-major into one buffer, and dW as one fp8
 GEMM over every token (cuBLAS's ``_scaled_mm``: e5m2 da^T times e4m3 H).
 """
 
@@ -207,7 +208,7 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
                         chunk_rows, compute_grad)
     m, d = hq.shape
     vocab = weight_q.shape[0]
-    rstd = rstd.float()
+    rstd, x = rstd.float(), x.contiguous()
     scale = (s_h.float() * s_w.float()).reshape(())
     inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
     loss_rows = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -216,6 +217,7 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
         daq_t = torch.empty((vocab, m), device=x.device, dtype=E5M2)  # (every chunk's codes, token-major)
     logits_buf = x.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
+    zdz_acc, gamma32 = os.environ.get(ref.F4_ZDZ_ENV, "acc") == "acc", gamma.float()
     for start in range(0, m, chunk_rows):
         stop = min(start + chunk_rows, m)
         r, t = rstd[start:stop], targets[start:stop]
@@ -228,10 +230,15 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
             loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)
             continue
         daq, zdz = ce_grad_e5m2(logits, parts, tl, t, r, inv_g, ref.IGNORE_INDEX, loss_rows[start:stop])
-        dx_c, dg_c, _ = torch.ops.coda.norm_residual_bwd_fp8(daq, weight_tq, s_w.float() / inv_g, x[start:stop],
-                                                             gamma, r, zdz, None)
-        dx[start:stop] = dx_c
-        dgamma += dg_c
+        if zdz_acc:  # (B2 on cuBLAS, its fp32 accumulator to the row pass: zdz of the e5m2 da it read)
+            acc = torch._scaled_mm(daq, weight_tq.t(), inv_g.reciprocal(), s_w.float().reshape(()),
+                                   out_dtype=torch.float32)
+            dgamma += norm_apply_rows(acc, x[start:stop], gamma32, r, dx[start:stop])
+        else:
+            dx_c, dg_c, _ = torch.ops.coda.norm_residual_bwd_fp8(daq, weight_tq, s_w.float() / inv_g, x[start:stop],
+                                                                 gamma, r, zdz, None)
+            dx[start:stop] = dx_c
+            dgamma += dg_c
         transpose_8bit.launch(daq, daq_t[:, start:stop])
     loss = loss_rows.sum()
     if not compute_grad:

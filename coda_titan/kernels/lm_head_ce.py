@@ -58,6 +58,11 @@ CE_PASS_ENV = "CODA_TITAN_CE_PASS"
 F4_ZDZ_ENV = "CODA_TITAN_F4_ZDZ"
 
 
+def f4_zdz_mode() -> str:
+    """``F4_ZDZ_ENV``'s mode, "acc" when unset (every head, both backends, reads its default here)."""
+    return os.environ.get(F4_ZDZ_ENV, "acc")
+
+
 def lm_head_ce(
     *,
     h: torch.Tensor,
@@ -91,7 +96,7 @@ def lm_head_ce(
         if not compute_grad:
             continue
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
-        if os.environ.get(F4_ZDZ_ENV, "acc") == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
+        if f4_zdz_mode() == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
             dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         else:
             dx_c, dg_c = norm_residual_bwd(da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r,
@@ -190,8 +195,8 @@ def _zdz_variant(zdz, dp, lf, logits, tgt, da, r):
     "consistent", sum l da / r over the rounded logits (the target's unrounded) and the *rounded* da B2's GEMM
     reads, so that B2's correction cancels the x-component of the gradient it is given, as stock's norm backward
     does with its own bf16 gradient; "consistent_rounded", the same with every logit rounded (what the gradient
-    pass has in memory); else the rounded logits' sum dp l (the programs' today)."""
-    mode = os.environ.get(F4_ZDZ_ENV, "rounded")
+    pass has in memory); else ("rounded") the rounded logits' sum dp l."""
+    mode = f4_zdz_mode()
     valid = tgt != IGNORE_INDEX
     t = torch.where(valid, tgt, 0)[:, None]
     if mode == "exact":
@@ -273,7 +278,7 @@ def lm_head_ce_fp8(
         if not compute_grad:
             continue
         daq = quantize_e5m2(dp * r[:, None], inv_g)
-        zdz = None if os.environ.get(F4_ZDZ_ENV, "acc") == "acc" else zdz  # (None: of B2's accumulator)
+        zdz = None if f4_zdz_mode() == "acc" else zdz  # (None: of B2's accumulator)
         dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_tq, scale=s_w.to(ct) / inv_g, x=x[rows],
                                               gamma=gamma, rstd=r, zdz=zdz, dresidual=None)
         dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)

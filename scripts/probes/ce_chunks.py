@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--zdz", nargs="+", default=[None], help="CODA_TITAN_F4_ZDZ modes (default: as set)")
     args = ap.parse_args(argv)
     from coda_titan.kernels import get_backend
-    from coda_titan.kernels.lm_head_ce import F4_ZDZ_ENV
+    from coda_titan.kernels.lm_head_ce import F4_ZDZ_ENV, f4_zdz_mode
 
     be = get_backend("cute")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                 os.environ[F4_ZDZ_ENV] = mode
             ms = bench(run)
             torch.cuda.empty_cache()
-            log_row(doc, "rows", {"chunk_rows": rows, "zdz": os.environ.get(F4_ZDZ_ENV, "acc"), "ms": ms,
+            log_row(doc, "rows", {"chunk_rows": rows, "zdz": f4_zdz_mode(), "ms": ms,
                                   "over_bare_gemms": ms / bare, "peak_gib": peak_gib(run)}, out)
     print("wrote", out, flush=True)
     return 0

@@ -107,7 +107,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
     b2, base = b2_epilogue(last=True)
-    zdz_mode = os.environ.get(ref.F4_ZDZ_ENV, "acc") if compute_grad else "rounded"
+    zdz_mode = ref.f4_zdz_mode() if compute_grad else "rounded"
     zdz_acc, consist = zdz_mode == "acc", zdz_mode in ("consistent", "consistent_rounded")
     if consist and not in_place:
         raise ValueError(f"{ref.F4_ZDZ_ENV}={zdz_mode} is a mode of the Triton gradient pass, not of "
@@ -217,7 +217,7 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
         daq_t = torch.empty((vocab, m), device=x.device, dtype=E5M2)  # (every chunk's codes, token-major)
     logits_buf = x.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
-    zdz_acc, gamma32 = os.environ.get(ref.F4_ZDZ_ENV, "acc") == "acc", gamma.float()
+    zdz_acc, gamma32 = ref.f4_zdz_mode() == "acc", gamma.float()
     for start in range(0, m, chunk_rows):
         stop = min(start + chunk_rows, m)
         r, t = rstd[start:stop], targets[start:stop]

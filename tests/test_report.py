@@ -428,6 +428,26 @@ def test_bf16_pairs_of_one_day_are_gathered_by_kind_with_coda_measured_against_s
     assert spans[0][0] > spans[1][1]  # (the noisier commit's span apart from the other's, not pooled with it)
 
 
+def test_bf16_pairs_name_the_steps_where_their_trajectories_part():
+    from scripts.report import bf16_parity
+    from scripts.probes.weight_drift import PART
+
+    base = [6 - 0.01 * i for i in range(60)]
+    parted = lambda at, by: base[:at - 1] + [x * (1 + by) for x in base[at - 1:]]  # noqa: E731
+    day = "loss_curve_NVIDIA_X_2026-12-01.json"
+    run = lambda config, stock, loss: dict(file=day, config=config, stock=stock, precision="bf16",  # noqa: E731
+                                           cohort="h100", loss=loss)
+    runs = [run("s", True, base), run("s", True, parted(40, 3 * PART)), run("s", True, parted(50, 0.5 * PART)),
+            run("c", False, parted(12, 2 * PART))]
+    c = bf16_parity.pair_classes(runs)[0]["classes"]
+    # stock pairs: base/second part at 40, base/third never (below the threshold), second/third at 40
+    assert c["stock / stock"]["parts_at"] == (40, 40) and c["stock / stock"]["never_parted"] == 1
+    assert c["CODA / stock"]["parts_at"] == (12, 12) and c["CODA / stock"]["never_parted"] == 0
+    table = bf16_parity.pair_table(bf16_parity.pair_classes(runs))
+    assert "| 40 (1 never) |" in table and "| 12 |" in table
+    assert bf16_parity.pair_table(bf16_parity.pair_classes(runs[:1] + runs[2:3])).rstrip().endswith("| - (never) |")
+
+
 def test_a_configs_repeats_in_one_loss_curve_are_numbered_in_its_plot():
     from scripts.report.training import _run_labels
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from scripts.compare.common import RESULTS
 from scripts.compare.parity import loss_runs, parity
+from scripts.probes.weight_drift import PART, first_parting
 
 KINDS = ("stock / stock", "CODA / stock", "CODA / CODA repeat")
 
@@ -61,15 +62,18 @@ def _classes(rs: list[dict], day: str) -> dict:
             kind = _kind(a, b)
             if kind is not None:
                 base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
-                classes.setdefault(kind, []).append(parity(base["loss"], cand["loss"]))
+                parts = first_parting(dict(enumerate(cand["loss"], 1)), dict(enumerate(base["loss"], 1)))
+                classes.setdefault(kind, []).append({**parity(base["loss"], cand["loss"]), "parts_at": parts})
     return {"day": day, "files": sorted({r["file"] for r in rs}), "runs": len(rs),
             "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}}
 
 
 def _spread(pairs: list[dict]) -> dict:
     span = lambda key: (min(p[key] for p in pairs), max(p[key] for p in pairs))  # noqa: E731
+    parted = [p["parts_at"] for p in pairs if p.get("parts_at") is not None]
     return {"pairs": len(pairs), "mean_abs_rel_dev": span("mean_abs_rel_dev"),
-            "max_rel_dev_10step_mean": span("max_rel_dev_10step_mean"), "max_rel_dev": span("max_rel_dev")}
+            "max_rel_dev_10step_mean": span("max_rel_dev_10step_mean"), "max_rel_dev": span("max_rel_dev"),
+            "parts_at": (min(parted), max(parted)) if parted else None, "never_parted": len(pairs) - len(parted)}
 
 
 def pair_table(groups: list[dict]) -> str:
@@ -78,14 +82,23 @@ def pair_table(groups: list[dict]) -> str:
     pct = lambda v: f"{100 * v[0]:.2f}-{100 * v[1]:.2f}%"  # noqa: E731
     lines = ["BF16 runs of one day on one GPU (same data, seed and step count), every pair by kind. Two bf16 runs of "
              "one config differ by their nondeterministic kernels alone (FA4's backward), two configs also by their "
-             "rounding: a CODA config at parity deviates from stock about as much as stock deviates from itself.", "",
+             "rounding: a CODA config at parity deviates from stock about as much as stock deviates from itself. "
+             f"Parts at: the first step whose losses differ by more than {PART:g} relative (the earliest and latest "
+             "over the pairs; the runs share their trajectory until then).", "",
              "| day | runs (files) | pair | pairs | mean abs. deviation | largest 10-step-mean deviation | "
-             "max deviation |", "|---|---:|---|---:|---:|---:|---:|"]
+             "max deviation | parts at |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for g in groups:
         for kind, s in g["classes"].items():
             lines.append(f"| {g['day']} | {g['runs']} ({len(g['files'])}) | {kind} | {s['pairs']} | "
-                         f"{pct(s['mean_abs_rel_dev'])} | {pct(s['max_rel_dev_10step_mean'])} | {pct(s['max_rel_dev'])} |")
+                         f"{pct(s['mean_abs_rel_dev'])} | {pct(s['max_rel_dev_10step_mean'])} | {pct(s['max_rel_dev'])} | "
+                         f"{_parts(s)} |")
     return "\n".join(lines)
+
+
+def _parts(s: dict) -> str:
+    span, never = s.get("parts_at"), s.get("never_parted", 0)
+    text = "-" if span is None else (f"{span[0]}" if span[0] == span[1] else f"{span[0]}-{span[1]}")
+    return text + (f" ({never} never)" if never and span is not None else " (never)" if never else "")
 
 
 WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",

@@ -17,6 +17,10 @@
 #     headline the README's headline in one call (about 8 min): the floor (quack's default config), then the compiled
 #              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
+#     warm     WARM_STEPS (6) steps of the compiled CODA and stock configs (PREC, default bf16), nothing kept: their
+#              kernels and inductor graphs compiled into this host's caches, so that the next call (within the 30 s a host
+#              stays warm) trains at once; about 4-5 min on a fresh host. Before parity: a fresh host's first CODA run
+#              compiles for about 200 s, and parity's three 300-step runs then pass the 600 s a call may take
 #     compare  python -m scripts.compare over the four 1B BF16 configs (50 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B stock eager vs CODA compiled (PARITY_CODA: another CODA config) and
 #              vs stock compiled (the bf16 noise floor: issue 18's criterion, judged on the results page), 300 steps
@@ -301,6 +305,13 @@ for phase in "$@"; do
         --metrics.disable_color_printing --job.dump_folder /tmp/check > "$logs/check_coda_compile.log" 2>&1
       echo "coda_compile rc=$?"; grep -E "step: |rror|first call" "$logs/check_coda_compile.log" | sed 's/.*INFO - //' | tail -30
       ;;
+    warm)
+      for c in configs/llama3_1b_${PREC:-bf16}_coda_compile.toml configs/llama3_1b_${PREC:-bf16}_baseline_compile.toml; do
+        python3 -m coda_titan.cli train "$c" --training.steps "${WARM_STEPS:-6}" --metrics.log_freq 1 --metrics.no-enable-wandb \
+          --checkpoint.no-enable --metrics.disable_color_printing --job.dump_folder /tmp/warm > "$logs/warm_$(basename "$c" .toml).log" 2>&1
+        echo "warm $(basename "$c") rc=$?"; grep -E "step: |rror" "$logs/warm_$(basename "$c" .toml).log" | sed 's/.*INFO - //' | tail -3
+      done
+      ;;
     compare)
       $cmp configs/llama3_1b_bf16_baseline.toml configs/llama3_1b_bf16_baseline_compile.toml \
         configs/llama3_1b_bf16_coda.toml configs/llama3_1b_bf16_coda_compile.toml --steps "${STEPS:-50}" --warmup 10
@@ -308,7 +319,8 @@ for phase in "$@"; do
     parity)
       # (the compiled CODA config, the one the headline recommends; PARITY_CODA=configs/llama3_1b_bf16_coda.toml: eager)
       # (PARITY_ARMS: the runs after stock eager, default "coda compiled"; "coda eager": a CODA run and stock eager's
-      # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host;
+      # repeat for the results page's pairs. Three 300-step runs take about 7.5 minutes on a warm host (on a fresh one
+      # the call before is `warm`: the fifty-ninth session's parity on a fresh host stopped at 600 s in its third run);
       # PARITY_AMP=1: every run with fp32 master weights, training.dtype = float32, TorchTitan's AMP)
       # (PARITY_ARMS named: the file's tag names them, so that two calls of a day keep both files)
       # (CODA_TITAN_CE_PASS=exp in the call's environment: CODA's runs with F4 without its gradient pass, the tag

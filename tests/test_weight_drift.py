@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from scripts.probes.weight_drift import distances, first_parting, kind, main
+from scripts.compare.parity import first_parting
+from scripts.probes.weight_drift import distances, kind, main
 
 
 def test_distances_are_per_kind_and_whole_relative_to_the_reference_and_to_its_own_move():

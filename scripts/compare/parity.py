@@ -12,6 +12,17 @@ from pathlib import Path
 from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, RESULTS
 
 
+PART = 1e-3  # (a loss "parts" from a reference's at this relative difference, as docs/cute_backend.md counts it)
+
+
+def first_parting(losses: dict[int, float], ref: dict[int, float]) -> int | None:
+    """The first step whose loss differs from the reference's by more than ``PART`` relative."""
+    for s in sorted(set(losses) & set(ref)):
+        if abs(losses[s] / ref[s] - 1) > PART:
+            return s
+    return None
+
+
 def parity(a: list[float], b: list[float], skip: int = PARITY_SKIP, tol: float = PARITY_TOL) -> dict:
     """Largest |b - a| / |a| over the steps after ``skip`` (1-based steps), and NaN checks."""
     n = min(len(a), len(b))

@@ -40,6 +40,7 @@ import torch
 from coda_titan.kernels import REFERENCE_ENV
 from coda_titan.kernels.lm_head_ce import CE_PASS_ENV, F4_ZDZ_ENV
 from coda_titan.titan.fa4 import FA4_PACKED_ENV
+from scripts.compare.parity import PART, first_parting
 from scripts.probes.bf16_step_accuracy import ATTN_PROGRAMS
 
 _BASE, _COMPILED = "configs/llama3_1b_bf16_baseline.toml", "configs/llama3_1b_bf16_baseline_compile.toml"
@@ -64,7 +65,6 @@ CPU_ARMS = {
 }
 DEFAULT = ("stock_eager", "stock_compiled", "coda_compiled", "stock_amp", "stock_eager", "coda_compiled_ce_exp")
 CPU_DEFAULT = ("stock", "coda", "stock")
-PART = 1e-3  # (a loss "parts" from a reference's at this relative difference, as docs/cute_backend.md counts it)
 _MODEL_ROOTS = ("tok_embeddings", "layers", "norm", "output")
 
 
@@ -113,14 +113,6 @@ def distances(w: dict, ref: dict, ref_prev: dict | None) -> dict:
         if ref_prev is not None:
             out[k]["per_update"] = (d / moved) ** 0.5 if moved else None
     return out
-
-
-def first_parting(losses: dict[int, float], ref: dict[int, float]) -> int | None:
-    """The first step whose loss differs from the reference's by more than ``PART`` relative."""
-    for s in sorted(set(losses) & set(ref)):
-        if abs(losses[s] / ref[s] - 1) > PART:
-            return s
-    return None
 
 
 def train(config: str, overrides: list, env: dict, steps: list[int], folder: Path,

@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 
 from scripts.compare.common import RESULTS
-from scripts.compare.parity import loss_runs, parity
-from scripts.probes.weight_drift import PART, first_parting
+from scripts.compare.parity import PART, first_parting, loss_runs, parity
 
 KINDS = ("stock / stock", "CODA / stock", "CODA / CODA repeat")
 
@@ -96,9 +95,11 @@ def pair_table(groups: list[dict]) -> str:
 
 
 def _parts(s: dict) -> str:
-    span, never = s.get("parts_at"), s.get("never_parted", 0)
-    text = "-" if span is None else (f"{span[0]}" if span[0] == span[1] else f"{span[0]}-{span[1]}")
-    return text + (f" ({never} never)" if never and span is not None else " (never)" if never else "")
+    span, never = s["parts_at"], s["never_parted"]
+    if span is None:
+        return "never"
+    text = f"{span[0]}" if span[0] == span[1] else f"{span[0]}-{span[1]}"
+    return f"{text} ({never} never)" if never else text
 
 
 WD_KINDS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",

@@ -334,6 +334,10 @@ def test_a_bf16_candidate_is_judged_against_the_compiled_stock_runs_deviation_in
     assert "| quiet | yes | yes |" in table and "| drift | no | no |" in table
     lone = dict(doc, runs=doc["runs"][:1] + doc["runs"][2:], parity=doc["parity"][1:])
     assert compare.against_noise_floor(lone) == [] and "noise floor" not in training.parity_table(lone)
+    assert "The call ended" not in table  # (no plan recorded, or every planned run done)
+    cut = dict(lone, planned=["configs/llama3_x.toml", "configs/quiet.toml", "configs/drift.toml", "configs/llama3_x_compile.toml"])
+    assert "The call ended before `llama3_x_compile`." in training.parity_table(cut)
+    assert "The call ended" not in training.parity_table(dict(cut, planned=cut["planned"][:3]))
 
 
 def test_budget_lines_give_the_gemm_time_left_for_the_target():

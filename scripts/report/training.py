@@ -210,6 +210,13 @@ def scaling_pairs() -> list[tuple[dict, dict]]:
     return out
 
 
+def _unrun(doc: dict) -> str:
+    """The runs a loss-curve call planned and did not reach (it stopped at its time limit; the file keeps the runs
+    done): named, so that a missing noise-floor row reads as not run, not as left out."""
+    rest = [Path(c).stem for c in doc.get("planned", [])[len(doc["runs"]):]]
+    return f" The call ended before {', '.join(f'`{c}`' for c in rest)}." if rest else ""
+
+
 def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:
     tol = f"{100 * max((q.get('tolerance', PARITY_TOL) for q in doc['parity']), default=PARITY_TOL):g}%"
     precisions = {r.get("precision", "bf16") for r in doc["runs"]}
@@ -217,7 +224,8 @@ def parity_table(doc: dict, spreads: list[dict] | None = None) -> str:
            if all(p.endswith("-amp") for p in precisions) else "")
     lines = [
         f"Loss parity on {doc['device']} ({doc['date'][:10]}{amp}): {doc['steps']} steps, same data and seed; "
-        f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}.",
+        f"largest relative loss deviation from `{Path(doc['runs'][0]['config']).stem}` after step {PARITY_SKIP}."
+        + _unrun(doc),
         "",
         f"| candidate | max rel. deviation | at step | steps over {tol} | mean abs. deviation | max over 10-step means | "
         f"non-finite loss | every step within {tol} |",

@@ -19,8 +19,9 @@
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     warm     WARM_STEPS (6) steps of the compiled CODA and stock configs (PREC, default bf16), nothing kept: their
 #              kernels and inductor graphs compiled into this host's caches, so that the next call (within the 30 s a host
-#              stays warm) trains at once; about 4-5 min on a fresh host. Before parity: a fresh host's first CODA run
-#              compiles for about 200 s, and parity's three 300-step runs then pass the 600 s a call may take
+#              stays warm) trains at once. Before parity: a fresh host's first CODA run compiles for about 200 s (339 s
+#              for 300 bf16 steps against about 120 s warm), and parity's three runs then pass the 600 s a call may take.
+#              Not timed alone yet (a 280 s call ended inside it): give it the call's full 600 s
 #     compare  python -m scripts.compare over the four 1B BF16 configs (50 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B stock eager vs CODA compiled (PARITY_CODA: another CODA config) and
 #              vs stock compiled (the bf16 noise floor: issue 18's criterion, judged on the results page), 300 steps

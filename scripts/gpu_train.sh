@@ -21,7 +21,7 @@
 #              kernels and inductor graphs compiled into this host's caches, so that the next call (within the 30 s a host
 #              stays warm) trains at once. Before parity: a fresh host's first CODA run compiles for about 200 s (339 s
 #              for 300 bf16 steps against about 120 s warm), and parity's three runs then pass the 600 s a call may take.
-#              Not timed alone yet (a 280 s call ended inside it): give it the call's full 600 s
+#              It took 297 s on a fresh H200 (bf16); the parity call after it on that host then took 383 s
 #     compare  python -m scripts.compare over the four 1B BF16 configs (50 timed steps after 10 warm-up)
 #     parity   python -m scripts.compare --loss-curve, 1B stock eager vs CODA compiled (PARITY_CODA: another CODA config) and
 #              vs stock compiled (the bf16 noise floor: issue 18's criterion, judged on the results page), 300 steps

@@ -467,3 +467,37 @@ def test_the_cpu_precision_table_lists_every_pair_with_its_runs_last_50_mean():
     assert len(rows) == 3 and "| coda_fp32 | stock_fp32 | 0.000% |" in table
     assert "| stock_bf16 | stock_fp32 | 2.000% | 2.000% | 2.000% |" in table
     assert f"{1.02 * sum(ref[-50:]) / 50:.4f} against {sum(ref[-50:]) / 50:.4f}" in table
+
+
+def test_the_bf16_noise_floor_criterion_is_gathered_over_every_stored_run_that_measured_it(tmp_path):
+    """Each file with stock eager, its compiled twin and a CODA run gives one row: the two deviations beside the
+    twin's, where each parted, the seed (a ``--debug.seed`` override over the config's), the commit and the verdict;
+    a file without the twin gives none; the table counts the runs that met."""
+    from scripts.compare.parity import PART, noise_floor_record, parity
+    from scripts.report import bf16_parity
+
+    base = [6 - 0.01 * i for i in range(60)]
+    off = lambda at, by: base[:at - 1] + [x * (1 + by) for x in base[at - 1:]]  # noqa: E731
+    cfg = lambda name, coda: ('[model]\nname = "' + ("coda_llama3" if coda else "llama3") + '"\n\n[debug]\nseed = 42\n')  # noqa: E731
+    run = lambda name, loss, coda=False, ov=(): {"config": f"configs/{name}.toml", "loss": loss, "precision": "bf16",  # noqa: E731
+                                                 "config_run": cfg(name, coda), "overrides": list(ov)}
+
+    def doc(coda_loss, twin_loss, ov=(), twin=True, commit="abc1234-dirty"):
+        runs = [run("x", base, ov=ov), run("x_coda", coda_loss, True, ov)] + ([run("x_compile", twin_loss, ov=ov)] if twin else [])
+        return {"device": "d", "versions": {"coda_titan_commit": commit}, "runs": runs,
+                "parity": [{"candidate": Path(r["config"]).stem, **parity(base, r["loss"])} for r in runs[1:]]}
+
+    docs = {"loss_curve_a.json": doc(off(30, 2 * PART), off(25, 4 * PART)),  # CODA closer: met
+            "loss_curve_b.json": doc(off(30, 6 * PART), off(40, 4 * PART), ov=("--debug.seed", "7")),  # farther
+            "loss_curve_c.json": doc(off(30, 2 * PART), None, twin=False)}  # no twin: no verdict
+    paths = []
+    for name, d in docs.items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(d))
+    rec = noise_floor_record(paths)
+    assert [(r["file"], r["seed"], r["commit"], r["parts_at"], r["met"]) for r in rec] == [
+        ("loss_curve_a.json", 42, "abc1234", (30, 25), True), ("loss_curve_b.json", 7, "abc1234", (30, 40), False)]
+    assert rec[1]["mean_abs_rel_dev"][0] > rec[1]["mean_abs_rel_dev"][1]
+    table = bf16_parity.noise_floor_table(rec)
+    assert "met in 1 of 2" in table and table.count("| abc1234 | x_coda |") == 2
+    assert "| 30 / 40 | no |" in table and bf16_parity.noise_floor_table([]) == ""

@@ -204,6 +204,30 @@ def against_noise_floor(doc: dict) -> list[dict]:
     return out
 
 
+def noise_floor_record(paths: list[Path] | None = None) -> list[dict]:
+    """``against_noise_floor`` in every stored loss curve that measured it: per CODA candidate, its mean abs. and
+    largest 10-step-mean deviation beside the compiled twin's, the first step where each parted from the baseline,
+    the run's seed and CODA commit. One run is one draw of where the trajectories part (a loss spike whose gradient
+    norm varies between stock's own runs), so the criterion is read over several."""
+    paths = _curve_paths() if paths is None else paths
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        if "parity" not in doc or len(doc["parity"]) != len(doc["runs"]) - 1:
+            continue
+        by = {q["candidate"]: (q, r) for q, r in zip(doc["parity"], doc["runs"][1:])}
+        base = dict(enumerate(doc["runs"][0]["loss"], 1))
+        parts = lambda r: first_parting(dict(enumerate(r["loss"], 1)), base)  # noqa: E731
+        for v in against_noise_floor(doc):
+            (q, r), (t, tr) = by[v["candidate"]], by[v["noise"]]
+            out.append({"file": _label(p), "seed": (json.loads(_cohort(doc, r))["debug"] or {}).get("seed"),
+                        "commit": _commit(doc), "candidate": shown(v["candidate"], _precision(r)),
+                        "mean_abs_rel_dev": (q["mean_abs_rel_dev"], t["mean_abs_rel_dev"]),
+                        "max_rel_dev_10step_mean": (q["max_rel_dev_10step_mean"], t["max_rel_dev_10step_mean"]),
+                        "parts_at": (parts(r), parts(tr)), "met": v["met"]})
+    return out
+
+
 def track_record(paths: list[Path] | None = None, spreads: list[dict] | None = None) -> list[dict]:
     """Every stored run of each candidate config judged by ``against_repeats`` (its baseline's repeats in its
     cohort), grouped by (baseline, candidate): how often one config, as it stood on each day, met the criterion.

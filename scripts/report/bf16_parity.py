@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from scripts.compare.common import RESULTS
-from scripts.compare.parity import PART, first_parting, loss_runs, parity
+from scripts.compare.parity import PART, first_parting, loss_runs, noise_floor_record, parity
 
 KINDS = ("stock / stock", "CODA / stock", "CODA / CODA repeat")
 
@@ -91,6 +91,25 @@ def pair_table(groups: list[dict]) -> str:
             lines.append(f"| {g['day']} | {g['runs']} ({len(g['files'])}) | {kind} | {s['pairs']} | "
                          f"{pct(s['mean_abs_rel_dev'])} | {pct(s['max_rel_dev_10step_mean'])} | {pct(s['max_rel_dev'])} | "
                          f"{_parts(s)} |")
+    return "\n".join(lines)
+
+
+def noise_floor_table(rec: list[dict]) -> str:
+    """``noise_floor_record`` as markdown: every stored run judged by the BF16 issue's criterion, with how many met."""
+    if not rec:
+        return ""
+    pair = lambda v: f"{100 * v[0]:.2f}% / {100 * v[1]:.2f}%"  # noqa: E731
+    at = lambda s: "never" if s is None else str(s)  # noqa: E731
+    lines = ["The BF16 issue's parity criterion (CODA's mean abs. and largest 10-step-mean deviation from stock eager "
+             "no larger than stock compiled's, in the same run) in every stored run that measured it: met in "
+             f"{sum(r['met'] for r in rec)} of {len(rec)}. Each run is one draw of where the trajectories part "
+             f"(parts at: the first step past {PART:g} relative).", "",
+             "| file | seed | CODA commit | candidate | mean abs., CODA / compiled | largest 10-step mean, CODA / "
+             "compiled | parts at, CODA / compiled | met |", "|---|---:|---|---|---:|---:|---:|:---:|"]
+    for r in rec:
+        lines.append(f"| `{r['file']}` | {r['seed']} | {r['commit'] or '-'} | {r['candidate']} | "
+                     f"{pair(r['mean_abs_rel_dev'])} | {pair(r['max_rel_dev_10step_mean'])} | "
+                     f"{at(r['parts_at'][0])} / {at(r['parts_at'][1])} | {'yes' if r['met'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -259,7 +278,7 @@ def weight_drift_table(doc: dict, name: str) -> str:
 
 
 def section(runs: list[dict] | None = None) -> str:
-    parts = [pair_table(pair_classes(runs))]
+    parts = [pair_table(pair_classes(runs)), noise_floor_table(noise_floor_record())]
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
         parts.append(step_accuracy_table(json.loads(p.read_text()), p.name))
     for p in sorted(RESULTS.glob("probe_ce_rounding_*.json")):

@@ -853,3 +853,35 @@ def test_a_runs_precision_names_amp_apart_from_pure_bf16_and_fp32():
     assert _precision(job("float32", "bfloat16")) == "bf16-amp"
     assert _precision(job("bfloat16", "bfloat16", "coda_llama3", precision="fp8")) == "fp8"
     assert _precision(job("bfloat16", "bfloat16", converters=["quantize.linear.float8"])) == "fp8"
+
+
+def test_a_loss_curve_call_ends_with_each_runs_deviations_and_the_noise_floor_verdict(tmp_path, monkeypatch, capsys):
+    """The lines a finished loss-curve call prints: per candidate the mean abs., 10-step and max deviation and the
+    step where it parts from the baseline; with stock compiled beside stock eager, each CODA run's noise-floor
+    verdict (CODA here deviates more than the compiled twin: MISSED)."""
+    from scripts.compare import loss_curve as lc_mod
+
+    base = [10.0 - 0.1 * i for i in range(30)]
+    offs = {"llama3_1b_bf16_baseline": (None, 0.0), "llama3_1b_bf16_coda_compile": (22, 0.02),
+            "llama3_1b_bf16_baseline_compile": (25, 0.005)}
+
+    def fake_run(cfg, **kw):
+        at, by = offs[Path(cfg).stem]
+        rows = [{"step": i + 1, "loss": x * (1 + by) if at and i + 1 >= at else x, "grad_norm": 3.0}
+                for i, x in enumerate(base)]
+        coda = "coda" in Path(cfg).stem
+        return {"config": str(cfg), "config_run": f'[model]\nname = "{"coda_llama3" if coda else "llama3"}"\n',
+                "precision": "bf16", "attention": "sdpa", "rows": rows, "seq_len": 8, "local_batch_size": 1,
+                "tokens_per_step": 8, "returncode": 0}
+
+    monkeypatch.setattr(lc_mod, "run_config", fake_run)
+    monkeypatch.setattr("scripts.report.training.plot_loss_curve", lambda doc, path: None)
+    compare.main(["--loss-curve", *(str(CONFIGS / f"{n}.toml") for n in offs), "--steps", "30",
+                  "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
+    out = capsys.readouterr().out + capsys.readouterr().err
+    coda = next(line for line in out.splitlines() if "llama3_1b_bf16_coda_compile vs" in line)
+    assert "mean abs. deviation 1.80%" in coda  # (9 of the 10 steps after step 20 at 2%)
+    assert "largest 10-step mean 1.79%" in coda  # (steps 21-30: 2% of the sum of 22-30 over the sum of 21-30)
+    assert "max 2.00% (step " in coda and "parts (past 0.001) at step 22" in coda
+    assert "llama3_1b_bf16_coda_compile against the noise floor (llama3_1b_bf16_baseline_compile" in out
+    assert out.rstrip().splitlines()[-2].endswith("no larger than its: MISSED")

@@ -33,8 +33,29 @@ def loss_curve(args) -> Path:
         if len(doc["runs"]) < len(args.configs):
             _say(f"wrote {path} ({len(doc['runs'])} of {len(args.configs)} runs)")
     plot_loss_curve(doc, path.with_suffix(".png"))
-    for p in doc["parity"]:
-        _say(f"{p['candidate']} vs {p['baseline']}: max relative loss deviation after step {p['after_step']}: "
-             f"{p['max_rel_dev']} (step {p['max_rel_dev_step']}), tolerance {p['tolerance']}: {'met' if p['met'] else 'MISSED'}")
+    for line in summary_lines(doc):
+        _say(line)
     _say(f"wrote {path}")
     return path
+
+
+def summary_lines(doc: dict) -> list[str]:
+    """What a finished loss-curve call says: each candidate's deviations from the first run (the measures the
+    results page judges by) and the step where it parts from it; where the call ran stock compiled beside stock
+    eager, each CODA run's verdict against that noise floor."""
+    from scripts.compare.parity import PART, against_noise_floor, first_parting
+
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    base = dict(enumerate(doc["runs"][0]["loss"], 1))
+    out = []
+    for p, r in zip(doc["parity"], doc["runs"][1:]):
+        parts = first_parting(dict(enumerate(r["loss"], 1)), base)
+        out.append(f"{p['candidate']} vs {p['baseline']} after step {p['after_step']}: mean abs. deviation "
+                   f"{pct(p['mean_abs_rel_dev'])}, largest 10-step mean {pct(p['max_rel_dev_10step_mean'])}, max "
+                   f"{pct(p['max_rel_dev'])} (step {p['max_rel_dev_step']}; every step within {pct(p['tolerance'])}: "
+                   f"{'yes' if p['met'] else 'no'}); parts (past {PART:g}) "
+                   + (f"at step {parts}" if parts else "never"))
+    for v in against_noise_floor(doc):
+        out.append(f"{v['candidate']} against the noise floor ({v['noise']} vs the same baseline): mean abs. and "
+                   f"10-step deviations no larger than its: {'met' if v['met'] else 'MISSED'}")
+    return out

@@ -499,5 +499,7 @@ def test_the_bf16_noise_floor_criterion_is_gathered_over_every_stored_run_that_m
         ("loss_curve_a.json", 42, "abc1234", (30, 25), True), ("loss_curve_b.json", 7, "abc1234", (30, 40), False)]
     assert rec[1]["mean_abs_rel_dev"][0] > rec[1]["mean_abs_rel_dev"][1]
     table = bf16_parity.noise_floor_table(rec)
-    assert "met in 1 of 2" in table and table.count("| abc1234 | x_coda |") == 2
+    assert "met in 1 of 2" in table and table.count("| abc1234 | x_coda |") == 3  # (two runs, their average)
     assert "| 30 / 40 | no |" in table and bf16_parity.noise_floor_table([]) == ""
+    mean = lambda i: sum(r["mean_abs_rel_dev"][i] for r in rec) / 2  # noqa: E731
+    assert f"| abc1234 | x_coda | 2 | 1 | {100 * mean(0):.2f}% / {100 * mean(1):.2f}% |" in table  # (one commit's rows)

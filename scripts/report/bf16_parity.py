@@ -110,6 +110,17 @@ def noise_floor_table(rec: list[dict]) -> str:
         lines.append(f"| `{r['file']}` | {r['seed']} | {r['commit'] or '-'} | {r['candidate']} | "
                      f"{pair(r['mean_abs_rel_dev'])} | {pair(r['max_rel_dev_10step_mean'])} | "
                      f"{at(r['parts_at'][0])} / {at(r['parts_at'][1])} | {'yes' if r['met'] else 'no'} |")
+    by: dict[tuple, list[dict]] = {}
+    for r in rec:
+        by.setdefault((r["commit"], r["candidate"]), []).append(r)
+    mean = lambda rs, key, i: sum(r[key][i] for r in rs) / len(rs)  # noqa: E731
+    lines += ["", "The same, averaged over each commit's runs (each run one draw of where the trajectories part):", "",
+              "| CODA commit | candidate | runs | met | mean abs., CODA / compiled | largest 10-step mean, CODA / compiled |",
+              "|---|---|---:|---:|---:|---:|"]
+    for (commit, cand), rs in by.items():
+        lines.append(f"| {commit or '-'} | {cand} | {len(rs)} | {sum(r['met'] for r in rs)} | "
+                     f"{pair((mean(rs, 'mean_abs_rel_dev', 0), mean(rs, 'mean_abs_rel_dev', 1)))} | "
+                     f"{pair((mean(rs, 'max_rel_dev_10step_mean', 0), mean(rs, 'max_rel_dev_10step_mean', 1)))} |")
     return "\n".join(lines)
 
 

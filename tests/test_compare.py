@@ -878,7 +878,8 @@ def test_a_loss_curve_call_ends_with_each_runs_deviations_and_the_noise_floor_ve
     monkeypatch.setattr("scripts.report.training.plot_loss_curve", lambda doc, path: None)
     compare.main(["--loss-curve", *(str(CONFIGS / f"{n}.toml") for n in offs), "--steps", "30",
                   "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "work")])
-    out = capsys.readouterr().out + capsys.readouterr().err
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
     coda = next(line for line in out.splitlines() if "llama3_1b_bf16_coda_compile vs" in line)
     assert "mean abs. deviation 1.80%" in coda  # (9 of the 10 steps after step 20 at 2%)
     assert "largest 10-step mean 1.79%" in coda  # (steps 21-30: 2% of the sum of 22-30 over the sum of 21-30)

@@ -478,9 +478,9 @@ def test_the_bf16_noise_floor_criterion_is_gathered_over_every_stored_run_that_m
 
     base = [6 - 0.01 * i for i in range(60)]
     off = lambda at, by: base[:at - 1] + [x * (1 + by) for x in base[at - 1:]]  # noqa: E731
-    cfg = lambda name, coda: ('[model]\nname = "' + ("coda_llama3" if coda else "llama3") + '"\n\n[debug]\nseed = 42\n')  # noqa: E731
+    cfg = lambda coda: '[model]\nname = "' + ("coda_llama3" if coda else "llama3") + '"\n\n[debug]\nseed = 42\n'  # noqa: E731
     run = lambda name, loss, coda=False, ov=(): {"config": f"configs/{name}.toml", "loss": loss, "precision": "bf16",  # noqa: E731
-                                                 "config_run": cfg(name, coda), "overrides": list(ov)}
+                                                 "config_run": cfg(coda), "overrides": list(ov)}
 
     def doc(coda_loss, twin_loss, ov=(), twin=True, commit="abc1234-dirty"):
         runs = [run("x", base, ov=ov), run("x_coda", coda_loss, True, ov)] + ([run("x_compile", twin_loss, ov=ov)] if twin else [])

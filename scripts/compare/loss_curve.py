@@ -43,13 +43,12 @@ def summary_lines(doc: dict) -> list[str]:
     """What a finished loss-curve call says: each candidate's deviations from the first run (the measures the
     results page judges by) and the step where it parts from it; where the call ran stock compiled beside stock
     eager, each CODA run's verdict against that noise floor."""
-    from scripts.compare.parity import PART, against_noise_floor, first_parting
+    from scripts.compare.parity import PART, against_noise_floor, parting_step
 
     pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
-    base = dict(enumerate(doc["runs"][0]["loss"], 1))
     out = []
     for p, r in zip(doc["parity"], doc["runs"][1:]):
-        parts = first_parting(dict(enumerate(r["loss"], 1)), base)
+        parts = parting_step(r["loss"], doc["runs"][0]["loss"])
         out.append(f"{p['candidate']} vs {p['baseline']} after step {p['after_step']}: mean abs. deviation "
                    f"{pct(p['mean_abs_rel_dev'])}, largest 10-step mean {pct(p['max_rel_dev_10step_mean'])}, max "
                    f"{pct(p['max_rel_dev'])} (step {p['max_rel_dev_step']}; every step within {pct(p['tolerance'])}: "

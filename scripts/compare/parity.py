@@ -23,6 +23,11 @@ def first_parting(losses: dict[int, float], ref: dict[int, float]) -> int | None
     return None
 
 
+def parting_step(loss: list[float], ref: list[float]) -> int | None:
+    """``first_parting`` of two runs' per-step losses (step 1 first)."""
+    return first_parting(dict(enumerate(loss, 1)), dict(enumerate(ref, 1)))
+
+
 def parity(a: list[float], b: list[float], skip: int = PARITY_SKIP, tol: float = PARITY_TOL) -> dict:
     """Largest |b - a| / |a| over the steps after ``skip`` (1-based steps), and NaN checks."""
     n = min(len(a), len(b))
@@ -216,8 +221,7 @@ def noise_floor_record(paths: list[Path] | None = None) -> list[dict]:
         if "parity" not in doc or len(doc["parity"]) != len(doc["runs"]) - 1:
             continue
         by = {q["candidate"]: (q, r) for q, r in zip(doc["parity"], doc["runs"][1:])}
-        base = dict(enumerate(doc["runs"][0]["loss"], 1))
-        parts = lambda r: first_parting(dict(enumerate(r["loss"], 1)), base)  # noqa: E731
+        parts = lambda r: parting_step(r["loss"], doc["runs"][0]["loss"])  # noqa: E731
         for v in against_noise_floor(doc):
             (q, r), (t, tr) = by[v["candidate"]], by[v["noise"]]
             out.append({"file": _label(p), "seed": (json.loads(_cohort(doc, r))["debug"] or {}).get("seed"),

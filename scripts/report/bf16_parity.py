@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from scripts.compare.common import RESULTS
-from scripts.compare.parity import PART, first_parting, loss_runs, noise_floor_record, parity
+from scripts.compare.parity import PART, loss_runs, noise_floor_record, parity, parting_step
 
 KINDS = ("stock / stock", "CODA / stock", "CODA / CODA repeat")
 
@@ -61,7 +61,7 @@ def _classes(rs: list[dict], day: str) -> dict:
             kind = _kind(a, b)
             if kind is not None:
                 base, cand = (b, a) if b["stock"] and not a["stock"] else (a, b)
-                parts = first_parting(dict(enumerate(cand["loss"], 1)), dict(enumerate(base["loss"], 1)))
+                parts = parting_step(cand["loss"], base["loss"])
                 classes.setdefault(kind, []).append({**parity(base["loss"], cand["loss"]), "parts_at": parts})
     return {"day": day, "files": sorted({r["file"] for r in rs}), "runs": len(rs),
             "classes": {k: _spread(classes[k]) for k in KINDS if k in classes}}

@@ -503,3 +503,24 @@ def test_the_bf16_noise_floor_criterion_is_gathered_over_every_stored_run_that_m
     assert "| 30 / 40 | no |" in table and bf16_parity.noise_floor_table([]) == ""
     mean = lambda i: sum(r["mean_abs_rel_dev"][i] for r in rec) / 2  # noqa: E731
     assert f"| abc1234 | x_coda | 2 | 1 | {100 * mean(0):.2f}% / {100 * mean(1):.2f}% |" in table  # (one commit's rows)
+
+
+def test_the_headline_gives_each_gpu_models_newest_comparison(tmp_path, monkeypatch):
+    from scripts.report import pages
+
+    def compare(device, date, tps, step_ms, floor):
+        cfg = "llama3_1b_bf16_coda_compile"
+        return {"device": device, "date": date, "floor": {"bf16": floor},
+                "runs": [{"config": f"configs/{cfg}.toml", "step_ms": step_ms}],
+                "targets": [{"config": cfg, "baseline": "stock", "metric": "tokens_per_s", "value": tps},
+                            {"config": cfg, "baseline": "stock", "metric": "peak_gib", "value": 0.75}]}
+
+    monkeypatch.setattr(pages, "RESULTS", tmp_path)
+    for name, doc in (("compare_NVIDIA_A_2026-11-20.json", compare("A", "2026-11-20T10:00", 1.01, 300.0, 250.0)),
+                      ("compare_NVIDIA_A_2026-11-27.json", compare("A", "2026-11-27T10:00", 1.07, 275.0, 250.0)),
+                      ("compare_NVIDIA_B_2026-11-29.json", compare("B", "2026-11-29T10:00", 1.05, 270.0, 240.0))):
+        (tmp_path / name).write_text(json.dumps(doc))
+    rows = pages.headline().splitlines()[2:]
+    assert [r.split(" | ")[3] for r in rows] == ["1.050x", "1.070x"]  # (B's, the newest GPU first; A's newest only)
+    assert [r.split(" | ")[6:8] for r in rows] == [["B", "2026-11-29 |"], ["A", "2026-11-27 |"]]
+    assert rows[0].split(" | ")[5] == f"{270.0 / 240.0:.3f}"

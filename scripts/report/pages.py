@@ -29,29 +29,37 @@ def update_block(path: Path, name: str, text: str) -> None:
     path.write_text(re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, body, flags=re.S))
 
 
+def _newest_per_gpu(files: list[Path]) -> list[dict]:
+    """The newest comparison of each GPU model among ``files`` (by its date, then its name), newest first."""
+    newest: dict[str, tuple[str, str, dict]] = {}
+    for path in files:
+        doc = json.loads(path.read_text())
+        key = (doc.get("date", ""), path.name)
+        if doc.get("device") not in newest or key > newest[doc["device"]][:2]:
+            newest[doc.get("device")] = (*key, doc)
+    return [d for *_, d in sorted(newest.values(), key=lambda v: v[:2], reverse=True)]
+
+
 def headline() -> str:
-    """One row per precision: CODA (eager and compiled) against the compiled stock baseline of the
-    newest 1B comparison (the untagged BF16 set and the ``fp8_coda`` FP8 set)."""
+    """One row per precision and GPU model: CODA against the compiled stock baseline of that GPU's newest 1B
+    comparison (the untagged BF16 set and the ``fp8_coda`` FP8 set), the newest GPU's first."""
     rows = ["| precision | CODA config | against | tokens/s | peak memory | step / floor | GPU | date |",
             "|---|---|---|---:|---:|---:|---|---|"]
     for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
-        files = sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))
-        if not files:
-            continue
-        doc = json.loads(files[-1].read_text())
-        got: dict[str, dict] = {}
-        for t in doc.get("targets", []):
-            key = {"tokens_per_s": "tps", "peak_gib": "mem"}.get(t["metric"])
-            if key:  # (step / floor: its own column, from the floor)
-                got.setdefault(t["config"], {"baseline": t["baseline"]})[key] = t["value"]
-        for config, v in got.items():
-            tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
-            mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"
-            floor = (doc.get("floor") or {}).get(precision.lower())
-            run = next((r for r in doc["runs"] if Path(r["config"]).stem == config and "error" not in r), None)
-            over = f"{run['step_ms'] / floor:.3f}" if floor and run else "n/a"
-            rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {over} | {doc['device']} | "
-                        f"{doc['date'][:10]} |")
+        for doc in _newest_per_gpu(sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))):
+            got: dict[str, dict] = {}
+            for t in doc.get("targets", []):
+                key = {"tokens_per_s": "tps", "peak_gib": "mem"}.get(t["metric"])
+                if key:  # (step / floor: its own column, from the floor)
+                    got.setdefault(t["config"], {"baseline": t["baseline"]})[key] = t["value"]
+            for config, v in got.items():
+                tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
+                mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"
+                floor = (doc.get("floor") or {}).get(precision.lower())
+                run = next((r for r in doc["runs"] if Path(r["config"]).stem == config and "error" not in r), None)
+                over = f"{run['step_ms'] / floor:.3f}" if floor and run else "n/a"
+                rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {over} | "
+                            f"{doc['device']} | {doc['date'][:10]} |")
     return "\n".join(rows)
 
 

@@ -988,11 +988,13 @@ for phase in "$@"; do
       # probe: host-bound GPU idle of the forward, without a profiler: the step with a GPU sleep of S ms at each
       # forward's start against none (SLEEPS, default "0 30"; CONFIG; GRAPHS=1 / OPTSTREAM=1 add an arm with
       # cuda_graphs / optimizer_stream; SET="key=value,..." one more arm with those overrides; SYNC_DEBUG=1: each
-      # forward counts the synchronizing calls in it, by source),
+      # forward counts the synchronizing calls in it, by source; LOG_FREQ=10: a metrics line every 10 steps as the
+      # configs log, the forwards after a logged step apart from the rest),
       # and cProfile's split of the host time of the no-sleep arm's last forward
       python3 -m scripts.probes.host_slack --config "${CONFIG:-configs/llama3_1b_fp8_coda_compile.toml}" \
         --steps "${STEPS:-30}" --cprofile-forward "${STEPS:-30}" --sleep-ms ${SLEEPS:-0 30} ${GRAPHS:+--set coda.cuda_graphs=true} \
-        ${OPTSTREAM:+--set coda.optimizer_stream=true} ${SET:+--set "$SET"} ${SYNC_DEBUG:+--sync-debug} --workdir /tmp/compare 2>&1 | tail -12
+        ${OPTSTREAM:+--set coda.optimizer_stream=true} ${SET:+--set "$SET"} ${SYNC_DEBUG:+--sync-debug} \
+        --log-freq "${LOG_FREQ:-1}" --workdir /tmp/compare 2>&1 | tail -12
       ;;
     hostprofile)
       python3 -m scripts.probes.host_profile > "$logs/host_profile.log" 2>&1

@@ -161,7 +161,7 @@ def child(argv: list[str]) -> int:
 
 
 def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> dict:
-    from scripts.compare.run import run_config, summarize
+    from scripts.compare.run import logged_steps, run_config, summarize
 
     log = workdir / f"{label}.jsonl"
     log.unlink(missing_ok=True)
@@ -169,7 +169,7 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
     prof.unlink(missing_ok=True)
     cprofile_forward = args.cprofile_forward if sleep_ms == 0 and not sets else 0
     r = run_config(Path(args.config), steps=args.steps, workdir=workdir / label, attention="config", sets=sets,
-                   timeout=args.timeout, entry=("-m", "scripts.probes.host_slack", "child"),
+                   timeout=args.timeout, entry=("-m", "scripts.probes.host_slack", "child"), log_freq=args.log_freq,
                    env_extra={ENV_SLEEP: str(sleep_ms), ENV_LOG: str(log), ENV_CPROFILE: str(cprofile_forward),
                               ENV_SYNC_DEBUG: "1" if args.sync_debug else "0"})
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -182,6 +182,14 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
         out["host_fwd_ms"] = statistics.median(x["host_fwd_ms"] for x in timed)
         out["gpu_fwd_ms"] = statistics.median(x["gpu_fwd_ms"] for x in timed)
         out["fwd_raw"] = timed
+        if args.log_freq > 1:  # (forward i + 1 follows a metrics line's .item() wait when step i was logged)
+            logged = set(logged_steps(args.steps, args.log_freq))
+            kept = [(i, x) for i, x in enumerate(rows) if i >= args.warmup and i + 1 != cprofile_forward]
+            after, rest = [x for i, x in kept if i in logged], [x for i, x in kept if i not in logged]
+            for name, part in (("after_log", after), ("between_logs", rest)):
+                if part:
+                    out[name] = {"forwards": len(part), "host_fwd_ms": statistics.median(x["host_fwd_ms"] for x in part),
+                                 "gpu_fwd_ms": statistics.median(x["gpu_fwd_ms"] for x in part)}
         out["in_forwards"] = {k: sum(x.get(k, 0) for x in timed) for k in ALLOC_STATS}  # (cudaMalloc / cudaFree / retries)
         if args.sync_debug:
             syncs: dict[str, int] = {}
@@ -207,6 +215,9 @@ def main(argv=None) -> int:
                     "row counts the synchronizing calls inside it, by source")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--log-freq", type=int, default=1, help="a metrics line (its .item() waits for the GPU) every N "
+                    "steps; 1 (default): every step, so every forward starts on an empty GPU queue; the configs log "
+                    "every 10, and then the forwards after a logged step are summarized apart from the others")
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--workdir", default="/tmp/host_slack")
     ap.add_argument("--cprofile-forward", type=int, default=0, help="in the no-sleep arm, split this training "
@@ -219,6 +230,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     out = out_json("probe_host_slack")
     doc = {**header(), "kind": "probe_host_slack", "config": args.config, "steps": args.steps, "warmup": args.warmup,
+           "log_freq": args.log_freq,
            "method": "X = S - (step(S) - step(0)): host-bound GPU idle of the forward that a GPU sleep of S ms at the "
                      "forward's start absorbs; host_fwd_ms / gpu_fwd_ms: forward start to the LM head's entry",
            "arms": []}

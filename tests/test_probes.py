@@ -383,3 +383,18 @@ def test_ce_offset_slack_measures_the_cauchy_schwarz_bound_over_each_rows_larges
     assert r["weight_row_norm_max"] == 2.0 and r["max_logit"]["q100"] == 6.0 and SLACK_LIMIT == 157.0
     got = measure(Setup(flavor="debugmodel_gqa", seqlen=64, batch=2, device="cpu", backend="torch", fa4=False), None)
     assert got["rows"] == 128 and got["slack"]["q0"] >= 0 and got["bound"]["q50"] > got["max_logit"]["q50"] > 0
+
+
+def test_the_host_slack_probe_puts_the_forwards_after_a_logged_step_apart():
+    from scripts.probes.host_slack import split_by_log
+
+    # forward i + 1 follows step i; with a line every 10 steps, forwards 11 and 21 start on an empty queue
+    rows = [{"host_fwd_ms": 30.0 if i in (10, 20) else 90.0 + i, "gpu_fwd_ms": 50.0 if i in (10, 20) else 58.0}
+            for i in range(25)]
+    got = split_by_log(rows, warmup=5, steps=25, log_freq=10, skip=25)  # (forward 25: cProfile's, left out)
+    assert got["after_log"] == {"forwards": 2, "host_fwd_ms": 30.0, "gpu_fwd_ms": 50.0}
+    between = [90.0 + i for i in range(5, 24) if i not in (10, 20)]
+    assert got["between_logs"]["forwards"] == len(between) == 17
+    assert got["between_logs"]["host_fwd_ms"] == sorted(between)[8] and got["between_logs"]["gpu_fwd_ms"] == 58.0
+    early = split_by_log(rows[:10], warmup=0, steps=10, log_freq=10)  # (TorchTitan logs step 1 too: forward 2 follows it)
+    assert early["after_log"] == {"forwards": 1, "host_fwd_ms": 91.0, "gpu_fwd_ms": 58.0}

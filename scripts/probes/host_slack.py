@@ -160,8 +160,21 @@ def child(argv: list[str]) -> int:
     return cli_main(argv)
 
 
+def split_by_log(rows: list[dict], warmup: int, steps: int, log_freq: int, skip: int = 0) -> dict:
+    """The timed forwards' medians in two parts: ``after_log``, the forwards that follow a logged step (its
+    metrics line's ``.item()`` waited for the GPU, so they start on an empty queue), and ``between_logs``.
+    ``rows[i]`` is forward i + 1; the first ``warmup`` and forward ``skip`` (cProfile's) are left out."""
+    from scripts.compare.run import logged_steps
+
+    logged = set(logged_steps(steps, log_freq))
+    kept = [(i, x) for i, x in enumerate(rows) if i >= warmup and i + 1 != skip]
+    parts = {"after_log": [x for i, x in kept if i in logged], "between_logs": [x for i, x in kept if i not in logged]}
+    return {name: {"forwards": len(part), "host_fwd_ms": statistics.median(x["host_fwd_ms"] for x in part),
+                   "gpu_fwd_ms": statistics.median(x["gpu_fwd_ms"] for x in part)} for name, part in parts.items() if part}
+
+
 def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> dict:
-    from scripts.compare.run import logged_steps, run_config, summarize
+    from scripts.compare.run import run_config, summarize
 
     log = workdir / f"{label}.jsonl"
     log.unlink(missing_ok=True)
@@ -182,14 +195,8 @@ def _arm(args, sleep_ms: float, sets: list[str], label: str, workdir: Path) -> d
         out["host_fwd_ms"] = statistics.median(x["host_fwd_ms"] for x in timed)
         out["gpu_fwd_ms"] = statistics.median(x["gpu_fwd_ms"] for x in timed)
         out["fwd_raw"] = timed
-        if args.log_freq > 1:  # (forward i + 1 follows a metrics line's .item() wait when step i was logged)
-            logged = set(logged_steps(args.steps, args.log_freq))
-            kept = [(i, x) for i, x in enumerate(rows) if i >= args.warmup and i + 1 != cprofile_forward]
-            after, rest = [x for i, x in kept if i in logged], [x for i, x in kept if i not in logged]
-            for name, part in (("after_log", after), ("between_logs", rest)):
-                if part:
-                    out[name] = {"forwards": len(part), "host_fwd_ms": statistics.median(x["host_fwd_ms"] for x in part),
-                                 "gpu_fwd_ms": statistics.median(x["gpu_fwd_ms"] for x in part)}
+        if args.log_freq > 1:
+            out.update(split_by_log(rows, args.warmup, args.steps, args.log_freq, cprofile_forward))
         out["in_forwards"] = {k: sum(x.get(k, 0) for x in timed) for k in ALLOC_STATS}  # (cudaMalloc / cudaFree / retries)
         if args.sync_debug:
             syncs: dict[str, int] = {}

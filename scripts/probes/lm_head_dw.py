@@ -21,7 +21,9 @@ Accuracy: each variant's largest difference from cuBLAS's fp32-accumulated full 
 GEMM's largest |element|. ``cool_ms`` (the full GEMMs and CODA's 2048-row chunks): each call timed alone
 after the GPU idled in a sleep kernel as long as the call itself (a 50% duty cycle), the median of 5:
 whether back-to-back timing runs the GEMM at lower clocks than a step does (power), beside what the
-operands' values change (``ce`` against ``randn``). Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
+operands' values change (``ce`` against ``randn``). ``b2_*``: the head's dgrad dX = da W the same ways (CODA's
+``acc`` B2 is ``b2_chunks<R>_fp32``; stock's ``b2_full_bf16``), W random at 0.02. ``--cublas-only``: no quack arms,
+so it runs on torch alone. Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def _operands(kind: str, g) -> tuple[torch.Tensor, torch.Tensor]:
     return da, h
 
 
-def _variants(da: torch.Tensor, h: torch.Tensor) -> dict:
-    from quack.gemm_interface import gemm as quack_gemm
-    from quack.gemm_interface import gemm_add, gemm_add_inplace
+def _variants(da: torch.Tensor, h: torch.Tensor, cublas_only: bool = False) -> dict:
+    if not cublas_only:
+        from quack.gemm_interface import gemm as quack_gemm
+        from quack.gemm_interface import gemm_add, gemm_add_inplace
 
-    from coda_titan.kernels.cute._dispatch import TUNE
+        from coda_titan.kernels.cute._dispatch import TUNE
 
     def quack_chunks(rows):
         def run():
@@ -83,12 +86,25 @@ def _variants(da: torch.Tensor, h: torch.Tensor) -> dict:
             return acc.to(BF)
         return run
 
-    fns = {f"quack_chunks{r}": quack_chunks(r) for r in CHUNK_ROWS}
+    fns = {} if cublas_only else {f"quack_chunks{r}": quack_chunks(r) for r in CHUNK_ROWS}
     fns |= {f"cublas_chunks{r}": cublas_chunks(r) for r in CHUNK_ROWS}
     fns |= {f"cublas_chunks{r}_in_place": cublas_chunks(r, in_place=True) for r in CHUNK_ROWS}
     fns |= {f"cublas_chunks{r}_bf16_tail": cublas_chunks(r, in_place=True, bf16_tail=True) for r in CHUNK_ROWS}
-    fns["quack_full"] = lambda: quack_gemm(da.t(), h, out_dtype=BF, tuned=TUNE)
+    if not cublas_only:
+        fns["quack_full"] = lambda: quack_gemm(da.t(), h, out_dtype=BF, tuned=TUNE)
     fns["cublas_full"] = lambda: torch.mm(da.t(), h)
+    return fns
+
+
+def _b2_variants(da: torch.Tensor, w: torch.Tensor) -> dict:
+    """The head's dgrad dX = da W over all rows: CODA's ``acc`` B2 (cuBLAS to fp32, a chunk at a time, as
+    ``kernels/cute/lm_head_ce.py`` calls it), the same writing bf16, and one GEMM (stock's, bf16; and to fp32)."""
+    def chunks(rows, dtype):  # (each chunk's product in a tensor of its own, as the program has it)
+        return lambda: [torch.mm(da[s:s + rows], w, out_dtype=dtype) for s in range(0, TOKENS, rows)]
+
+    fns = {f"b2_chunks{r}_{n}": chunks(r, t) for r in CHUNK_ROWS for n, t in (("fp32", torch.float32), ("bf16", BF))}
+    fns["b2_full_bf16"] = lambda: torch.mm(da, w)
+    fns["b2_full_fp32"] = lambda: torch.mm(da, w, out_dtype=torch.float32)
     return fns
 
 
@@ -111,12 +127,14 @@ def _cooled(fn, ms: float, reps: int = 5) -> float:
     return sorted(got)[reps // 2]
 
 
-def _rows(doc, path, kind: str, g) -> None:
-    da, h = _operands(kind, g)
-    ref = torch.mm(da.t(), h, out_dtype=torch.float32)
+def _timed_rows(doc, path, kind: str, fns: dict, ref: torch.Tensor) -> None:
     scale = float(ref.abs().max())
-    fns = _variants(da, h)
-    ok = _first_calls(fns, lambda out, ref=ref: {"max_abs_diff_rel": float((out.float() - ref).abs().max()) / scale})
+
+    def judge(out):
+        out = torch.cat(out) if isinstance(out, list) else out
+        return {"max_abs_diff_rel": float((out.float() - ref).abs().max()) / scale}
+
+    ok = _first_calls(fns, judge)
     times = _alternated(fns, ok, reps=5)
     for k in fns:
         row = {"operands": kind, "variant": k, **ok[k]}
@@ -125,19 +143,32 @@ def _rows(doc, path, kind: str, g) -> None:
             if k in COOLED:
                 row["cool_ms"] = _cooled(fns[k], row["median_ms"])
         log_row(doc, "rows", row, path)
-    del da, h, ref
+
+
+def _rows(doc, path, kind: str, g, cublas_only: bool = False) -> None:
+    da, h = _operands(kind, g)
+    _timed_rows(doc, path, kind, _variants(da, h, cublas_only), torch.mm(da.t(), h, out_dtype=torch.float32))
+    del h
+    w = (torch.randn(VOCAB, D, device="cuda", generator=g) * 0.02).to(BF)
+    _timed_rows(doc, path, kind, _b2_variants(da, w), torch.mm(da, w, out_dtype=torch.float32))
+    del da, w
     torch.cuda.empty_cache()
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.lm_head_dw", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cublas-only", action="store_true", help="leave out quack's arms (no CuTeDSL needed: torch alone)")
+    args = ap.parse_args(argv)
     doc = {**header(), "kind": "probe_lm_head_dw",
            "shape": {"tokens": TOKENS, "vocab": VOCAB, "d": D, "chunk_rows": list(CHUNK_ROWS)},
-           "timing": "GPU ms per whole dW, 5 calls enqueued back to back after 3 warm-up calls, in 3 alternations",
-           "rows": []}
+           "timing": "GPU ms per whole dW (b2_*: per whole dX), 5 calls enqueued back to back after 3 warm-up calls, "
+                     "in 3 alternations", "cublas_only": args.cublas_only, "rows": []}
     path = out_json("probe_lm_head_dw")
     g = torch.Generator(device="cuda").manual_seed(0)
     for kind in ("ce", "randn"):
-        _rows(doc, path, kind, g)
+        _rows(doc, path, kind, g, args.cublas_only)
     print("wrote", path, flush=True)
     return 0
 

@@ -34,9 +34,9 @@ def _newest_per_gpu(files: list[Path]) -> list[dict]:
     newest: dict[str, tuple[str, str, dict]] = {}
     for path in files:
         doc = json.loads(path.read_text())
-        key = (doc.get("date", ""), path.name)
-        if doc.get("device") not in newest or key > newest[doc["device"]][:2]:
-            newest[doc.get("device")] = (*key, doc)
+        key, device = (doc.get("date", ""), path.name), doc.get("device", "")
+        if device not in newest or key > newest[device][:2]:
+            newest[device] = (*key, doc)
     return [d for *_, d in sorted(newest.values(), key=lambda v: v[:2], reverse=True)]
 
 

@@ -759,7 +759,7 @@ for phase in "$@"; do
     lmheaddw)
       # the LM head's dW at the 1B shape: CODA's chunks (quack, fp32 sum) against cuBLAS chunks and one GEMM,
       # on cross-entropy-like and random operands (scripts/probes/lm_head_dw.py)
-      python3 -m scripts.probes.lm_head_dw ${CUBLAS_ONLY:+--cublas-only}
+      python3 -m scripts.probes.lm_head_dw ${CUBLAS_ONLY:+--cublas-only} ${AT_CAP:+--at-cap "$AT_CAP"}
       ;;
     lcescaledexp)
       # probe: the LM head with its gradients, CODA's program against quack's chunked and scaled-exp linear-CE

@@ -23,14 +23,15 @@ after the GPU idled in a sleep kernel as long as the call itself (a 50% duty cyc
 whether back-to-back timing runs the GEMM at lower clocks than a step does (power), beside what the
 operands' values change (``ce`` against ``randn``). ``b2_*``: the head's dgrad dX = da W the same ways (CODA's
 ``acc`` B2 is ``b2_chunks<R>_fp32``; stock's ``b2_full_bf16``), W random at 0.02. ``--cublas-only``: no quack arms,
-so it runs on torch alone. Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
+so it runs on torch alone. ``--at-cap S``: CODA's chunked dW and B2 and stock's two GEMMs also back to back for S
+seconds each at the power cap (``scripts.bench.common.arms_at_cap``; ``median_ms_<arm>``). Writes ``$OUT/probe_lm_head_dw_<gpu>.json``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from scripts.bench.common import header, log_row, out_json
+from scripts.bench.common import arms_at_cap, header, log_row, out_json
 from scripts.probes.epi_stages import _alternated, _first_calls
 
 TOKENS, VOCAB, D = 16384, 128256, 2048
@@ -145,13 +146,19 @@ def _timed_rows(doc, path, kind: str, fns: dict, ref: torch.Tensor) -> None:
         log_row(doc, "rows", row, path)
 
 
-def _rows(doc, path, kind: str, g, cublas_only: bool = False) -> None:
+AT_CAP = ("cublas_chunks4096_in_place", "cublas_full", "b2_chunks4096_fp32", "b2_full_bf16")
+
+
+def _rows(doc, path, kind: str, g, cublas_only: bool = False, cap_s: float = 0.0) -> None:
     da, h = _operands(kind, g)
-    _timed_rows(doc, path, kind, _variants(da, h, cublas_only), torch.mm(da.t(), h, out_dtype=torch.float32))
-    del h
+    dw = _variants(da, h, cublas_only)
+    _timed_rows(doc, path, kind, dw, torch.mm(da.t(), h, out_dtype=torch.float32))
     w = (torch.randn(VOCAB, D, device="cuda", generator=g) * 0.02).to(BF)
-    _timed_rows(doc, path, kind, _b2_variants(da, w), torch.mm(da, w, out_dtype=torch.float32))
-    del da, w
+    b2 = _b2_variants(da, w)
+    _timed_rows(doc, path, kind, b2, torch.mm(da, w, out_dtype=torch.float32))
+    if cap_s > 0 and kind == "ce":  # (CODA's head GEMMs and stock's, each back to back at the power cap)
+        arms_at_cap(doc, {k: (dw | b2)[k] for k in AT_CAP}, path, cap_s, rounds=2)
+    del da, h, w, dw, b2
     torch.cuda.empty_cache()
 
 
@@ -160,6 +167,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.lm_head_dw", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cublas-only", action="store_true", help="leave out quack's arms (no CuTeDSL needed: torch alone)")
+    ap.add_argument("--at-cap", type=float, default=0.0, help="seconds each of " + ", ".join(AT_CAP) + " also runs "
+                    "back to back at the power cap (graphed, two rounds, ce operands; 0: not)")
     args = ap.parse_args(argv)
     doc = {**header(), "kind": "probe_lm_head_dw",
            "shape": {"tokens": TOKENS, "vocab": VOCAB, "d": D, "chunk_rows": list(CHUNK_ROWS)},
@@ -168,7 +177,7 @@ def main(argv=None) -> int:
     path = out_json("probe_lm_head_dw")
     g = torch.Generator(device="cuda").manual_seed(0)
     for kind in ("ce", "randn"):
-        _rows(doc, path, kind, g, args.cublas_only)
+        _rows(doc, path, kind, g, args.cublas_only, args.at_cap)
     print("wrote", path, flush=True)
     return 0
 

@@ -108,6 +108,7 @@
 #     lmheadfp8    scripts/probes/lm_head_fp8.py: the 1B LM head's GEMMs in bf16 (as run) against fp8 tensorwise, at the cap
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
+#     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -579,6 +580,9 @@ for phase in "$@"; do
       ;;
     fp8headparity)
       curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"
+      ;;
+    fp8headfwdparity)
+      curves fp8_lm_head_fwd fp8_lm_head_fwd "fp8_lm_head_fwd = true"
       ;;
     bf16acc)
       # (STATE_STEPS=N: from the weights after N steps of the stock eager config and its next batch)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -73,9 +74,22 @@ def lm_head_ce(
     targets: torch.Tensor,
     chunk_rows: int,
     compute_grad: bool = True,
+    hq: torch.Tensor | None = None,
+    s_hw: torch.Tensor | None = None,
+    weight_q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(loss_sum, dX, dgamma, dW_out); the gradients are None when ``compute_grad`` is False."""
+    """(loss_sum, dX, dgamma, dW_out); the gradients are None when ``compute_grad`` is False. With ``hq``, H's e4m3
+    codes, and ``weight_q``, W's, at the scales' product ``s_hw`` (``fp8_lm_head_fwd``): the logits are
+    r s_hw (hq @ weight_q^T) (products exact, sums in the compute dtype), and the gradient is made from them as
+    above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear)."""
     check_2d("h", h, weight.shape[1])
+    if (hq is None) != (weight_q is None) or (hq is None) != (s_hw is None):
+        raise ValueError("the head's fp8 forward takes hq, s_hw and weight_q together")
+    if hq is not None:
+        check_e4m3(hq, weight_q)
+        if hq.shape != h.shape or weight_q.shape != weight.shape:
+            raise ValueError(f"hq and weight_q must have h's and weight's shapes, got {tuple(hq.shape)}, "
+                             f"{tuple(weight_q.shape)}")
     if targets.shape != (h.shape[0],):
         raise ValueError(f"targets must be ({h.shape[0]},), got {tuple(targets.shape)}")
     if chunk_rows <= 0:
@@ -88,8 +102,12 @@ def lm_head_ce(
         rows = slice(start, min(start + chunk_rows, m))
         r = rstd[rows]
         tgt = targets[rows]
-        acc = mm(h[rows], weight.t())
-        lf = acc * r.to(acc.dtype)[:, None]
+        if hq is None:
+            acc = mm(h[rows], weight.t())
+            lf = acc * r.to(acc.dtype)[:, None]
+        else:  # (the fp8 forward: the codes' scales folded into r, as the CUDA epilogue takes them)
+            acc = fp8_mm(hq[rows], weight_q, acc_dtype(h, weight))
+            lf = acc * (s_hw.to(acc.dtype) * r.to(acc.dtype))[:, None]
         logits = stored_logits(lf, h.dtype)
         chunk_loss, dp, zdz = _ce(logits, tgt, compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
@@ -294,11 +312,12 @@ def lm_head_ce_fp8(
 @program_op("lm_head_ce")
 def lm_head_ce_op(
     h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
-    targets: torch.Tensor, chunk_rows: int, compute_grad: bool,
+    targets: torch.Tensor, chunk_rows: int, compute_grad: bool, hq: Optional[torch.Tensor] = None,
+    s_hw: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dx, dgamma, dw = lm_head_ce(
         h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets, chunk_rows=chunk_rows,
-        compute_grad=compute_grad,
+        compute_grad=compute_grad, hq=hq, s_hw=s_hw, weight_q=weight_q,
     )
     return op_outputs(loss, dx, dgamma, dw, h=h, weight=weight)
 
@@ -311,7 +330,7 @@ def op_outputs(loss, dx, dgamma, dw, *, h, weight):
 
 
 @lm_head_ce_op.register_fake
-def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
+def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_hw=None, weight_q=None):
     ct = acc_dtype(h, weight)
     loss = h.new_empty((), dtype=ct)
     if not compute_grad:
@@ -319,9 +338,11 @@ def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
     return loss, torch.empty_like(x), gamma.new_empty(gamma.shape, dtype=ct), torch.empty_like(weight)
 
 
-def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True):
+def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True, hq=None,
+                       s_hw=None, weight_q=None):
     """``lm_head_ce`` through the op (the ``cute`` backend's program): None for gradients not computed."""
-    loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+    loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq, s_hw,
+                                         weight_q)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)
 
 

@@ -188,7 +188,8 @@ class CodaTransformer(Transformer):
             fp8_da_wgrad=a.coda.fp8_mlp_wgrad_e5m2, fp8_y_wgrad=a.coda.fp8_down_wgrad, fp8_da_t=a.coda.fp8_mlp_da_t,
             fp8_qkv_wgrad=a.coda.precision == "fp8" and a.coda.fp8_qkv_wgrad,
             fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, fp8_weight_t_bwd=a.coda.fp8_weight_t_bwd,
-            fp8_lm_head=a.coda.precision == "fp8" and a.coda.fp8_lm_head)
+            fp8_lm_head=a.coda.precision == "fp8" and a.coda.fp8_lm_head,
+            fp8_lm_head_fwd=a.coda.precision == "fp8" and a.coda.fp8_lm_head_fwd)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

@@ -19,6 +19,9 @@ on the stored one.
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
 it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.
 
+With ``hq``, ``s_hw`` and ``weight_q`` (``[coda] fp8_lm_head_fwd``) the chunk's GEMM is the fp8 head's e4m3 one (its
+scales folded into r) and everything after it the bf16 head's: the gradient pass, B2 and dW on the bf16 da, H and W.
+
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
 B2 on them and W^T's codes (cuBLAS's ``_scaled_mm`` to fp32 and the row pass; with ``CODA_TITAN_F4_ZDZ=rounded``
@@ -86,10 +89,16 @@ def f4_epilogue(dtype: torch.dtype):
 
 
 @torch.library.register_kernel("coda::lm_head_ce", "cuda")
-def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
-    why = unsupported(h, x, weight)
+def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_hw=None, weight_q=None):
+    why = unsupported(h, x, weight) or (hq is not None and unsupported_fp8(hq, weight_q))
     if why:
-        return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad)
+        return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq,
+                        s_hw, weight_q)
+    fp8_fwd = hq is not None  # (``fp8_lm_head_fwd``: the logits of the e4m3 GEMM, the rest as the bf16 head's)
+    if fp8_fwd and compute_grad and (os.environ.get(CE_PASS_ENV) == "exp"
+                                     or ref.f4_zdz_mode() in ("consistent", "consistent_rounded")):
+        raise ValueError(f"the LM head's fp8 forward takes neither {CE_PASS_ENV}=exp nor {ref.F4_ZDZ_ENV}="
+                         f"{ref.f4_zdz_mode()}: both remake logits from the bf16 H and W")
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
         return _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows)
     m, d = h.shape
@@ -116,8 +125,13 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad):
         stop = min(start + chunk_rows, m)
         hc, r, t = h[start:stop], rstd[start:stop], targets[start:stop]
         logits = logits_buf[: stop - start]
-        with first_call("lm_head_ce", hc, weight):
-            res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
+        if fp8_fwd:
+            with first_call("lm_head_ce_fp8", hq, weight_q):
+                res = gemm(epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * s_hw.float().reshape(()),
+                           target=t)
+        else:
+            with first_call("lm_head_ce", hc, weight):
+                res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
         if compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"

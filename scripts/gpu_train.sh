@@ -109,6 +109,8 @@
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
+#     fp8repeats   three 300-step curves of float8 + compile alone (the H200 cohort's repeat spread, by which every fp8
+#                  candidate of that GPU is judged, had one pair on 2026-11-29)
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
@@ -583,6 +585,10 @@ for phase in "$@"; do
       ;;
     fp8headfwdparity)
       curves fp8_lm_head_fwd fp8_lm_head_fwd "fp8_lm_head_fwd = true"
+      ;;
+    fp8repeats)
+      f8=configs/llama3_1b_fp8_baseline_compile.toml
+      $cmp --loss-curve $f8 $f8 $f8 --steps "${PARITY_STEPS:-300}" --tag fp8_float8_repeats
       ;;
     bf16acc)
       # (STATE_STEPS=N: from the weights after N steps of the stock eager config and its next batch)

@@ -109,6 +109,10 @@
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
+#     fp8headdw    the GPU tests of the fp8 forward head, then CODA fp8 compiled as configured, with fp8_lm_head_fwd,
+#                  with it and fp8_lm_head_dw (dW_out on e5m2 dlogits), and as configured again (STEPS, default 30)
+#     fp8headdwparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
+#                  and as configured
 #     fp8repeats   three 300-step curves of float8 + compile alone (the H200 cohort's repeat spread, by which every fp8
 #                  candidate of that GPU is judged, had one pair on 2026-11-29)
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
@@ -585,6 +589,20 @@ for phase in "$@"; do
       ;;
     fp8headfwdparity)
       curves fp8_lm_head_fwd fp8_lm_head_fwd "fp8_lm_head_fwd = true"
+      ;;
+    fp8headdw)
+      CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lm_head_ce.py \
+        -k "fp8_forward_head or fp8_head" -rfE --tb=short -W ignore::DeprecationWarning > "$logs/pytest_gpu.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
+      a=$(variant headfwd "fp8_lm_head_fwd = true") && b=$(variant headdw "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true") || exit 2
+      hab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headdw_$2"; }
+      hab configs/llama3_1b_fp8_coda_compile.toml off
+      hab "$a" fwd
+      hab "$b" dw
+      hab configs/llama3_1b_fp8_coda_compile.toml off2
+      ;;
+    fp8headdwparity)
+      curves fp8_lm_head_dw fp8_lm_head_dw "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"
       ;;
     fp8repeats)
       f8=configs/llama3_1b_fp8_baseline_compile.toml

@@ -100,6 +100,20 @@ got["fp8"] = {
     "ignored_row_zero": bool((daq[1].float() == 0).all()) and float(zdz[1]) == 0.0,
 }
 
+# both at once (``codes_inv``): the in-place pass's da and corr and ``ce_grad_e5m2``'s codes, bit for bit
+buf2, loss2 = logits.clone(), torch.full((rows,), float("nan"))
+da2, corr2, daq2 = ce_pass.ce_grad_inplace(buf2, parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, loss2,
+                                           codes_inv=inv)
+da1, corr1 = ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d)
+got["both"] = {
+    "in_place": da2.data_ptr() == buf2.data_ptr(), "da_same": bool(torch.equal(da2, da1)),
+    "corr_same": bool(torch.equal(corr2, corr1)), "loss_same": bool(torch.equal(loss2, loss_rows)),
+    "codes_same": bool(torch.equal(daq2.view(torch.uint8), daq.view(torch.uint8))),
+    "refuses_tdelta": refuses(lambda: ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd,
+                                                               ref.IGNORE_INDEX, d, tdelta=torch.zeros(rows),
+                                                               codes_inv=inv), says="tdelta"),
+}
+
 # the consistent zdz (``tdelta`` given): sum_n l_n da_n / r over the stored logits and the da the pass wrote, read
 # back from the buffer (whatever rounding the interpreter applied), the target's term on l_t + tdelta; in another
 # summation order: 2 V units of the sum of its terms' magnitudes, then the division and corr's two roundings

@@ -291,7 +291,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
     are refused. The fp8 head's mode (``ce_grad_e5m2``) leaves the logits and writes da's e5m2 codes (each the
     interpreter's rounding of a value within p's error of da * inv, and most of da * inv itself) and zdz (corr's
-    zdz bound). Given ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz
+    zdz bound); with ``codes_inv`` it does both, each output the bits of the pass that makes it alone. Given ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz
     sum l da / r over the da it wrote (read back) with the target's term on l_t + tdelta, within its summation
     order's bound, and not the plain pass's value."""
     got = run_interpreter_check("ce_interpreter_check.py")
@@ -304,6 +304,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     g, rows_cols = got["fp8"], 6 * 5000  # (the fp8 head's pass: the codes of values within p's error, zdz's bound)
     assert g["logits_kept"] and g["daq_dtype"] == "torch.float8_e5m2" and g["ignored_row_zero"], g
     assert g["codes_outside"] == 0 and g["codes_moved"] < 0.01 * rows_cols and g["zdz_err_over_bound"] <= 1.0, g
+    assert all(got["both"].values()), got["both"]  # (codes_inv: the in-place pass and ce_grad_e5m2 in one)
     g = got["consistent"]  # (tdelta given: zdz of the rounded da written, the target's term moved by tdelta)
     assert g["da_same"] and g["ignored_row_zero"] and g["corr_err_over_bound"] <= 1.0, g
     assert g["differs_from_plain"] > 2 ** -13, g  # (another value than the plain pass's: what the mode changes)
@@ -406,7 +407,8 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-def test_cute_fp8_forward_head_matches_reference():
+@pytest.mark.parametrize("fp8_dw", [False, True])
+def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
     the exact logits of the codes of the bf16 H and W (``_gpu_head_case``: the program's p within expm1(delta) p).
@@ -414,7 +416,8 @@ def test_cute_fp8_forward_head_matches_reference():
     |da| of the exact da; D = da @ W (W bf16, exact) within e @ |W| + (V + 4) fp32 units of (|da| + e) @ |W| (any
     order of an fp32 sum), dW = da^T H16 within e^T |H16| + (m + 4) units of (|da| + e)^T |H16| plus its bf16 store
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
-    ``test_cute_fp8_head_matches_reference``."""
+    ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW as the fp8 head's
+    (``_e5m2_dw_bound``: da's e5m2 codes, made by the same pass from the same p), the rest unchanged."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
@@ -422,16 +425,21 @@ def test_cute_fp8_forward_head_matches_reference():
     c = _gpu_head_case(torch.bfloat16)
     m, d, v, u, r, x, gamma, h, w = c.m, c.d, c.v, c.u, c.r, c.x, c.gamma, c.h, c.w
     args = (h, r, x, gamma, w, c.targets, 1024)
-    fp8 = (c.hq, c.s_h * c.s_w, c.wq)
-    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce(*args, True, *fp8)
+    fp8 = (c.hq, c.s_h, c.wq, c.s_w)
+    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce(*args, True, *fp8, fp8_dw)
     e = torch.expm1(c.delta) * c.p * r[:, None]
     e = e + 2.0 ** -8 * (c.da.abs() + e) + 2 * u * c.da.abs()
     mag = c.da.abs() + e
     wf, hf = w.float(), h.float()
     d_r = c.da @ wf
     d_bound = e @ wf.abs() + (v + 4) * u * (mag @ wf.abs()) + u * d_r.abs()
-    dw_r = c.da.t() @ hf
-    dw_bound = e.t() @ hf.abs() + (m + 4) * u * (mag.t() @ hf.abs()) + u * dw_r.abs() + 2.0 ** -8 * dw.float().abs()
+    if fp8_dw:
+        inv, codes_q, codes, _, step = _e5m2_codes(c)
+        dw_r, dw_bound, _ = _e5m2_dw_bound(c, codes_q, codes, inv, step, dw)
+    else:
+        dw_r = c.da.t() @ hf
+        dw_bound = (e.t() @ hf.abs() + (m + 4) * u * (mag.t() @ hf.abs()) + u * dw_r.abs()
+                    + 2.0 ** -8 * dw.float().abs())
     gx = gamma.float() * x.float()
     zdz = (d_r * gx).sum(-1)
     zdz_bound = (d_bound * gx.abs()).sum(-1) + (d + 4) * u * (d_r * gx).abs().sum(-1)
@@ -446,11 +454,12 @@ def test_cute_fp8_forward_head_matches_reference():
            "dx": float(((dx.float() - dx_r).abs() / dx_bound).max()),
            "dgamma": float(((dgamma.float() - dg_r).abs() / dg_bound).max())}
     for name in ("loss", "dw", "dx", "dgamma"):
-        log_bound(f"fp8_forward_head_{name}", measured=got[name], bound=1.0, mma_c=float(c.c_l))
+        log_bound(f"fp8_forward_head_{name}{'_fp8_dw' if fp8_dw else ''}", measured=got[name], bound=1.0,
+                  mma_c=float(c.c_l))
     assert dw.dtype == w.dtype and dx.dtype == x.dtype and all(v_ <= 1.0 for v_ in got.values()), got
     bf16 = torch.ops.coda.lm_head_ce(*args, True)  # (the bf16 head on the same H and W: the logits moved)
     assert float((bf16[0] - loss).abs()) > 0 and not torch.equal(bf16[3], dw)
-    loss_only = torch.ops.coda.lm_head_ce(*args, False, *fp8)
+    loss_only = torch.ops.coda.lm_head_ce(*args, False, *fp8, fp8_dw)
     assert float((loss_only[0] - c.terms.sum()).abs()) <= c.loss_bound and loss_only[1].numel() == 0
 
 
@@ -513,7 +522,7 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     h, _ = deferred_norm(x, gamma)
     hq, s_h = fp8["hq"], fp8["s_h"]
     kw = dict(h=h, rstd=r, x=x, gamma=gamma, weight=w, targets=targets, chunk_rows=CFG.ce_chunk_rows)
-    loss, dx, dgamma, dw = lm_head_ce(**kw, hq=hq, s_hw=s_h * s_w, weight_q=wq)
+    loss, dx, dgamma, dw = lm_head_ce(**kw, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w)
     loss_q = lm_head_ce_fp8(**{**fp8, "weight_q": wq, "weight_tq": wq.t().contiguous(), "s_w": s_w},
                             compute_grad=False)[0]
     torch.testing.assert_close(loss, loss_q, rtol=1e-13, atol=0)
@@ -531,6 +540,27 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     assert (dx - dx0).abs().max() > 1e-6 * dx0.abs().max(), "the fp8 logits moved nothing: the check tested nothing"
 
 
+def test_fp8_forward_heads_fp8_dw_is_the_fp8_heads_dw_and_leaves_the_rest():
+    """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is the fp8 head's (the same e5m2 codes of the same da at the
+    same scale, times H's codes), and the loss, dX and dgamma are the fp8 forward head's without it, exactly."""
+    from coda_titan.kernels.lm_head_ce import lm_head_ce, lm_head_ce_fp8
+
+    fp8, _ = _fp8_head_case()
+    x, gamma = fp8["x"], fp8["gamma"]
+    h, _ = deferred_norm(x, gamma)
+    kw = dict(h=h, rstd=fp8["rstd"], x=x, gamma=gamma, weight=fp8["weight_q"].double() * fp8["s_w"],
+              targets=fp8["targets"], chunk_rows=CFG.ce_chunk_rows, hq=fp8["hq"], s_h=fp8["s_h"],
+              weight_q=fp8["weight_q"], s_w=fp8["s_w"])
+    with_dw, without = lm_head_ce(**kw, fp8_dw=True), lm_head_ce(**kw)
+    for a, b in zip(with_dw[:3], without[:3]):
+        assert torch.equal(a, b)
+    dw_fp8 = lm_head_ce_fp8(**fp8)[3]
+    torch.testing.assert_close(with_dw[3], dw_fp8, rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(with_dw[3], without[3], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)
+    with pytest.raises(ValueError, match="fp8_dw"):
+        lm_head_ce(**{**kw, "hq": None, "s_h": None, "weight_q": None, "s_w": None}, fp8_dw=True)
+
+
 def test_fp8_head_op_fake():
     """The op's fake has the real outputs' shapes, dtypes and strides (the other opcheck utilities perturb
     inputs by arithmetic fp8 tensors do not have), and ``lm_head_ce``'s with the fp8 forward's codes
@@ -540,9 +570,10 @@ def test_fp8_head_op_fake():
                                   "chunk_rows"))
     for grad in (True, False):
         opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad), test_utils=("test_faketensor",))
-        fwd = (fp8["hq"].double().mul(fp8["s_h"]).float(), *args[2:5], fp8["weight_q"].float() * fp8["s_w"],
-               fp8["targets"], fp8["chunk_rows"], grad, fp8["hq"], fp8["s_h"] * fp8["s_w"], fp8["weight_q"])
-        opcheck(torch.ops.coda.lm_head_ce.default, fwd, test_utils=("test_faketensor",))
+        for fp8_dw in (False, True):
+            fwd = (fp8["hq"].double().mul(fp8["s_h"]).float(), *args[2:5], fp8["weight_q"].float() * fp8["s_w"],
+                   fp8["targets"], fp8["chunk_rows"], grad, fp8["hq"], fp8["s_h"], fp8["weight_q"], fp8["s_w"], fp8_dw)
+            opcheck(torch.ops.coda.lm_head_ce.default, fwd, test_utils=("test_faketensor",))
 
 
 def _gpu_head_case(h_dtype: torch.dtype):
@@ -592,6 +623,37 @@ def _gpu_head_case(h_dtype: torch.dtype):
                            loss_bound=loss_bound, p=p, delta=delta, da=da)
 
 
+def _e5m2_codes(c):
+    """(inv, codes, their values, moved, step): da's e5m2 codes at ``dlogits_inv_scale`` (the reference's, from the
+    exact da) and, where da +- expm1(delta) p r straddles a rounding boundary (``moved``), one e5m2 step (2^-2 of the
+    code, at least the subnormal 2^-16) over inv: how far the program's code may be."""
+    from coda_titan.kernels.lm_head_ce import dlogits_inv_scale
+    from coda_titan.kernels.scaling import quantize_e5m2
+
+    inv = dlogits_inv_scale(c.r, c.targets).float()
+    codes_q = quantize_e5m2(c.da, inv)
+    codes = codes_q.float()
+    wobble = torch.expm1(c.delta) * c.p * c.r[:, None]
+    moved = quantize_e5m2(c.da - wobble, inv).float() != quantize_e5m2(c.da + wobble, inv).float()
+    step = torch.where(moved, (2.0 ** -2 * codes.abs()).clamp(min=2.0 ** -16), 0.0) / inv
+    return inv, codes_q, codes, moved, step
+
+
+def _e5m2_dw_bound(c, codes_q, codes, inv, step, dw):
+    """(dW's reference, its bound, c_w): dW = da^T H on da's codes and H's (one cuBLAS ``_scaled_mm``), within the
+    codes' steps plus its accumulator (2 c_w P, c_w measured on these codes), the reference's own fp32 sums
+    ((m + 4) units) and the bf16 store."""
+    from .helpers import fp8_mma_c
+
+    hd = c.hq.float() * c.s_h
+    c_w = float(fp8_mma_c(codes_q.t().contiguous(), c.hq.t().contiguous())[0])
+    dw_r = (codes / inv).t() @ hd
+    moved_w, mag_w = step.t() @ hd.abs(), (codes.abs() / inv).t() @ hd.abs()
+    dw_bound = (moved_w * (1 + 2 * c_w) + ((c.m + 4) * c.u + 2 * c_w) * mag_w + c.u * dw_r.abs()
+                + 2.0 ** -8 * dw.float().abs())
+    return dw_r, dw_bound, c_w
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("zdz_mode", ["acc", "rounded"])
 def test_cute_fp8_head_matches_reference(zdz_mode, monkeypatch):
@@ -609,32 +671,22 @@ def test_cute_fp8_head_matches_reference(zdz_mode, monkeypatch):
     every fp8 sum for an fp32 one and failed on dX at 1.14 of that bound: B2's accumulator, not in it, was the
     bug. Until the sixty-second session the bf16 store's half step read 2^-9 |l|, half of it: p = 8 bits.)"""
     import coda_titan.kernels.cute  # noqa: F401
-    from coda_titan.kernels.lm_head_ce import dlogits_inv_scale
-    from coda_titan.kernels.scaling import E5M2_MAX, quantize_e5m2
+    from coda_titan.kernels.scaling import E5M2_MAX
 
     from .helpers import fp8_mma_c, log_bound
 
     monkeypatch.setenv(F4_ZDZ_ENV, zdz_mode)
     c = _gpu_head_case(torch.float32)
     m, d, v, u, r, targets, valid, x, gamma = c.m, c.d, c.v, c.u, c.r, c.targets, c.valid, c.x, c.gamma
-    hq, s_h, wq, s_w, p, da, logits, tgt, terms = c.hq, c.s_h, c.wq, c.s_w, c.p, c.da, c.logits, c.tgt, c.terms
+    hq, s_h, wq, s_w, p, logits, tgt, terms = c.hq, c.s_h, c.wq, c.s_w, c.p, c.logits, c.tgt, c.terms
     wq_t = wq.t().contiguous()
     args = (hq, s_h, r, x, gamma, wq, wq_t, s_w, targets, 1024)
     loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce_fp8(*args, True)
     loss_bound, delta, emax, c_l = c.loss_bound, c.delta, c.emax, c.c_l
-    inv = dlogits_inv_scale(r, targets).float()
-    codes_q = quantize_e5m2(da, inv)
-    codes = codes_q.float()
-    wobble = torch.expm1(delta) * p * r[:, None]
-    moved = quantize_e5m2(da - wobble, inv).float() != quantize_e5m2(da + wobble, inv).float()
-    step = torch.where(moved, (2.0 ** -2 * codes.abs()).clamp(min=2.0 ** -16), 0.0) / inv
-    hd, wd = hq.float() * s_h, wq.float() * s_w
-    c_w = float(fp8_mma_c(codes_q.t().contiguous(), hq.t().contiguous())[0])
+    inv, codes_q, codes, moved, step = _e5m2_codes(c)
+    wd = wq.float() * s_w
     c_d = float(fp8_mma_c(codes_q, wq_t)[0])
-    dw_r = (codes / inv).t() @ hd
-    moved_w, mag_w = step.t() @ hd.abs(), (codes.abs() / inv).t() @ hd.abs()
-    dw_bound = (moved_w * (1 + 2 * c_w) + ((m + 4) * u + 2 * c_w) * mag_w + u * dw_r.abs()
-                + 2.0 ** -8 * dw.float().abs())
+    dw_r, dw_bound, c_w = _e5m2_dw_bound(c, codes_q, codes, inv, step, dw)
     d_r = (codes / inv) @ wd
     moved_d, mag_d = step @ wd.abs(), (codes.abs() / inv) @ wd.abs()
     d_bound = moved_d * (1 + 2 * c_d) + ((v + 4) * u + 2 * c_d) * mag_d + u * d_r.abs()

@@ -384,7 +384,7 @@ def _models(**kw):
         fp8_mlp_da_t=kw.get("fp8_mlp_da_t", False), fp8_mlp_h_t=kw.get("fp8_mlp_h_t", False),
         fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False), fp8_out_bwd=kw.get("fp8_out_bwd", False),
         fp8_preact=kw.get("fp8_preact", False), fp8_lm_head=kw.get("fp8_lm_head", False),
-        fp8_lm_head_fwd=kw.get("fp8_lm_head_fwd", False),
+        fp8_lm_head_fwd=kw.get("fp8_lm_head_fwd", False), fp8_lm_head_dw=kw.get("fp8_lm_head_dw", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
         fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
@@ -1421,7 +1421,7 @@ def test_fp8_lm_head_runs_the_head_on_the_casts_of_h_and_w_and_tracks_the_model_
 
 def test_fp8_lm_head_fwd_runs_the_heads_logits_on_the_casts_of_h_and_w_and_its_gradient_on_bf16():
     """``fp8_lm_head_fwd``: the LM head runs ``lm_head_ce`` once a step on the bf16 H and W with torchao's current
-    tensorwise e4m3 casts of both beside them (the logits' GEMM), the scales' product as ``s_hw``; the loss and
+    tensorwise e4m3 casts of both and their scales beside them (the logits' GEMM); the loss and
     the output weight's gradient are that program's; only the head's forward moved, so everything tracks the
     model without it, and its loss differs from that model's (the logits are the codes')."""
     from coda_titan.kernels import TORCH
@@ -1438,12 +1438,36 @@ def test_fp8_lm_head_fwd_runs_the_heads_logits_on_the_casts_of_h_and_w_and_its_g
     kw, kw_off = calls[0][1], heads[0]
     assert "hq" not in kw_off and torch.equal(kw["h"], kw_off["h"]) and kw["weight"] is on.output.weight
     (hq, s_h), (wq, s_w) = TORCH.quantize_tensorwise(w=kw_off["h"]), TORCH.quantize_tensorwise(w=on.output.weight.detach())
-    assert torch.equal(kw["hq"].view(torch.uint8), hq.view(torch.uint8)) and torch.equal(kw["s_hw"], s_h * s_w)
-    assert torch.equal(kw["weight_q"].view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(kw["hq"].view(torch.uint8), hq.view(torch.uint8)) and torch.equal(kw["s_h"], s_h)
+    assert torch.equal(kw["weight_q"].view(torch.uint8), wq.view(torch.uint8)) and torch.equal(kw["s_w"], s_w)
+    assert kw["fp8_dw"] is False
     loss, _, _, dw = TORCH.lm_head_ce(**kw)
     assert torch.equal(loss_on.detach(), loss) and torch.equal(on.output.weight.grad, dw.to(on.output.weight.dtype))
     assert not torch.equal(loss_on.detach(), loss_off.detach())
     _assert_tracks(loss_off, loss_on, _grads(off), _grads(on))
+
+
+def test_fp8_lm_head_dw_moves_only_the_output_weights_gradient():
+    """``fp8_lm_head_dw`` (with ``fp8_lm_head_fwd``): the head's call asks for the fp8 dW; the loss and every
+    gradient but the output weight's are the model's without it bit for bit (dX and dgamma stay the bf16 da's), and
+    the output weight's is that program's (tests/test_lm_head_ce.py: the fp8 head's dW), not the bf16 da's."""
+    from coda_titan.kernels import TORCH
+
+    _, off = _models(fp8_lm_head_fwd=True)
+    _, on = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True)
+    calls = _spy(on, ("lm_head_ce",), lambda name, k: k)
+    tokens, labels = _batch(on.model_args.vocab_size)
+    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
+    loss_off.backward()
+    loss_on.backward()
+    assert len(calls) == 1 and calls[0]["fp8_dw"] is True and torch.equal(loss_on, loss_off)
+    g_off, g_on = _grads(off), _grads(on)
+    assert g_off.keys() == g_on.keys()
+    for name in g_off:
+        if name != "output.weight":
+            assert torch.equal(g_off[name], g_on[name]), name
+    dw = TORCH.lm_head_ce(**calls[0])[3].to(on.output.weight.dtype)
+    assert torch.equal(g_on["output.weight"], dw) and not torch.equal(dw, g_off["output.weight"])
 
 
 def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_down_projections_h_t():

@@ -75,16 +75,20 @@ def lm_head_ce(
     chunk_rows: int,
     compute_grad: bool = True,
     hq: torch.Tensor | None = None,
-    s_hw: torch.Tensor | None = None,
+    s_h: torch.Tensor | None = None,
     weight_q: torch.Tensor | None = None,
+    s_w: torch.Tensor | None = None,
+    fp8_dw: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss_sum, dX, dgamma, dW_out); the gradients are None when ``compute_grad`` is False. With ``hq``, H's e4m3
-    codes, and ``weight_q``, W's, at the scales' product ``s_hw`` (``fp8_lm_head_fwd``): the logits are
-    r s_hw (hq @ weight_q^T) (products exact, sums in the compute dtype), and the gradient is made from them as
-    above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear)."""
+    codes at scale ``s_h``, and ``weight_q``, W's at ``s_w`` (``fp8_lm_head_fwd``): the logits are
+    r s_h s_w (hq @ weight_q^T) (products exact, sums in the compute dtype), and the gradient is made from them as
+    above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear).
+    ``fp8_dw`` (``fp8_lm_head_dw``): dW_out as the fp8 head's, da^T H on da's e5m2 codes at ``dlogits_inv_scale``
+    (from its unrounded value) and H's codes; dX and dgamma stay the bf16 da's."""
     check_2d("h", h, weight.shape[1])
-    if (hq is None) != (weight_q is None) or (hq is None) != (s_hw is None):
-        raise ValueError("the head's fp8 forward takes hq, s_hw and weight_q together")
+    if not (hq is None) == (s_h is None) == (weight_q is None) == (s_w is None) or fp8_dw and hq is None:
+        raise ValueError("the head's fp8 forward takes hq, s_h, weight_q and s_w together, and fp8_dw needs them")
     if hq is not None:
         check_e4m3(hq, weight_q)
         if hq.shape != h.shape or weight_q.shape != weight.shape:
@@ -107,7 +111,7 @@ def lm_head_ce(
             lf = acc * r.to(acc.dtype)[:, None]
         else:  # (the fp8 forward: the codes' scales folded into r, as the CUDA epilogue takes them)
             acc = fp8_mm(hq[rows], weight_q, acc_dtype(h, weight))
-            lf = acc * (s_hw.to(acc.dtype) * r.to(acc.dtype))[:, None]
+            lf = acc * (s_h.to(acc.dtype) * s_w.to(acc.dtype) * r.to(acc.dtype))[:, None]
         logits = stored_logits(lf, h.dtype)
         chunk_loss, dp, zdz = _ce(logits, tgt, compute_grad)
         loss = chunk_loss if loss is None else loss + chunk_loss
@@ -120,7 +124,12 @@ def lm_head_ce(
             dx_c, dg_c = norm_residual_bwd(da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r,
                                            zdz=_zdz_variant(zdz, dp, lf, logits, tgt, da, r), dresidual=None)
         dx[rows] = dx_c
-        dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
+        if fp8_dw:  # (the fp8 head's dW: e5m2 codes of the unrounded da, H's codes)
+            ct, inv_g = dp.dtype, dlogits_inv_scale(rstd, targets).to(dp.dtype)
+            daq = quantize_e5m2(dp * r.to(ct)[:, None], inv_g)
+            dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
+        else:
+            dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
         dgamma = dg_c if dgamma is None else dgamma + dg_c
         dweight = dw_c if dweight is None else dweight + dw_c
     assert loss is not None, "empty batch"
@@ -313,11 +322,12 @@ def lm_head_ce_fp8(
 def lm_head_ce_op(
     h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
     targets: torch.Tensor, chunk_rows: int, compute_grad: bool, hq: Optional[torch.Tensor] = None,
-    s_hw: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None,
+    s_h: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None, s_w: Optional[torch.Tensor] = None,
+    fp8_dw: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dx, dgamma, dw = lm_head_ce(
         h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets, chunk_rows=chunk_rows,
-        compute_grad=compute_grad, hq=hq, s_hw=s_hw, weight_q=weight_q,
+        compute_grad=compute_grad, hq=hq, s_h=s_h, weight_q=weight_q, s_w=s_w, fp8_dw=fp8_dw,
     )
     return op_outputs(loss, dx, dgamma, dw, h=h, weight=weight)
 
@@ -330,7 +340,8 @@ def op_outputs(loss, dx, dgamma, dw, *, h, weight):
 
 
 @lm_head_ce_op.register_fake
-def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_hw=None, weight_q=None):
+def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h=None, weight_q=None, s_w=None,
+      fp8_dw=False):
     ct = acc_dtype(h, weight)
     loss = h.new_empty((), dtype=ct)
     if not compute_grad:
@@ -339,10 +350,10 @@ def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h
 
 
 def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True, hq=None,
-                       s_hw=None, weight_q=None):
+                       s_h=None, weight_q=None, s_w=None, fp8_dw: bool = False):
     """``lm_head_ce`` through the op (the ``cute`` backend's program): None for gradients not computed."""
-    loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq, s_hw,
-                                         weight_q)
+    loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq, s_h,
+                                         weight_q, s_w, fp8_dw)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)
 
 

@@ -53,7 +53,8 @@ class ProgramConfig:
     fp8_out_bwd: bool = False  # with an Fp8Input's w_t: F1's dgrad and wgrad on one e5m2 cast of dX (``fp8_out_bwd``)
     fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
     fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
-    fp8_lm_head_fwd: bool = False  # the LM head's logits on e4m3 H and W, its gradient the bf16 head's (``fp8_lm_head_fwd``)
+    fp8_lm_head_fwd: bool = False  # the head's logits on e4m3 H, W; its gradient the bf16 head's (``fp8_lm_head_fwd``)
+    fp8_lm_head_dw: bool = False  # with it: dW_out on e5m2 da and H's codes, as the fp8 head's (``fp8_lm_head_dw``)
     amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -348,7 +349,8 @@ LM_HEAD_CE_INPUTS = ("h", "rstd", "x", "gamma", "weight", "targets", "cfg", "com
 class LMHeadCE(torch.autograd.Function):
     """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
     ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad); with
-    ``cfg.fp8_lm_head_fwd``, its logits on those casts and its gradient on the bf16 H and W."""
+    ``cfg.fp8_lm_head_fwd``, its logits on those casts and its gradient on the bf16 H and W (``cfg.fp8_lm_head_dw``:
+    but dW, the fp8 head's)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
@@ -361,7 +363,8 @@ class LMHeadCE(torch.autograd.Function):
                                                      s_w=s_w, **kw)
             dw = dw if dw is None else dw.to(weight.dtype)
         elif cfg.fp8_lm_head_fwd:
-            loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, hq=hq, s_hw=s_h * s_w, weight_q=wq, **kw)
+            loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w,
+                                                 fp8_dw=cfg.fp8_lm_head_dw, **kw)
         else:
             loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, **kw)
         if compute_grad:

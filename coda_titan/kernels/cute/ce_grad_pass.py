@@ -17,7 +17,8 @@ times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same 
 
 ``ce_grad_e5m2`` is the same pass for the fp8 head (``lm_head_ce.lm_head_ce_fp8``): da's e5m2 codes at the
 head's power-of-two scale into a buffer of their own (from da's fp32 value, not its bf16 rounding), zdz in
-place of corr (the fp8 B2 takes zdz), the logits left as they are.
+place of corr (the fp8 B2 takes zdz), the logits left as they are. ``ce_grad_inplace`` with ``codes_inv`` does
+both in one read: the bf16 da in place with corr, and the codes (``fp8_lm_head_dw``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def fold_lse(parts_ptr, row, NT, PBLOCK: tl.constexpr):
 @triton.jit
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
                         daq_ptr, inv_ptr, tdelta_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
-                        PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr):
+                        PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr,
+                        BOTH: tl.constexpr):
     row = tl.program_id(0)
     lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
@@ -66,7 +68,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"),
                      mask=inside)
-        else:
+        if not FP8 or BOTH:  # (BOTH: the codes and the bf16 da in place, the bf16 B2's corr)
             dab = da.to(tl.bfloat16, fp_downcast_rounding="rtne")
             tl.store(base + cols, dab, mask=inside)
             if CONSIST:  # (zdz of the rounded da B2 reads: sum l da / r, l the stored logits)
@@ -79,14 +81,14 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         zdz = tl.where(valid, zdz / tl.where(valid, rstd, 1.0), 0.0)
     else:
         zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
-    tl.store(corr_ptr + row, zdz if FP8 else -((rstd * rstd) * inv_d) * zdz)
+    tl.store(corr_ptr + row, zdz if FP8 and not BOTH else -((rstd * rstd) * inv_d) * zdz)
     tl.store(loss_ptr + row, tl.where(valid, lse - tlogit, 0.0))
 
 
 def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
-                    block: int = 4096, num_warps: int = 8,
-                    tdelta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    block: int = 4096, num_warps: int = 8, tdelta: torch.Tensor | None = None,
+                    codes_inv: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
     corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
     log-sum-exp partials (a finished lse is its own single partial: (rows, 1)); tgt_logit, rstd (rows,) fp32,
@@ -94,9 +96,15 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     (rows,) fp32 when given. ``block`` columns per step of a row's program, ``num_warps`` per program
     (``scripts/probes/ce_pass.py`` times the choices). ``tdelta`` (rows,) fp32: zdz is then that of the
     rounded da the pass writes, sum_n l_n da_n / r over the stored logits, its target's term on l_t + tdelta (the
-    unrounded target logit: ``CODA_TITAN_F4_ZDZ=consistent``; zeros: ``consistent_rounded``)."""
-    return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows, None, block, num_warps,
-                    tdelta)
+    unrounded target logit: ``CODA_TITAN_F4_ZDZ=consistent``; zeros: ``consistent_rounded``). ``codes_inv`` (0-dim
+    or (1,) fp32; not with ``tdelta``): also da's e5m2 codes at that scale, as ``ce_grad_e5m2`` writes them, returned
+    third (``fp8_lm_head_dw``: dW on the codes, B2 on the bf16 da)."""
+    if codes_inv is not None and tdelta is not None:
+        raise ValueError("the CE gradient pass writes e5m2 codes beside the bf16 da without tdelta only")
+    out = _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows,
+                   None if codes_inv is None else codes_inv.float().reshape(1), block, num_warps, tdelta,
+                   both=codes_inv is not None)
+    return out if codes_inv is not None else out[:2]
 
 
 def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
@@ -110,7 +118,7 @@ def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int, tdelta=None):
+             num_warps: int, tdelta=None, both: bool = False):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -133,5 +141,5 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
                                  parts.shape[1], inv_d, daq, inv if fp8 else corr,
                                  tdelta.float().contiguous() if consist else corr, IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
-                                 CONSIST=consist, num_warps=num_warps)
-    return (daq if fp8 else logits), corr
+                                 CONSIST=consist, BOTH=both, num_warps=num_warps)
+    return (logits, corr, daq) if both else ((daq if fp8 else logits), corr)

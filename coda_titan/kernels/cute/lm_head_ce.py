@@ -19,8 +19,9 @@ on the stored one.
 ``ce_exp``; the reference ``lm_head_ce.lm_head_ce_exp``): F4 stores E = exp(l - c) and the backward GEMMs take
 it as their A, with the per-row scales and the target's exact term in their epilogue and one correction each.
 
-With ``hq``, ``s_hw`` and ``weight_q`` (``[coda] fp8_lm_head_fwd``) the chunk's GEMM is the fp8 head's e4m3 one (its
-scales folded into r) and everything after it the bf16 head's: the gradient pass, B2 and dW on the bf16 da, H and W.
+With ``hq``, ``s_h``, ``weight_q`` and ``s_w`` (``[coda] fp8_lm_head_fwd``) the chunk's GEMM is the fp8 head's e4m3
+one (its scales folded into r) and everything after it the bf16 head's: the gradient pass, B2 and dW on the bf16 da,
+H and W. ``fp8_dw`` (``fp8_lm_head_dw``): the pass also writes da's e5m2 codes, and dW is the fp8 head's one GEMM.
 
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
@@ -89,16 +90,18 @@ def f4_epilogue(dtype: torch.dtype):
 
 
 @torch.library.register_kernel("coda::lm_head_ce", "cuda")
-def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_hw=None, weight_q=None):
+def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h=None, weight_q=None,
+                s_w=None, fp8_dw=False):
     why = unsupported(h, x, weight) or (hq is not None and unsupported_fp8(hq, weight_q))
     if why:
         return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq,
-                        s_hw, weight_q)
+                        s_h, weight_q, s_w, fp8_dw)
     fp8_fwd = hq is not None  # (``fp8_lm_head_fwd``: the logits of the e4m3 GEMM, the rest as the bf16 head's)
-    if fp8_fwd and compute_grad and (os.environ.get(CE_PASS_ENV) == "exp"
+    fp8_dw = fp8_dw and fp8_fwd and compute_grad  # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's)
+    if fp8_fwd and compute_grad and (os.environ.get(CE_PASS_ENV) in ("exp", "inductor")
                                      or ref.f4_zdz_mode() in ("consistent", "consistent_rounded")):
-        raise ValueError(f"the LM head's fp8 forward takes neither {CE_PASS_ENV}=exp nor {ref.F4_ZDZ_ENV}="
-                         f"{ref.f4_zdz_mode()}: both remake logits from the bf16 H and W")
+        raise ValueError(f"the LM head's fp8 forward takes none of {CE_PASS_ENV}=exp or inductor, {ref.F4_ZDZ_ENV}="
+                         f"consistent(_rounded): probe arms of the bf16 head")
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
         return _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows)
     m, d = h.shape
@@ -112,6 +115,9 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         dx = torch.empty_like(x)
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
+        if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
+            inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
+            daq_t, dw = torch.empty((vocab, m), device=h.device, dtype=E5M2), None
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
@@ -127,8 +133,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         logits = logits_buf[: stop - start]
         if fp8_fwd:
             with first_call("lm_head_ce_fp8", hq, weight_q):
-                res = gemm(epi, hq[start:stop], weight_q.t(), None, {"D": logits}, rstd=r * s_hw.float().reshape(()),
-                           target=t)
+                res = gemm(epi, hq[start:stop], weight_q.t(), None, {"D": logits},
+                           rstd=r * (s_h.float() * s_w.float()).reshape(()), target=t)
         else:
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
@@ -136,8 +142,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         if compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
                                                else _target_logit(hc, weight, t, r) - tl)
-            da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
-                                       tdelta=tdelta)
+            da, corr, *daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
+                                             tdelta=tdelta, codes_inv=inv_g if fp8_dw else None)
         else:
             lse = torch.logsumexp(parts, dim=-1)
             loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)
@@ -152,7 +158,9 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with stages.capped(base):
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
             dgamma += out["dw"]
-        if in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
+        if fp8_dw:
+            transpose_8bit.launch(daq[0], daq_t[:, start:stop])
+        elif in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
             dw = (quack_gemm(da.t(), hc, out_dtype=weight.dtype, tuned=TUNE) if dw is None
                   else gemm_add(da.t(), hc, dw, out_dtype=weight.dtype, tuned=TUNE))
         elif i == 0:
@@ -162,6 +170,9 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
+    if fp8_dw:  # (one fp8 GEMM over every token, cuBLAS's, as the fp8 head's)
+        dw = torch._scaled_mm(daq_t, transpose_8bit.transpose_8bit(hq).t(), inv_g.reciprocal(),
+                              s_h.float().reshape(()), out_dtype=weight.dtype)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
 
 

@@ -443,12 +443,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     gx = gamma.float() * x.float()
     zdz = (d_r * gx).sum(-1)
     zdz_bound = (d_bound * gx.abs()).sum(-1) + (d + 4) * u * (d_r * gx).abs().sum(-1)
-    corr_x = x.float() * (r * r / d * zdz)[:, None]
-    dx_r = d_r * gamma.float() - corr_x
-    dx_bound = (d_bound * gamma.float() + x.float().abs() * (r * r / d * zdz_bound)[:, None]
-                + 4 * u * ((d_r * gamma.float()).abs() + corr_x.abs()) + 2.0 ** -8 * dx.float().abs())
-    dg_r = (d_r * x.float()).sum(0)
-    dg_bound = (d_bound * x.float().abs()).sum(0) + (m + 4) * u * (d_r * x.float()).abs().sum(0)
+    dx_r, dx_bound, dg_r, dg_bound = _norm_bwd_bounds(c, d_r, d_bound, zdz, zdz_bound, dx)
     got = {"loss": float((loss - c.terms.sum()).abs()) / c.loss_bound,
            "dw": float(((dw.float() - dw_r).abs() / dw_bound).max()),
            "dx": float(((dx.float() - dx_r).abs() / dx_bound).max()),
@@ -623,6 +618,20 @@ def _gpu_head_case(h_dtype: torch.dtype):
                            loss_bound=loss_bound, p=p, delta=delta, da=da)
 
 
+def _norm_bwd_bounds(c, d_r, d_bound, zdz, zdz_bound, dx):
+    """(dX's reference, its bound, dgamma's, its bound) from B2's D = da @ W (reference ``d_r``, within ``d_bound``)
+    and zdz (within ``zdz_bound``): dX = D gamma - x (r^2 / d) zdz, its fp32 arithmetic 4 units of its two terms'
+    magnitudes (they cancel along X) and its bf16 store; dgamma = sum_t D x within D's bound plus (m + 4) units."""
+    x, gamma, r, d, u = c.x.float(), c.gamma.float(), c.r, c.d, c.u
+    corr_x = x * (r * r / d * zdz)[:, None]
+    dx_r = d_r * gamma - corr_x
+    dx_bound = (d_bound * gamma + x.abs() * (r * r / d * zdz_bound)[:, None]
+                + 4 * u * ((d_r * gamma).abs() + corr_x.abs()) + 2.0 ** -8 * dx.float().abs())
+    dg_r = (d_r * x).sum(0)
+    dg_bound = (d_bound * x.abs()).sum(0) + (c.m + 4) * u * (d_r * x).abs().sum(0)
+    return dx_r, dx_bound, dg_r, dg_bound
+
+
 def _e5m2_codes(c):
     """(inv, codes, their values, moved, step): da's e5m2 codes at ``dlogits_inv_scale`` (the reference's, from the
     exact da) and, where da +- expm1(delta) p r straddles a rounding boundary (``moved``), one e5m2 step (2^-2 of the
@@ -677,7 +686,7 @@ def test_cute_fp8_head_matches_reference(zdz_mode, monkeypatch):
 
     monkeypatch.setenv(F4_ZDZ_ENV, zdz_mode)
     c = _gpu_head_case(torch.float32)
-    m, d, v, u, r, targets, valid, x, gamma = c.m, c.d, c.v, c.u, c.r, c.targets, c.valid, c.x, c.gamma
+    d, v, u, r, targets, valid, x, gamma = c.d, c.v, c.u, c.r, c.targets, c.valid, c.x, c.gamma
     hq, s_h, wq, s_w, p, logits, tgt, terms = c.hq, c.s_h, c.wq, c.s_w, c.p, c.logits, c.tgt, c.terms
     wq_t = wq.t().contiguous()
     args = (hq, s_h, r, x, gamma, wq, wq_t, s_w, targets, 1024)
@@ -699,12 +708,7 @@ def test_cute_fp8_head_matches_reference(zdz_mode, monkeypatch):
         zdz = torch.where(valid, (p * logits).sum(-1) - tgt, 0.0)
         zdz_bound = (((delta + 2.0 ** -8) * p * logits.abs()).sum(-1) + (v + 4) * u * pl + 2.0 ** -8 * tgt.abs()
                      + 3 * emax)
-    corr_x = x.float() * (r * r / d * zdz)[:, None]
-    dx_r = d_r * gamma.float() - corr_x
-    dx_bound = (d_bound * gamma.float() + x.float().abs() * (r * r / d * zdz_bound)[:, None]
-                + 4 * u * ((d_r * gamma.float()).abs() + corr_x.abs()) + 2.0 ** -8 * dx.float().abs())
-    dg_r = (d_r * x.float()).sum(0)
-    dg_bound = (d_bound * x.float().abs()).sum(0) + (m + 4) * u * (d_r * x.float()).abs().sum(0)
+    dx_r, dx_bound, dg_r, dg_bound = _norm_bwd_bounds(c, d_r, d_bound, zdz, zdz_bound, dx)
     got = {"loss": float((loss - terms.sum()).abs()) / loss_bound, "moved": float(moved.float().mean()),
            "mma_c": [float(c_l), c_d, c_w],
            "dw": float(((dw.float() - dw_r).abs() / dw_bound).max()),

@@ -114,10 +114,11 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     if compute_grad:
         dx = torch.empty_like(x)
         dgamma = torch.zeros(d, device=h.device, dtype=torch.float32)
-        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if m > chunk_rows or not in_place else None
+        fp32_sum = (m > chunk_rows or not in_place) and not fp8_dw
+        dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_sum else None
         if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
             inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
-            daq_t, dw = torch.empty((vocab, m), device=h.device, dtype=E5M2), None
+            daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)

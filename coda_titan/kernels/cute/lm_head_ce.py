@@ -98,10 +98,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
                         s_h, weight_q, s_w, fp8_dw)
     fp8_fwd = hq is not None  # (``fp8_lm_head_fwd``: the logits of the e4m3 GEMM, the rest as the bf16 head's)
     fp8_dw = fp8_dw and fp8_fwd and compute_grad  # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's)
-    if fp8_fwd and compute_grad and (os.environ.get(CE_PASS_ENV) in ("exp", "inductor")
-                                     or ref.f4_zdz_mode() in ("consistent", "consistent_rounded")):
-        raise ValueError(f"the LM head's fp8 forward takes none of {CE_PASS_ENV}=exp or inductor, {ref.F4_ZDZ_ENV}="
-                         f"consistent(_rounded): probe arms of the bf16 head")
+    if fp8_fwd and compute_grad:
+        _refuse_probe_arms()
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
         return _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows)
     m, d = h.shape
@@ -161,13 +159,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             dgamma += out["dw"]
         if fp8_dw:
             transpose_8bit.launch(daq[0], daq_t[:, start:stop])
-        elif in_place and stop == m:  # the last chunk: the sum in fp32, rounded once to the weight's dtype
-            dw = (quack_gemm(da.t(), hc, out_dtype=weight.dtype, tuned=TUNE) if dw is None
-                  else gemm_add(da.t(), hc, dw, out_dtype=weight.dtype, tuned=TUNE))
-        elif i == 0:
-            quack_gemm(da.t(), hc, out=dw, tuned=TUNE)
         else:
-            gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
+            dw = _dw_chunk(da, hc, dw, weight.dtype, first=i == 0, last=in_place and stop == m)
     loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
@@ -175,6 +168,26 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         dw = torch._scaled_mm(daq_t, transpose_8bit.transpose_8bit(hq).t(), inv_g.reciprocal(),
                               s_h.float().reshape(()), out_dtype=weight.dtype)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
+
+
+def _refuse_probe_arms() -> None:
+    """The bf16 head's probe arms that remake logits from the bf16 H and W have no fp8-forward form."""
+    if os.environ.get(CE_PASS_ENV) in ("exp", "inductor") or ref.f4_zdz_mode() in ("consistent", "consistent_rounded"):
+        raise ValueError(f"the LM head's fp8 forward takes none of {CE_PASS_ENV}=exp or inductor, {ref.F4_ZDZ_ENV}="
+                         f"consistent(_rounded): probe arms of the bf16 head")
+
+
+def _dw_chunk(da, hc, dw, dtype, *, first: bool, last: bool):
+    """dW_out += da^T H of one chunk: the fp32 sum in ``dw`` (its first chunk written, not added), the last chunk's
+    GEMM writing the sum rounded once to ``dtype`` (returned; None in ``dw`` with a single chunk)."""
+    if last:
+        return (quack_gemm(da.t(), hc, out_dtype=dtype, tuned=TUNE) if dw is None
+                else gemm_add(da.t(), hc, dw, out_dtype=dtype, tuned=TUNE))
+    if first:
+        quack_gemm(da.t(), hc, out=dw, tuned=TUNE)
+    else:
+        gemm_add_inplace(da.t(), hc, dw, tuned=TUNE)
+    return dw
 
 
 def _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows):

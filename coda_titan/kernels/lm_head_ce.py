@@ -102,6 +102,7 @@ def lm_head_ce(
     loss = None
     dx = torch.empty_like(x) if compute_grad else None
     dgamma = dweight = None
+    inv_g_all = dlogits_inv_scale(rstd, targets) if fp8_dw else None  # (one scale for every chunk's codes)
     for start in range(0, m, chunk_rows):
         rows = slice(start, min(start + chunk_rows, m))
         r = rstd[rows]
@@ -125,7 +126,7 @@ def lm_head_ce(
                                            zdz=_zdz_variant(zdz, dp, lf, logits, tgt, da, r), dresidual=None)
         dx[rows] = dx_c
         if fp8_dw:  # (the fp8 head's dW: e5m2 codes of the unrounded da, H's codes)
-            ct, inv_g = dp.dtype, dlogits_inv_scale(rstd, targets).to(dp.dtype)
+            ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
             daq = quantize_e5m2(dp * r.to(ct)[:, None], inv_g)
             dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
         else:

@@ -164,9 +164,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
-    if fp8_dw:  # (one fp8 GEMM over every token, cuBLAS's, as the fp8 head's)
-        dw = torch._scaled_mm(daq_t, transpose_8bit.transpose_8bit(hq).t(), inv_g.reciprocal(),
-                              s_h.float().reshape(()), out_dtype=weight.dtype)
+    if fp8_dw:
+        dw = _fp8_dw(daq_t, hq, inv_g, s_h, weight.dtype)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
 
 
@@ -282,6 +281,11 @@ def _lm_head_ce_fp8(hq, s_h, rstd, x, gamma, weight_q, weight_tq, s_w, targets, 
     loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=x, weight=x)
-    hq_t = transpose_8bit.transpose_8bit(hq)
-    dw = torch._scaled_mm(daq_t, hq_t.t(), inv_g.reciprocal(), s_h.float().reshape(()), out_dtype=x.dtype)
-    return loss, dx, dgamma, dw
+    return loss, dx, dgamma, _fp8_dw(daq_t, hq, inv_g, s_h, x.dtype)
+
+
+def _fp8_dw(daq_t, hq, inv_g, s_h, dtype):
+    """The fp8 heads' dW_out: one cuBLAS fp8 GEMM over every token of da's token-major e5m2 codes (scale 1 / inv_g)
+    and H's codes (s_h), transposed token-major here."""
+    return torch._scaled_mm(daq_t, transpose_8bit.transpose_8bit(hq).t(), inv_g.reciprocal(), s_h.float().reshape(()),
+                            out_dtype=dtype)

@@ -147,8 +147,9 @@ def test_bad_coda_value_as_override(capsys, line, override, words):
 def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
     """fp8_layer_wgrads runs weight gradients on fp8: on a bf16 config it would do nothing, so the run
     is refused before it starts (the model refuses it too, for TorchTitan's own entry point), as are
-    the other off-by-default fp8 knobs, and the fp8 forward of the head beside the fp8 head. (The on-by-default fp8_mlp_da_t, fp8_down_wgrad and
-    fp8_down_dgrad are ignored where their B3 does not run: tests/test_model.py.)"""
+    the other off-by-default fp8 knobs, and the fp8 forward of the head beside the fp8 head. (The
+    on-by-default fp8_mlp_da_t, fp8_down_wgrad and fp8_down_dgrad are ignored where their B3 does not
+    run: tests/test_model.py.)"""
     from coda_titan.model.args import coda_llama3_args
     from coda_titan.model.model import CodaTransformer
     from coda_titan.titan.job_config import Coda, ConfigError

@@ -291,9 +291,10 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
     are refused. The fp8 head's mode (``ce_grad_e5m2``) leaves the logits and writes da's e5m2 codes (each the
     interpreter's rounding of a value within p's error of da * inv, and most of da * inv itself) and zdz (corr's
-    zdz bound); with ``codes_inv`` it does both, each output the bits of the pass that makes it alone. Given ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz
-    sum l da / r over the da it wrote (read back) with the target's term on l_t + tdelta, within its summation
-    order's bound, and not the plain pass's value."""
+    zdz bound); with ``codes_inv`` it does both, each output the bits of the pass that makes it alone. Given
+    ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
+    da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
+    plain pass's value."""
     got = run_interpreter_check("ce_interpreter_check.py")
     for case in ("parts", "lse"):
         g = got[case]

@@ -1437,7 +1437,8 @@ def test_fp8_lm_head_fwd_runs_the_heads_logits_on_the_casts_of_h_and_w_and_its_g
     assert [name for name, _ in calls] == ["lm_head_ce"]
     kw, kw_off = calls[0][1], heads[0]
     assert "hq" not in kw_off and torch.equal(kw["h"], kw_off["h"]) and kw["weight"] is on.output.weight
-    (hq, s_h), (wq, s_w) = TORCH.quantize_tensorwise(w=kw_off["h"]), TORCH.quantize_tensorwise(w=on.output.weight.detach())
+    hq, s_h = TORCH.quantize_tensorwise(w=kw_off["h"])
+    wq, s_w = TORCH.quantize_tensorwise(w=on.output.weight.detach())
     assert torch.equal(kw["hq"].view(torch.uint8), hq.view(torch.uint8)) and torch.equal(kw["s_h"], s_h)
     assert torch.equal(kw["weight_q"].view(torch.uint8), wq.view(torch.uint8)) and torch.equal(kw["s_w"], s_w)
     assert kw["fp8_dw"] is False

@@ -109,8 +109,8 @@
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
-#     fp8headdw    the GPU tests of the fp8 forward head, then CODA fp8 compiled as configured, with fp8_lm_head_fwd,
-#                  with it and fp8_lm_head_dw (dW_out on e5m2 dlogits), and as configured again (STEPS, default 30)
+#     fp8headdw    CODA fp8 compiled as configured, with fp8_lm_head_fwd, with it and fp8_lm_head_dw (dW_out on e5m2
+#                  dlogits), and as configured again (STEPS, default 30); after GPU_TESTS="fp8_forward_head or fp8_head" gputests
 #     fp8headdwparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
 #                  and as configured
 #     fp8repeats   three 300-step curves of float8 + compile alone (the H200 cohort's repeat spread, by which every fp8
@@ -591,9 +591,7 @@ for phase in "$@"; do
       curves fp8_lm_head_fwd fp8_lm_head_fwd "fp8_lm_head_fwd = true"
       ;;
     fp8headdw)
-      CODA_BOUNDS_LOG="$out/bounds.jsonl" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lm_head_ce.py \
-        -k "fp8_forward_head or fp8_head" -rfE --tb=short -W ignore::DeprecationWarning > "$logs/pytest_gpu.txt" 2>&1
-      echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$logs/pytest_gpu.txt" | tail -25 | tee "$out/pytest_gpu.txt"
+      # (its GPU tests first: GPU_TESTS="fp8_forward_head or fp8_head" gpu_train.sh gputests fp8headdw)
       a=$(variant headfwd "fp8_lm_head_fwd = true") && b=$(variant headdw "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true") || exit 2
       hab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headdw_$2"; }
       hab configs/llama3_1b_fp8_coda_compile.toml off

@@ -244,7 +244,9 @@ ab() {
 curves() {
   local tag=$1 a; shift
   a=$(variant "$@") || exit 2
-  $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" configs/llama3_1b_fp8_coda_compile.toml \
+  local c=configs/llama3_1b_fp8_coda_compile.toml  # (ONLY_CANDIDATE=1: without the configured run)
+  [ -n "${ONLY_CANDIDATE:-}" ] && c=""
+  $cmp --loss-curve configs/llama3_1b_fp8_baseline_compile.toml "$a" $c \
     --steps "${PARITY_STEPS:-300}" --tag "$tag"
 }
 # envab ON OFF VAR=VALUE: an A/B of an environment switch (PREC=fp8 or bf16): the compiled baseline and the

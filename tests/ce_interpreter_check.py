@@ -11,6 +11,7 @@ import torch
 from interpreter_stub import cute_function, cute_module, refuses
 
 from coda_titan.kernels import lm_head_ce as ref
+from coda_titan.kernels import scaling
 
 ce_pass = cute_module("ce_grad_pass")
 ce_grad_math = cute_function("lm_head_ce.py", "def _ce_grad_math", "@torch.library.register_kernel",
@@ -112,6 +113,39 @@ got["both"] = {
     "refuses_tdelta": refuses(lambda: ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd,
                                                                ref.IGNORE_INDEX, d, tdelta=torch.zeros(rows),
                                                                codes_inv=inv), says="tdelta"),
+}
+
+# stochastically rounded codes (``sr_seed``, ``fp8_lm_head_dw``): for fixed random bits the rounding is monotone in
+# the value, so each code lies between ``scaling.quantize_e5m2_sr``'s codes of the ends of the value's error
+# interval with the same seed and counters (the rows counted from row0). The codes are exact in e5m2 from 2^-14
+# up; below it the interpreter's own fp32 -> e5m2 rounding takes them (not the GPU's), so there a code may be one
+# subnormal step (2^-16) past those ends. The same seed repeats the codes, another draws others; the bf16 da and
+# corr are the in-place pass's, bit for bit
+seed, row0 = 17, 3
+offs = (torch.arange(rows)[:, None] + row0) * vocab + torch.arange(vocab)
+lo_sr, hi_sr = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs).float() for w in (v - err, v + err))
+buf3 = logits.clone()
+da3, corr3, daq3 = ce_pass.ce_grad_inplace(buf3, parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d,
+                                           codes_inv=inv, sr_seed=seed, row0=row0)
+q3 = daq3.float()
+slack = torch.where(v.abs() + err < 2.0 ** -14, 2.0 ** -16, 0.0)
+again = ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, codes_inv=inv,
+                                sr_seed=seed, row0=row0)[2]
+other = ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, codes_inv=inv,
+                                sr_seed=seed + 1, row0=row0)[2]
+normal = v.abs() >= 2.0 ** -14  # (unbiased: the codes' mean error, in steps 2^(e - 2) of each value's binade e)
+step_v = 2.0 ** (torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -14))) - 2)
+got["sr"] = {
+    "mean_err_steps": float(((q3 - v) / step_v)[normal].double().mean()),
+    "codes_outside": int(((q3 < lo_sr - slack) | (q3 > hi_sr + slack)).sum()),
+    "codes_normal": int(normal.sum()),
+    "codes_off_nearest": int((q3 != ends[1]).sum()),
+    "repeats": bool(torch.equal(again.view(torch.uint8), daq3.view(torch.uint8))),
+    "other_seed_moves": int((other.view(torch.uint8) != daq3.view(torch.uint8)).sum()),
+    "da_same": bool(torch.equal(da3, da1)), "corr_same": bool(torch.equal(corr3, corr1)),
+    "refuses_without_codes": refuses(lambda: ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd,
+                                                                      ref.IGNORE_INDEX, d, sr_seed=seed),
+                                     says="sr_seed"),
 }
 
 # the consistent zdz (``tdelta`` given): sum_n l_n da_n / r over the stored logits and the da the pass wrote, read

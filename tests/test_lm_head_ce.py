@@ -291,7 +291,11 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     da, corr and its loss term 0; partials of the wrong row count and a loss buffer of the wrong dtype
     are refused. The fp8 head's mode (``ce_grad_e5m2``) leaves the logits and writes da's e5m2 codes (each the
     interpreter's rounding of a value within p's error of da * inv, and most of da * inv itself) and zdz (corr's
-    zdz bound); with ``codes_inv`` it does both, each output the bits of the pass that makes it alone. Given
+    zdz bound); with ``codes_inv`` it does both, each output the bits of the pass that makes it alone, and with
+    ``sr_seed`` the codes are ``scaling.quantize_e5m2_sr``'s (between its codes of the ends of each value's error
+    interval, with the same seed and counters), unbiased (their mean error over the normal values within 5 standard
+    deviations, 0.5 / sqrt(n) steps, of 0), off round-to-nearest's on a large share, repeated by the same seed
+    and moved by another, the bf16 da and corr unchanged. Given
     ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
     da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
     plain pass's value."""
@@ -306,6 +310,11 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert g["logits_kept"] and g["daq_dtype"] == "torch.float8_e5m2" and g["ignored_row_zero"], g
     assert g["codes_outside"] == 0 and g["codes_moved"] < 0.01 * rows_cols and g["zdz_err_over_bound"] <= 1.0, g
     assert all(got["both"].values()), got["both"]  # (codes_inv: the in-place pass and ce_grad_e5m2 in one)
+    g = got["sr"]  # (sr_seed: stochastic rounding, the torch emulation's bits)
+    assert g["codes_outside"] == 0 and g["codes_normal"] > 0.5 * rows_cols and g["repeats"], g
+    assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
+    assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
+    assert g["da_same"] and g["corr_same"] and g["refuses_without_codes"], g
     g = got["consistent"]  # (tdelta given: zdz of the rounded da written, the target's term moved by tdelta)
     assert g["da_same"] and g["ignored_row_zero"] and g["corr_err_over_bound"] <= 1.0, g
     assert g["differs_from_plain"] > 2 ** -13, g  # (another value than the plain pass's: what the mode changes)
@@ -417,8 +426,8 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     |da| of the exact da; D = da @ W (W bf16, exact) within e @ |W| + (V + 4) fp32 units of (|da| + e) @ |W| (any
     order of an fp32 sum), dW = da^T H16 within e^T |H16| + (m + 4) units of (|da| + e)^T |H16| plus its bf16 store
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
-    ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW as the fp8 head's
-    (``_e5m2_dw_bound``: da's e5m2 codes, made by the same pass from the same p), the rest unchanged."""
+    ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
+    e5m2 codes (``_e5m2_sr_dw_bound``), the next call's codes other ones; the rest unchanged."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
@@ -435,8 +444,8 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     d_r = c.da @ wf
     d_bound = e @ wf.abs() + (v + 4) * u * (mag @ wf.abs()) + u * d_r.abs()
     if fp8_dw:
-        inv, codes_q, codes, _, step = _e5m2_codes(c)
-        dw_r, dw_bound, _ = _e5m2_dw_bound(c, codes_q, codes, inv, step, dw)
+        dw_r, dw_bound = _e5m2_sr_dw_bound(c, dw)
+        assert not torch.equal(torch.ops.coda.lm_head_ce(*args, True, *fp8, True)[3], dw)  # (another seed)
     else:
         dw_r = c.da.t() @ hf
         dw_bound = (e.t() @ hf.abs() + (m + 4) * u * (mag.t() @ hf.abs()) + u * dw_r.abs()
@@ -536,25 +545,40 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     assert (dx - dx0).abs().max() > 1e-6 * dx0.abs().max(), "the fp8 logits moved nothing: the check tested nothing"
 
 
-def test_fp8_forward_heads_fp8_dw_is_the_fp8_heads_dw_and_leaves_the_rest():
-    """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is the fp8 head's (the same e5m2 codes of the same da at the
-    same scale, times H's codes), and the loss, dX and dgamma are the fp8 forward head's without it, exactly."""
-    from coda_titan.kernels.lm_head_ce import lm_head_ce, lm_head_ce_fp8
+def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest(monkeypatch):
+    """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is da's e5m2 codes at ``dlogits_inv_scale``, rounded
+    stochastically with the seed the call drew and each element's flat index in the batch (``quantize_e5m2_sr``,
+    tested against its definition in tests/test_scaling.py), times H's codes, da = r (softmax - onehot) of the fp8
+    forward's logits computed here; so within one e5m2 step of |da| per element, times |H|, of the exact da's
+    dW. The loss, dX and dgamma are the fp8 forward head's without it, exactly; the next call draws other codes."""
+    import coda_titan.kernels.lm_head_ce as lh
+    from coda_titan.kernels.scaling import quantize_e5m2_sr
 
     fp8, _ = _fp8_head_case()
-    x, gamma = fp8["x"], fp8["gamma"]
-    h, _ = deferred_norm(x, gamma)
-    kw = dict(h=h, rstd=fp8["rstd"], x=x, gamma=gamma, weight=fp8["weight_q"].double() * fp8["s_w"],
-              targets=fp8["targets"], chunk_rows=CFG.ce_chunk_rows, hq=fp8["hq"], s_h=fp8["s_h"],
-              weight_q=fp8["weight_q"], s_w=fp8["s_w"])
-    with_dw, without = lm_head_ce(**kw, fp8_dw=True), lm_head_ce(**kw)
+    x, gamma, hq, s_h, wq, s_w, tg = (fp8[k] for k in ("x", "gamma", "hq", "s_h", "weight_q", "s_w", "targets"))
+    h, r = deferred_norm(x, gamma)
+    kw = dict(h=h, rstd=fp8["rstd"], x=x, gamma=gamma, weight=wq.double() * s_w, targets=tg,
+              chunk_rows=CFG.ce_chunk_rows, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w)
+    assert CFG.ce_chunk_rows < h.shape[0]  # (several chunks: the counters run over the batch, not the chunk)
+    monkeypatch.setattr(lh, "next_sr_seed", lambda: 5)
+    with_dw, without = lh.lm_head_ce(**kw, fp8_dw=True), lh.lm_head_ce(**kw)
     for a, b in zip(with_dw[:3], without[:3]):
         assert torch.equal(a, b)
-    dw_fp8 = lm_head_ce_fp8(**fp8)[3]
-    torch.testing.assert_close(with_dw[3], dw_fp8, rtol=1e-12, atol=1e-15)
+    logits = (hq.double() @ wq.double().t()) * (s_h.double() * s_w.double() * fp8["rstd"])[:, None]
+    valid = tg != IGNORE_INDEX
+    dp = torch.softmax(logits, -1) - torch.nn.functional.one_hot(tg.clamp(min=0), logits.shape[1]).double()
+    da = dp * torch.where(valid, fp8["rstd"], 0.0)[:, None]
+    inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
+    hd = hq.double() * s_h.double()
+    codes = quantize_e5m2_sr(da, inv, 5, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
+    torch.testing.assert_close(with_dw[3], (codes / inv).t() @ hd, rtol=1e-12, atol=1e-15)
+    step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
+    assert bool(((with_dw[3] - da.t() @ hd).abs() <= step.t() @ hd.abs() * (1 + 1e-9)).all())
+    monkeypatch.setattr(lh, "next_sr_seed", lambda: 6)
+    assert not torch.equal(lh.lm_head_ce(**kw, fp8_dw=True)[3], with_dw[3])  # (another seed, other codes)
     assert not torch.allclose(with_dw[3], without[3], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)
     with pytest.raises(ValueError, match="fp8_dw"):
-        lm_head_ce(**{**kw, "hq": None, "s_h": None, "weight_q": None, "s_w": None}, fp8_dw=True)
+        lh.lm_head_ce(**{**kw, "hq": None, "s_h": None, "weight_q": None, "s_w": None}, fp8_dw=True)
 
 
 def test_fp8_head_op_fake():
@@ -662,6 +686,26 @@ def _e5m2_dw_bound(c, codes_q, codes, inv, step, dw):
     dw_bound = (moved_w * (1 + 2 * c_w) + ((c.m + 4) * c.u + 2 * c_w) * mag_w + c.u * dw_r.abs()
                 + 2.0 ** -8 * dw.float().abs())
     return dw_r, dw_bound, c_w
+
+
+def _e5m2_sr_dw_bound(c, dw):
+    """(dW's reference, its bound) for dW on da's stochastically rounded e5m2 codes (``fp8_lm_head_dw``): the
+    program's da is within w = expm1(delta) p r of the exact da, and its code within one e5m2 step of it (2^-2 of
+    |da| + w at most, at least the subnormal 2^-16 over inv), so within step + w of the exact da. dW = da^T H on
+    H's exact codes, within (step + w)^T |H| plus the accumulator (2 c_w P, c_w measured on the round-to-nearest
+    codes of the same da), the reference's fp32 sums ((m + 4) units) and the bf16 store."""
+    from .helpers import fp8_mma_c
+
+    inv, codes_q, _, _, _ = _e5m2_codes(c)
+    hd = c.hq.float() * c.s_h
+    c_w = float(fp8_mma_c(codes_q.t().contiguous(), c.hq.t().contiguous())[0])
+    w = torch.expm1(c.delta) * c.p * c.r[:, None]
+    step = (2.0 ** -2 * (c.da.abs() + w) * inv).clamp(min=2.0 ** -16) / inv
+    dw_r = c.da.t() @ hd
+    mag = (c.da.abs() + w + step).t() @ hd.abs()
+    dw_bound = ((step + w).t() @ hd.abs() + ((c.m + 4) * c.u + 2 * c_w) * mag + c.u * dw_r.abs()
+                + 2.0 ** -8 * dw.float().abs())
+    return dw_r, dw_bound
 
 
 @pytest.mark.gpu

@@ -1,10 +1,10 @@
-"""fp8 formats and scale math: the e4m3 quantizer against an fp64 emulation of round-to-nearest-even,
-written here from the format's definition."""
+"""fp8 formats and scale math: the e4m3 quantizer against an fp64 emulation of round-to-nearest-even, and the
+e5m2 stochastic rounding against its definition, both written here from the formats' definitions."""
 
 import pytest
 import torch
 
-from coda_titan.kernels.scaling import E4M3_MAX, amax_abs, quantize_e4m3
+from coda_titan.kernels.scaling import E4M3_MAX, E5M2_MAX, amax_abs, lowbias32, quantize_e4m3, quantize_e5m2_sr
 
 from .helpers import e4m3_round_fp64
 
@@ -47,3 +47,47 @@ def test_amax_abs_is_the_max_of_abs_bit_for_bit(device, dtype):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want) or (got.isnan() and want.isnan()), (got, want)
     assert amax_abs(t).item() == 41.5
+
+
+def _lowbias32_words(x: int) -> int:
+    """Wellons' lowbias32 on one 32-bit word, as its author defines it."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_e5m2_stochastic_rounding_picks_a_neighbour_with_the_probability_of_its_distance():
+    """``quantize_e5m2_sr`` (``fp8_lm_head_dw``'s codes): each code is one of the two e5m2 values around v (from
+    the format: 2 mantissa bits, steps of 2^(e - 2) in binade e, e >= -14), the upper one (in magnitude) with
+    probability (|v| - lo) / step, so E[q] = v: over n = 4096 counters the share that rounds up is within 5
+    binomial standard deviations of it, for every v. Values on the grid stay, saturation clamps, the same seed
+    and counters repeat the codes and another seed draws others; the hash is lowbias32 word for word."""
+    words = torch.tensor([0, 1, 5, 2**31, 2**32 - 1, 123456789], dtype=torch.int64)
+    assert [int(w) for w in lowbias32(words)] == [_lowbias32_words(int(w)) for w in words]
+    gen = torch.Generator().manual_seed(3)
+    v = torch.cat([torch.randn(48, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (48,),
+                                                                                               generator=gen),
+                   torch.tensor([1.1, -1.1, 2.0 ** -13 * 1.3, 50000.0, -3.0, 0.0])]).float().double()
+    n = 4096
+    offsets = torch.arange(n, dtype=torch.int64) * 7919
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -14)))
+    step = 2.0 ** (e - 2)
+    lo = torch.floor(v.abs() / step) * step
+    frac = (v.abs() - lo) / step
+    for i in range(v.numel()):
+        q = quantize_e5m2_sr(v[i].expand(n).float(), torch.tensor(1.0), 11, offsets).double()
+        up = q.abs() == lo[i] + step[i]
+        assert bool(((q.abs() == lo[i]) | up).all() & ((q * v[i]) >= 0).all()), (float(v[i]), q.unique().tolist())
+        sd = (frac[i] * (1 - frac[i]) / n) ** 0.5
+        assert abs(float(up.double().mean() - frac[i])) <= 5 * sd + 1e-12, (float(v[i]), float(up.double().mean()),
+                                                                          float(frac[i]))
+    grid = torch.tensor([1.0, -1.25, 1.75 * 2.0 ** 10, 57344.0, 2.0 ** -14])
+    assert torch.equal(quantize_e5m2_sr(grid, torch.tensor(1.0), 5, torch.arange(5)).float(), grid)
+    big = quantize_e5m2_sr(torch.tensor([1e6, -1e6]), torch.tensor(1.0), 5, torch.arange(2)).float()
+    assert big.tolist() == [E5M2_MAX, -E5M2_MAX]
+    x = torch.randn(4096, generator=gen)
+    a, b = (quantize_e5m2_sr(x, torch.tensor(4.0), s, offsets).view(torch.uint8) for s in (1, 1))
+    c = quantize_e5m2_sr(x, torch.tensor(4.0), 2, offsets).view(torch.uint8)
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -3,7 +3,8 @@
 Recipe (docs/fp8.md gives each site's choice and why):
 
 * **Formats.** e4m3 for forward operands (activations and weights), e5m2 for gradients, as
-  torchao's tensorwise recipe. Every cast saturates (``sat``) and rounds to nearest even.
+  torchao's tensorwise recipe. Every cast saturates (``sat``) and rounds to nearest even, but one: the
+  LM head's dW codes of da (``fp8_lm_head_dw``) round stochastically (``quantize_e5m2_sr``).
 * **Tensorwise scales.** ``inv = fmax / amax`` maps a tensor onto the format's range:
   ``q = sat(t * inv)`` and ``t ~= q * s`` with ``s = 1 / inv`` (torchao's ``amax_to_scale``).
 * **Where the amax comes from.** Weights: current (each forward, the weight pass in ``gemm``).
@@ -15,6 +16,8 @@ Recipe (docs/fp8.md gives each site's choice and why):
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -66,6 +69,56 @@ def e4m3_step(t: torch.Tensor) -> torch.Tensor:
 def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """sat(t * inv_scale) rounded to nearest even e5m2 (the gradient format)."""
     return (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+
+
+SR_DROP = 21  # fp32 mantissa bits e5m2 drops (23 - 2): the random increment's width
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 integer hash (a bijection of 32-bit words with low avalanche bias) on int64 tensors
+    holding 32-bit words, as ``ce_grad_pass.lowbias32`` computes it in uint32 (products split so that no int64
+    product overflows)."""
+    m = 0xFFFFFFFF
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x = x ^ (x >> shift)
+        x = (x * (mul & 0xFFFF) + (((x * (mul >> 16)) & 0xFFFF) << 16)) & m
+    return x ^ (x >> 16)
+
+
+def sr_seed_mix(seed: int) -> int:
+    """A call's seed as the word each element's counter is XORed with before the hash (31 bits: a Triton int
+    argument below 2^31 is one int32 specialization)."""
+    return int(lowbias32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) & 0x7FFFFFFF
+
+
+_SR_SEEDS = itertools.count(1)
+
+
+def next_sr_seed() -> int:
+    """A call's seed for stochastic rounding (the LM head's dW codes, ``fp8_lm_head_dw``; both backends, through
+    ``lm_head_ce.next_sr_seed``): calls counted from 1 in the process, so that a run repeats itself (a resumed run
+    draws other bits than the one it resumes)."""
+    return next(_SR_SEEDS)
+
+
+def sr_offsets(start: int, stop: int, cols: int, device) -> torch.Tensor:
+    """Each element's counter for the stochastic rounding of rows [start, stop): its flat index in the batch."""
+    return torch.arange(start, stop, device=device)[:, None] * cols + torch.arange(cols, device=device)
+
+
+def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """sat(t * inv_scale) rounded stochastically to e5m2: up (in magnitude) with probability the fraction of a
+    step it lies past the code below, so that E[q] = sat(t * inv_scale). The scaled value is taken in fp32; its
+    low 21 bits plus those of lowbias32(offset ^ sr_seed_mix(seed)) carry into the kept bits or not, then the
+    21 bits are cleared (below e5m2's normal range, 2^-14, the result is rounded to nearest even instead).
+    ``offsets`` (t's shape, int64): each element's counter, taken mod 2^32. Bit for bit the Triton pass's codes
+    (``ce_grad_pass``, ``fp8_lm_head_dw``) of the same fp32 values."""
+    v = (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).float()
+    bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rnd = lowbias32((offsets & 0xFFFFFFFF) ^ sr_seed_mix(seed)) >> (32 - SR_DROP)
+    kept = ((bits + rnd) & (0xFFFFFFFF ^ ((1 << SR_DROP) - 1)))
+    kept = torch.where(kept >= 2**31, kept - 2**32, kept).to(torch.int32)
+    return kept.view(torch.float32).to(E5M2)
 
 
 def quantize_e5m2_site(t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ class Coda:
     fp8_preact: bool = knob(False, "fp8: F2 saves a for B3 as e4m3 (pow2 delayed scale), not bf16")
     fp8_lm_head: bool = knob(False, "fp8: the LM head on e4m3 H, W and e5m2 dlogits; faster, off loss parity")
     fp8_lm_head_fwd: bool = knob(False, "fp8: the LM head's logits on e4m3 H, W; its gradient bf16")
-    fp8_lm_head_dw: bool = knob(False, "fp8_lm_head_fwd: dW_out on e5m2 dlogits and H's codes")
+    fp8_lm_head_dw: bool = knob(False, "fp8_lm_head_fwd: dW_out on e5m2 dlogits (rounded stochastically)")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: 6.5 GiB less, 2.3% slower)")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")

@@ -18,7 +18,8 @@ times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same 
 ``ce_grad_e5m2`` is the same pass for the fp8 head (``lm_head_ce.lm_head_ce_fp8``): da's e5m2 codes at the
 head's power-of-two scale into a buffer of their own (from da's fp32 value, not its bf16 rounding), zdz in
 place of corr (the fp8 B2 takes zdz), the logits left as they are. ``ce_grad_inplace`` with ``codes_inv`` does
-both in one read: the bf16 da in place with corr, and the codes (``fp8_lm_head_dw``).
+both in one read: the bf16 da in place with corr, and the codes (``fp8_lm_head_dw``), rounded stochastically
+(``sr_seed``: ``scaling.quantize_e5m2_sr``'s bits, each element's counter its flat index in the whole batch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import E5M2, E5M2_MAX
+from ..scaling import E5M2, E5M2_MAX, SR_DROP, sr_seed_mix
 from .row_vectors import fp32_reciprocal
 
 
@@ -43,10 +44,29 @@ def fold_lse(parts_ptr, row, NT, PBLOCK: tl.constexpr):
 
 
 @triton.jit
+def lowbias32(x):
+    """``scaling.lowbias32`` on uint32 words."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def e5m2_sr(v, offs, mix, DROP: tl.constexpr):
+    """fp32 v (saturated) stochastically rounded to e5m2 as ``scaling.quantize_e5m2_sr``: its low DROP bits plus
+    as many random ones, the carry kept, those bits cleared; exact in e5m2 from 2^-14 up (RNE below)."""
+    rnd = lowbias32(offs.to(tl.uint32) ^ mix) >> (32 - DROP)
+    kept = (v.to(tl.uint32, bitcast=True) + rnd) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
+    return kept.to(tl.float32, bitcast=True).to(tl.float8e5, fp_downcast_rounding="rtne")
+
+
+@triton.jit(do_not_specialize=["row0", "mix"])
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
-                        daq_ptr, inv_ptr, tdelta_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
+                        daq_ptr, inv_ptr, tdelta_ptr, row0, mix, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
                         PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr,
-                        BOTH: tl.constexpr):
+                        BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr):
     row = tl.program_id(0)
     lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
@@ -66,8 +86,11 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         da = (p - tl.where(cols == target, 1.0, 0.0)) * r
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
-            tl.store(daq_ptr + row.to(tl.int64) * V + cols, q.to(tl.float8e5, fp_downcast_rounding="rtne"),
-                     mask=inside)
+            if SR:  # (each element's counter: its flat index in the batch, (row0 + row) V + col, mod 2^32)
+                q8 = e5m2_sr(q, (row0 + row).to(tl.int64) * V + cols, mix.to(tl.uint32), DROP)
+            else:
+                q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
+            tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)
         if not FP8 or BOTH:  # (BOTH: the codes and the bf16 da in place, the bf16 B2's corr)
             dab = da.to(tl.bfloat16, fp_downcast_rounding="rtne")
             tl.store(base + cols, dab, mask=inside)
@@ -88,7 +111,8 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
 def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
                     block: int = 4096, num_warps: int = 8, tdelta: torch.Tensor | None = None,
-                    codes_inv: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                    codes_inv: torch.Tensor | None = None, sr_seed: int | None = None,
+                    row0: int = 0) -> tuple[torch.Tensor, ...]:
     """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
     corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
     log-sum-exp partials (a finished lse is its own single partial: (rows, 1)); tgt_logit, rstd (rows,) fp32,
@@ -98,12 +122,16 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     rounded da the pass writes, sum_n l_n da_n / r over the stored logits, its target's term on l_t + tdelta (the
     unrounded target logit: ``CODA_TITAN_F4_ZDZ=consistent``; zeros: ``consistent_rounded``). ``codes_inv`` (0-dim
     or (1,) fp32; not with ``tdelta``): also da's e5m2 codes at that scale, as ``ce_grad_e5m2`` writes them, returned
-    third (``fp8_lm_head_dw``: dW on the codes, B2 on the bf16 da)."""
+    third (``fp8_lm_head_dw``: dW on the codes, B2 on the bf16 da); with ``sr_seed`` rounded stochastically
+    (``scaling.quantize_e5m2_sr`` with that seed; ``row0``: the chunk's first row in the batch, which the
+    elements' counters count from)."""
     if codes_inv is not None and tdelta is not None:
         raise ValueError("the CE gradient pass writes e5m2 codes beside the bf16 da without tdelta only")
+    if sr_seed is not None and codes_inv is None:
+        raise ValueError("sr_seed rounds the e5m2 codes that codes_inv asks for")
     out = _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows,
                    None if codes_inv is None else codes_inv.float().reshape(1), block, num_warps, tdelta,
-                   both=codes_inv is not None)
+                   both=codes_inv is not None, sr=(sr_seed, row0))
     return out if codes_inv is not None else out[:2]
 
 
@@ -118,7 +146,7 @@ def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int, tdelta=None, both: bool = False):
+             num_warps: int, tdelta=None, both: bool = False, sr: tuple[int | None, int] = (None, 0)):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -139,7 +167,9 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
         raise ValueError(f"tdelta must be ({rows},), got {tuple(tdelta.shape)}")
     ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
                                  parts.shape[1], inv_d, daq, inv if fp8 else corr,
-                                 tdelta.float().contiguous() if consist else corr, IGNORE=ignore_index, BLOCK=block,
+                                 tdelta.float().contiguous() if consist else corr, sr[1],
+                                 0 if sr[0] is None else sr_seed_mix(sr[0]), IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
-                                 CONSIST=consist, BOTH=both, num_warps=num_warps)
+                                 CONSIST=consist, BOTH=both, SR=sr[0] is not None, DROP=SR_DROP,
+                                 num_warps=num_warps)
     return (logits, corr, daq) if both else ((daq if fp8 else logits), corr)

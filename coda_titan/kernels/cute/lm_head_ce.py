@@ -21,7 +21,8 @@ it as their A, with the per-row scales and the target's exact term in their epil
 
 With ``hq``, ``s_h``, ``weight_q`` and ``s_w`` (``[coda] fp8_lm_head_fwd``) the chunk's GEMM is the fp8 head's e4m3
 one (its scales folded into r) and everything after it the bf16 head's: the gradient pass, B2 and dW on the bf16 da,
-H and W. ``fp8_dw`` (``fp8_lm_head_dw``): the pass also writes da's e5m2 codes, and dW is the fp8 head's one GEMM.
+H and W. ``fp8_dw`` (``fp8_lm_head_dw``): the pass also writes da's e5m2 codes, rounded stochastically, and dW is
+the fp8 head's one GEMM on them.
 
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),
@@ -116,6 +117,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_sum else None
         if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
             inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
+            seed = ref.next_sr_seed()
             daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
@@ -142,7 +144,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
                                                else _target_logit(hc, weight, t, r) - tl)
             da, corr, *daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
-                                             tdelta=tdelta, codes_inv=inv_g if fp8_dw else None)
+                                             tdelta=tdelta, codes_inv=inv_g if fp8_dw else None,
+                                             sr_seed=seed if fp8_dw else None, row0=start)
         else:
             lse = torch.logsumexp(parts, dim=-1)
             loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)

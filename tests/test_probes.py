@@ -327,6 +327,23 @@ def test_ce_rounding_probe_finds_the_unrounded_lse_worse_only_on_confident_rows(
     assert "| 6 | " in table and f"{high['exp_stored_bound']['dlogits']:.2e}" in table
 
 
+def test_ce_rounding_probe_finds_round_to_nearest_e5m2_dws_error_repeated_over_batches_where_rows_share_a_direction():
+    """``dw_rounding``: with a direction every row of H shares, round-to-nearest e5m2 dlogits give dW_out errors
+    that repeat from batch to batch (coherence over 1.5 of at most sqrt(8)), so the summed dW's relative error
+    exceeds one batch's; stochastic rounding's errors are independent (coherence within 0.8-1.25), and without the
+    shared direction round-to-nearest's are too. The report renders the rows."""
+    from scripts.probes.ce_rounding import dw_rounding
+    from scripts.report.bf16_parity import dw_rounding_table
+
+    plain, shared = dw_rounding(rows=256, vocab=2048, dim=64, sigmas=(1.0,), shared=(0.0, 2.0))
+    assert shared["e5m2"]["coherence"] > 1.5 and shared["e5m2"]["dw_sum"] > 1.5 * shared["e5m2"]["dw"], shared
+    for r in (plain, shared):
+        assert 0.8 < r["e5m2_sr"]["coherence"] < 1.25, r
+    assert 0.8 < plain["e5m2"]["coherence"] < 1.25, plain
+    table = dw_rounding_table({"dw_rounding": [plain, shared]})
+    assert "| 1 | 2 | " in table and f"{shared['e5m2']['coherence']:.2f}" in table
+
+
 def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():
     """``coda_eager_lse_unrounded`` and the ``ce_exp`` arms are the cute F4's (an environment variable its kernels
     read): on the torch backend each would be a CODA model under another name, so the probe refuses it before it

@@ -26,6 +26,15 @@ relative error (norm-wise, against exact) of dlogits = softmax - onehot, of dH =
 dW = dlogits^T H, the loss's mean absolute error per row, and the mean |row sum of dlogits| (zero when the
 softmax sums to one).
 
+Last (``dw_rounding``), what e5m2 dlogits do to dW_out = dlogits^T H summed over batches, as the optimizer's
+momentum sums it: for each sigma and a hidden state with or without a direction every row shares (H + m, |m| =
+``shared`` times a row's own norm, as a trained residual stream's common features; m W^T is then a per-token bias
+of the logits, which the targets are drawn with), ``batches`` batches of rows, each batch's dlogits cast by
+round-to-nearest-even (``e5m2``, ``fp8_lm_head_dw`` before the sixty-third session), stochastically
+(``e5m2_sr``: ``quantize_e5m2_sr``, a seed a batch) and to bf16 (``bf16``). Per variant: one batch's relative dW
+error, the summed dW's, and the coherence ||sum_k err_k|| / sqrt(sum_k ||err_k||^2): 1 for errors independent
+between batches, sqrt(batches) for one error repeated.
+
     python -m scripts.probes.ce_rounding          # writes benchmarks/results/probe_ce_rounding_cpu.json
 """
 
@@ -38,7 +47,7 @@ import sys
 import torch
 
 from coda_titan.kernels.lm_head_ce import exp_offsets, stored_logits
-from coda_titan.kernels.scaling import E5M2_MAX, pow2_floor, quantize_e5m2
+from coda_titan.kernels.scaling import E5M2_MAX, pow2_floor, quantize_e5m2, quantize_e5m2_sr, sr_offsets
 
 SIGMAS = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
 VARIANTS = ("stored", "lse_fp32", "stored_e5m2", "lse_fp32_e5m2", "stored_bf16", "exp_stored", "exp_stored_bound")
@@ -89,6 +98,42 @@ def measure(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=SIGMAS, 
     return out
 
 
+def dw_rounding(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=(1.0, 3.0), shared=(0.0, 2.0),
+                batches: int = 8, seed: int = 0) -> list[dict]:
+    """One row per (sigma, shared): dW_out's error under each cast of dlogits, per batch and summed over batches
+    (the module's docstring)."""
+    inv = pow2_floor(torch.tensor(E5M2_MAX, dtype=torch.float64))
+    casts = {"e5m2": lambda dl, k: quantize_e5m2(dl, inv).double() / inv,
+             "e5m2_sr": lambda dl, k: quantize_e5m2_sr(dl, inv, k + 1, sr_offsets(0, rows, vocab, "cpu")).double() / inv,
+             "bf16": lambda dl, k: dl.to(torch.bfloat16).double()}
+    out = []
+    for sigma in sigmas:
+        for sh in shared:
+            g = torch.Generator().manual_seed(seed)
+            w = torch.randn(vocab, dim, generator=g, dtype=torch.float64) * (sigma / dim ** 0.5)
+            m = torch.randn(dim, generator=g, dtype=torch.float64)
+            m = m * (sh * dim ** 0.5 / m.norm())
+            exact_sum, errs = 0.0, {c: [] for c in casts}
+            for k in range(batches):
+                h = torch.randn(rows, dim, generator=g, dtype=torch.float64) + m
+                p = torch.softmax(h @ w.t(), -1)
+                targets = torch.multinomial(p, 1, generator=g).squeeze(1)
+                dl = p - torch.nn.functional.one_hot(targets, vocab).double()
+                dw = dl.t() @ h
+                exact_sum = exact_sum + dw
+                for c, cast in casts.items():
+                    errs[c].append((cast(dl, k) - dl).t() @ h)
+                if k == 0:
+                    one = {c: float(errs[c][0].norm() / dw.norm()) for c in casts}
+            row = {"sigma": sigma, "shared": sh, "batches": batches}
+            for c in casts:
+                total = sum(errs[c])
+                row[c] = {"dw": one[c], "dw_sum": float(total.norm() / exact_sum.norm()),
+                          "coherence": float(total.norm() / sum(e.norm() ** 2 for e in errs[c]) ** 0.5)}
+            out.append(row)
+    return out
+
+
 def _exp_stored(logits, targets, c, lse, h):
     """(dlogits, dW) as a head without its gradient pass would make them: e = exp(l - c) rounded to bf16 and zero
     at the target, the row times s = exp(c - lse), and the target's own p_t - 1 unrounded (the backward GEMMs would
@@ -113,13 +158,18 @@ def main(argv=None) -> int:
     doc = {**header(cpu=True), "kind": "probe_ce_rounding",
            "command": "python -m scripts.probes.ce_rounding " + " ".join(sys.argv[1:] if argv is None else argv),
            "shape": {"rows": args.rows, "vocab": args.vocab, "dim": args.dim},
-           "rows": measure(args.rows, args.vocab, args.dim)}
+           "rows": measure(args.rows, args.vocab, args.dim),
+           "dw_rounding": dw_rounding(args.rows, args.vocab, args.dim)}
     path = out_json("probe_ce_rounding", cpu=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     for r in doc["rows"]:
         print(f"sigma {r['sigma']}: top p {r['top_p_median']:.2f}; dlogits error "
               + ", ".join(f"{v} {r[v]['dlogits']:.2e}" for v in VARIANTS))
+    for r in doc["dw_rounding"]:
+        print(f"sigma {r['sigma']}, shared {r['shared']}: dW summed over {r['batches']} batches, relative error "
+              + ", ".join(f"{c} {r[c]['dw_sum']:.2e} (coherence {r[c]['coherence']:.2f})" for c in ("e5m2", "e5m2_sr",
+                                                                                                   "bf16")))
     print(f"wrote {path}")
     return 0
 

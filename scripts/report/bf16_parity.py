@@ -226,6 +226,27 @@ def ce_rounding_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def dw_rounding_table(doc: dict) -> str:
+    """``scripts/probes/ce_rounding.py``'s ``dw_rounding``: dW_out's error under each cast of dlogits, per batch and
+    summed over batches (empty where the file predates it)."""
+    rows = doc.get("dw_rounding")
+    if not rows:
+        return ""
+    casts = ("e5m2", "e5m2_sr", "bf16")
+    lines = [f"dW_out = dlogits^T H with dlogits cast three ways (same file, {rows[0]['batches']} batches of the rows "
+             "above; `shared`: a direction every row of H shares, as a multiple of a row's own norm). `e5m2`: "
+             "round-to-nearest-even (`fp8_lm_head_dw` before the sixty-third session); `e5m2_sr`: stochastic "
+             "(`quantize_e5m2_sr`, a seed a batch); `bf16`. Relative error of one batch's dW, of the dW summed over "
+             "the batches, and the coherence of the batches' errors (1: independent, sqrt(batches): one error "
+             "repeated).", "",
+             "| sigma | shared | " + " | ".join(f"{c}: one batch | summed | coherence" for c in casts) + " |",
+             "|---:|---:|" + "---:|" * (3 * len(casts))]
+    for r in rows:
+        lines.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
+            f"{r[c]['dw']:.2e} | {r[c]['dw_sum']:.2e} | {r[c]['coherence']:.2f}" for c in casts) + " |")
+    return "\n".join(lines)
+
+
 def precision_table(doc: dict) -> str:
     """``scripts/probes/cpu_precision.py``: each recipe's last-50 mean loss, and each pair's deviations."""
     sh = doc["shape"]
@@ -293,7 +314,7 @@ def section(runs: list[dict] | None = None) -> str:
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
         parts.append(step_accuracy_table(json.loads(p.read_text()), p.name))
     for p in sorted(RESULTS.glob("probe_ce_rounding_*.json")):
-        parts.append(ce_rounding_table(json.loads(p.read_text())))
+        parts += [ce_rounding_table(json.loads(p.read_text())), dw_rounding_table(json.loads(p.read_text()))]
     for p in sorted(RESULTS.glob("cpu_precision_*.json")):
         parts.append(precision_table(json.loads(p.read_text())))
     for p in sorted(RESULTS.glob("probe_weight_drift_*.json")):

@@ -125,7 +125,8 @@
 #                  its pass (PREC, default bf16; ARMS=3 repeats the configured run)
 #     ceexpprofile one profiled step of CODA compiled with and without F4's gradient pass (PREC), under $out/ceexp/
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
-#                  and the last dW GEMM writing bf16 against the fp32 sum then a cast
+#                  and the last dW GEMM writing bf16 against the fp32 sum then a cast; the configured pass alone, with e5m2 codes, with
+#                  stochastically rounded codes (fp8_lm_head_dw's)
 #     dw2reuse     dW2 on B3's e5m2 D (the default) against dW2 casting D again (CODA_TITAN_DW2_RECAST=1): float8 + compile
 #                  and CODA fp8 compiled, then CODA fp8 compiled recasting (tables dw2_reuse, dw2_recast)
 #     stepchunks   the compiled baseline, CODA compiled as configured, and with [coda] step_chunk_layers = C (the optimizer

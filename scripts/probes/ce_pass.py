@@ -1,6 +1,9 @@
 """Probe (GPU): F4's gradient pass and dW tail (``kernels/cute/lm_head_ce.py``), the in-place Triton pass
 (``kernels/cute/ce_grad_pass.py``) in several block / warp shapes against the inductor program it replaced,
-and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast.
+and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then the configured pass (block 4096,
+8 warps) alone, writing da's e5m2 codes beside it (``fp8_lm_head_dw`` before the sixty-third session: round to
+nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now): what the codes and the
+stochastic rounding's hash cost a chunk (rows ``codes``).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 
@@ -65,6 +68,24 @@ def _pass_rows(doc, path):
         log_row(doc, "pass", row, path)
 
 
+def _codes_rows(doc, path):
+    from coda_titan.kernels.cute.ce_grad_pass import ce_grad_inplace
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits, lse, tl, targets, rstd = _inputs(g)
+    buf, inv = logits.clone(), torch.tensor(2.0 ** 15, device="cuda")
+    args = (buf, lse[:, None], tl, targets, rstd, -100, D, None, 4096, 8)
+    fns = {"bf16_da": lambda: ce_grad_inplace(*args),
+           "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
+           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=7)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(5):
+        for k, f in fns.items():
+            times[k].append(_streamed(f)["gpu_ms"])
+    for k in fns:
+        log_row(doc, "codes", {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2]}, path)
+
+
 def _tail_rows(doc, path):
     from quack.gemm_interface import gemm_add, gemm_add_inplace
 
@@ -96,10 +117,11 @@ def _tail_rows(doc, path):
 def main() -> int:
     doc = {**header(), "kind": "probe_ce_pass", "shape": {"rows": ROWS, "vocab": VOCAB, "d": D},
            "timing": "GPU ms per call of 20 enqueued back to back after 3 warm-up calls, in 5 alternations of the variants",
-           "pass": [], "tail": []}
+           "pass": [], "tail": [], "codes": []}
     path = out_json("probe_ce_pass")
     _pass_rows(doc, path)
     _tail_rows(doc, path)
+    _codes_rows(doc, path)
     print("wrote", path, flush=True)
     return 0
 

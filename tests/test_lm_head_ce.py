@@ -427,7 +427,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     order of an fp32 sum), dW = da^T H16 within e^T |H16| + (m + 4) units of (|da| + e)^T |H16| plus its bf16 store
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
     ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
-    e5m2 codes (``_e5m2_sr_dw_bound``), the next call's codes other ones; the rest unchanged."""
+    e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
@@ -445,7 +445,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     d_bound = e @ wf.abs() + (v + 4) * u * (mag @ wf.abs()) + u * d_r.abs()
     if fp8_dw:
         dw_r, dw_bound = _e5m2_sr_dw_bound(c, dw)
-        assert not torch.equal(torch.ops.coda.lm_head_ce(*args, True, *fp8, True)[3], dw)  # (another seed)
+        assert torch.equal(torch.ops.coda.lm_head_ce(*args, True, *fp8, True)[3], dw)  # (the batch's seed: repeats)
     else:
         dw_r = c.da.t() @ hf
         dw_bound = (e.t() @ hf.abs() + (m + 4) * u * (mag.t() @ hf.abs()) + u * dw_r.abs()
@@ -545,14 +545,15 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     assert (dx - dx0).abs().max() > 1e-6 * dx0.abs().max(), "the fp8 logits moved nothing: the check tested nothing"
 
 
-def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest(monkeypatch):
+def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest():
     """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is da's e5m2 codes at ``dlogits_inv_scale``, rounded
-    stochastically with the seed the call drew and each element's flat index in the batch (``quantize_e5m2_sr``,
-    tested against its definition in tests/test_scaling.py), times H's codes, da = r (softmax - onehot) of the fp8
-    forward's logits computed here; so within one e5m2 step of |da| per element, times |H|, of the exact da's
-    dW. The loss, dX and dgamma are the fp8 forward head's without it, exactly; the next call draws other codes."""
+    stochastically with the batch's seed (``sr_seed_of(targets)``) and each element's flat index in the batch
+    (``quantize_e5m2_sr``, tested against its definition in tests/test_scaling.py), times H's codes, da = r
+    (softmax - onehot) of the fp8 forward's logits computed here; so within one e5m2 step of |da| per element,
+    times |H|, of the exact da's dW. The loss, dX and dgamma are the fp8 forward head's without it, exactly. The
+    same batch draws the same codes (a resumed run repeats its steps); other targets another seed."""
     import coda_titan.kernels.lm_head_ce as lh
-    from coda_titan.kernels.scaling import quantize_e5m2_sr
+    from coda_titan.kernels.scaling import quantize_e5m2_sr, sr_seed_of
 
     fp8, _ = _fp8_head_case()
     x, gamma, hq, s_h, wq, s_w, tg = (fp8[k] for k in ("x", "gamma", "hq", "s_h", "weight_q", "s_w", "targets"))
@@ -560,7 +561,6 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
     kw = dict(h=h, rstd=fp8["rstd"], x=x, gamma=gamma, weight=wq.double() * s_w, targets=tg,
               chunk_rows=CFG.ce_chunk_rows, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w)
     assert CFG.ce_chunk_rows < h.shape[0]  # (several chunks: the counters run over the batch, not the chunk)
-    monkeypatch.setattr(lh, "next_sr_seed", lambda: 5)
     with_dw, without = lh.lm_head_ce(**kw, fp8_dw=True), lh.lm_head_ce(**kw)
     for a, b in zip(with_dw[:3], without[:3]):
         assert torch.equal(a, b)
@@ -570,12 +570,15 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
     da = dp * torch.where(valid, fp8["rstd"], 0.0)[:, None]
     inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
     hd = hq.double() * s_h.double()
-    codes = quantize_e5m2_sr(da, inv, 5, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
+    seed = sr_seed_of(tg)
+    codes = quantize_e5m2_sr(da, inv, seed, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
     torch.testing.assert_close(with_dw[3], (codes / inv).t() @ hd, rtol=1e-12, atol=1e-15)
     step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
     assert bool(((with_dw[3] - da.t() @ hd).abs() <= step.t() @ hd.abs() * (1 + 1e-9)).all())
-    monkeypatch.setattr(lh, "next_sr_seed", lambda: 6)
-    assert not torch.equal(lh.lm_head_ce(**kw, fp8_dw=True)[3], with_dw[3])  # (another seed, other codes)
+    assert torch.equal(lh.lm_head_ce(**kw, fp8_dw=True)[3], with_dw[3])  # (the same batch, the same codes)
+    other = quantize_e5m2_sr(da, inv, seed + 1, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device))
+    assert not torch.equal(other.view(torch.uint8), codes.to(other.dtype).view(torch.uint8))
+    assert int(sr_seed_of(tg.roll(1))) != int(seed)  # (the seed is the batch's: its order too)
     assert not torch.allclose(with_dw[3], without[3], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)
     with pytest.raises(ValueError, match="fp8_dw"):
         lh.lm_head_ce(**{**kw, "hq": None, "s_h": None, "weight_q": None, "s_w": None}, fp8_dw=True)

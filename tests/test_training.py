@@ -323,8 +323,11 @@ def test_fp8_trains_through_the_real_trainer_and_resumes(tmp_path, cache_dir):
     Trainer: it trains, checkpoints its amax histories beside the model (``coda_fp8``), and a resume
     continues bit for bit. A stock checkpoint has no histories: an fp8 run resumes from it with a
     fresh calibration, and stock llama3 loads an fp8 CODA checkpoint (it ignores the histories)."""
-    # (the F1 input sites are on by default: the bit-for-bit resume needs their histories restored too)
-    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8"]
+    # (the F1 input sites are on by default: the bit-for-bit resume needs their histories restored too; the LM
+    # head's fp8 forward and dW with it, as the 1B configs may run them: the dW's stochastic rounding draws its
+    # bits from the batch, so the resume repeats them)
+    fp8 = ["--training.steps", "10", "--checkpoint.interval", "5", "--coda.precision", "fp8", "--coda.fp8_lm_head_fwd",
+           "--coda.fp8_lm_head_dw"]
     a = _train("G", "debug_cpu_coda.toml", tmp_path, cache_dir, *fp8)
     assert "exact fp8 emulation" in a["out"] and sorted(a["losses"]) == list(range(1, 11))
     assert _saved_calibration(a["dir"] / "checkpoint" / "step-5", ("down", "out")) == [1, 1]

@@ -42,8 +42,8 @@ import torch
 from ._common import acc_dtype, check_2d, mm, program_op
 from .gemm import wgrad
 from .norm_residual_bwd import norm_residual_apply, norm_residual_bwd, norm_residual_bwd_fp8
-from .scaling import (E5M2_MAX, check_e4m3, compute_dtype, fp8_mm, inv_scale_from_amax, next_sr_seed, pow2_floor,
-                      quantize_e5m2, quantize_e5m2_sr, sr_offsets)
+from .scaling import (E5M2_MAX, check_e4m3, compute_dtype, fp8_mm, inv_scale_from_amax, pow2_floor, quantize_e5m2,
+                      quantize_e5m2_sr, sr_offsets, sr_seed_of)
 
 IGNORE_INDEX = -100
 # "unrounded": the CUDA program's F4 epilogue takes its log-sum-exp and target logit of the unrounded logits, as
@@ -86,7 +86,8 @@ def lm_head_ce(
     r s_h s_w (hq @ weight_q^T) (products exact, sums in the compute dtype), and the gradient is made from them as
     above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear).
     ``fp8_dw`` (``fp8_lm_head_dw``): dW_out on da's e5m2 codes at ``dlogits_inv_scale`` (from its unrounded value,
-    rounded stochastically: ``quantize_e5m2_sr`` with ``next_sr_seed()``, so each code's expected value is da's)
+    rounded stochastically: ``quantize_e5m2_sr`` with ``sr_seed_of(targets)``, so each code's expected value is
+    da's)
     and H's codes; dX and dgamma stay the bf16 da's."""
     check_2d("h", h, weight.shape[1])
     if not (hq is None) == (s_h is None) == (weight_q is None) == (s_w is None) or fp8_dw and hq is None:
@@ -105,7 +106,7 @@ def lm_head_ce(
     dx = torch.empty_like(x) if compute_grad else None
     dgamma = dweight = None
     inv_g_all = dlogits_inv_scale(rstd, targets) if fp8_dw else None  # (one scale for every chunk's codes)
-    seed = next_sr_seed() if fp8_dw and compute_grad else None
+    seed = sr_seed_of(targets) if fp8_dw and compute_grad else None
     for start in range(0, m, chunk_rows):
         rows = slice(start, min(start + chunk_rows, m))
         r = rstd[rows]

@@ -17,8 +17,6 @@ Recipe (docs/fp8.md gives each site's choice and why):
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -85,20 +83,13 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_seed_mix(seed: int) -> int:
-    """A call's seed as the word each element's counter is XORed with before the hash (31 bits: a Triton int
-    argument below 2^31 is one int32 specialization)."""
-    return int(lowbias32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) & 0x7FFFFFFF
-
-
-_SR_SEEDS = itertools.count(1)
-
-
-def next_sr_seed() -> int:
-    """A call's seed for stochastic rounding (the LM head's dW codes, ``fp8_lm_head_dw``; both backends, through
-    ``lm_head_ce.next_sr_seed``): calls counted from 1 in the process, so that a run repeats itself (a resumed run
-    draws other bits than the one it resumes)."""
-    return next(_SR_SEEDS)
+def sr_seed_of(targets: torch.Tensor) -> torch.Tensor:
+    """A batch's stochastic-rounding seed (the LM head's dW codes, ``fp8_lm_head_dw``; both backends): a hash of its
+    targets and their positions, a 0-dim int64 on their device (no host sync). A step's bits then depend on its
+    batch alone, so that a run repeats itself and a resumed run draws the bits the run it resumes drew."""
+    t = targets.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    pos = lowbias32(torch.arange(1, t.numel() + 1, device=t.device) & 0xFFFFFFFF)
+    return lowbias32(t ^ pos).sum() & 0xFFFFFFFF
 
 
 def sr_offsets(start: int, stop: int, cols: int, device) -> torch.Tensor:
@@ -106,16 +97,19 @@ def sr_offsets(start: int, stop: int, cols: int, device) -> torch.Tensor:
     return torch.arange(start, stop, device=device)[:, None] * cols + torch.arange(cols, device=device)
 
 
-def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int, offsets: torch.Tensor) -> torch.Tensor:
+def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int | torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
     """sat(t * inv_scale) rounded stochastically to e5m2: up (in magnitude) with probability the fraction of a
     step it lies past the code below, so that E[q] = sat(t * inv_scale). The scaled value is taken in fp32; its
-    low 21 bits plus those of lowbias32(offset ^ sr_seed_mix(seed)) carry into the kept bits or not, then the
+    low 21 bits plus those of lowbias32(offset ^ lowbias32(seed)) carry into the kept bits or not, then the
     21 bits are cleared (below e5m2's normal range, 2^-14, the result is rounded to nearest even instead).
-    ``offsets`` (t's shape, int64): each element's counter, taken mod 2^32. Bit for bit the Triton pass's codes
-    (``ce_grad_pass``, ``fp8_lm_head_dw``) of the same fp32 values."""
+    ``seed``: an int or a 0-dim integer tensor (``sr_seed_of``), taken mod 2^32; ``offsets`` (t's shape, int64):
+    each element's counter, taken mod 2^32. Bit for bit the Triton pass's codes (``ce_grad_pass``,
+    ``fp8_lm_head_dw``) of the same fp32 values."""
     v = (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).float()
     bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rnd = lowbias32((offsets & 0xFFFFFFFF) ^ sr_seed_mix(seed)) >> (32 - SR_DROP)
+    mix = lowbias32(torch.as_tensor(seed, dtype=torch.int64, device=offsets.device) & 0xFFFFFFFF)
+    rnd = lowbias32((offsets & 0xFFFFFFFF) ^ mix) >> (32 - SR_DROP)
     kept = ((bits + rnd) & (0xFFFFFFFF ^ ((1 << SR_DROP) - 1)))
     kept = torch.where(kept >= 2**31, kept - 2**32, kept).to(torch.int32)
     return kept.view(torch.float32).to(E5M2)

@@ -19,7 +19,8 @@ times the fp32 reciprocal of d; ``row_vectors.b2_vectors`` computes it the same 
 head's power-of-two scale into a buffer of their own (from da's fp32 value, not its bf16 rounding), zdz in
 place of corr (the fp8 B2 takes zdz), the logits left as they are. ``ce_grad_inplace`` with ``codes_inv`` does
 both in one read: the bf16 da in place with corr, and the codes (``fp8_lm_head_dw``), rounded stochastically
-(``sr_seed``: ``scaling.quantize_e5m2_sr``'s bits, each element's counter its flat index in the whole batch).
+(``sr_seed``: ``scaling.quantize_e5m2_sr``'s bits, each element's counter its flat index in the whole batch, the
+seed read on the device).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import E5M2, E5M2_MAX, SR_DROP, sr_seed_mix
+from ..scaling import E5M2, E5M2_MAX, SR_DROP
 from .row_vectors import fp32_reciprocal
 
 
@@ -54,17 +55,17 @@ def lowbias32(x):
 
 
 @triton.jit
-def e5m2_sr(v, offs, mix, DROP: tl.constexpr):
+def e5m2_sr(v, offs, seed, DROP: tl.constexpr):
     """fp32 v (saturated) stochastically rounded to e5m2 as ``scaling.quantize_e5m2_sr``: its low DROP bits plus
     as many random ones, the carry kept, those bits cleared; exact in e5m2 from 2^-14 up (RNE below)."""
-    rnd = lowbias32(offs.to(tl.uint32) ^ mix) >> (32 - DROP)
+    rnd = lowbias32(offs.to(tl.uint32) ^ lowbias32(seed.to(tl.uint32))) >> (32 - DROP)
     kept = (v.to(tl.uint32, bitcast=True) + rnd) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return kept.to(tl.float32, bitcast=True).to(tl.float8e5, fp_downcast_rounding="rtne")
 
 
-@triton.jit(do_not_specialize=["row0", "mix"])
+@triton.jit(do_not_specialize=["row0"])
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
-                        daq_ptr, inv_ptr, tdelta_ptr, row0, mix, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
+                        daq_ptr, inv_ptr, tdelta_ptr, row0, seed_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
                         PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr,
                         BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr):
     row = tl.program_id(0)
@@ -87,7 +88,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             if SR:  # (each element's counter: its flat index in the batch, (row0 + row) V + col, mod 2^32)
-                q8 = e5m2_sr(q, (row0 + row).to(tl.int64) * V + cols, mix.to(tl.uint32), DROP)
+                q8 = e5m2_sr(q, (row0 + row).to(tl.int64) * V + cols, tl.load(seed_ptr), DROP)
             else:
                 q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)
@@ -111,7 +112,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
 def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
                     block: int = 4096, num_warps: int = 8, tdelta: torch.Tensor | None = None,
-                    codes_inv: torch.Tensor | None = None, sr_seed: int | None = None,
+                    codes_inv: torch.Tensor | None = None, sr_seed: torch.Tensor | int | None = None,
                     row0: int = 0) -> tuple[torch.Tensor, ...]:
     """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
     corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
@@ -123,8 +124,8 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     unrounded target logit: ``CODA_TITAN_F4_ZDZ=consistent``; zeros: ``consistent_rounded``). ``codes_inv`` (0-dim
     or (1,) fp32; not with ``tdelta``): also da's e5m2 codes at that scale, as ``ce_grad_e5m2`` writes them, returned
     third (``fp8_lm_head_dw``: dW on the codes, B2 on the bf16 da); with ``sr_seed`` rounded stochastically
-    (``scaling.quantize_e5m2_sr`` with that seed; ``row0``: the chunk's first row in the batch, which the
-    elements' counters count from)."""
+    (``scaling.quantize_e5m2_sr`` with that seed, a 0-dim integer tensor read on the device or an int; ``row0``:
+    the chunk's first row in the batch, which the elements' counters count from)."""
     if codes_inv is not None and tdelta is not None:
         raise ValueError("the CE gradient pass writes e5m2 codes beside the bf16 da without tdelta only")
     if sr_seed is not None and codes_inv is None:
@@ -146,7 +147,7 @@ def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int, tdelta=None, both: bool = False, sr: tuple[int | None, int] = (None, 0)):
+             num_warps: int, tdelta=None, both: bool = False, sr: tuple = (None, 0)):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -168,7 +169,9 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
     ce_grad_pass_kernel[(rows,)](logits, parts, tgt_logit.float(), targets, rstd.float(), corr, loss_rows, vocab,
                                  parts.shape[1], inv_d, daq, inv if fp8 else corr,
                                  tdelta.float().contiguous() if consist else corr, sr[1],
-                                 0 if sr[0] is None else sr_seed_mix(sr[0]), IGNORE=ignore_index, BLOCK=block,
+                                 corr if sr[0] is None else torch.as_tensor(sr[0], dtype=torch.int64,
+                                                                            device=logits.device).reshape(1),
+                                 IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
                                  CONSIST=consist, BOTH=both, SR=sr[0] is not None, DROP=SR_DROP,
                                  num_warps=num_warps)

@@ -41,7 +41,7 @@ from quack.gemm_interface import gemm_add, gemm_add_inplace
 
 from .. import lm_head_ce as ref
 from . import ce_exp, stages
-from ..scaling import E5M2
+from ..scaling import E5M2, sr_seed_of
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
 from ._dispatch import TUNE, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
@@ -117,7 +117,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_sum else None
         if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
             inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
-            seed = ref.next_sr_seed()
+            seed = sr_seed_of(targets)
             daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)

@@ -87,8 +87,7 @@ def lm_head_ce(
     above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear).
     ``fp8_dw`` (``fp8_lm_head_dw``): dW_out on da's e5m2 codes at ``dlogits_inv_scale`` (from its unrounded value,
     rounded stochastically: ``quantize_e5m2_sr`` with ``sr_seed_of(targets)``, so each code's expected value is
-    da's)
-    and H's codes; dX and dgamma stay the bf16 da's."""
+    da's) and H's codes; dX and dgamma stay the bf16 da's."""
     check_2d("h", h, weight.shape[1])
     if not (hq is None) == (s_h is None) == (weight_q is None) == (s_w is None) or fp8_dw and hq is None:
         raise ValueError("the head's fp8 forward takes hq, s_h, weight_q and s_w together, and fp8_dw needs them")

@@ -314,7 +314,8 @@ def section(runs: list[dict] | None = None) -> str:
     for p in sorted(RESULTS.glob("probe_bf16_step_accuracy_*.json")):
         parts.append(step_accuracy_table(json.loads(p.read_text()), p.name))
     for p in sorted(RESULTS.glob("probe_ce_rounding_*.json")):
-        parts += [ce_rounding_table(json.loads(p.read_text())), dw_rounding_table(json.loads(p.read_text()))]
+        doc = json.loads(p.read_text())
+        parts += [ce_rounding_table(doc), dw_rounding_table(doc)]
     for p in sorted(RESULTS.glob("cpu_precision_*.json")):
         parts.append(precision_table(json.loads(p.read_text())))
     for p in sorted(RESULTS.glob("probe_weight_drift_*.json")):

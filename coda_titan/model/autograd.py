@@ -54,7 +54,7 @@ class ProgramConfig:
     fp8_weight_t_bwd: bool = False  # every ``w_t`` / ``w2_t`` given is W's own codes, transposed by the backward
     fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
     fp8_lm_head_fwd: bool = False  # the head's logits on e4m3 H, W; its gradient the bf16 head's (``fp8_lm_head_fwd``)
-    fp8_lm_head_dw: bool = False  # with it: dW_out on e5m2 da and H's codes, as the fp8 head's (``fp8_lm_head_dw``)
+    fp8_lm_head_dw: bool = False  # with it: dW_out on stochastically rounded e5m2 da and H's codes (``fp8_lm_head_dw``)
     amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -350,7 +350,7 @@ class LMHeadCE(torch.autograd.Function):
     """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
     ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad); with
     ``cfg.fp8_lm_head_fwd``, its logits on those casts and its gradient on the bf16 H and W (``cfg.fp8_lm_head_dw``:
-    but dW, the fp8 head's)."""
+    but dW, on da's stochastically rounded e5m2 codes and H's)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):

@@ -466,6 +466,8 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     assert float((bf16[0] - loss).abs()) > 0 and not torch.equal(bf16[3], dw)
     loss_only = torch.ops.coda.lm_head_ce(*args, False, *fp8, fp8_dw)
     assert float((loss_only[0] - c.terms.sum()).abs()) <= c.loss_bound and loss_only[1].numel() == 0
+    with pytest.raises(ValueError, match="fp8_dw"):  # (as the reference: dW's codes need the fp8 forward's H)
+        torch.ops.coda.lm_head_ce(*args, True, None, None, None, None, True)
 
 
 @pytest.mark.parametrize("zdz_mode", ["acc", "rounded"])

@@ -93,12 +93,14 @@ def f4_epilogue(dtype: torch.dtype):
 @torch.library.register_kernel("coda::lm_head_ce", "cuda")
 def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h=None, weight_q=None,
                 s_w=None, fp8_dw=False):
+    if fp8_dw and hq is None:
+        raise ValueError("fp8_dw (fp8_lm_head_dw) needs the head's fp8 forward: hq, s_h, weight_q and s_w")
     why = unsupported(h, x, weight) or (hq is not None and unsupported_fp8(hq, weight_q))
     if why:
         return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq,
                         s_h, weight_q, s_w, fp8_dw)
     fp8_fwd = hq is not None  # (``fp8_lm_head_fwd``: the logits of the e4m3 GEMM, the rest as the bf16 head's)
-    fp8_dw = fp8_dw and fp8_fwd and compute_grad  # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's)
+    fp8_dw = fp8_dw and compute_grad  # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's)
     if fp8_fwd and compute_grad:
         _refuse_probe_arms()
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":

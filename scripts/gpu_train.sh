@@ -109,8 +109,8 @@
 #     fp8head      the fp8 LM head (fp8_lm_head): its GPU tests, then lm_head_fp8 --programs (its program against the bf16 head's)
 #     fp8headparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head, and as configured
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
-#     fp8headdw    CODA fp8 compiled as configured (fp8_lm_head_fwd on), with fp8_lm_head_dw (dW_out on stochastically
-#                  rounded e5m2 dlogits), as configured, with it again (STEPS, default 30); after GPU_TESTS="fp8_forward_head" gputests
+#     fp8headdw    CODA fp8 compiled as configured (fp8_lm_head_dw on: dW_out on stochastically rounded e5m2 dlogits),
+#                  without it, as configured, without it again (STEPS, default 30); after GPU_TESTS="fp8_forward_head" gputests
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
 #                  + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
 #                  and as configured
@@ -596,12 +596,13 @@ for phase in "$@"; do
       ;;
     fp8headdw)
       # (its GPU tests first: GPU_TESTS="fp8_forward_head" gpu_train.sh gputests fp8headdw)
-      b=$(variant headsr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true") || exit 2
+      # (the configured compiled fp8 config runs fp8_lm_head_dw; its A/B is that config without it)
+      b=$(variant headdwoff "fp8_lm_head_dw = false") || exit 2
       hab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headsr_$2"; }
-      hab configs/llama3_1b_fp8_coda_compile.toml off
-      hab "$b" dw
-      hab configs/llama3_1b_fp8_coda_compile.toml off2
-      hab "$b" dw2
+      hab configs/llama3_1b_fp8_coda_compile.toml dw
+      hab "$b" fwd
+      hab configs/llama3_1b_fp8_coda_compile.toml dw2
+      hab "$b" fwd2
       ;;
     fp8headdwparity)
       curves fp8_lm_head_dw_sr fp8_lm_head_dw_sr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"

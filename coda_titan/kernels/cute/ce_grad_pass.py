@@ -55,10 +55,11 @@ def lowbias32(x):
 
 
 @triton.jit
-def e5m2_sr(v, offs, seed, DROP: tl.constexpr):
+def e5m2_sr(v, ctr, key, DROP: tl.constexpr):
     """fp32 v (saturated) stochastically rounded to e5m2 as ``scaling.quantize_e5m2_sr``: its low DROP bits plus
-    as many random ones, the carry kept, those bits cleared; exact in e5m2 from 2^-14 up (RNE below)."""
-    rnd = lowbias32(offs.to(tl.uint32) ^ lowbias32(seed.to(tl.uint32))) >> (32 - DROP)
+    as many random ones (lowbias32 of the uint32 counter ``ctr`` XOR ``key``, the seed's hash), the carry kept,
+    those bits cleared; exact in e5m2 from 2^-14 up (RNE below)."""
+    rnd = lowbias32(ctr ^ key) >> (32 - DROP)
     kept = (v.to(tl.uint32, bitcast=True) + rnd) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return kept.to(tl.float32, bitcast=True).to(tl.float8e5, fp_downcast_rounding="rtne")
 
@@ -77,6 +78,9 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
     r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it)
+    if SR:  # (once a row: the seed's hash and the row's first counter, (row0 + row) V mod 2^32)
+        key = lowbias32(tl.load(seed_ptr).to(tl.uint32))
+        rbase = ((row0 + row).to(tl.int64) * V).to(tl.uint32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
@@ -88,7 +92,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             if SR:  # (each element's counter: its flat index in the batch, (row0 + row) V + col, mod 2^32)
-                q8 = e5m2_sr(q, (row0 + row).to(tl.int64) * V + cols, tl.load(seed_ptr), DROP)
+                q8 = e5m2_sr(q, rbase + cols.to(tl.uint32), key, DROP)
             else:
                 q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)

@@ -2,8 +2,9 @@
 (``kernels/cute/ce_grad_pass.py``) in several block / warp shapes against the inductor program it replaced,
 and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then the configured pass (block 4096,
 8 warps) alone, writing da's e5m2 codes beside it (``fp8_lm_head_dw`` before the sixty-third session: round to
-nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now): what the codes and the
-stochastic rounding's hash cost a chunk (rows ``codes``).
+nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now, its seed on the device as in
+the model), the last also in the other block / warp shapes: what the codes and the stochastic rounding's hash cost
+a chunk, and whether the hash's integer work wants another shape (rows ``codes``).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 
@@ -75,9 +76,13 @@ def _codes_rows(doc, path):
     logits, lse, tl, targets, rstd = _inputs(g)
     buf, inv = logits.clone(), torch.tensor(2.0 ** 15, device="cuda")
     args = (buf, lse[:, None], tl, targets, rstd, -100, D, None, 4096, 8)
+    seed = torch.tensor(7, device="cuda")  # (a device tensor, as ``sr_seed_of`` gives the model: no copy a call)
     fns = {"bf16_da": lambda: ce_grad_inplace(*args),
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
-           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=7)}
+           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed)}
+    for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
+        fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
+                                                                               sr_seed=seed)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():

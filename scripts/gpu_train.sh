@@ -111,6 +111,11 @@
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
 #     fp8headdw    CODA fp8 compiled as configured (fp8_lm_head_dw on: dW_out on stochastically rounded e5m2 dlogits),
 #                  without it, as configured, without it again (STEPS, default 30); after GPU_TESTS="fp8_forward_head" gputests
+#     srhash       CODA fp8 compiled as configured with the stochastic rounding's words "element" (the default) and
+#                  "row" (CODA_TITAN_SR_HASH, scaling.sr_words), alternating twice (STEPS, default 30); after
+#                  GPU_TESTS="fp8_forward_head" gputests cepassprobe (its codes_stochastic_row rows)
+#     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
+#                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
 #                  + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
 #                  and as configured
@@ -606,6 +611,14 @@ for phase in "$@"; do
       ;;
     fp8headdwparity)
       curves fp8_lm_head_dw_sr fp8_lm_head_dw_sr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"
+      ;;
+    srhash)
+      sab() { env CODA_TITAN_SR_HASH="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "srhash_$1$2"; }
+      sab element; sab row; sab element 2; sab row 2
+      ;;
+    srhashparity)
+      CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"
       ;;
     fp8repeats)
       f8=configs/llama3_1b_fp8_baseline_compile.toml

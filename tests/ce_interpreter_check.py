@@ -5,6 +5,7 @@ aten ops around it (``torch.logsumexp`` of the epilogue's per-N-tile partials, t
 Prints one JSON line of measurements; the test judges them. (``coda_titan.kernels.cute`` imports quack,
 which a CPU install lacks: its package is stood in for, so that only the Triton module loads.)"""
 
+import functools
 import json
 
 import torch
@@ -123,30 +124,31 @@ got["both"] = {
 # corr are the in-place pass's, bit for bit
 seed, row0 = 17, 3
 offs = (torch.arange(rows)[:, None] + row0) * vocab + torch.arange(vocab)
-lo_sr, hi_sr = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs).float() for w in (v - err, v + err))
-buf3 = logits.clone()
-da3, corr3, daq3 = ce_pass.ce_grad_inplace(buf3, parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d,
-                                           codes_inv=inv, sr_seed=seed, row0=row0)
-q3 = daq3.float()
-slack = torch.where(v.abs() + err < 2.0 ** -14, 2.0 ** -16, 0.0)
-again = ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, codes_inv=inv,
-                                sr_seed=seed, row0=row0)[2]
-other = ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, codes_inv=inv,
-                                sr_seed=seed + 1, row0=row0)[2]
 normal = v.abs() >= 2.0 ** -14  # (unbiased: the codes' mean error, in steps 2^(e - 2) of each value's binade e)
 step_v = 2.0 ** (torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -14))) - 2)
-got["sr"] = {
-    "mean_err_steps": float(((q3 - v) / step_v)[normal].double().mean()),
-    "codes_outside": int(((q3 < lo_sr - slack) | (q3 > hi_sr + slack)).sum()),
-    "codes_normal": int(normal.sum()),
-    "codes_off_nearest": int((q3 != ends[1]).sum()),
-    "repeats": bool(torch.equal(again.view(torch.uint8), daq3.view(torch.uint8))),
-    "other_seed_moves": int((other.view(torch.uint8) != daq3.view(torch.uint8)).sum()),
-    "da_same": bool(torch.equal(da3, da1)), "corr_same": bool(torch.equal(corr3, corr1)),
-    "refuses_without_codes": refuses(lambda: ce_pass.ce_grad_inplace(logits.clone(), parts, tgt_logit, targets, rstd,
-                                                                      ref.IGNORE_INDEX, d, sr_seed=seed),
-                                     says="sr_seed"),
-}
+slack = torch.where(v.abs() + err < 2.0 ** -14, 2.0 ** -16, 0.0)
+for mode, name in (("element", "sr"), ("row", "sr_row")):  # (``scaling.sr_words``' two schemes)
+    lo_sr, hi_sr = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs, vocab, mode).float()
+                    for w in (v - err, v + err))
+    sr_pass = functools.partial(ce_pass.ce_grad_inplace, lse_parts=parts, tgt_logit=tgt_logit, targets=targets,
+                                rstd=rstd, ignore_index=ref.IGNORE_INDEX, dim=d, codes_inv=inv, row0=row0,
+                                sr_hash=mode)
+    da3, corr3, daq3 = sr_pass(logits.clone(), sr_seed=seed)
+    q3 = daq3.float()
+    again, other = (sr_pass(logits.clone(), sr_seed=s_)[2] for s_ in (seed, seed + 1))
+    got[name] = {
+        "mean_err_steps": float(((q3 - v) / step_v)[normal].double().mean()),
+        "codes_outside": int(((q3 < lo_sr - slack) | (q3 > hi_sr + slack)).sum()),
+        "codes_normal": int(normal.sum()),
+        "codes_off_nearest": int((q3 != ends[1]).sum()),
+        "repeats": bool(torch.equal(again.view(torch.uint8), daq3.view(torch.uint8))),
+        "other_seed_moves": int((other.view(torch.uint8) != daq3.view(torch.uint8)).sum()),
+        "da_same": bool(torch.equal(da3, da1)), "corr_same": bool(torch.equal(corr3, corr1)),
+    }
+got["sr"]["refuses_without_codes"] = refuses(lambda: ce_pass.ce_grad_inplace(
+    logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, sr_seed=seed), says="sr_seed")
+got["sr_row"]["differs_from_element"] = int((daq3.view(torch.uint8) != sr_pass(
+    logits.clone(), sr_seed=seed, sr_hash="element")[2].view(torch.uint8)).sum())
 
 # the consistent zdz (``tdelta`` given): sum_n l_n da_n / r over the stored logits and the da the pass wrote, read
 # back from the buffer (whatever rounding the interpreter applied), the target's term on l_t + tdelta; in another

@@ -295,7 +295,8 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     ``sr_seed`` the codes are ``scaling.quantize_e5m2_sr``'s (between its codes of the ends of each value's error
     interval, with the same seed and counters), unbiased (their mean error over the normal values within 5 standard
     deviations, 0.5 / sqrt(n) steps, of 0), off round-to-nearest's on a large share, repeated by the same seed
-    and moved by another, the bf16 da and corr unchanged. Given
+    and moved by another, the bf16 da and corr unchanged; so too with ``sr_hash="row"`` (``scaling.sr_words``),
+    whose bits are other than the default's. Given
     ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
     da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
     plain pass's value."""
@@ -315,6 +316,11 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
     assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
     assert g["da_same"] and g["corr_same"] and g["refuses_without_codes"], g
+    g = got["sr_row"]  # (the "row" words, CODA_TITAN_SR_HASH=row: the same checks, and other bits than "element")
+    assert g["codes_outside"] == 0 and g["codes_normal"] > 0.5 * rows_cols and g["repeats"], g
+    assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
+    assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
+    assert g["da_same"] and g["corr_same"] and g["differs_from_element"] > 0.1 * rows_cols, g
     g = got["consistent"]  # (tdelta given: zdz of the rounded da written, the target's term moved by tdelta)
     assert g["da_same"] and g["ignored_row_zero"] and g["corr_err_over_bound"] <= 1.0, g
     assert g["differs_from_plain"] > 2 ** -13, g  # (another value than the plain pass's: what the mode changes)
@@ -417,8 +423,8 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True])
-def test_cute_fp8_forward_head_matches_reference(fp8_dw):
+@pytest.mark.parametrize("fp8_dw", [False, True, "row"])
+def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
     the exact logits of the codes of the bf16 H and W (``_gpu_head_case``: the program's p within expm1(delta) p).
@@ -427,10 +433,17 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
     order of an fp32 sum), dW = da^T H16 within e^T |H16| + (m + 4) units of (|da| + e)^T |H16| plus its bf16 store
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
     ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
-    e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged."""
+    e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
+    "row": the same with ``CODA_TITAN_SR_HASH=row`` (``scaling.sr_words``' other scheme; the bound holds any
+    stochastic rounding's)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
+
+    tag = {False: "", True: "_fp8_dw", "row": "_fp8_dw_row"}[fp8_dw]
+    if fp8_dw == "row":
+        monkeypatch.setenv("CODA_TITAN_SR_HASH", "row")
+        fp8_dw = True
 
     c = _gpu_head_case(torch.bfloat16)
     m, d, v, u, r, x, gamma, h, w = c.m, c.d, c.v, c.u, c.r, c.x, c.gamma, c.h, c.w
@@ -459,7 +472,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw):
            "dx": float(((dx.float() - dx_r).abs() / dx_bound).max()),
            "dgamma": float(((dgamma.float() - dg_r).abs() / dg_bound).max())}
     for name in ("loss", "dw", "dx", "dgamma"):
-        log_bound(f"fp8_forward_head_{name}{'_fp8_dw' if fp8_dw else ''}", measured=got[name], bound=1.0,
+        log_bound(f"fp8_forward_head_{name}{tag}", measured=got[name], bound=1.0,
                   mma_c=float(c.c_l))
     assert dw.dtype == w.dtype and dx.dtype == x.dtype and all(v_ <= 1.0 for v_ in got.values()), got
     bf16 = torch.ops.coda.lm_head_ce(*args, True)  # (the bf16 head on the same H and W: the logits moved)
@@ -547,16 +560,19 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     assert (dx - dx0).abs().max() > 1e-6 * dx0.abs().max(), "the fp8 logits moved nothing: the check tested nothing"
 
 
-def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest():
+@pytest.mark.parametrize("sr_hash", ["element", "row"])
+def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest(sr_hash, monkeypatch):
     """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is da's e5m2 codes at ``dlogits_inv_scale``, rounded
     stochastically with the batch's seed (``sr_seed_of(targets)``) and each element's flat index in the batch
     (``quantize_e5m2_sr``, tested against its definition in tests/test_scaling.py), times H's codes, da = r
     (softmax - onehot) of the fp8 forward's logits computed here; so within one e5m2 step of |da| per element,
     times |H|, of the exact da's dW. The loss, dX and dgamma are the fp8 forward head's without it, exactly. The
-    same batch draws the same codes (a resumed run repeats its steps); other targets another seed."""
+    same batch draws the same codes (a resumed run repeats its steps); other targets another seed. Under either
+    of ``CODA_TITAN_SR_HASH``'s schemes of random words (``scaling.sr_words``)."""
     import coda_titan.kernels.lm_head_ce as lh
     from coda_titan.kernels.scaling import quantize_e5m2_sr, sr_seed_of
 
+    monkeypatch.setenv("CODA_TITAN_SR_HASH", sr_hash)
     fp8, _ = _fp8_head_case()
     x, gamma, hq, s_h, wq, s_w, tg = (fp8[k] for k in ("x", "gamma", "hq", "s_h", "weight_q", "s_w", "targets"))
     h, r = deferred_norm(x, gamma)
@@ -573,12 +589,13 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
     inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
     hd = hq.double() * s_h.double()
     seed = sr_seed_of(tg)
-    codes = quantize_e5m2_sr(da, inv, seed, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
+    offsets, cols = lh.sr_offsets(0, da.shape[0], da.shape[1], da.device), da.shape[1]
+    codes = quantize_e5m2_sr(da, inv, seed, offsets, cols, sr_hash).double()
     torch.testing.assert_close(with_dw[3], (codes / inv).t() @ hd, rtol=1e-12, atol=1e-15)
     step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
     assert bool(((with_dw[3] - da.t() @ hd).abs() <= step.t() @ hd.abs() * (1 + 1e-9)).all())
     assert torch.equal(lh.lm_head_ce(**kw, fp8_dw=True)[3], with_dw[3])  # (the same batch, the same codes)
-    other = quantize_e5m2_sr(da, inv, seed + 1, lh.sr_offsets(0, da.shape[0], da.shape[1], da.device))
+    other = quantize_e5m2_sr(da, inv, seed + 1, offsets, cols, sr_hash)
     assert not torch.equal(other.view(torch.uint8), codes.to(other.dtype).view(torch.uint8))
     assert int(sr_seed_of(tg.roll(1))) != int(seed)  # (the seed is the batch's: its order too)
     assert not torch.allclose(with_dw[3], without[3], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)

@@ -3,8 +3,9 @@
 and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then the configured pass (block 4096,
 8 warps) alone, writing da's e5m2 codes beside it (``fp8_lm_head_dw`` before the sixty-third session: round to
 nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now, its seed on the device as in
-the model), the last also in the other block / warp shapes: what the codes and the stochastic rounding's hash cost
-a chunk, and whether the hash's integer work wants another shape (rows ``codes``).
+the model), with its words' "row" scheme (``scaling.sr_words``: one hash a row, one multiply an element), and in
+the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
+hash's integer work wants less of it or another shape (rows ``codes``).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 
@@ -79,7 +80,8 @@ def _codes_rows(doc, path):
     seed = torch.tensor(7, device="cuda")  # (a device tensor, as ``sr_seed_of`` gives the model: no copy a call)
     fns = {"bf16_da": lambda: ce_grad_inplace(*args),
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
-           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed)}
+           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed),
+           "codes_stochastic_row": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="row")}
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)

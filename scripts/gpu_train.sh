@@ -114,6 +114,8 @@
 #     srhash       CODA fp8 compiled as configured with the stochastic rounding's words "element" (the default) and
 #                  "row" (CODA_TITAN_SR_HASH, scaling.sr_words), alternating twice (STEPS, default 30); after
 #                  GPU_TESTS="fp8_forward_head" gputests cepassprobe (its codes_stochastic_row rows)
+#     codest       CODA fp8 compiled as configured, without and with CODA_TITAN_CE_CODES_T=1 (ce_codes_t: the CE pass
+#                  stores fp8_lm_head_dw's codes token-major itself, no transpose), alternating twice (STEPS, default 30)
 #     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
 #                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
@@ -616,6 +618,11 @@ for phase in "$@"; do
       sab() { env CODA_TITAN_SR_HASH="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
                 --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "srhash_$1$2"; }
       sab element; sab row; sab element 2; sab row 2
+      ;;
+    codest)
+      cab() { env CODA_TITAN_CE_CODES_T="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1$2"; }
+      cab 0; cab 1; cab 0 2; cab 1 2
       ;;
     srhashparity)
       CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"

@@ -150,6 +150,52 @@ got["sr"]["refuses_without_codes"] = refuses(lambda: ce_pass.ce_grad_inplace(
 got["sr_row"]["differs_from_element"] = int((daq3.view(torch.uint8) != sr_pass(
     logits.clone(), sr_seed=seed, sr_hash="element")[2].view(torch.uint8)).sum())
 
+# the token-major codes pass (``ce_codes_t``, CODA_TITAN_CE_CODES_T=1): two row blocks (the second ragged), three
+# column ranges, 200 partials (two fold blocks). Its lse, loss, da and corr are the row pass's arithmetic in
+# another order: within the bounds above with its own lse error; its codes, in a wider buffer at column col0, lie
+# between the quantizer's codes of the ends of each value's error interval (each rounding mode), the columns
+# around them untouched
+codes_t = cute_module("ce_codes_t")
+fine = torch.stack([torch.logsumexp(lf[:, s:s + 25], -1) for s in range(0, vocab, 25)], -1)
+lse_bound_f = (fine.shape[1] + 3) * U + 2 * U * (lse.abs() + fine.amax(-1).abs())
+col0, width = 2, rows + 5
+got["codes_t"] = {}
+for mode in ("nearest", "element", "row"):
+    buf4, loss4 = logits.clone(), torch.full((rows,), float("nan"))
+    daq_t = torch.full((vocab, width), 0x3C, dtype=torch.uint8).view(torch.float8_e5m2)
+    da4, corr4 = codes_t.ce_grad_codes_t(buf4, fine, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, loss4, inv,
+                                         daq_t, col0, None if mode == "nearest" else seed, row0,
+                                         None if mode == "nearest" else mode, rb=4, bv=256, nsplit=3, num_warps=4)
+    lse4 = torch.where(valid, loss4 + tgt_logit, lse)
+    dl4 = (lse4 - lse).abs()
+    err4 = (4 * U + dl4[:, None]) * p * r[:, None] * inv
+    q4 = daq_t[:, col0:col0 + rows].t().float()
+    if mode == "nearest":  # (the interpreter's rounding is not monotone: one of the three, as the fp8 pass's)
+        e4 = [interp_e5m2(v - err4), interp_e5m2(v), interp_e5m2(v + err4)]
+        outside = ~((q4 == e4[0]) | (q4 == e4[1]) | (q4 == e4[2]))
+    else:
+        lo4, hi4 = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs, vocab, mode).float()
+                    for w in (v - err4, v + err4))
+        outside = (q4 < lo4 - slack) | (q4 > hi4 + slack)
+    zb4 = (2 * (vocab - 1) * U + dl4) * (p * lf).abs().sum(-1)
+    corr_r = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_r
+    got["codes_t"][mode] = {
+        "in_place": da4.data_ptr() == buf4.data_ptr(),
+        "lse_err_over_bound": float((dl4 / lse_bound_f)[valid].max()),
+        "da_err_over_bound": float(((da4.float() - da_f).abs() / (2.0**-7 * da_f.abs() + (4 * U + dl4[:, None]) * p
+                                                                    * r[:, None]).clamp(min=1e-30)).max()),
+        "corr_err_over_bound": float(((corr4 - corr_r).abs() / (rstd * rstd / d * zb4 + 2 * U * corr_r.abs()
+                                                                + 1e-30)).max()),
+        "codes_outside": int(outside.sum()),
+        "codes_off_nearest": int((q4 != ends[1]).sum()),
+        "others_untouched": bool((daq_t.view(torch.uint8)[:, :col0] == 0x3C).all()
+                                 and (daq_t.view(torch.uint8)[:, col0 + rows:] == 0x3C).all()),
+        "ignored": bool((da4[1] == 0).all()) and float(corr4[1]) == 0.0 and float(loss4[1]) == 0.0,
+    }
+got["codes_t"]["refuses_short_buffer"] = refuses(lambda: codes_t.ce_grad_codes_t(
+    logits.clone(), fine, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, torch.zeros(rows), inv,
+    torch.zeros((vocab, rows), dtype=torch.float8_e5m2), col0), says="daq_t")
+
 # the consistent zdz (``tdelta`` given): sum_n l_n da_n / r over the stored logits and the da the pass wrote, read
 # back from the buffer (whatever rounding the interpreter applied), the target's term on l_t + tdelta; in another
 # summation order: 2 V units of the sum of its terms' magnitudes, then the division and corr's two roundings

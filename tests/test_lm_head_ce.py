@@ -321,6 +321,12 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
     assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
     assert g["da_same"] and g["corr_same"] and g["differs_from_element"] > 0.1 * rows_cols, g
+    for mode in ("nearest", "element", "row"):  # (the token-major codes pass, CODA_TITAN_CE_CODES_T=1)
+        g = got["codes_t"][mode]
+        assert g["in_place"] and g["others_untouched"] and g["ignored"] and g["codes_outside"] == 0, (mode, g)
+        assert max(g["lse_err_over_bound"], g["da_err_over_bound"], g["corr_err_over_bound"]) <= 1.0, (mode, g)
+        assert (g["codes_off_nearest"] > 0.1 * rows_cols) == (mode != "nearest"), (mode, g)
+    assert got["codes_t"]["refuses_short_buffer"]
     g = got["consistent"]  # (tdelta given: zdz of the rounded da written, the target's term moved by tdelta)
     assert g["da_same"] and g["ignored_row_zero"] and g["corr_err_over_bound"] <= 1.0, g
     assert g["differs_from_plain"] > 2 ** -13, g  # (another value than the plain pass's: what the mode changes)
@@ -423,7 +429,7 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True, "row"])
+@pytest.mark.parametrize("fp8_dw", [False, True, "row", "codes_t"])
 def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
@@ -435,14 +441,15 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
     e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
     "row": the same with ``CODA_TITAN_SR_HASH=row`` (``scaling.sr_words``' other scheme; the bound holds any
-    stochastic rounding's)."""
+    stochastic rounding's); "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
+    token-major by the pass itself; its sums in another order, which the bounds allow)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
 
-    tag = {False: "", True: "_fp8_dw", "row": "_fp8_dw_row"}[fp8_dw]
-    if fp8_dw == "row":
-        monkeypatch.setenv("CODA_TITAN_SR_HASH", "row")
+    tag = {False: "", True: "_fp8_dw", "row": "_fp8_dw_row", "codes_t": "_fp8_dw_codes_t"}[fp8_dw]
+    if fp8_dw in ("row", "codes_t"):
+        monkeypatch.setenv(*{"row": ("CODA_TITAN_SR_HASH", "row"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1")}[fp8_dw])
         fp8_dw = True
 
     c = _gpu_head_case(torch.bfloat16)

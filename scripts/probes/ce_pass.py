@@ -5,7 +5,9 @@ and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then
 nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now, its seed on the device as in
 the model), with its words' "row" scheme (``scaling.sr_words``: one hash a row, one multiply an element), and in
 the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
-hash's integer work wants less of it or another shape (rows ``codes``).
+hash's integer work wants less of it or another shape; then the configured head's chunk work (that pass, then
+``transpose_8bit`` into the (V, M) code buffer) against ``ce_codes_t``'s pass storing the codes token-major itself,
+in several tile shapes (rows ``codes``).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 
@@ -27,6 +29,8 @@ from scripts.probes.epi_stages import _streamed
 
 ROWS, VOCAB, D = 2048, 128256, 2048
 SHAPES = ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (16384, 16))
+# ``ce_codes_t``'s tile shapes: (rows a program, columns a step, column ranges, warps)
+CODES_T = ((32, 256, 8, 8), (32, 128, 8, 4), (16, 256, 8, 4), (32, 256, 4, 8), (64, 128, 8, 8))
 
 
 def _inputs(g):
@@ -71,6 +75,8 @@ def _pass_rows(doc, path):
 
 
 def _codes_rows(doc, path):
+    from coda_titan.kernels.cute import transpose_8bit
+    from coda_titan.kernels.cute.ce_codes_t import ce_grad_codes_t
     from coda_titan.kernels.cute.ce_grad_pass import ce_grad_inplace
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -82,6 +88,17 @@ def _codes_rows(doc, path):
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
            "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed),
            "codes_stochastic_row": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="row")}
+    daq_t = torch.empty((VOCAB, 8 * ROWS), device="cuda", dtype=torch.float8_e5m2)  # (the head's (V, M) buffer)
+
+    def then_transpose():
+        daq = ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, row0=ROWS)[2]
+        transpose_8bit.launch(daq, daq_t[:, ROWS:2 * ROWS])
+
+    fns["codes_stochastic_then_transpose"] = then_transpose  # (the configured head's per-chunk work)
+    loss = torch.empty(ROWS, device="cuda")
+    for rb, bv, ns, w in CODES_T:  # (``ce_codes_t``: the codes stored token-major by the pass)
+        fns[f"codes_t_rb{rb}_bv{bv}_s{ns}_w{w}"] = lambda rb=rb, bv=bv, ns=ns, w=w: ce_grad_codes_t(
+            buf, lse[:, None], tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS, None, rb, bv, ns, w)
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)
@@ -89,8 +106,15 @@ def _codes_rows(doc, path):
     for _ in range(5):
         for k, f in fns.items():
             times[k].append(_streamed(f)["gpu_ms"])
+    buf.copy_(logits)  # (the same codes both ways, but where the folds' lse differ in a last bit)
+    then_transpose()
+    ref_codes = daq_t[:, ROWS:2 * ROWS].clone()
+    buf.copy_(logits)
+    ce_grad_codes_t(buf, lse[:, None], tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS)
+    same = float((daq_t[:, ROWS:2 * ROWS].view(torch.uint8) == ref_codes.view(torch.uint8)).double().mean())
     for k in fns:
-        log_row(doc, "codes", {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2]}, path)
+        row = {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2]}
+        log_row(doc, "codes", {**row, "codes_equal_share": same} if k.startswith("codes_t_") else row, path)
 
 
 def _tail_rows(doc, path):

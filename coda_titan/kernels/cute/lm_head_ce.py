@@ -40,7 +40,7 @@ from quack.gemm_interface import gemm as quack_gemm
 from quack.gemm_interface import gemm_add, gemm_add_inplace
 
 from .. import lm_head_ce as ref
-from . import ce_exp, stages
+from . import ce_codes_t, ce_exp, stages
 from ..scaling import E5M2, sr_seed_of
 from . import transpose_8bit
 from .ce_grad_pass import ce_grad_e5m2, ce_grad_inplace
@@ -121,6 +121,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
             seed = sr_seed_of(targets)
             daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
+    codes_t = fp8_dw and os.environ.get(ce_codes_t.ENV) == "1"
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
@@ -142,7 +143,10 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
-        if compute_grad and in_place:
+        if fp8_dw and codes_t:  # (the codes straight into the token-major buffer: a probe arm, ce_codes_t)
+            da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
+                                                  inv_g, daq_t, start, sr_seed=seed, row0=start)
+        elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
                                                else _target_logit(hc, weight, t, r) - tl)
             da, corr, *daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
@@ -163,7 +167,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
             dgamma += out["dw"]
         if fp8_dw:
-            transpose_8bit.launch(daq[0], daq_t[:, start:stop])
+            if not codes_t:
+                transpose_8bit.launch(daq[0], daq_t[:, start:stop])
         else:
             dw = _dw_chunk(da, hc, dw, weight.dtype, first=i == 0, last=in_place and stop == m)
     loss = loss_rows.sum()

@@ -121,7 +121,6 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
             seed = sr_seed_of(targets)
             daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
-    codes_t = fp8_dw and os.environ.get(ce_codes_t.ENV) == "1"
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
@@ -143,15 +142,13 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
-        if fp8_dw and codes_t:  # (the codes straight into the token-major buffer: a probe arm, ce_codes_t)
-            da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
-                                                  inv_g, daq_t, start, sr_seed=seed, row0=start)
+        if fp8_dw:  # (and da's codes into the token-major buffer)
+            da, corr = _codes_pass(logits, parts, tl, t, r, d, loss_rows[start:stop], inv_g, daq_t, start, seed)
         elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
                                                else _target_logit(hc, weight, t, r) - tl)
-            da, corr, *daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
-                                             tdelta=tdelta, codes_inv=inv_g if fp8_dw else None,
-                                             sr_seed=seed if fp8_dw else None, row0=start)
+            da, corr = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows[start:stop],
+                                       tdelta=tdelta)
         else:
             lse = torch.logsumexp(parts, dim=-1)
             loss_rows[start:stop] = torch.where(t != ref.IGNORE_INDEX, lse - tl, 0.0)
@@ -166,10 +163,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with stages.capped(base):
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
             dgamma += out["dw"]
-        if fp8_dw:
-            if not codes_t:
-                transpose_8bit.launch(daq[0], daq_t[:, start:stop])
-        else:
+        if not fp8_dw:
             dw = _dw_chunk(da, hc, dw, weight.dtype, first=i == 0, last=in_place and stop == m)
     loss = loss_rows.sum()
     if not compute_grad:
@@ -177,6 +171,20 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     if fp8_dw:
         dw = _fp8_dw(daq_t, hq, inv_g, s_h, weight.dtype)
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
+
+
+def _codes_pass(logits, parts, tl, t, r, d: int, loss_rows, inv_g, daq_t, start: int, seed):
+    """``fp8_lm_head_dw``'s gradient pass on the chunk of rows from ``start``: (da, corr) in place, and da's
+    stochastically rounded e5m2 codes into the token-major ``daq_t`` at column ``start``: the row pass, then
+    ``transpose_8bit``; or, with ``CODA_TITAN_CE_CODES_T=1`` (a probe arm), ``ce_codes_t``'s pass storing them
+    there itself."""
+    if os.environ.get(ce_codes_t.ENV) == "1":
+        return ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, inv_g, daq_t, start,
+                                          sr_seed=seed, row0=start)
+    da, corr, daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, codes_inv=inv_g,
+                                    sr_seed=seed, row0=start)
+    transpose_8bit.launch(daq, daq_t[:, start:start + daq.shape[0]])
+    return da, corr
 
 
 def _refuse_probe_arms() -> None:

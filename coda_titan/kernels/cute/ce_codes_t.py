@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..scaling import E5M2, E5M2_MAX, SR_DROP, sr_hash_mode
-from .ce_grad_pass import e5m2_sr, lowbias32
+from .ce_grad_pass import e5m2_sr, sr_row_state, sr_word
 from .row_vectors import fp32_reciprocal
 
 ENV = "CODA_TITAN_CE_CODES_T"
@@ -63,11 +63,8 @@ def codes_t_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, acc_
     valid = target != IGNORE
     r = tl.where(valid, tl.load(rstd_ptr + rows, mask=rmask, other=0.0), 0.0)
     inv = tl.load(inv_ptr)
-    if SR:  # (as the row pass: the seed's hash, each row's first counter or its hash)
-        key = lowbias32(tl.load(seed_ptr).to(tl.uint32))
-        rbase = ((row0 + rows).to(tl.int64) * V).to(tl.uint32)
-        if ROWHASH:
-            rkey = lowbias32((row0 + rows).to(tl.uint32) ^ key)
+    if SR:  # (as the row pass: the seed's hash, each row's first counter and its hash)
+        key, rbase, rkey = sr_row_state(seed_ptr, row0 + rows, V)
     span = tl.cdiv(tl.cdiv(V, NSPLIT), BV) * BV
     c_lo = split * span
     c_hi = tl.minimum(c_lo + span, V)
@@ -82,10 +79,7 @@ def codes_t_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, acc_
         da = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * r[:, None]
         q = tl.clamp(da * inv, -FMAX, FMAX)
         if SR:
-            if ROWHASH:
-                q8 = e5m2_sr(q, (rkey[:, None] ^ cols[None, :].to(tl.uint32)) * 0x9E3779B1, DROP)
-            else:
-                q8 = e5m2_sr(q, lowbias32((rbase[:, None] + cols[None, :].to(tl.uint32)) ^ key), DROP)
+            q8 = e5m2_sr(q, sr_word(key, rbase[:, None], rkey[:, None], cols[None, :], ROWHASH), DROP)
         else:
             q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
         tl.store(daq_t_ptr + cols[None, :].to(tl.int64) * M + (col0 + rows)[:, None], q8, mask=inside)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import E5M2, E5M2_MAX, SR_DROP, sr_hash_mode
+from ..scaling import E5M2, E5M2_MAX, SR_DROP, SR_ROW_MUL, sr_hash_mode
 from .row_vectors import fp32_reciprocal
 
 
@@ -52,6 +52,27 @@ def lowbias32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
+
+
+ROW_MUL = tl.constexpr(SR_ROW_MUL)
+
+
+@triton.jit
+def sr_row_state(seed_ptr, grow, V):
+    """(key, rbase, rkey) of the rows ``grow`` (their indices in the batch) for ``scaling.sr_words``: the seed's
+    hash, each row's first counter (grow V mod 2^32: "element") and its hash ("row")."""
+    key = lowbias32(tl.load(seed_ptr).to(tl.uint32))
+    return key, (grow.to(tl.int64) * V).to(tl.uint32), lowbias32(grow.to(tl.uint32) ^ key)
+
+
+@triton.jit
+def sr_word(key, rbase, rkey, cols, ROWHASH: tl.constexpr):
+    """``scaling.sr_words`` of the elements at columns ``cols`` of rows with ``sr_row_state``'s (rbase, rkey)."""
+    if ROWHASH:
+        word = (rkey ^ cols.to(tl.uint32)) * ROW_MUL
+    else:
+        word = lowbias32((rbase + cols.to(tl.uint32)) ^ key)
+    return word
 
 
 @triton.jit
@@ -78,11 +99,8 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
     r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it)
-    if SR:  # (once a row: the seed's hash and the row's first counter, (row0 + row) V mod 2^32, or its hash)
-        key = lowbias32(tl.load(seed_ptr).to(tl.uint32))
-        rbase = ((row0 + row).to(tl.int64) * V).to(tl.uint32)
-        if ROWHASH:
-            rkey = lowbias32((row0 + row).to(tl.uint32) ^ key)
+    if SR:  # (once a row: the seed's hash, the row's first counter and its hash)
+        key, rbase, rkey = sr_row_state(seed_ptr, row0 + row, V)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
@@ -94,10 +112,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             if SR:  # (each element's counter: its flat index in the batch, (row0 + row) V + col, mod 2^32)
-                if ROWHASH:  # (``sr_words``' "row": the row's hash XOR the column, times an odd constant)
-                    q8 = e5m2_sr(q, (rkey ^ cols.to(tl.uint32)) * 0x9E3779B1, DROP)
-                else:
-                    q8 = e5m2_sr(q, lowbias32((rbase + cols.to(tl.uint32)) ^ key), DROP)
+                q8 = e5m2_sr(q, sr_word(key, rbase, rkey, cols, ROWHASH), DROP)
             else:
                 q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)

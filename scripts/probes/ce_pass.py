@@ -7,7 +7,7 @@ the model), with its words' "row" scheme (``scaling.sr_words``: one hash a row, 
 the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
 hash's integer work wants less of it or another shape; then the configured head's chunk work (that pass, then
 ``transpose_8bit`` into the (V, M) code buffer) against ``ce_codes_t``'s pass storing the codes token-major itself,
-in several tile shapes (rows ``codes``).
+in several tile shapes (rows ``codes``; these rows fold each row's 501 per-tile partials, as in the head).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 
@@ -82,7 +82,8 @@ def _codes_rows(doc, path):
     g = torch.Generator(device="cuda").manual_seed(2)
     logits, lse, tl, targets, rstd = _inputs(g)
     buf, inv = logits.clone(), torch.tensor(2.0 ** 15, device="cuda")
-    args = (buf, lse[:, None], tl, targets, rstd, -100, D, None, 4096, 8)
+    parts = torch.logsumexp(logits.float().view(ROWS, -1, 256), -1)  # (as F4's epilogue gives them: 501 a row)
+    args = (buf, parts, tl, targets, rstd, -100, D, None, 4096, 8)
     seed = torch.tensor(7, device="cuda")  # (a device tensor, as ``sr_seed_of`` gives the model: no copy a call)
     fns = {"bf16_da": lambda: ce_grad_inplace(*args),
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
@@ -98,7 +99,7 @@ def _codes_rows(doc, path):
     loss = torch.empty(ROWS, device="cuda")
     for rb, bv, ns, w in CODES_T:  # (``ce_codes_t``: the codes stored token-major by the pass)
         fns[f"codes_t_rb{rb}_bv{bv}_s{ns}_w{w}"] = lambda rb=rb, bv=bv, ns=ns, w=w: ce_grad_codes_t(
-            buf, lse[:, None], tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS, None, rb, bv, ns, w)
+            buf, parts, tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS, None, rb, bv, ns, w)
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)
@@ -110,7 +111,7 @@ def _codes_rows(doc, path):
     then_transpose()
     ref_codes = daq_t[:, ROWS:2 * ROWS].clone()
     buf.copy_(logits)
-    ce_grad_codes_t(buf, lse[:, None], tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS)
+    ce_grad_codes_t(buf, parts, tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS)
     same = float((daq_t[:, ROWS:2 * ROWS].view(torch.uint8) == ref_codes.view(torch.uint8)).double().mean())
     for k in fns:
         row = {"variant": k, "gpu_ms": times[k], "median_ms": sorted(times[k])[2]}

@@ -159,6 +159,7 @@ codes_t = cute_module("ce_codes_t")
 fine = torch.stack([torch.logsumexp(lf[:, s:s + 25], -1) for s in range(0, vocab, 25)], -1)
 lse_bound_f = (fine.shape[1] + 3) * U + 2 * U * (lse.abs() + fine.amax(-1).abs())
 col0, width = 2, rows + 5
+corr_r = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_r
 got["codes_t"] = {}
 for mode in ("nearest", "element", "row"):
     buf4, loss4 = logits.clone(), torch.full((rows,), float("nan"))
@@ -178,7 +179,6 @@ for mode in ("nearest", "element", "row"):
                     for w in (v - err4, v + err4))
         outside = (q4 < lo4 - slack) | (q4 > hi4 + slack)
     zb4 = (2 * (vocab - 1) * U + dl4) * (p * lf).abs().sum(-1)
-    corr_r = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_r
     got["codes_t"][mode] = {
         "in_place": da4.data_ptr() == buf4.data_ptr(),
         "lse_err_over_bound": float((dl4 / lse_bound_f)[valid].max()),

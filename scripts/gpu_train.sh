@@ -620,9 +620,9 @@ for phase in "$@"; do
       sab element; sab row; sab element 2; sab row 2
       ;;
     codest)
-      cab() { env CODA_TITAN_CE_CODES_T="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1$2"; }
-      cab 0; cab 1; cab 0 2; cab 1 2
+      cab() { env CODA_TITAN_CE_CODES_T="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1"; }
+      cab off 0; cab on 1; cab off2 0; cab on2 1
       ;;
     srhashparity)
       CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"

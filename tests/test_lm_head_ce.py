@@ -333,6 +333,23 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert all(got["refusals"].values()), got["refusals"]
 
 
+def test_cuda_head_program_orchestration_changes_no_bit_in_the_interpreter():
+    """The CUDA head's program (``_lm_head_ce`` with ``fp8_lm_head_fwd``, taken from its source; its GEMMs stood in
+    for by torch, its Triton passes through the interpreter: ``tests/head_program_interpreter_check.py``) against
+    the same stand-ins and passes run chunk by chunk, each chunk with buffers of its own, over three chunks (the last
+    ragged) and an ignored row. The reused logits buffer and the chunk offsets change no bit: the loss, dX and dgamma
+    are equal, with and without ``fp8_lm_head_dw``; with it, the token-major codes dW's GEMM reads are the chunks'
+    own, each at its columns with its batch counters, and dW is their product. ``CODA_TITAN_CE_CODES_T=1``: its
+    codes within one e5m2 step of those (its row sums in another order can move a code), nearly all equal."""
+    from .helpers import run_interpreter_check
+
+    got = run_interpreter_check("head_program_interpreter_check.py")
+    assert all(got["row_pass"].values()) and got["row_pass"]["codes_equal_share"] == 1.0, got["row_pass"]
+    g = got["codes_t"]
+    assert g["codes_within_step"] and g["codes_equal_share"] >= 0.99 and g["dw_is_its_codes_product"], g
+    assert all(got["no_dw"].values()), got["no_dw"]
+
+
 def test_head_b2_row_pass_is_the_norm_backward_of_its_accumulator_in_the_interpreter():
     """The LM head's B2 epilogue as a row pass (``kernels/cute/norm_apply_pass.py``, the default ``acc`` zdz) run by
     Triton's CPU interpreter (``tests/norm_apply_interpreter_check.py``) against the same math in fp64 of its fp32

@@ -116,6 +116,8 @@
 #                  GPU_TESTS="fp8_forward_head" gputests cepassprobe (its codes_stochastic_row rows)
 #     codest       CODA fp8 compiled as configured, without and with CODA_TITAN_CE_CODES_T=1 (ce_codes_t: the CE pass
 #                  stores fp8_lm_head_dw's codes token-major itself, no transpose), alternating twice (STEPS, default 30)
+#     dwblocks     CODA fp8 compiled as configured with fp8_lm_head_dw's dW over 1, 2, 4, 1, 2 token blocks
+#                  (CODA_TITAN_DW_BLOCKS: the code buffer a block wide; its peak memory and step; STEPS, default 30)
 #     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
 #                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
@@ -623,6 +625,11 @@ for phase in "$@"; do
       cab() { env CODA_TITAN_CE_CODES_T="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
                 --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1"; }
       cab off 0; cab on 1; cab off2 0; cab on2 1
+      ;;
+    dwblocks)
+      dab() { env CODA_TITAN_DW_BLOCKS="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1"; }
+      dab k1 1; dab k2 2; dab k4 4; dab k1b 1; dab k2b 2
       ;;
     srhashparity)
       CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"

@@ -48,6 +48,19 @@ def fp8_dw(daq_t, hq, inv_g, s_h, dtype):
     return codes_product(daq_t, hq, inv_g, s_h, dtype)
 
 
+def product(a, b, alpha):
+    return (a.contiguous().double() @ b.contiguous().double()) * alpha.double()
+
+
+def quack_gemm(a, b, out_dtype, alpha, tuned):
+    """quack's GEMM stand-in (a token block's dW, ``CODA_TITAN_DW_BLOCKS``): alpha (A B) in fp64, stored once."""
+    return product(a, b, alpha).to(out_dtype)
+
+
+def gemm_add_inplace(a, b, out, alpha, tuned):
+    out.copy_((out.double() + product(a, b, alpha)).to(out.dtype))
+
+
 def dw_chunk(da, hc, dw, dtype, *, first: bool, last: bool):
     """The bf16 dW's stand-in (quack's GEMMs): an fp64 sum over chunks, stored in ``dtype`` by the last."""
     part = da.double().t() @ hc.double()
@@ -72,7 +85,8 @@ ns = {"torch": TorchWithMm(), "os": os, "ref": ref, "E5M2": scaling.E5M2, "sr_se
       "f4_epilogue": lambda dtype: "f4", "fused": lambda name, fn: fn, "_ce_grad_math": None, "b2_epilogue": lambda last: ("b2", None),
       "first_call": lambda *a: contextlib.nullcontext(), "gemm": f4, "norm_apply_rows": nap.norm_apply_rows,
       "ce_grad_inplace": ce_pass.ce_grad_inplace, "ce_codes_t": codes_t, "transpose_8bit": tr8,
-      "_fp8_dw": fp8_dw, "_dw_chunk": dw_chunk, "stages": None}
+      "_fp8_dw": fp8_dw, "_dw_chunk": dw_chunk, "stages": None, "quack_gemm": quack_gemm,
+      "gemm_add_inplace": gemm_add_inplace, "TUNE": False, "DW_BLOCKS_ENV": "CODA_TITAN_DW_BLOCKS"}
 program = cute_function("lm_head_ce.py", "def _lm_head_ce", "def _refuse_probe_arms", ns)
 ns["_refuse_probe_arms"] = lambda: None
 
@@ -122,6 +136,20 @@ for arm in ("row_pass", "codes_t"):  # (codes_t: its row sums in another order, 
                 "dw_is_its_codes_product": bool(torch.equal(dw, codes_product(captured["daq_t"], hq, inv_g, s_h,
                                                                                 w.dtype)))}
 os.environ.pop(codes_t.ENV)
+# dW over token blocks (CODA_TITAN_DW_BLOCKS=k; whole chunks a block, the last ragged): the first block's product
+# stored in W's dtype, each next one added to it and stored again, from the chunks' own codes
+alpha = (s_h.float() / inv_g).reshape(1)
+for k, width in ((2, 32), (3, 16)):
+    os.environ["CODA_TITAN_DW_BLOCKS"] = str(k)
+    loss, dx, dgamma, dw = program(h, rstd, x, gamma, w, targets, chunk, True, hq, s_h, wq, s_w, True)
+    expect = None
+    for b0 in range(0, m, width):
+        part = product(want[3][:, b0:b0 + width], hq[b0:b0 + width], alpha)
+        expect = (part if expect is None else expect.double() + part).to(w.dtype)
+    got[f"blocks_{k}"] = {"loss_same": bool(torch.equal(loss, want[0])), "dx_same": bool(torch.equal(dx, want[1])),
+                          "dgamma_same": bool(torch.equal(dgamma, want[2])), "dw_same": bool(torch.equal(dw, expect)),
+                          "dw_moved": bool(not torch.equal(dw, codes_product(want[3], hq, inv_g, s_h, w.dtype)))}
+os.environ.pop("CODA_TITAN_DW_BLOCKS")
 plain = program(h, rstd, x, gamma, w, targets, chunk, True, hq, s_h, wq, s_w, False)
 want0 = by_chunks(False)
 got["no_dw"] = {"loss_same": bool(torch.equal(plain[0], want0[0])), "dx_same": bool(torch.equal(plain[1], want0[1])),

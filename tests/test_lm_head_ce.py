@@ -340,7 +340,9 @@ def test_cuda_head_program_orchestration_changes_no_bit_in_the_interpreter():
     ragged) and an ignored row. The reused logits buffer and the chunk offsets change no bit: the loss, dX and dgamma
     are equal, with and without ``fp8_lm_head_dw``; with it, the token-major codes dW's GEMM reads are the chunks'
     own, each at its columns with its batch counters, and dW is their product. ``CODA_TITAN_CE_CODES_T=1``: its
-    codes within one e5m2 step of those (its row sums in another order can move a code), nearly all equal."""
+    codes within one e5m2 step of those (its row sums in another order can move a code), nearly all equal.
+    ``CODA_TITAN_DW_BLOCKS=k`` (2 and 3: blocks of whole chunks, the last ragged): dW is each block's product of the
+    chunks' own codes added to the stored sum and stored again, other bits than one product's."""
     from .helpers import run_interpreter_check
 
     got = run_interpreter_check("head_program_interpreter_check.py")
@@ -348,6 +350,8 @@ def test_cuda_head_program_orchestration_changes_no_bit_in_the_interpreter():
     g = got["codes_t"]
     assert g["codes_within_step"] and g["codes_equal_share"] >= 0.99 and g["dw_is_its_codes_product"], g
     assert all(got["no_dw"].values()), got["no_dw"]
+    for k in (2, 3):  # (CODA_TITAN_DW_BLOCKS=k: each block's product added to the stored sum, from its own codes)
+        assert all(got[f"blocks_{k}"].values()), got[f"blocks_{k}"]
 
 
 def test_head_b2_row_pass_is_the_norm_backward_of_its_accumulator_in_the_interpreter():
@@ -446,7 +450,7 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True, "row", "codes_t"])
+@pytest.mark.parametrize("fp8_dw", [False, True, "row", "codes_t", "blocks"])
 def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
@@ -459,15 +463,18 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
     "row": the same with ``CODA_TITAN_SR_HASH=row`` (``scaling.sr_words``' other scheme; the bound holds any
     stochastic rounding's); "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
-    token-major by the pass itself; its sums in another order, which the bounds allow)."""
+    token-major by the pass itself; its sums in another order, which the bounds allow); "blocks": with
+    ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
 
-    tag = {False: "", True: "_fp8_dw", "row": "_fp8_dw_row", "codes_t": "_fp8_dw_codes_t"}[fp8_dw]
-    if fp8_dw in ("row", "codes_t"):
-        monkeypatch.setenv(*{"row": ("CODA_TITAN_SR_HASH", "row"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1")}[fp8_dw])
-        fp8_dw = True
+    arms = {"row": ("CODA_TITAN_SR_HASH", "row"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1"),
+            "blocks": ("CODA_TITAN_DW_BLOCKS", "2")}
+    tag, roundings = "" if fp8_dw is False else "_fp8_dw" + ("" if fp8_dw is True else f"_{fp8_dw}"), 0
+    if fp8_dw in arms:
+        monkeypatch.setenv(*arms[fp8_dw])
+        fp8_dw, roundings = True, int(fp8_dw == "blocks")
 
     c = _gpu_head_case(torch.bfloat16)
     m, d, v, u, r, x, gamma, h, w = c.m, c.d, c.v, c.u, c.r, c.x, c.gamma, c.h, c.w
@@ -481,7 +488,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     d_r = c.da @ wf
     d_bound = e @ wf.abs() + (v + 4) * u * (mag @ wf.abs()) + u * d_r.abs()
     if fp8_dw:
-        dw_r, dw_bound = _e5m2_sr_dw_bound(c, dw)
+        dw_r, dw_bound = _e5m2_sr_dw_bound(c, dw, roundings)
         assert torch.equal(torch.ops.coda.lm_head_ce(*args, True, *fp8, True)[3], dw)  # (the batch's seed: repeats)
     else:
         dw_r = c.da.t() @ hf
@@ -734,12 +741,14 @@ def _e5m2_dw_bound(c, codes_q, codes, inv, step, dw):
     return dw_r, dw_bound, c_w
 
 
-def _e5m2_sr_dw_bound(c, dw):
+def _e5m2_sr_dw_bound(c, dw, partial_roundings: int = 0):
     """(dW's reference, its bound) for dW on da's stochastically rounded e5m2 codes (``fp8_lm_head_dw``): the
     program's da is within w = expm1(delta) p r of the exact da, and its code within one e5m2 step of it (2^-2 of
     |da| + w at most, at least the subnormal 2^-16 over inv), so within step + w of the exact da. dW = da^T H on
     H's exact codes, within (step + w)^T |H| plus the accumulator (2 c_w P, c_w measured on the round-to-nearest
-    codes of the same da), the reference's fp32 sums ((m + 4) units) and the bf16 store."""
+    codes of the same da), the reference's fp32 sums ((m + 4) units) and the bf16 store. ``partial_roundings``
+    (``CODA_TITAN_DW_BLOCKS=k``: k - 1): each partial sum stored in bf16 once more, 2^-8 of its magnitude, at most
+    P = (|da| + w + step)^T |H| each."""
     from .helpers import fp8_mma_c
 
     inv, codes_q, _, _, _ = _e5m2_codes(c)
@@ -749,8 +758,8 @@ def _e5m2_sr_dw_bound(c, dw):
     step = (2.0 ** -2 * (c.da.abs() + w) * inv).clamp(min=2.0 ** -16) / inv
     dw_r = c.da.t() @ hd
     mag = (c.da.abs() + w + step).t() @ hd.abs()
-    dw_bound = ((step + w).t() @ hd.abs() + ((c.m + 4) * c.u + 2 * c_w) * mag + c.u * dw_r.abs()
-                + 2.0 ** -8 * dw.float().abs())
+    dw_bound = ((step + w).t() @ hd.abs() + ((c.m + 4) * c.u + 2 * c_w + partial_roundings * 2.0 ** -8) * mag
+                + c.u * dw_r.abs() + 2.0 ** -8 * dw.float().abs())
     return dw_r, dw_bound
 
 

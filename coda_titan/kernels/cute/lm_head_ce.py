@@ -51,6 +51,7 @@ from .norm_apply_pass import norm_apply_rows
 from .norm_residual_bwd import epilogue as b2_epilogue
 
 CE_PASS_ENV = ref.CE_PASS_ENV  # "inductor": the previous gradient pass and dW accumulation (A/B); "exp": no pass
+DW_BLOCKS_ENV = "CODA_TITAN_DW_BLOCKS"  # fp8_lm_head_dw's dW over k token blocks (``_Fp8Dw``; a probe arm)
 # rows F4 without its pass repaired (their largest logit outside the offset's range), counted on the device (one
 # counter a device) over every call since the last ``take_repaired()``
 _REPAIRED: dict[torch.device, torch.Tensor] = {}
@@ -118,9 +119,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         fp32_sum = (m > chunk_rows or not in_place) and not fp8_dw
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_sum else None
         if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
-            inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
-            seed = sr_seed_of(targets)
-            daq_t = torch.empty((vocab, m), device=h.device, dtype=E5M2)
+            codes = _Fp8Dw(rstd, targets, hq, s_h, vocab, chunk_rows, weight.dtype)
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
@@ -143,7 +142,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
         if fp8_dw:  # (and da's codes into the token-major buffer)
-            da, corr = _codes_pass(logits, parts, tl, t, r, d, loss_rows[start:stop], inv_g, daq_t, start, seed)
+            da, corr = codes.chunk(logits, parts, tl, t, r, d, loss_rows[start:stop], start, stop)
         elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
                                                else _target_logit(hc, weight, t, r) - tl)
@@ -169,22 +168,55 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
     if fp8_dw:
-        dw = _fp8_dw(daq_t, hq, inv_g, s_h, weight.dtype)
+        dw = codes.result()
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
 
 
-def _codes_pass(logits, parts, tl, t, r, d: int, loss_rows, inv_g, daq_t, start: int, seed):
-    """``fp8_lm_head_dw``'s gradient pass on the chunk of rows from ``start``: (da, corr) in place, and da's
-    stochastically rounded e5m2 codes into the token-major ``daq_t`` at column ``start``: the row pass, then
-    ``transpose_8bit``; or, with ``CODA_TITAN_CE_CODES_T=1`` (a probe arm), ``ce_codes_t``'s pass storing them
-    there itself."""
-    if os.environ.get(ce_codes_t.ENV) == "1":
-        return ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, inv_g, daq_t, start,
-                                          sr_seed=seed, row0=start)
-    da, corr, daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, codes_inv=inv_g,
-                                    sr_seed=seed, row0=start)
-    transpose_8bit.launch(daq, daq_t[:, start:start + daq.shape[0]])
-    return da, corr
+class _Fp8Dw:
+    """``fp8_lm_head_dw`` over one call's chunks: da's stochastically rounded e5m2 codes (their scale, the batch's
+    seed) into a token-major buffer, then dW = their product with H's codes: one cuBLAS fp8 GEMM over every token
+    (``_fp8_dw``). With ``CODA_TITAN_DW_BLOCKS=k`` (a probe arm of the memory target) the buffer holds one of k token
+    blocks (whole chunks) and each full block adds its product into dW in W's dtype (quack: the first block's GEMM
+    writes it, the next ones add to it in place), so the buffer is k times smaller for k - 1 more roundings of dW's
+    partial sums."""
+
+    def __init__(self, rstd, targets, hq, s_h, vocab: int, chunk_rows: int, dtype):
+        m = hq.shape[0]
+        self.inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
+        self.seed, self.hq, self.s_h, self.dtype, self.m = sr_seed_of(targets), hq, s_h, dtype, m
+        blocks = int(os.environ.get(DW_BLOCKS_ENV, "1"))
+        if blocks < 1:
+            raise ValueError(f"{DW_BLOCKS_ENV} must be a positive integer, got {blocks}")
+        chunks = -(-m // chunk_rows)
+        self.width = min(m, -(-chunks // blocks) * chunk_rows)  # (whole chunks a block)
+        self.daq_t = torch.empty((vocab, self.width), device=hq.device, dtype=E5M2)
+        self.hq_t = transpose_8bit.transpose_8bit(hq) if self.width < m else None
+        self.dw = None
+
+    def chunk(self, logits, parts, tl, t, r, d: int, loss_rows, start: int, stop: int):
+        """The gradient pass of rows [start, stop): (da, corr) in place, the codes into the buffer (the row pass then
+        ``transpose_8bit``, or with ``CODA_TITAN_CE_CODES_T=1``, a probe arm, ``ce_codes_t``'s pass storing them
+        there itself); a block's product into dW once its last chunk is in."""
+        b0 = start - start % self.width
+        if os.environ.get(ce_codes_t.ENV) == "1":
+            da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, self.inv_g,
+                                                  self.daq_t, start - b0, sr_seed=self.seed, row0=start)
+        else:
+            da, corr, daq = ce_grad_inplace(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows,
+                                            codes_inv=self.inv_g, sr_seed=self.seed, row0=start)
+            transpose_8bit.launch(daq, self.daq_t[:, start - b0:stop - b0])
+        if self.width < self.m and stop in (b0 + self.width, self.m):
+            a, b = self.daq_t[:, :stop - b0], self.hq_t[:, b0:stop].t()
+            alpha = (self.s_h.float() / self.inv_g).reshape(1)
+            if self.dw is None:
+                self.dw = quack_gemm(a, b, out_dtype=self.dtype, alpha=alpha, tuned=TUNE)
+            else:
+                gemm_add_inplace(a, b, self.dw, alpha=alpha, tuned=TUNE)
+        return da, corr
+
+    def result(self):
+        """dW_out in W's dtype."""
+        return _fp8_dw(self.daq_t, self.hq, self.inv_g, self.s_h, self.dtype) if self.dw is None else self.dw
 
 
 def _refuse_probe_arms() -> None:

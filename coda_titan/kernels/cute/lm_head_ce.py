@@ -22,7 +22,8 @@ it as their A, with the per-row scales and the target's exact term in their epil
 With ``hq``, ``s_h``, ``weight_q`` and ``s_w`` (``[coda] fp8_lm_head_fwd``) the chunk's GEMM is the fp8 head's e4m3
 one (its scales folded into r) and everything after it the bf16 head's: the gradient pass, B2 and dW on the bf16 da,
 H and W. ``fp8_dw`` (``fp8_lm_head_dw``): the pass also writes da's e5m2 codes, rounded stochastically, and dW is
-the fp8 head's one GEMM on them.
+the fp8 head's one GEMM on them (``_Fp8Dw``; its probe arms: ``CODA_TITAN_CE_CODES_T=1``, the codes stored
+token-major by the pass itself; ``CODA_TITAN_DW_BLOCKS=k``, dW summed over k token blocks).
 
 ``coda::lm_head_ce_fp8`` (the fp8 head): the same epilogue on the e4m3 GEMM (the codes'
 scales folded into r), ``ce_grad_e5m2`` writing da's e5m2 codes at the head's scale (``dlogits_inv_scale``),

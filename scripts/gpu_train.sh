@@ -118,6 +118,8 @@
 #                  stores fp8_lm_head_dw's codes token-major itself, no transpose), alternating twice (STEPS, default 30)
 #     dwblocks     CODA fp8 compiled as configured with fp8_lm_head_dw's dW over 1, 2, 4, 1, 2 token blocks
 #                  (CODA_TITAN_DW_BLOCKS: the code buffer a block wide; its peak memory and step; STEPS, default 30)
+#     dwblocksparity 300-step loss curves (tag fp8_lm_head_dw_blocks<k>, DW_BLOCKS = k, default 2; ONLY_CANDIDATE=1
+#                  as below): float8 + compile, CODA fp8 compiled under CODA_TITAN_DW_BLOCKS=k, and as configured
 #     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
 #                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
@@ -633,6 +635,10 @@ for phase in "$@"; do
       ;;
     srhashparity)
       CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"
+      ;;
+    dwblocksparity)
+      k=${DW_BLOCKS:-2}
+      CODA_TITAN_DW_BLOCKS=$k curves "fp8_lm_head_dw_blocks$k" "fp8_lm_head_dw_blocks$k" "fp8_lm_head_dw = true"
       ;;
     fp8repeats)
       f8=configs/llama3_1b_fp8_baseline_compile.toml

@@ -192,6 +192,8 @@ class _Fp8Dw:
         self.width = min(m, -(-chunks // blocks) * chunk_rows)  # (whole chunks a block)
         self.daq_t = torch.empty((vocab, self.width), device=hq.device, dtype=E5M2)
         self.hq_t = transpose_8bit.transpose_8bit(hq) if self.width < m else None
+        self.alpha = (s_h.float() / self.inv_g).reshape(1)  # (the blocks' GEMMs: the codes' scales)
+        self.codes_t = os.environ.get(ce_codes_t.ENV) == "1"
         self.dw = None
 
     def chunk(self, logits, parts, tl, t, r, d: int, loss_rows, start: int, stop: int):
@@ -199,7 +201,7 @@ class _Fp8Dw:
         ``transpose_8bit``, or with ``CODA_TITAN_CE_CODES_T=1``, a probe arm, ``ce_codes_t``'s pass storing them
         there itself); a block's product into dW once its last chunk is in."""
         b0 = start - start % self.width
-        if os.environ.get(ce_codes_t.ENV) == "1":
+        if self.codes_t:
             da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, self.inv_g,
                                                   self.daq_t, start - b0, sr_seed=self.seed, row0=start)
         else:
@@ -208,11 +210,10 @@ class _Fp8Dw:
             transpose_8bit.launch(daq, self.daq_t[:, start - b0:stop - b0])
         if self.width < self.m and stop in (b0 + self.width, self.m):
             a, b = self.daq_t[:, :stop - b0], self.hq_t[:, b0:stop].t()
-            alpha = (self.s_h.float() / self.inv_g).reshape(1)
             if self.dw is None:
-                self.dw = quack_gemm(a, b, out_dtype=self.dtype, alpha=alpha, tuned=TUNE)
+                self.dw = quack_gemm(a, b, out_dtype=self.dtype, alpha=self.alpha, tuned=TUNE)
             else:
-                gemm_add_inplace(a, b, self.dw, alpha=alpha, tuned=TUNE)
+                gemm_add_inplace(a, b, self.dw, alpha=self.alpha, tuned=TUNE)
         return da, corr
 
     def result(self):

@@ -120,6 +120,10 @@
 #                  (CODA_TITAN_DW_BLOCKS: the code buffer a block wide; its peak memory and step; STEPS, default 30)
 #     dwblocksparity 300-step loss curves (tag fp8_lm_head_dw_blocks<k>, DW_BLOCKS = k, default 2; ONLY_CANDIDATE=1
 #                  as below): float8 + compile, CODA fp8 compiled under CODA_TITAN_DW_BLOCKS=k, and as configured
+#     fp8arms      CODA fp8 compiled as configured, then under the head's probe arms: SR_HASH=row, CE_CODES_T=1,
+#                  both, both with DW_BLOCKS=2, and as configured again (STEPS, default 30; tags arms_<arm>)
+#     armsparity   300-step loss curves (tag fp8_head_arms; ONLY_CANDIDATE=1 as below): float8 + compile, CODA fp8
+#                  compiled under CODA_TITAN_SR_HASH=row, CE_CODES_T=1 and DW_BLOCKS (default 2), and as configured
 #     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
 #                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
@@ -632,6 +636,20 @@ for phase in "$@"; do
       dab() { env CODA_TITAN_DW_BLOCKS="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
                 --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1"; }
       dab k1 1; dab k2 2; dab k4 4; dab k1b 1; dab k2b 2
+      ;;
+    fp8arms)
+      aab() { local t=$1; shift; env "$@" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "arms_$t"; }
+      aab base CODA_TITAN_SR_HASH=element
+      aab row CODA_TITAN_SR_HASH=row
+      aab codest CODA_TITAN_CE_CODES_T=1
+      aab rowcodest CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1
+      aab rowcodestk2 CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1 CODA_TITAN_DW_BLOCKS=2
+      aab base2 CODA_TITAN_SR_HASH=element
+      ;;
+    armsparity)
+      CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1 CODA_TITAN_DW_BLOCKS=${DW_BLOCKS:-2} \
+        curves fp8_head_arms fp8_head_arms "fp8_lm_head_dw = true"
       ;;
     srhashparity)
       CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"

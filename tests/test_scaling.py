@@ -77,19 +77,19 @@ def test_e5m2_stochastic_rounding_picks_a_neighbour_with_the_probability_of_its_
     lo = torch.floor(v.abs() / step) * step
     frac = (v.abs() - lo) / step
     for i in range(v.numel()):
-        q = quantize_e5m2_sr(v[i].expand(n).float(), torch.tensor(1.0), 11, offsets).double()
+        q = quantize_e5m2_sr(v[i].expand(n).float(), torch.tensor(1.0), 11, offsets, mode="element").double()
         up = q.abs() == lo[i] + step[i]
         assert bool(((q.abs() == lo[i]) | up).all() & ((q * v[i]) >= 0).all()), (float(v[i]), q.unique().tolist())
         sd = (frac[i] * (1 - frac[i]) / n) ** 0.5
         assert abs(float(up.double().mean() - frac[i])) <= 5 * sd + 1e-12, (float(v[i]), float(up.double().mean()),
                                                                           float(frac[i]))
     grid = torch.tensor([1.0, -1.25, 1.75 * 2.0 ** 10, 57344.0, 2.0 ** -14])
-    assert torch.equal(quantize_e5m2_sr(grid, torch.tensor(1.0), 5, torch.arange(5)).float(), grid)
-    big = quantize_e5m2_sr(torch.tensor([1e6, -1e6]), torch.tensor(1.0), 5, torch.arange(2)).float()
+    assert torch.equal(quantize_e5m2_sr(grid, torch.tensor(1.0), 5, torch.arange(5), mode="element").float(), grid)
+    big = quantize_e5m2_sr(torch.tensor([1e6, -1e6]), torch.tensor(1.0), 5, torch.arange(2), mode="element").float()
     assert big.tolist() == [E5M2_MAX, -E5M2_MAX]
     x = torch.randn(4096, generator=gen)
-    a, b = (quantize_e5m2_sr(x, torch.tensor(4.0), s, offsets).view(torch.uint8) for s in (1, 1))
-    c = quantize_e5m2_sr(x, torch.tensor(4.0), 2, offsets).view(torch.uint8)
+    a, b = (quantize_e5m2_sr(x, torch.tensor(4.0), s, offsets, mode="element").view(torch.uint8) for s in (1, 1))
+    c = quantize_e5m2_sr(x, torch.tensor(4.0), 2, offsets, mode="element").view(torch.uint8)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

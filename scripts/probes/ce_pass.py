@@ -57,6 +57,16 @@ def _pass_rows(doc, path):
     for b, w in SHAPES:
         fns[f"triton_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(buf, lse[:, None], tl, targets, rstd, -100, D,
                                                                      None, b, w)
+    failed = {}
+    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
+        try:
+            fns[k]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            del fns[k]
+    for k, err in failed.items():
+        log_row(doc, "codes", {"variant": k, "error": err}, path)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():
@@ -87,7 +97,7 @@ def _codes_rows(doc, path):
     seed = torch.tensor(7, device="cuda")  # (a device tensor, as ``sr_seed_of`` gives the model: no copy a call)
     fns = {"bf16_da": lambda: ce_grad_inplace(*args),
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
-           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed),
+           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="element"),
            "codes_stochastic_row": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="row")}
     daq_t = torch.empty((VOCAB, 8 * ROWS), device="cuda", dtype=torch.float8_e5m2)  # (the head's (V, M) buffer)
 
@@ -103,6 +113,16 @@ def _codes_rows(doc, path):
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)
+    failed = {}
+    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
+        try:
+            fns[k]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            del fns[k]
+    for k, err in failed.items():
+        log_row(doc, "codes", {"variant": k, "error": err}, path)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():
@@ -136,6 +156,16 @@ def _tail_rows(doc, path):
         return gemm_add(da.t(), h, dw32, out_dtype=torch.bfloat16)
 
     fns = {"fp32_then_cast": cast, "gemm_add_bf16_out": fused}
+    failed = {}
+    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
+        try:
+            fns[k]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            del fns[k]
+    for k, err in failed.items():
+        log_row(doc, "codes", {"variant": k, "error": err}, path)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():

@@ -450,7 +450,7 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True, "element", "codes_t", "blocks"])
+@pytest.mark.parametrize("fp8_dw", [False, True, "row", "codes_t", "blocks"])
 def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
@@ -461,15 +461,15 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
     ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
     e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
-    "element": the same with ``CODA_TITAN_SR_HASH=element`` (``scaling.sr_words``' other scheme, the default being
-    "row"; the bound holds any stochastic rounding's); "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
+    "row": the same with ``CODA_TITAN_SR_HASH=row`` (``scaling.sr_words``' other scheme; the bound holds any
+    stochastic rounding's); "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
     token-major by the pass itself; its sums in another order, which the bounds allow); "blocks": with
     ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
 
-    arms = {"element": ("CODA_TITAN_SR_HASH", "element"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1"),
+    arms = {"row": ("CODA_TITAN_SR_HASH", "row"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1"),
             "blocks": ("CODA_TITAN_DW_BLOCKS", "2")}
     tag, roundings = "" if fp8_dw is False else "_fp8_dw" + ("" if fp8_dw is True else f"_{fp8_dw}"), 0
     if fp8_dw in arms:

@@ -72,16 +72,15 @@ def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 
 SR_DROP = 21  # fp32 mantissa bits e5m2 drops (23 - 2): the random increment's width
-SR_HASH_ENV = "CODA_TITAN_SR_HASH"  # the random words' scheme (``sr_hash_mode``): "row" (default) or "element"
+SR_HASH_ENV = "CODA_TITAN_SR_HASH"  # the random words' scheme (``sr_hash_mode``): "element" (default) or "row"
 SR_ROW_MUL = 0x9E3779B1  # "row": the odd multiplier of each element's word (2^32 / golden ratio)
 
 
 def sr_hash_mode() -> str:
     """The stochastic rounding's random words (``quantize_e5m2_sr``, the Triton pass alike), from
-    ``CODA_TITAN_SR_HASH``: "row" (the default: lowbias32 once a row, then one multiply an element) or "element"
-    (lowbias32 of each element's counter: two multiplies and three xor-shifts an element; the earlier default, kept
-    as a probe arm; docs/history.md has the A/B and the parity run that made "row" the default)."""
-    mode = os.environ.get(SR_HASH_ENV, "row")
+    ``CODA_TITAN_SR_HASH``: "element" (lowbias32 of each element's counter: two multiplies and three xor-shifts an
+    element) or "row" (lowbias32 once a row, then one multiply an element; a probe arm of the pass's cost)."""
+    mode = os.environ.get(SR_HASH_ENV, "element")
     if mode not in ("element", "row"):
         raise ValueError(f"{SR_HASH_ENV} must be element or row, got {mode!r}")
     return mode

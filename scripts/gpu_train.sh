@@ -624,7 +624,7 @@ for phase in "$@"; do
       ;;
     srhash)
       sab() { env CODA_TITAN_SR_HASH="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "srhash_$1$2"; }
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "srhash_$1${2:-}"; }
       sab element; sab row; sab element 2; sab row 2
       ;;
     codest)

@@ -139,6 +139,9 @@
 #     ceexp        CODA compiled with F4 without its gradient pass (CODA_TITAN_CE_PASS=exp) against the configured F4 and
 #                  its pass (PREC, default bf16; ARMS=3 repeats the configured run)
 #     ceexpprofile one profiled step of CODA compiled with and without F4's gradient pass (PREC), under $out/ceexp/
+#     dwblocksprobe scripts/probes/fp8_dw_blocks.py: fp8_lm_head_dw's dW as configured (one cuBLAS fp8 GEMM) against
+#                  CODA_TITAN_DW_BLOCKS=2, 4 (quack fp8 GEMMs a block): each arm's first call (its autotune sweep, then
+#                  kept in the returned tune cache), ms and difference; before fp8arms / dwblocks on a host
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast; the configured pass alone, with e5m2 codes, with
 #                  stochastically rounded codes (fp8_lm_head_dw's)
@@ -565,6 +568,9 @@ for phase in "$@"; do
       ;;
     cepassprobe)
       python3 -m scripts.probes.ce_pass
+      ;;
+    dwblocksprobe)
+      python3 -m scripts.probes.fp8_dw_blocks
       ;;
     adamw8b)
       p8=${PREC8B:-fp8}

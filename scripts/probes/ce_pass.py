@@ -25,12 +25,22 @@ from __future__ import annotations
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.epi_stages import _streamed
+from scripts.probes.epi_stages import _first_calls, _streamed
 
 ROWS, VOCAB, D = 2048, 128256, 2048
 SHAPES = ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (16384, 16))
 # ``ce_codes_t``'s tile shapes: (rows a program, columns a step, column ranges, warps)
 CODES_T = ((32, 256, 8, 8), (32, 128, 8, 4), (16, 256, 8, 4), (32, 256, 4, 8), (64, 128, 8, 8))
+
+
+def _runnable(doc, path, key: str, fns: dict) -> dict:
+    """``fns`` without the variants whose first call fails (a tile shape Triton cannot compile), each of those
+    logged in ``doc[key]`` with its error: the others are still timed."""
+    ok = _first_calls(fns)
+    for k in fns:
+        if "error" in ok[k]:
+            log_row(doc, key, {"variant": k, "error": ok[k]["error"]}, path)
+    return {k: f for k, f in fns.items() if "error" not in ok[k]}
 
 
 def _inputs(g):
@@ -57,16 +67,7 @@ def _pass_rows(doc, path):
     for b, w in SHAPES:
         fns[f"triton_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(buf, lse[:, None], tl, targets, rstd, -100, D,
                                                                      None, b, w)
-    failed = {}
-    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
-        try:
-            fns[k]()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-            del fns[k]
-    for k, err in failed.items():
-        log_row(doc, "codes", {"variant": k, "error": err}, path)
+    fns = _runnable(doc, path, "pass", fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():
@@ -113,16 +114,7 @@ def _codes_rows(doc, path):
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)
-    failed = {}
-    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
-        try:
-            fns[k]()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-            del fns[k]
-    for k, err in failed.items():
-        log_row(doc, "codes", {"variant": k, "error": err}, path)
+    fns = _runnable(doc, path, "codes", fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():
@@ -156,16 +148,7 @@ def _tail_rows(doc, path):
         return gemm_add(da.t(), h, dw32, out_dtype=torch.bfloat16)
 
     fns = {"fp32_then_cast": cast, "gemm_add_bf16_out": fused}
-    failed = {}
-    for k in list(fns):  # (a tile shape Triton fails to compile is logged with its error; the rest are timed)
-        try:
-            fns[k]()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-            del fns[k]
-    for k, err in failed.items():
-        log_row(doc, "codes", {"variant": k, "error": err}, path)
+    fns = _runnable(doc, path, "tail", fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(5):
         for k, f in fns.items():

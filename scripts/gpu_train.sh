@@ -117,11 +117,13 @@
 #     codest       CODA fp8 compiled as configured, without and with CODA_TITAN_CE_CODES_T=1 (ce_codes_t: the CE pass
 #                  stores fp8_lm_head_dw's codes token-major itself, no transpose), alternating twice (STEPS, default 30)
 #     dwblocks     CODA fp8 compiled as configured with fp8_lm_head_dw's dW over 1, 2, 4, 1, 2 token blocks
-#                  (CODA_TITAN_DW_BLOCKS: the code buffer a block wide; its peak memory and step; STEPS, default 30)
+#                  (CODA_TITAN_DW_BLOCKS: the code buffer a block wide; its peak memory and step; STEPS, default 30;
+#                  each run killed after ARM_TIMEOUT s, default 300; after dwblocksprobe on the host: its tile sweeps)
 #     dwblocksparity 300-step loss curves (tag fp8_lm_head_dw_blocks<k>, DW_BLOCKS = k, default 2; ONLY_CANDIDATE=1
 #                  as below): float8 + compile, CODA fp8 compiled under CODA_TITAN_DW_BLOCKS=k, and as configured
 #     fp8arms      CODA fp8 compiled as configured, then under the head's probe arms: SR_HASH=row, CE_CODES_T=1,
-#                  both, both with DW_BLOCKS=2, and as configured again (STEPS, default 30; tags arms_<arm>)
+#                  both, both with DW_BLOCKS=2, and as configured again (STEPS, default 30; tags arms_<arm>; each run
+#                  killed after ARM_TIMEOUT s, default 300: after dwblocksprobe, whose sweep the DW_BLOCKS run reuses)
 #     armsparity   300-step loss curves (tag fp8_head_arms; ONLY_CANDIDATE=1 as below): float8 + compile, CODA fp8
 #                  compiled under CODA_TITAN_SR_HASH=row, CE_CODES_T=1 and DW_BLOCKS (default 2), and as configured
 #     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
@@ -640,12 +642,12 @@ for phase in "$@"; do
       ;;
     dwblocks)
       dab() { env CODA_TITAN_DW_BLOCKS="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1"; }
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1" --timeout "${ARM_TIMEOUT:-300}"; }
       dab k1 1; dab k2 2; dab k4 4; dab k1b 1; dab k2b 2
       ;;
     fp8arms)
       aab() { local t=$1; shift; env "$@" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "arms_$t"; }
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "arms_$t" --timeout "${ARM_TIMEOUT:-300}"; }
       aab base CODA_TITAN_SR_HASH=element
       aab row CODA_TITAN_SR_HASH=row
       aab codest CODA_TITAN_CE_CODES_T=1

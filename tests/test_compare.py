@@ -886,3 +886,15 @@ def test_a_loss_curve_call_ends_with_each_runs_deviations_and_the_noise_floor_ve
     assert "max 2.00% (step " in coda and "parts (past 0.001) at step 22" in coda
     assert "llama3_1b_bf16_coda_compile against the noise floor (llama3_1b_bf16_baseline_compile" in out
     assert out.rstrip().splitlines()[-2].endswith("no larger than its: MISSED")
+
+
+def test_a_run_that_prints_nothing_past_its_timeout_is_killed_and_reported(tmp_path):
+    """``run_config``'s ``timeout`` holds while the run is silent (a tile sweep, a hang): the process that prints one
+    line and then sleeps is killed at the deadline, not when it would end, and the result says so with its log."""
+    entry = ("-c", "import sys, time; print('compiling', flush=True); time.sleep(120)")
+    t0 = time.time()
+    res = run.run_config(CONFIGS / "debug_cpu_coda.toml", steps=2, workdir=tmp_path, attention="config", sets=[],
+                         timeout=3, entry=entry)
+    assert time.time() - t0 < 60, time.time() - t0
+    assert res["returncode"] != 0 and "killed at the 3 s timeout" in res["error"] and "compiling" in res["error"]
+    assert (tmp_path / "debug_cpu_coda" / "train.log").read_text() == "compiling\n"

@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -156,25 +157,10 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.setdefault("WANDB_SILENT", "true")
     t0 = time.time()
-    lines, step_times = [], {}
     sampling = gpu_clocks.ClockSampler() if clocks else contextlib.nullcontext()
     # (line-buffered: a run cut short by a time limit keeps its log up to there)
     with open(run_dir / "train.log", "w", buffering=1) as log, sampling as sampler:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                lines.append(line)
-                row = parse_log(line)
-                if row:
-                    step_times[row[0]["step"]] = time.time()
-                if row and (row[0]["step"] % 10 == 0 or row[0]["step"] in (1, steps)):
-                    r = row[0]
-                    _say(f"  {stem} step {r['step']}/{steps} loss {r['loss']:.4f} tps {r['tps']:,.0f} mem {r['memory_gib']:.1f}GiB")
-            proc.wait(timeout=max(1, timeout - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc, lines, step_times = _follow(cmd, env, log, stem, steps, t0 + timeout)
     text = "".join(lines)
     rows = parse_log(text)
     result = {
@@ -200,10 +186,40 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     expected = len(logged_steps(steps, log_freq))
     if proc.returncode != 0 or len(rows) < expected:
         tail = "".join(lines[-15:])
-        result["error"] = f"exit {proc.returncode}, {len(rows)}/{expected} step lines logged; log tail:\n{tail}"
+        late = f" (killed at the {timeout} s timeout)" if result["wall_s"] >= timeout and proc.returncode else ""
+        result["error"] = f"exit {proc.returncode}{late}, {len(rows)}/{expected} step lines logged; log tail:\n{tail}"
         _say(f"{stem} FAILED ({result['error'].splitlines()[0]})")
     result["wandb"] = _wandb_check(run_dir / "out", rows)
     return result
+
+
+def _follow(cmd: list[str], env: dict, log, stem: str, steps: int, deadline: float):
+    """Run ``cmd``, each output line into ``log`` and every 10th step's line onto the console, until it exits or
+    ``deadline`` (``time.time()``) passes, when it is killed; returns (the finished process, its lines, each step
+    line's arrival time by step)."""
+    lines, step_times = [], {}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    # (the read below blocks while the run prints nothing, a tile sweep or a hang: the deadline kills it there too)
+    watchdog = threading.Timer(max(1.0, deadline - time.time()), proc.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line)
+            row = parse_log(line)
+            if row:
+                step_times[row[0]["step"]] = time.time()
+            if row and (row[0]["step"] % 10 == 0 or row[0]["step"] in (1, steps)):
+                r = row[0]
+                _say(f"  {stem} step {r['step']}/{steps} loss {r['loss']:.4f} tps {r['tps']:,.0f} mem {r['memory_gib']:.1f}GiB")
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    return proc, lines, step_times
 
 
 def _precision(job) -> str:

@@ -136,6 +136,9 @@
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
+#     preactab     CODA fp8 compiled as configured, with fp8_preact (a saved as e4m3: 4 GiB less at 1B), with it and
+#                  ce_chunk_rows = 4096 (what the freed memory could buy), as configured, with fp8_preact (STEPS, 30;
+#                  tags preact_{off,on,on4096,off2,on2}; each run killed after ARM_TIMEOUT s, default 300)
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
 #     ceexp        CODA compiled with F4 without its gradient pass (CODA_TITAN_CE_PASS=exp) against the configured F4 and
@@ -610,6 +613,14 @@ for phase in "$@"; do
       ;;
     preactparity)
       curves fp8_preact preact "fp8_preact = true"
+      ;;
+    preactab)
+      a=$(variant preact "fp8_preact = true") && b=$(variant preact4096 "fp8_preact = true" "ce_chunk_rows = 4096") \
+        || exit 2
+      pab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "preact_$2" \
+                --timeout "${ARM_TIMEOUT:-300}"; }
+      pab configs/llama3_1b_fp8_coda_compile.toml off; pab "$a" on; pab "$b" on4096
+      pab configs/llama3_1b_fp8_coda_compile.toml off2; pab "$a" on2
       ;;
     fp8headparity)
       curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"

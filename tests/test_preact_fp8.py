@@ -88,14 +88,33 @@ _KNOBS = dict(fp8_mlp_dgrad=True, fp8_mlp_wgrad=True, fp8_mlp_wgrad_e5m2=True, f
               fp8_mlp_da_t=True, fp8_down_wgrad=True)
 
 
-def test_fp8_preact_saves_a_as_codes_once_calibrated_and_b3_reads_them():
+def _shipped_fp8_knobs() -> dict:
+    """The boolean fp8 knobs of ``configs/llama3_1b_fp8_coda_compile.toml``: the schema's defaults, then the file's."""
+    import dataclasses
+
+    import tomli
+
+    from coda_titan.titan.job_config import Coda
+
+    from .conftest import CONFIGS
+
+    with open(CONFIGS / "llama3_1b_fp8_coda_compile.toml", "rb") as f:
+        coda = tomli.load(f)["coda"]
+    knobs = {f.name: f.default for f in dataclasses.fields(Coda) if f.name.startswith("fp8_") and f.type is bool}
+    return {**knobs, **{k: v for k, v in coda.items() if k in knobs}}
+
+
+@pytest.mark.parametrize("knobs", ["b3", "shipped"])
+def test_fp8_preact_saves_a_as_codes_once_calibrated_and_b3_reads_them(knobs):
     """The model with ``fp8_preact``: the first step calibrates (bf16 a, its amax recorded), then F2 writes
     a's e4m3 codes with the site's power-of-two scale (``norm_swiglu_qa_fp8``) and B3 reads them
     (``swiglu_bwd_e5m2_t_qa``). The forward is the model's without it bit for bit (y comes from v either
     way); the saved activations shrink by a's bytes less one byte an element; the gradients track the
-    bf16 model's; the site's history is each layer's amax |a|, and its checkpoint state round-trips."""
-    bf16, off = _models(**_KNOBS)
-    _, on = _models(**_KNOBS, fp8_preact=True)
+    bf16 model's; the site's history is each layer's amax |a|, and its checkpoint state round-trips. "b3": the
+    knobs it needs only; "shipped": on top of every fp8 knob of the compiled 1B fp8 config (its A/B's base)."""
+    kw = _KNOBS if knobs == "b3" else {**_shipped_fp8_knobs(), "fp8_preact": False}
+    bf16, off = _models(**kw)
+    _, on = _models(**{**kw, "fp8_preact": True})
     names = ("norm_swiglu_q_fp8", "norm_swiglu_qa_fp8", "swiglu_bwd_e5m2_t_q", "swiglu_bwd_e5m2_t_qa")
     calls = _spy(on, names)
     tokens, labels = _batch(on.model_args.vocab_size)

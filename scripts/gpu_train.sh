@@ -111,9 +111,6 @@
 #     fp8headfwdparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_lm_head_fwd, and as configured
 #     fp8headdw    CODA fp8 compiled as configured (fp8_lm_head_dw on: dW_out on stochastically rounded e5m2 dlogits),
 #                  without it, as configured, without it again (STEPS, default 30); after GPU_TESTS="fp8_forward_head" gputests
-#     srhash       CODA fp8 compiled as configured with the stochastic rounding's words "element" (the default) and
-#                  "row" (CODA_TITAN_SR_HASH, scaling.sr_words), alternating twice (STEPS, default 30); after
-#                  GPU_TESTS="fp8_forward_head" gputests cepassprobe (its codes_stochastic_row rows)
 #     codest       CODA fp8 compiled as configured, without and with CODA_TITAN_CE_CODES_T=1 (ce_codes_t: the CE pass
 #                  stores fp8_lm_head_dw's codes token-major itself, no transpose), alternating twice (STEPS, default 30)
 #     dwblocks     CODA fp8 compiled as configured with fp8_lm_head_dw's dW over 1, 2, 4, 1, 2 token blocks
@@ -121,13 +118,6 @@
 #                  each run killed after ARM_TIMEOUT s, default 300; after dwblocksprobe on the host: its tile sweeps)
 #     dwblocksparity 300-step loss curves (tag fp8_lm_head_dw_blocks<k>, DW_BLOCKS = k, default 2; ONLY_CANDIDATE=1
 #                  as below): float8 + compile, CODA fp8 compiled under CODA_TITAN_DW_BLOCKS=k, and as configured
-#     fp8arms      CODA fp8 compiled as configured, then under the head's probe arms: SR_HASH=row, CE_CODES_T=1,
-#                  both, both with DW_BLOCKS=2, and as configured again (STEPS, default 30; tags arms_<arm>; each run
-#                  killed after ARM_TIMEOUT s, default 300: after dwblocksprobe, whose sweep the DW_BLOCKS run reuses)
-#     armsparity   300-step loss curves (tag fp8_head_arms; ONLY_CANDIDATE=1 as below): float8 + compile, CODA fp8
-#                  compiled under CODA_TITAN_SR_HASH=row, CE_CODES_T=1 and DW_BLOCKS (default 2), and as configured
-#     srhashparity 300-step loss curves (tag fp8_lm_head_dw_srrow; ONLY_CANDIDATE=1 as below): float8 + compile, CODA
-#                  fp8 compiled under CODA_TITAN_SR_HASH=row, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
 #                  + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
 #                  and as configured
@@ -146,7 +136,7 @@
 #     ceexpprofile one profiled step of CODA compiled with and without F4's gradient pass (PREC), under $out/ceexp/
 #     dwblocksprobe scripts/probes/fp8_dw_blocks.py: fp8_lm_head_dw's dW as configured (one cuBLAS fp8 GEMM) against
 #                  CODA_TITAN_DW_BLOCKS=2, 4 (quack fp8 GEMMs a block): each arm's first call (its autotune sweep, then
-#                  kept in the returned tune cache), ms and difference; before fp8arms / dwblocks on a host
+#                  kept in the returned tune cache), ms and difference; before dwblocks on a host
 #     cepassprobe  scripts/probes/ce_pass.py: F4's in-place Triton pass (block / warp shapes) against the inductor program,
 #                  and the last dW GEMM writing bf16 against the fp32 sum then a cast; the configured pass alone, with e5m2 codes, with
 #                  stochastically rounded codes (fp8_lm_head_dw's)
@@ -641,37 +631,15 @@ for phase in "$@"; do
     fp8headdwparity)
       curves fp8_lm_head_dw_sr fp8_lm_head_dw_sr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"
       ;;
-    srhash)
-      sab() { env CODA_TITAN_SR_HASH="$1" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "srhash_$1${2:-}"; }
-      sab element; sab row; sab element 2; sab row 2
-      ;;
     codest)
       cab() { env CODA_TITAN_CE_CODES_T="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1"; }
+                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1" --timeout "${ARM_TIMEOUT:-300}"; }
       cab off 0; cab on 1; cab off2 0; cab on2 1
       ;;
     dwblocks)
       dab() { env CODA_TITAN_DW_BLOCKS="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
                 --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1" --timeout "${ARM_TIMEOUT:-300}"; }
       dab k1 1; dab k2 2; dab k4 4; dab k1b 1; dab k2b 2
-      ;;
-    fp8arms)
-      aab() { local t=$1; shift; env "$@" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "arms_$t" --timeout "${ARM_TIMEOUT:-300}"; }
-      aab base CODA_TITAN_SR_HASH=element
-      aab row CODA_TITAN_SR_HASH=row
-      aab codest CODA_TITAN_CE_CODES_T=1
-      aab rowcodest CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1
-      aab rowcodestk2 CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1 CODA_TITAN_DW_BLOCKS=2
-      aab base2 CODA_TITAN_SR_HASH=element
-      ;;
-    armsparity)
-      CODA_TITAN_SR_HASH=row CODA_TITAN_CE_CODES_T=1 CODA_TITAN_DW_BLOCKS=${DW_BLOCKS:-2} \
-        curves fp8_head_arms fp8_head_arms "fp8_lm_head_dw = true"
-      ;;
-    srhashparity)
-      CODA_TITAN_SR_HASH=row curves fp8_lm_head_dw_srrow fp8_lm_head_dw_srrow "fp8_lm_head_dw = true"
       ;;
     dwblocksparity)
       k=${DW_BLOCKS:-2}

@@ -127,28 +127,23 @@ offs = (torch.arange(rows)[:, None] + row0) * vocab + torch.arange(vocab)
 normal = v.abs() >= 2.0 ** -14  # (unbiased: the codes' mean error, in steps 2^(e - 2) of each value's binade e)
 step_v = 2.0 ** (torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -14))) - 2)
 slack = torch.where(v.abs() + err < 2.0 ** -14, 2.0 ** -16, 0.0)
-for mode, name in (("element", "sr"), ("row", "sr_row")):  # (``scaling.sr_words``' two schemes)
-    lo_sr, hi_sr = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs, vocab, mode).float()
-                    for w in (v - err, v + err))
-    sr_pass = functools.partial(ce_pass.ce_grad_inplace, lse_parts=parts, tgt_logit=tgt_logit, targets=targets,
-                                rstd=rstd, ignore_index=ref.IGNORE_INDEX, dim=d, codes_inv=inv, row0=row0,
-                                sr_hash=mode)
-    da3, corr3, daq3 = sr_pass(logits.clone(), sr_seed=seed)
-    q3 = daq3.float()
-    again, other = (sr_pass(logits.clone(), sr_seed=s_)[2] for s_ in (seed, seed + 1))
-    got[name] = {
-        "mean_err_steps": float(((q3 - v) / step_v)[normal].double().mean()),
-        "codes_outside": int(((q3 < lo_sr - slack) | (q3 > hi_sr + slack)).sum()),
-        "codes_normal": int(normal.sum()),
-        "codes_off_nearest": int((q3 != ends[1]).sum()),
-        "repeats": bool(torch.equal(again.view(torch.uint8), daq3.view(torch.uint8))),
-        "other_seed_moves": int((other.view(torch.uint8) != daq3.view(torch.uint8)).sum()),
-        "da_same": bool(torch.equal(da3, da1)), "corr_same": bool(torch.equal(corr3, corr1)),
-    }
+lo_sr, hi_sr = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs).float() for w in (v - err, v + err))
+sr_pass = functools.partial(ce_pass.ce_grad_inplace, lse_parts=parts, tgt_logit=tgt_logit, targets=targets,
+                            rstd=rstd, ignore_index=ref.IGNORE_INDEX, dim=d, codes_inv=inv, row0=row0)
+da3, corr3, daq3 = sr_pass(logits.clone(), sr_seed=seed)
+q3 = daq3.float()
+again, other = (sr_pass(logits.clone(), sr_seed=s_)[2] for s_ in (seed, seed + 1))
+got["sr"] = {
+    "mean_err_steps": float(((q3 - v) / step_v)[normal].double().mean()),
+    "codes_outside": int(((q3 < lo_sr - slack) | (q3 > hi_sr + slack)).sum()),
+    "codes_normal": int(normal.sum()),
+    "codes_off_nearest": int((q3 != ends[1]).sum()),
+    "repeats": bool(torch.equal(again.view(torch.uint8), daq3.view(torch.uint8))),
+    "other_seed_moves": int((other.view(torch.uint8) != daq3.view(torch.uint8)).sum()),
+    "da_same": bool(torch.equal(da3, da1)), "corr_same": bool(torch.equal(corr3, corr1)),
+}
 got["sr"]["refuses_without_codes"] = refuses(lambda: ce_pass.ce_grad_inplace(
     logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, sr_seed=seed), says="sr_seed")
-got["sr_row"]["differs_from_element"] = int((daq3.view(torch.uint8) != sr_pass(
-    logits.clone(), sr_seed=seed, sr_hash="element")[2].view(torch.uint8)).sum())
 
 # the token-major codes pass (``ce_codes_t``, CODA_TITAN_CE_CODES_T=1): two row blocks (the second ragged), three
 # column ranges, 200 partials (two fold blocks). Its lse, loss, da and corr are the row pass's arithmetic in
@@ -161,12 +156,12 @@ lse_bound_f = (fine.shape[1] + 3) * U + 2 * U * (lse.abs() + fine.amax(-1).abs()
 col0, width = 2, rows + 5
 corr_r = -(rstd * rstd * torch.tensor(1.0 / d, dtype=torch.float32)) * zdz_r
 got["codes_t"] = {}
-for mode in ("nearest", "element", "row"):
+for mode in ("nearest", "stochastic"):
     buf4, loss4 = logits.clone(), torch.full((rows,), float("nan"))
     daq_t = torch.full((vocab, width), 0x3C, dtype=torch.uint8).view(torch.float8_e5m2)
     da4, corr4 = codes_t.ce_grad_codes_t(buf4, fine, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, loss4, inv,
-                                         daq_t, col0, None if mode == "nearest" else seed, row0,
-                                         None if mode == "nearest" else mode, rb=4, bv=256, nsplit=3, num_warps=4)
+                                         daq_t, col0, None if mode == "nearest" else seed, row0, rb=4, bv=256,
+                                         nsplit=3, num_warps=4)
     lse4 = torch.where(valid, loss4 + tgt_logit, lse)
     dl4 = (lse4 - lse).abs()
     err4 = (4 * U + dl4[:, None]) * p * r[:, None] * inv
@@ -175,8 +170,7 @@ for mode in ("nearest", "element", "row"):
         e4 = [interp_e5m2(v - err4), interp_e5m2(v), interp_e5m2(v + err4)]
         outside = ~((q4 == e4[0]) | (q4 == e4[1]) | (q4 == e4[2]))
     else:
-        lo4, hi4 = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs, vocab, mode).float()
-                    for w in (v - err4, v + err4))
+        lo4, hi4 = (scaling.quantize_e5m2_sr(w / inv, inv, seed, offs).float() for w in (v - err4, v + err4))
         outside = (q4 < lo4 - slack) | (q4 > hi4 + slack)
     zb4 = (2 * (vocab - 1) * U + dl4) * (p * lf).abs().sum(-1)
     got["codes_t"][mode] = {

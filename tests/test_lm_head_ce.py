@@ -295,8 +295,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     ``sr_seed`` the codes are ``scaling.quantize_e5m2_sr``'s (between its codes of the ends of each value's error
     interval, with the same seed and counters), unbiased (their mean error over the normal values within 5 standard
     deviations, 0.5 / sqrt(n) steps, of 0), off round-to-nearest's on a large share, repeated by the same seed
-    and moved by another, the bf16 da and corr unchanged; so too with ``sr_hash="row"`` (``scaling.sr_words``),
-    whose bits are other than the default's. Given
+    and moved by another, the bf16 da and corr unchanged. Given
     ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
     da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
     plain pass's value."""
@@ -316,12 +315,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
     assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
     assert g["da_same"] and g["corr_same"] and g["refuses_without_codes"], g
-    g = got["sr_row"]  # (the "row" words, CODA_TITAN_SR_HASH=row: the same checks, and other bits than "element")
-    assert g["codes_outside"] == 0 and g["codes_normal"] > 0.5 * rows_cols and g["repeats"], g
-    assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
-    assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
-    assert g["da_same"] and g["corr_same"] and g["differs_from_element"] > 0.1 * rows_cols, g
-    for mode in ("nearest", "element", "row"):  # (the token-major codes pass, CODA_TITAN_CE_CODES_T=1)
+    for mode in ("nearest", "stochastic"):  # (the token-major codes pass, CODA_TITAN_CE_CODES_T=1)
         g = got["codes_t"][mode]
         assert g["in_place"] and g["others_untouched"] and g["ignored"] and g["codes_outside"] == 0, (mode, g)
         assert max(g["lse_err_over_bound"], g["da_err_over_bound"], g["corr_err_over_bound"]) <= 1.0, (mode, g)
@@ -450,7 +444,7 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True, "row", "codes_t", "blocks"])
+@pytest.mark.parametrize("fp8_dw", [False, True, "codes_t", "blocks"])
 def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
@@ -461,16 +455,14 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     (2^-8); zdz (the default ``acc``: the row dot of D with gamma X), dX and dgamma from D's bound as in
     ``test_cute_fp8_head_matches_reference``. ``fp8_dw`` (``fp8_lm_head_dw``): dW on da's stochastically rounded
     e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
-    "row": the same with ``CODA_TITAN_SR_HASH=row`` (``scaling.sr_words``' other scheme; the bound holds any
-    stochastic rounding's); "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
+    "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
     token-major by the pass itself; its sums in another order, which the bounds allow); "blocks": with
     ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
 
-    arms = {"row": ("CODA_TITAN_SR_HASH", "row"), "codes_t": ("CODA_TITAN_CE_CODES_T", "1"),
-            "blocks": ("CODA_TITAN_DW_BLOCKS", "2")}
+    arms = {"codes_t": ("CODA_TITAN_CE_CODES_T", "1"), "blocks": ("CODA_TITAN_DW_BLOCKS", "2")}
     tag, roundings = "" if fp8_dw is False else "_fp8_dw" + ("" if fp8_dw is True else f"_{fp8_dw}"), 0
     if fp8_dw in arms:
         monkeypatch.setenv(*arms[fp8_dw])
@@ -591,19 +583,16 @@ def test_fp8_forward_head_is_the_straight_through_gradient_of_its_quantized_logi
     assert (dx - dx0).abs().max() > 1e-6 * dx0.abs().max(), "the fp8 logits moved nothing: the check tested nothing"
 
 
-@pytest.mark.parametrize("sr_hash", ["element", "row"])
-def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest(sr_hash, monkeypatch):
+def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_the_rest():
     """``fp8_dw`` (``fp8_lm_head_dw``), in fp64: dW_out is da's e5m2 codes at ``dlogits_inv_scale``, rounded
     stochastically with the batch's seed (``sr_seed_of(targets)``) and each element's flat index in the batch
     (``quantize_e5m2_sr``, tested against its definition in tests/test_scaling.py), times H's codes, da = r
     (softmax - onehot) of the fp8 forward's logits computed here; so within one e5m2 step of |da| per element,
     times |H|, of the exact da's dW. The loss, dX and dgamma are the fp8 forward head's without it, exactly. The
-    same batch draws the same codes (a resumed run repeats its steps); other targets another seed. Under either
-    of ``CODA_TITAN_SR_HASH``'s schemes of random words (``scaling.sr_words``)."""
+    same batch draws the same codes (a resumed run repeats its steps); other targets another seed."""
     import coda_titan.kernels.lm_head_ce as lh
     from coda_titan.kernels.scaling import quantize_e5m2_sr, sr_seed_of
 
-    monkeypatch.setenv("CODA_TITAN_SR_HASH", sr_hash)
     fp8, _ = _fp8_head_case()
     x, gamma, hq, s_h, wq, s_w, tg = (fp8[k] for k in ("x", "gamma", "hq", "s_h", "weight_q", "s_w", "targets"))
     h, r = deferred_norm(x, gamma)
@@ -620,13 +609,13 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
     inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
     hd = hq.double() * s_h.double()
     seed = sr_seed_of(tg)
-    offsets, cols = lh.sr_offsets(0, da.shape[0], da.shape[1], da.device), da.shape[1]
-    codes = quantize_e5m2_sr(da, inv, seed, offsets, cols, sr_hash).double()
+    offsets = lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)
+    codes = quantize_e5m2_sr(da, inv, seed, offsets).double()
     torch.testing.assert_close(with_dw[3], (codes / inv).t() @ hd, rtol=1e-12, atol=1e-15)
     step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
     assert bool(((with_dw[3] - da.t() @ hd).abs() <= step.t() @ hd.abs() * (1 + 1e-9)).all())
     assert torch.equal(lh.lm_head_ce(**kw, fp8_dw=True)[3], with_dw[3])  # (the same batch, the same codes)
-    other = quantize_e5m2_sr(da, inv, seed + 1, offsets, cols, sr_hash)
+    other = quantize_e5m2_sr(da, inv, seed + 1, offsets)
     assert not torch.equal(other.view(torch.uint8), codes.to(other.dtype).view(torch.uint8))
     assert int(sr_seed_of(tg.roll(1))) != int(seed)  # (the seed is the batch's: its order too)
     assert not torch.allclose(with_dw[3], without[3], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)

@@ -77,47 +77,17 @@ def test_e5m2_stochastic_rounding_picks_a_neighbour_with_the_probability_of_its_
     lo = torch.floor(v.abs() / step) * step
     frac = (v.abs() - lo) / step
     for i in range(v.numel()):
-        q = quantize_e5m2_sr(v[i].expand(n).float(), torch.tensor(1.0), 11, offsets, mode="element").double()
+        q = quantize_e5m2_sr(v[i].expand(n).float(), torch.tensor(1.0), 11, offsets).double()
         up = q.abs() == lo[i] + step[i]
         assert bool(((q.abs() == lo[i]) | up).all() & ((q * v[i]) >= 0).all()), (float(v[i]), q.unique().tolist())
         sd = (frac[i] * (1 - frac[i]) / n) ** 0.5
         assert abs(float(up.double().mean() - frac[i])) <= 5 * sd + 1e-12, (float(v[i]), float(up.double().mean()),
                                                                           float(frac[i]))
     grid = torch.tensor([1.0, -1.25, 1.75 * 2.0 ** 10, 57344.0, 2.0 ** -14])
-    assert torch.equal(quantize_e5m2_sr(grid, torch.tensor(1.0), 5, torch.arange(5), mode="element").float(), grid)
-    big = quantize_e5m2_sr(torch.tensor([1e6, -1e6]), torch.tensor(1.0), 5, torch.arange(2), mode="element").float()
+    assert torch.equal(quantize_e5m2_sr(grid, torch.tensor(1.0), 5, torch.arange(5)).float(), grid)
+    big = quantize_e5m2_sr(torch.tensor([1e6, -1e6]), torch.tensor(1.0), 5, torch.arange(2)).float()
     assert big.tolist() == [E5M2_MAX, -E5M2_MAX]
     x = torch.randn(4096, generator=gen)
-    a, b = (quantize_e5m2_sr(x, torch.tensor(4.0), s, offsets, mode="element").view(torch.uint8) for s in (1, 1))
-    c = quantize_e5m2_sr(x, torch.tensor(4.0), 2, offsets, mode="element").view(torch.uint8)
+    a, b = (quantize_e5m2_sr(x, torch.tensor(4.0), s, offsets).view(torch.uint8) for s in (1, 1))
+    c = quantize_e5m2_sr(x, torch.tensor(4.0), 2, offsets).view(torch.uint8)
     assert torch.equal(a, b) and not torch.equal(a, c)
-
-
-def test_row_words_are_their_definition_and_round_without_bias(monkeypatch):
-    """``sr_words``' "row" scheme (``CODA_TITAN_SR_HASH=row``): word = (lowbias32(row ^ lowbias32(seed)) ^ col) *
-    0x9E3779B1 mod 2^32, word for word against Python integers; ``quantize_e5m2_sr`` with it rounds v up with
-    probability its fraction of a step over the rows of a column (n = 4096 rows: within 5 binomial deviations) and
-    along a row; the mode comes from the environment when not given, and an unknown one is refused."""
-    from coda_titan.kernels.scaling import sr_words
-
-    cols, seed = 1000, 99
-    offsets = torch.tensor([0, 1, 999, 1000, 123457, 2**33 + 5], dtype=torch.int64)
-    key = _lowbias32_words(seed)
-    want = [((_lowbias32_words((o // cols) & 0xFFFFFFFF ^ key) ^ (o % cols)) * 0x9E3779B1) & 0xFFFFFFFF
-            for o in offsets.tolist()]
-    assert sr_words(seed, offsets, cols, "row").tolist() == want
-    assert sr_words(seed, offsets, mode="element").tolist() == [_lowbias32_words(o & 0xFFFFFFFF ^ key)
-                                                                for o in offsets.tolist()]
-    n, v = 4096, 1.3  # (step 0.25 in [1, 2): up to 1.5 with probability 0.2)
-    for offs in (torch.arange(n) * cols + 7, torch.arange(n) + 3 * cols):  # (a column's rows; a row's columns)
-        q = quantize_e5m2_sr(torch.full((n,), v), torch.tensor(1.0), seed, offs, cols, "row").double()
-        assert bool(((q == 1.25) | (q == 1.5)).all())
-        up = float((q == 1.5).double().mean())
-        assert abs(up - 0.2) <= 5 * (0.2 * 0.8 / n) ** 0.5, up
-    monkeypatch.setenv("CODA_TITAN_SR_HASH", "row")
-    assert torch.equal(sr_words(seed, offsets, cols), sr_words(seed, offsets, cols, "row"))
-    monkeypatch.setenv("CODA_TITAN_SR_HASH", "rows")
-    with pytest.raises(ValueError, match="CODA_TITAN_SR_HASH"):
-        sr_words(seed, offsets, cols)
-    with pytest.raises(ValueError, match="cols"):
-        sr_words(seed, offsets, None, "row")

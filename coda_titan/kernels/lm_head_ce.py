@@ -131,7 +131,7 @@ def lm_head_ce(
         if fp8_dw:  # (e5m2 codes of the unrounded da, stochastically rounded; H's codes)
             ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
             daq = quantize_e5m2_sr(dp * r.to(ct)[:, None], inv_g, seed,
-                                   sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device), weight.shape[0])
+                                   sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device))
             dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
         else:
             dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)

@@ -17,8 +17,6 @@ Recipe (docs/fp8.md gives each site's choice and why):
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -72,20 +70,6 @@ def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 
 SR_DROP = 21  # fp32 mantissa bits e5m2 drops (23 - 2): the random increment's width
-SR_HASH_ENV = "CODA_TITAN_SR_HASH"  # the random words' scheme (``sr_hash_mode``): "element" (default) or "row"
-SR_ROW_MUL = 0x9E3779B1  # "row": the odd multiplier of each element's word (2^32 / golden ratio)
-
-
-def sr_hash_mode() -> str:
-    """The stochastic rounding's random words (``quantize_e5m2_sr``, the Triton pass alike), from
-    ``CODA_TITAN_SR_HASH``: "element" (lowbias32 of each element's counter: two multiplies and three xor-shifts an
-    element) or "row" (lowbias32 once a row, then one multiply an element; a probe arm of the pass's cost)."""
-    mode = os.environ.get(SR_HASH_ENV, "element")
-    if mode not in ("element", "row"):
-        raise ValueError(f"{SR_HASH_ENV} must be element or row, got {mode!r}")
-    return mode
-
-
 def _mul32(x: torch.Tensor, mul: int) -> torch.Tensor:
     """x * mul mod 2^32 for int64 tensors of 32-bit words (the product split so that no int64 product overflows)."""
     return (x * (mul & 0xFFFF) + (((x * (mul >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
@@ -99,20 +83,11 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_words(seed: int | torch.Tensor, offsets: torch.Tensor, cols: int | None = None,
-             mode: str | None = None) -> torch.Tensor:
-    """The 32-bit random words (int64) of the elements at ``offsets`` (flat indices in a batch of ``cols``
-    columns) for ``seed``, key = lowbias32(seed mod 2^32). "element": lowbias32(offset mod 2^32 ^ key). "row" (needs
-    ``cols``): (lowbias32(row ^ key) ^ col) * SR_ROW_MUL mod 2^32, row and col the offset's; for one element, over
-    the batches' keys its word is uniform as the row's hash is, and the rows of a column draw independent words.
-    ``mode`` None: ``sr_hash_mode()``."""
-    mode = sr_hash_mode() if mode is None else mode
+def sr_words(seed: int | torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The 32-bit random words (int64) of the elements at ``offsets`` (their flat indices in the batch) for
+    ``seed``: lowbias32(offset mod 2^32 ^ lowbias32(seed mod 2^32)), a full hash of each element's counter."""
     key = lowbias32(torch.as_tensor(seed, dtype=torch.int64, device=offsets.device) & 0xFFFFFFFF)
-    if mode == "element":
-        return lowbias32((offsets & 0xFFFFFFFF) ^ key)
-    if mode != "row" or cols is None:
-        raise ValueError(f"sr_words: mode {mode!r} (element, or row with cols), cols {cols}")
-    return _mul32(lowbias32((offsets // cols) & 0xFFFFFFFF ^ key) ^ (offsets % cols), SR_ROW_MUL)
+    return lowbias32((offsets & 0xFFFFFFFF) ^ key)
 
 
 def sr_seed_of(targets: torch.Tensor) -> torch.Tensor:
@@ -129,18 +104,18 @@ def sr_offsets(start: int, stop: int, cols: int, device) -> torch.Tensor:
     return torch.arange(start, stop, device=device)[:, None] * cols + torch.arange(cols, device=device)
 
 
-def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int | torch.Tensor, offsets: torch.Tensor,
-                     cols: int | None = None, mode: str | None = None) -> torch.Tensor:
+def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int | torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
     """sat(t * inv_scale) rounded stochastically to e5m2: up (in magnitude) with probability the fraction of a
     step it lies past the code below, so that E[q] = sat(t * inv_scale). The scaled value is taken in fp32; its
     low 21 bits plus the top 21 of its random word (``sr_words``) carry into the kept bits or not, then the
     21 bits are cleared (below e5m2's normal range, 2^-14, the result is rounded to nearest even instead).
     ``seed``: an int or a 0-dim integer tensor (``sr_seed_of``), taken mod 2^32; ``offsets`` (t's shape, int64):
-    each element's flat index in a batch of ``cols`` columns (``sr_offsets``); ``mode``: ``sr_words``'. Bit for bit
+    each element's flat index in the batch (``sr_offsets``). Bit for bit
     the Triton pass's codes (``ce_grad_pass``, ``fp8_lm_head_dw``) of the same fp32 values."""
     v = (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).float()
     bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rnd = sr_words(seed, offsets, cols, mode) >> (32 - SR_DROP)
+    rnd = sr_words(seed, offsets) >> (32 - SR_DROP)
     kept = ((bits + rnd) & (0xFFFFFFFF ^ ((1 << SR_DROP) - 1)))
     kept = torch.where(kept >= 2**31, kept - 2**32, kept).to(torch.int32)
     return kept.view(torch.float32).to(E5M2)

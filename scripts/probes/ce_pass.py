@@ -3,8 +3,7 @@
 and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then the configured pass (block 4096,
 8 warps) alone, writing da's e5m2 codes beside it (``fp8_lm_head_dw`` before the sixty-third session: round to
 nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now, its seed on the device as in
-the model), with its words' "row" scheme (``scaling.sr_words``: one hash a row, one multiply an element), and in
-the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
+the model), and in the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
 hash's integer work wants less of it or another shape; then the configured head's chunk work (that pass, then
 ``transpose_8bit`` into the (V, M) code buffer) against ``ce_codes_t``'s pass storing the codes token-major itself,
 in several tile shapes (rows ``codes``; these rows fold each row's 501 per-tile partials, as in the head).
@@ -98,8 +97,7 @@ def _codes_rows(doc, path):
     seed = torch.tensor(7, device="cuda")  # (a device tensor, as ``sr_seed_of`` gives the model: no copy a call)
     fns = {"bf16_da": lambda: ce_grad_inplace(*args),
            "codes_nearest": lambda: ce_grad_inplace(*args, codes_inv=inv),
-           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="element"),
-           "codes_stochastic_row": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed, sr_hash="row")}
+           "codes_stochastic": lambda: ce_grad_inplace(*args, codes_inv=inv, sr_seed=seed)}
     daq_t = torch.empty((VOCAB, 8 * ROWS), device="cuda", dtype=torch.float8_e5m2)  # (the head's (V, M) buffer)
 
     def then_transpose():
@@ -110,7 +108,7 @@ def _codes_rows(doc, path):
     loss = torch.empty(ROWS, device="cuda")
     for rb, bv, ns, w in CODES_T:  # (``ce_codes_t``: the codes stored token-major by the pass)
         fns[f"codes_t_rb{rb}_bv{bv}_s{ns}_w{w}"] = lambda rb=rb, bv=bv, ns=ns, w=w: ce_grad_codes_t(
-            buf, parts, tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS, None, rb, bv, ns, w)
+            buf, parts, tl, targets, rstd, -100, D, loss, inv, daq_t, ROWS, seed, ROWS, rb, bv, ns, w)
     for b, w in SHAPES[1:]:  # (the stochastic pass in the other block / warp shapes: more work an element)
         fns[f"codes_stochastic_b{b}_w{w}"] = lambda b=b, w=w: ce_grad_inplace(*args[:8], b, w, codes_inv=inv,
                                                                                sr_seed=seed)

@@ -105,7 +105,7 @@ def dw_rounding(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=(1.0
     inv = pow2_floor(torch.tensor(E5M2_MAX, dtype=torch.float64))
     offsets = sr_offsets(0, rows, vocab, "cpu")
     casts = {"e5m2": lambda dl, k: quantize_e5m2(dl, inv).double() / inv,
-             "e5m2_sr": lambda dl, k: quantize_e5m2_sr(dl, inv, k + 1, offsets, vocab).double() / inv,
+             "e5m2_sr": lambda dl, k: quantize_e5m2_sr(dl, inv, k + 1, offsets).double() / inv,
              "bf16": lambda dl, k: dl.to(torch.bfloat16).double()}
     out = []
     for sigma in sigmas:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import E5M2, E5M2_MAX, SR_DROP, sr_hash_mode
+from ..scaling import E5M2, E5M2_MAX, SR_DROP
 from .ce_grad_pass import e5m2_sr, sr_row_state, sr_word
 from .row_vectors import fp32_reciprocal
 
@@ -54,7 +54,7 @@ def _lse_rows(parts_ptr, rows, rmask, NT, PB: tl.constexpr, RB: tl.constexpr):
 def codes_t_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, acc_ptr, loss_ptr, ROWS, V, NT,
                    daq_t_ptr, M, col0, inv_ptr, row0, seed_ptr, IGNORE: tl.constexpr, RB: tl.constexpr,
                    BV: tl.constexpr, PB: tl.constexpr, NSPLIT: tl.constexpr, FMAX: tl.constexpr, SR: tl.constexpr,
-                   DROP: tl.constexpr, ROWHASH: tl.constexpr):
+                   DROP: tl.constexpr):
     split = tl.program_id(1)
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < ROWS
@@ -63,8 +63,8 @@ def codes_t_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, acc_
     valid = target != IGNORE
     r = tl.where(valid, tl.load(rstd_ptr + rows, mask=rmask, other=0.0), 0.0)
     inv = tl.load(inv_ptr)
-    if SR:  # (as the row pass: the seed's hash, each row's first counter and its hash)
-        key, rbase, rkey = sr_row_state(seed_ptr, row0 + rows, V)
+    if SR:  # (as the row pass: the seed's hash and each row's first counter)
+        key, rbase = sr_row_state(seed_ptr, row0 + rows, V)
     span = tl.cdiv(tl.cdiv(V, NSPLIT), BV) * BV
     c_lo = split * span
     c_hi = tl.minimum(c_lo + span, V)
@@ -79,7 +79,7 @@ def codes_t_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, acc_
         da = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * r[:, None]
         q = tl.clamp(da * inv, -FMAX, FMAX)
         if SR:
-            q8 = e5m2_sr(q, sr_word(key, rbase[:, None], rkey[:, None], cols[None, :], ROWHASH), DROP)
+            q8 = e5m2_sr(q, sr_word(key, rbase[:, None], cols[None, :]), DROP)
         else:
             q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
         tl.store(daq_t_ptr + cols[None, :].to(tl.int64) * M + (col0 + rows)[:, None], q8, mask=inside)
@@ -108,9 +108,9 @@ def finish_kernel(acc_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, ROWS, inv
 def ce_grad_codes_t(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor, codes_inv: torch.Tensor,
                     daq_t: torch.Tensor, col0: int, sr_seed: torch.Tensor | int | None = None, row0: int = 0,
-                    sr_hash: str | None = None, rb: int = 32, bv: int = 256, nsplit: int = 8,
+                    rb: int = 32, bv: int = 256, nsplit: int = 8,
                     num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, corr) as ``ce_grad_inplace(codes_inv=, sr_seed=, row0=, sr_hash=)`` returns them, da over ``logits``;
+    """(da, corr) as ``ce_grad_inplace(codes_inv=, sr_seed=, row0=)`` returns them, da over ``logits``;
     the codes go to ``daq_t[:, col0:col0 + rows]`` ((V, M) contiguous e5m2) instead of a buffer of their own.
     ``sr_seed`` None: round to nearest even. ``rb`` rows and one of ``nsplit`` column ranges a program, ``bv``
     columns a step (``scripts/probes/ce_pass.py`` times them)."""
@@ -134,8 +134,7 @@ def ce_grad_codes_t(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     codes_t_kernel[(triton.cdiv(rows, rb), nsplit)](
         logits, parts, tgt_logit, targets, rstd, acc, loss_rows, rows, vocab, parts.shape[1], daq_t, daq_t.shape[1],
         col0, codes_inv.float().reshape(1), row0, seed, IGNORE=ignore_index, RB=rb, BV=bv, PB=128, NSPLIT=nsplit,
-        FMAX=E5M2_MAX, SR=sr_seed is not None, DROP=SR_DROP,
-        ROWHASH=sr_seed is not None and (sr_hash or sr_hash_mode()) == "row", num_warps=num_warps)
+        FMAX=E5M2_MAX, SR=sr_seed is not None, DROP=SR_DROP, num_warps=num_warps)
     finish_kernel[(triton.cdiv(rows, 1024),)](acc, tgt_logit, targets, rstd, corr, rows, fp32_reciprocal(dim),
                                               IGNORE=ignore_index, NSPLIT=nsplit, BR=1024)
     return logits, corr

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scaling import E5M2, E5M2_MAX, SR_DROP, SR_ROW_MUL, sr_hash_mode
+from ..scaling import E5M2, E5M2_MAX, SR_DROP
 from .row_vectors import fp32_reciprocal
 
 
@@ -54,25 +54,18 @@ def lowbias32(x):
     return x ^ (x >> 16)
 
 
-ROW_MUL = tl.constexpr(SR_ROW_MUL)
-
-
 @triton.jit
 def sr_row_state(seed_ptr, grow, V):
-    """(key, rbase, rkey) of the rows ``grow`` (their indices in the batch) for ``scaling.sr_words``: the seed's
-    hash, each row's first counter (grow V mod 2^32: "element") and its hash ("row")."""
+    """(key, rbase) of the rows ``grow`` (their indices in the batch) for ``scaling.sr_words``: the seed's hash and
+    each row's first counter, grow V mod 2^32."""
     key = lowbias32(tl.load(seed_ptr).to(tl.uint32))
-    return key, (grow.to(tl.int64) * V).to(tl.uint32), lowbias32(grow.to(tl.uint32) ^ key)
+    return key, (grow.to(tl.int64) * V).to(tl.uint32)
 
 
 @triton.jit
-def sr_word(key, rbase, rkey, cols, ROWHASH: tl.constexpr):
-    """``scaling.sr_words`` of the elements at columns ``cols`` of rows with ``sr_row_state``'s (rbase, rkey)."""
-    if ROWHASH:
-        word = (rkey ^ cols.to(tl.uint32)) * ROW_MUL
-    else:
-        word = lowbias32((rbase + cols.to(tl.uint32)) ^ key)
-    return word
+def sr_word(key, rbase, cols):
+    """``scaling.sr_words`` of the elements at columns ``cols`` of rows with ``sr_row_state``'s ``rbase``."""
+    return lowbias32((rbase + cols.to(tl.uint32)) ^ key)
 
 
 @triton.jit
@@ -89,7 +82,7 @@ def e5m2_sr(v, word, DROP: tl.constexpr):
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
                         daq_ptr, inv_ptr, tdelta_ptr, row0, seed_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
                         PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr,
-                        BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr, ROWHASH: tl.constexpr):
+                        BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr):
     row = tl.program_id(0)
     lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
@@ -99,8 +92,8 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
     r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it)
-    if SR:  # (once a row: the seed's hash, the row's first counter and its hash)
-        key, rbase, rkey = sr_row_state(seed_ptr, row0 + row, V)
+    if SR:  # (once a row: the seed's hash and the row's first counter)
+        key, rbase = sr_row_state(seed_ptr, row0 + row, V)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
@@ -112,7 +105,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         if FP8:  # (the fp8 head: da's e5m2 codes from its fp32 value, into their own buffer)
             q = tl.clamp(da * tl.load(inv_ptr), -FMAX, FMAX)
             if SR:  # (each element's counter: its flat index in the batch, (row0 + row) V + col, mod 2^32)
-                q8 = e5m2_sr(q, sr_word(key, rbase, rkey, cols, ROWHASH), DROP)
+                q8 = e5m2_sr(q, sr_word(key, rbase, cols), DROP)
             else:
                 q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)
@@ -137,7 +130,7 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
                     rstd: torch.Tensor, ignore_index: int, dim: int, loss_rows: torch.Tensor | None = None,
                     block: int = 4096, num_warps: int = 8, tdelta: torch.Tensor | None = None,
                     codes_inv: torch.Tensor | None = None, sr_seed: torch.Tensor | int | None = None,
-                    row0: int = 0, sr_hash: str | None = None) -> tuple[torch.Tensor, ...]:
+                    row0: int = 0) -> tuple[torch.Tensor, ...]:
     """(da, corr): da written over ``logits`` (rows, V) bf16 contiguous, and returned as that same tensor;
     corr (rows,) fp32, B2's row vector for width ``dim``. ``lse_parts`` (rows, n) fp32 are the row's
     log-sum-exp partials (a finished lse is its own single partial: (rows, 1)); tgt_logit, rstd (rows,) fp32,
@@ -149,15 +142,14 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
     or (1,) fp32; not with ``tdelta``): also da's e5m2 codes at that scale, as ``ce_grad_e5m2`` writes them, returned
     third (``fp8_lm_head_dw``: dW on the codes, B2 on the bf16 da); with ``sr_seed`` rounded stochastically
     (``scaling.quantize_e5m2_sr`` with that seed, a 0-dim integer tensor read on the device or an int; ``row0``:
-    the chunk's first row in the batch, which the elements' counters count from; ``sr_hash``: the random words'
-    scheme, ``scaling.sr_words``' mode, None: ``scaling.sr_hash_mode()``)."""
+    the chunk's first row in the batch, which the elements' counters count from)."""
     if codes_inv is not None and tdelta is not None:
         raise ValueError("the CE gradient pass writes e5m2 codes beside the bf16 da without tdelta only")
     if sr_seed is not None and codes_inv is None:
         raise ValueError("sr_seed rounds the e5m2 codes that codes_inv asks for")
     out = _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, dim, loss_rows,
                    None if codes_inv is None else codes_inv.float().reshape(1), block, num_warps, tdelta,
-                   both=codes_inv is not None, sr=(sr_seed, row0, sr_hash))
+                   both=codes_inv is not None, sr=(sr_seed, row0))
     return out if codes_inv is not None else out[:2]
 
 
@@ -172,7 +164,7 @@ def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int, tdelta=None, both: bool = False, sr: tuple = (None, 0, None)):
+             num_warps: int, tdelta=None, both: bool = False, sr: tuple = (None, 0)):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -199,6 +191,5 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
                                  IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
                                  CONSIST=consist, BOTH=both, SR=sr[0] is not None, DROP=SR_DROP,
-                                 ROWHASH=sr[0] is not None and (sr[2] or sr_hash_mode()) == "row",
                                  num_warps=num_warps)
     return (logits, corr, daq) if both else ((daq if fp8 else logits), corr)

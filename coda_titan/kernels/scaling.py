@@ -111,8 +111,8 @@ def quantize_e5m2_sr(t: torch.Tensor, inv_scale: torch.Tensor, seed: int | torch
     low 21 bits plus the top 21 of its random word (``sr_words``) carry into the kept bits or not, then the
     21 bits are cleared (below e5m2's normal range, 2^-14, the result is rounded to nearest even instead).
     ``seed``: an int or a 0-dim integer tensor (``sr_seed_of``), taken mod 2^32; ``offsets`` (t's shape, int64):
-    each element's flat index in the batch (``sr_offsets``). Bit for bit
-    the Triton pass's codes (``ce_grad_pass``, ``fp8_lm_head_dw``) of the same fp32 values."""
+    each element's flat index in the batch (``sr_offsets``). Bit for bit the Triton pass's codes (``ce_grad_pass``,
+    ``fp8_lm_head_dw``) of the same fp32 values."""
     v = (t * inv_scale.to(t.dtype)).clamp(-E5M2_MAX, E5M2_MAX).float()
     bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     rnd = sr_words(seed, offsets) >> (32 - SR_DROP)

@@ -70,16 +70,16 @@ def quantize_e5m2(t: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 
 SR_DROP = 21  # fp32 mantissa bits e5m2 drops (23 - 2): the random increment's width
-def _mul32(x: torch.Tensor, mul: int) -> torch.Tensor:
-    """x * mul mod 2^32 for int64 tensors of 32-bit words (the product split so that no int64 product overflows)."""
-    return (x * (mul & 0xFFFF) + (((x * (mul >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
 def lowbias32(x: torch.Tensor) -> torch.Tensor:
     """Wellons' lowbias32 integer hash (a bijection of 32-bit words with low avalanche bias) on int64 tensors
-    holding 32-bit words, as ``ce_grad_pass.lowbias32`` computes it in uint32."""
+    holding 32-bit words, as ``ce_grad_pass.lowbias32`` computes it in uint32 (products split so that no int64
+    product overflows)."""
+    m = 0xFFFFFFFF
     for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        x = _mul32(x ^ (x >> shift), mul)
+        x = x ^ (x >> shift)
+        x = (x * (mul & 0xFFFF) + (((x * (mul >> 16)) & 0xFFFF) << 16)) & m
     return x ^ (x >> 16)
 
 

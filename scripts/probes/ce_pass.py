@@ -3,10 +3,11 @@
 and the last chunk's dW GEMM writing bf16 against the fp32 sum then a cast; then the configured pass (block 4096,
 8 warps) alone, writing da's e5m2 codes beside it (``fp8_lm_head_dw`` before the sixty-third session: round to
 nearest), and writing them stochastically rounded (``sr_seed``, the knob's codes now, its seed on the device as in
-the model), and in the other block / warp shapes: what the codes and the stochastic rounding's hash cost a chunk, and whether the
-hash's integer work wants less of it or another shape; then the configured head's chunk work (that pass, then
-``transpose_8bit`` into the (V, M) code buffer) against ``ce_codes_t``'s pass storing the codes token-major itself,
-in several tile shapes (rows ``codes``; these rows fold each row's 501 per-tile partials, as in the head).
+the model), and in the other block / warp shapes: what the codes and the stochastic rounding's hash cost a
+chunk, and whether the hash's integer work wants less of it or another shape; then the configured head's chunk
+work (that pass, then ``transpose_8bit`` into the (V, M) code buffer) against ``ce_codes_t``'s pass storing the
+codes token-major itself, in several tile shapes (rows ``codes``; these rows fold each row's 501 per-tile
+partials, as in the head).
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.ce_pass        (gpu_train.sh cepassprobe)
 

@@ -50,7 +50,7 @@ class Coda:
     fp8_down_wgrad: bool = knob(True, "fp8: dW2 on B3's e4m3 y (y^T with fp8_mlp_da_t)")
     fp8_mlp_h_t: bool = knob(False, "fp8: dW13 on F1's e4m3 H^T, no bf16 H; on in 1B fp8 configs")
     fp8_qkv_wgrad: bool = knob(False, "fp8: dW_qkv on e4m3 H, da at its current amax; on in 1B fp8 configs")
-    fp8_preact: bool = knob(False, "fp8: F2 saves a for B3 as e4m3 (pow2 delayed scale), not bf16")
+    fp8_preact: bool = knob(False, "fp8: F2 saves a for B3 as e4m3, not bf16; on in 1B fp8 configs")
     fp8_lm_head: bool = knob(False, "fp8: the LM head on e4m3 H, W and e5m2 dlogits; faster, off loss parity")
     fp8_lm_head_fwd: bool = knob(False, "fp8: the LM head's logits on e4m3 H, W; its gradient bf16")
     fp8_lm_head_dw: bool = knob(False, "fp8_lm_head_fwd: dW_out on e5m2 dlogits (rounded stochastically)")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU host (after `source .gpu/part2/activate.sh`): the end-to-end training work of one device
-# call. Everything goes to $OUT (default outputs/gpu_train).
+# call. Everything goes to $OUT (default outputs/gpu_train). Set CALL_LIMIT to the call's timeout_s: the
+# script then stops CALL_MARGIN (25) s before it, so that its logs and tune cache still come back.
 #
-#   bash scripts/gpu_train.sh PHASE [PHASE ...]
+#   CALL_LIMIT=600 bash scripts/gpu_train.sh PHASE [PHASE ...]
+#     hold     waits HOLD_S (60) s in one child process: CALL_LIMIT's own check (tests/test_compare.py)
 #     gputests every GPU test (pytest -m gpu; GPU_TESTS="expr" runs those pytest -k selects), log in logs.tar
 #              and the summary in $OUT/pytest_gpu.txt;
 #              every derived bound with its measured value in $OUT/bounds.jsonl
@@ -126,9 +128,10 @@
 #     envab        ENV_B="NAME=VALUE" between runs of the compiled CODA config as configured (PREC): off, on, off2, on2
 #     b1accum      scripts/probes/b1_accum.py: B1 reading FA4's fp32 gradient accumulators against the postprocess + B1
 #     preactparity 300-step loss curves: float8 + compile, CODA fp8 compiled with fp8_preact, and as configured
-#     preactab     CODA fp8 compiled as configured, with fp8_preact (a saved as e4m3: 4 GiB less at 1B), with it and
-#                  ce_chunk_rows = 4096 (what the freed memory could buy), as configured, with fp8_preact (STEPS, 30;
-#                  tags preact_{off,on,on4096,off2,on2}; each run killed after ARM_TIMEOUT s, default 300)
+#     preactab     CODA fp8 compiled without fp8_preact at 2048 LM-head rows (off: the configs before 2026-11-30),
+#                  with it (on), with it and ce_chunk_rows = 4096 (on4096: as configured since), in the order
+#                  PREACT_ARMS (default "off on on4096 off2 on2"; STEPS, 30; tags preact_ARM; each run killed
+#                  after ARM_TIMEOUT s, default 300)
 #     adamwprobe   scripts/probes/adamw.py: torch's fused AdamW against [coda] coda_adamw on the 1B parameters (ms, bits);
 #                  beside it torch's fused_adam_utils.cuh as this host's torch ships it (adamw_functor.cuh)
 #     ceexp        CODA compiled with F4 without its gradient pass (CODA_TITAN_CE_PASS=exp) against the configured F4 and
@@ -204,7 +207,8 @@
 #     fp8profile python -m scripts.compare --profile of the float8 baseline (compiled) and of CODA fp8 (compiled);
 #                SKIP_BASELINE=1 skips the baseline, KEEP_TRACE=1 also returns the gzipped chrome traces
 #
-# Result JSON/PNG go to $OUT; logs go to $OUT/logs.tar (the device tool returns at most 8 files).
+# Result JSON go to $OUT (no PNG: `scripts.report` draws them here); logs go to $OUT/logs.tar (the device tool
+# returns at most 8 files).
 # quack's autotune results are kept in $CODA_TITAN_CACHE; if .gpu/tune.tar holds a copy from an earlier
 # call it is restored first, and the cache is saved to $OUT/tune.tar at the end, so a fresh host does
 # not re-tune (the tuning result is a choice among kernel configs; it does not change numerics).
@@ -220,13 +224,27 @@ for t in .gpu/tune.tar scripts/gpu_cache/tune.tar.gz; do
 done
 python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"
 finish() {
+  [ -n "${watchdog:-}" ] && { pkill -P "$watchdog"; kill "$watchdog"; } 2>/dev/null
   (cd "$CODA_TITAN_CACHE" && find . -name '*.autotune.json' -o -path './tokenizers/*' -type f | tar cf "$out/tune.tar" -T -)
   for d in /tmp/compare/*/; do [ -f "$d/train.log" ] && cp "$d/train.log" "$logs/$(basename "$d").log"; done
   tar cf "$out/logs.tar" -C "$logs" .
 }
 trap finish EXIT
 trap 'exit 143' TERM  # (timeout signals the whole process group: the phase dies, finish still returns the cache and logs)
-cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare"
+# CALL_LIMIT=S (the device call's timeout_s): CALL_MARGIN (25) s before it, every process under this script and
+# then the script are stopped (TERM), so that finish still returns the tune cache and the logs, which a call
+# killed at its limit loses (and the run.log the command writes under $OUT comes back whole)
+stop_tree() { local c; for c in $(pgrep -P "$1"); do stop_tree "$c"; kill -TERM "$c"; done 2>/dev/null; }
+if [ -n "${CALL_LIMIT:-}" ]; then
+  (
+    s=$((CALL_LIMIT - ${CALL_MARGIN:-25} - SECONDS)); [ "$s" -gt 0 ] && sleep "$s"
+    echo "=== CALL_LIMIT: stopping the phase at $(date +%T), ${CALL_MARGIN:-25} s before the call's limit"
+    kill -TERM $$  # (first: the script takes its trap as soon as the child it waits on is gone, starting nothing)
+    for c in $(pgrep -P $$); do [ "$c" = "$BASHPID" ] || { stop_tree "$c"; kill -TERM "$c"; }; done 2>/dev/null
+  ) &
+  watchdog=$!
+fi
+cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare --no-plot"  # (the report draws the plots: a call returns 8 files)
 # probe PHASE MODULE PATTERN [WIDTH]: python3 -m scripts.probes.MODULE (its log: $logs/MODULE.log), its return code,
 # and the log's lines matching PATTERN, cut to WIDTH (400) characters
 probe() {
@@ -602,15 +620,18 @@ for phase in "$@"; do
       echo "fp8head rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/lm_head_fp8_programs.log" | cut -c1-900
       ;;
     preactparity)
-      curves fp8_preact preact "fp8_preact = true"
+      curves fp8_preact preact "fp8_preact = true" "ce_chunk_rows = 4096"
       ;;
     preactab)
-      a=$(variant preact "fp8_preact = true") && b=$(variant preact4096 "fp8_preact = true" "ce_chunk_rows = 4096") \
-        || exit 2
+      a=$(variant preact "fp8_preact = true" "ce_chunk_rows = 2048") &&
+        b=$(variant preact4096 "fp8_preact = true" "ce_chunk_rows = 4096") || exit 2
       pab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "preact_$2" \
                 --timeout "${ARM_TIMEOUT:-300}"; }
-      pab configs/llama3_1b_fp8_coda_compile.toml off; pab "$a" on; pab "$b" on4096
-      pab configs/llama3_1b_fp8_coda_compile.toml off2; pab "$a" on2
+      o=$(variant preactoff "fp8_preact = false" "ce_chunk_rows = 2048") || exit 2
+      for arm in ${PREACT_ARMS:-off on on4096 off2 on2}; do  # (off: without fp8_preact, at 2048 rows; as before)
+        case $arm in off*) c=$o ;; on4096*) c=$b ;; *) c=$a ;; esac
+        pab "$c" "$arm"
+      done
       ;;
     fp8headparity)
       curves fp8_lm_head fp8_lm_head "fp8_lm_head = true"
@@ -1111,6 +1132,10 @@ for phase in "$@"; do
       # issue 19: does 8B fp8 fit one GPU (full AC), and its tokens/s against float8 + compile at 8B
       $cmp configs/llama3_8b_fp8_baseline.toml configs/llama3_8b_fp8_coda.toml --set compile.enable=true \
         --steps "${STEPS:-8}" --warmup 7 --tag fp8_8b
+      ;;
+    hold)
+      # (a check of CALL_LIMIT: one child process that waits HOLD_S seconds, default 60, and nothing else)
+      sleep "${HOLD_S:-60}"
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -3,6 +3,7 @@ a real (CPU) comparison run end to end, and that the README section is the one g
 committed results."""
 
 import json
+import os
 import time
 import math
 from pathlib import Path
@@ -747,6 +748,60 @@ def test_compare_writes_its_runs_before_deriving_from_them(tmp_path, monkeypatch
     (path,) = (tmp_path / "res").glob("compare_*.json")
     doc = json.loads(path.read_text())
     assert [r["loss"] for r in doc["runs"]] == [[2.0]] and doc["derive_error"] == "KeyError: 'totals'"
+
+
+def test_no_plot_writes_the_json_alone_and_the_report_draws_its_plot(tmp_path, monkeypatch):
+    """A device call returns at most 8 files, and one that ran past its limit lost its run.log to a compare's
+    PNGs (2026-11-30): ``--no-plot`` writes each result's JSON alone, and the report draws every stored result's
+    missing plot (the archive's left as kept), its JSON untouched."""
+    from scripts.compare import loss_curve as lc_mod, run as run_mod
+
+    def fake_run(cfg, **kw):
+        rows = [{"step": i + 1, "loss": 10.0 - 0.1 * i, "grad_norm": 3.0, "tps": 100.0, "memory_gib": 1.0, "mfu": 1.0}
+                for i in range(25)]
+        return {"config": str(cfg), "config_run": "", "precision": "bf16", "attention": "sdpa", "rows": rows,
+                "seq_len": 8, "local_batch_size": 1, "tokens_per_step": 8, "returncode": 0,
+                "clock_samples": [], "step_times": {}}
+
+    drawn = []
+    monkeypatch.setattr(run_mod, "run_config", fake_run)
+    monkeypatch.setattr(lc_mod, "run_config", fake_run)
+    monkeypatch.setattr(run_mod, "same_lease_floor", lambda doc, out: None)
+    monkeypatch.setattr(training, "plot_compare", lambda doc, path: drawn.append(path) or path.write_bytes(b"png"))
+    monkeypatch.setattr(training, "plot_loss_curve", lambda doc, path: drawn.append(path) or path.write_bytes(b"png"))
+    res, work = tmp_path / "res", str(tmp_path / "work")
+    base, coda = str(CONFIGS / "debug_cpu_baseline.toml"), str(CONFIGS / "debug_cpu_coda.toml")
+    assert compare.main([base, "--steps", "5", "--warmup", "0", "--no-plot", "--out", str(res), "--workdir", work]) == 0
+    compare.main(["--loss-curve", base, coda, "--steps", "25", "--no-plot", "--out", str(res), "--workdir", work])
+    assert not drawn and sorted(p.suffix for p in res.iterdir()) == [".json", ".json"]
+    (res / "archive").mkdir()
+    kept = res / "archive" / "compare_old_cpu_2026-11-01.json"
+    kept.write_text(next(res.glob("compare_*.json")).read_text())
+    before = {p: p.read_text() for p in res.glob("*.json")}
+    monkeypatch.setattr(training, "_latest", lambda kind: [])
+    training.refresh_all(res)
+    assert sorted(drawn) == sorted(p.with_suffix(".png") for p in before) and not kept.with_suffix(".png").exists()
+    assert {p: p.read_text() for p in res.glob("*.json")} == before
+    training.refresh_all(res)  # (drawn once: a stored plot is left as it is)
+    assert len(drawn) == 2
+
+
+def test_gpu_train_stops_before_the_call_limit_and_still_returns_its_logs(tmp_path):
+    """A device call killed at its limit returns neither the tune cache nor the logs (2026-11-30: twice in one
+    session). With CALL_LIMIT, gpu_train.sh stops its running phase (and every process under it) CALL_MARGIN
+    seconds before the limit, starts no further phase, and its exit still writes logs.tar and tune.tar."""
+    import subprocess
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "CODA_TITAN_CACHE": str(tmp_path / "cache"), "CALL_LIMIT": "9",
+           "CALL_MARGIN": "1", "HOLD_S": "120"}
+    t0 = time.monotonic()
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh"), "hold", "hold"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=100)
+    took = time.monotonic() - t0
+    assert p.returncode == 143 and took < 60, (p.returncode, took, p.stdout[-500:], p.stderr[-500:])
+    assert p.stdout.count("=== hold ") == 1 and "CALL_LIMIT: stopping the phase" in p.stdout, p.stdout
+    assert (out / "logs.tar").is_file() and (out / "tune.tar").is_file()
 
 
 def test_trace_summary_leaves_out_kernels_launched_before_the_profiled_step(tmp_path):

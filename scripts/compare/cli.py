@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=["config", "fa4", "sdpa"], default="config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TorchTitan override for every run")
     ap.add_argument("--out", default=str(RESULTS), help="where result JSON and PNG go")
+    ap.add_argument("--no-plot", action="store_true", help="write the result JSON without its PNG (a device call returns "
+                    "few files); the report (--report) draws every result's missing plot")
     ap.add_argument("--workdir", default=str(ROOT / "outputs" / "compare"), help="run folders (logs, W&B, traces)")
     ap.add_argument("--log-freq", type=int, default=1, help="compare and profile: TorchTitan's metrics.log_freq (1: a line, "
                     "and a GPU synchronization, every step; N: tokens/s over N-step windows, as a config logging every N "

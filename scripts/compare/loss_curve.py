@@ -32,7 +32,8 @@ def loss_curve(args) -> Path:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         if len(doc["runs"]) < len(args.configs):
             _say(f"wrote {path} ({len(doc['runs'])} of {len(args.configs)} runs)")
-    plot_loss_curve(doc, path.with_suffix(".png"))
+    if not getattr(args, "no_plot", False):
+        plot_loss_curve(doc, path.with_suffix(".png"))
     for line in summary_lines(doc):
         _say(line)
     _say(f"wrote {path}")

@@ -347,6 +347,9 @@ def compare(args) -> Path:
         _say(f"the runs are written; deriving the floor and targets failed: {doc['derive_error']}")
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(compare_table(doc))
+    if getattr(args, "no_plot", False):
+        _say(f"wrote {path} (no plot: the report draws it)")
+        return path
     plot_compare(doc, path.with_suffix(".png"))
     _say(f"wrote {path} and {path.with_suffix('.png').name}")
     return path

@@ -477,10 +477,21 @@ def refresh(doc: dict) -> dict:
     return doc
 
 
-def refresh_all() -> None:
-    """Recompute the derived fields of the newest stored results and redraw their plots."""
-    for kind in ("compare", "loss_curve"):
+def refresh_all(results: Path | None = None) -> None:
+    """Recompute the derived fields of the newest stored results and redraw their plots; then draw the plot
+    of any other result stored without one (``scripts.compare --no-plot`` on the device) in ``results``, its
+    JSON untouched."""
+    from scripts.compare.common import RESULTS
+
+    results = results or RESULTS
+    draw = {"compare": plot_compare, "loss_curve": plot_loss_curve}
+    for kind in draw:
         for p in _latest(kind):
             doc = refresh(json.loads(p.read_text()))
             p.write_text(json.dumps(doc, indent=1) + "\n")
-            (plot_compare if kind == "compare" else plot_loss_curve)(doc, p.with_suffix(".png"))
+            draw[kind](doc, p.with_suffix(".png"))
+    for kind in draw:
+        for p in sorted(results.glob(f"{kind}_*.json")):  # (not the archive's: some were kept without a plot)
+            if not p.with_suffix(".png").exists():
+                draw[kind](refresh(json.loads(p.read_text())), p.with_suffix(".png"))
+                _say(f"drew {p.with_suffix('.png').name}")

@@ -120,6 +120,13 @@
 #                  each run killed after ARM_TIMEOUT s, default 300; after dwblocksprobe on the host: its tile sweeps)
 #     dwblocksparity 300-step loss curves (tag fp8_lm_head_dw_blocks<k>, DW_BLOCKS = k, default 2; ONLY_CANDIDATE=1
 #                  as below): float8 + compile, CODA fp8 compiled under CODA_TITAN_DW_BLOCKS=k, and as configured
+#     fp8headdgrad CODA fp8 compiled with [coda] fp8_lm_head_dgrad (the head's B2 on fp8_lm_head_dw's stochastic e5m2
+#                  codes and W^T's e4m3 codes, no bf16 dlogits) and as configured, in the order DGRAD_ARMS (default
+#                  "on off on2 off2"; tags fp8headdgrad_ARM; STEPS, 30; each run killed after ARM_TIMEOUT s, 300)
+#     dgradprobe   scripts/probes/lm_head_fp8.py --programs-only: the head's programs at the cap, the configured one
+#                  without and with fp8_lm_head_dgrad among them (the kernel-level size of that lever)
+#     fp8headdgradparity 300-step loss curves (tag fp8_lm_head_dgrad; ONLY_CANDIDATE=1 as below): float8 + compile,
+#                  CODA fp8 compiled with fp8_lm_head_dgrad, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
 #                  + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
 #                  and as configured
@@ -651,6 +658,22 @@ for phase in "$@"; do
       ;;
     fp8headdwparity)
       curves fp8_lm_head_dw_sr fp8_lm_head_dw_sr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"
+      ;;
+    fp8headdgrad)
+      # (its GPU tests first: GPU_TESTS="fp8_forward_head or orchestration" gpu_train.sh gputests fp8headdgrad)
+      a=$(variant headdgrad "fp8_lm_head_dgrad = true") || exit 2
+      gab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headdgrad_$2" \
+                --timeout "${ARM_TIMEOUT:-300}"; }
+      for arm in ${DGRAD_ARMS:-on off on2 off2}; do
+        case $arm in on*) gab "$a" "$arm" ;; *) gab configs/llama3_1b_fp8_coda_compile.toml "$arm" ;; esac
+      done
+      ;;
+    fp8headdgradparity)
+      curves fp8_lm_head_dgrad fp8_lm_head_dgrad "fp8_lm_head_dgrad = true"
+      ;;
+    dgradprobe)
+      python3 -m scripts.probes.lm_head_fp8 --programs-only > "$logs/lm_head_fp8_programs.log" 2>&1
+      echo "dgradprobe rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/lm_head_fp8_programs.log" | cut -c1-900
       ;;
     codest)
       cab() { env CODA_TITAN_CE_CODES_T="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \

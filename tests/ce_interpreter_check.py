@@ -144,6 +144,12 @@ got["sr"] = {
 }
 got["sr"]["refuses_without_codes"] = refuses(lambda: ce_pass.ce_grad_inplace(
     logits.clone(), parts, tgt_logit, targets, rstd, ref.IGNORE_INDEX, d, sr_seed=seed), says="sr_seed")
+# the codes alone (``ce_grad_e5m2`` with ``sr_seed``: ``fp8_lm_head_dgrad``, no bf16 da): the same codes, the
+# logits left as they are
+buf5 = logits.clone()
+daq5, _ = ce_pass.ce_grad_e5m2(buf5, parts, tgt_logit, targets, rstd, inv, ref.IGNORE_INDEX, sr_seed=seed, row0=row0)
+got["sr"]["codes_only_same"] = bool(torch.equal(daq5.view(torch.uint8), daq3.view(torch.uint8)))
+got["sr"]["codes_only_logits_kept"] = bool(torch.equal(buf5, logits))
 
 # the token-major codes pass (``ce_codes_t``, CODA_TITAN_CE_CODES_T=1): two row blocks (the second ragged), three
 # column ranges, 200 partials (two fold blocks). Its lse, loss, da and corr are the row pass's arithmetic in

@@ -5,7 +5,8 @@ each row's fp64 product; dW's fp8 GEMM: the codes' fp64 product, stored bf16), i
 interpreter. Checked against the same stand-ins and passes run chunk by chunk with no buffer shared between
 chunks: the program's orchestration (the logits buffer reused by chunks, the chunk offsets of loss, dX and the
 codes' counters, the codes' columns in the token-major buffer) changes no bit. ``fp8_lm_head_dw``, by the row
-pass then ``transpose_8bit`` and by ``ce_codes_t`` (CODA_TITAN_CE_CODES_T=1). Prints one JSON line."""
+pass then ``transpose_8bit`` and by ``ce_codes_t`` (CODA_TITAN_CE_CODES_T=1); ``fp8_lm_head_dgrad``, by the codes-only
+pass and B2 on them (cuBLAS's fp8 GEMM stood in for by each row's fp64 product). Prints one JSON line."""
 
 import contextlib
 import json
@@ -78,13 +79,23 @@ class TorchWithMm(types.SimpleNamespace):
     def mm(a, b, out_dtype=None):
         return mm_rows(a, b, out_dtype or a.dtype)
 
+    @staticmethod
+    def _scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        """cuBLAS's fp8 GEMM stand-in (``fp8_lm_head_dgrad``'s B2): each row's product of the codes in fp64, scaled."""
+        return scaled_rows(a, b, scale_a, scale_b, out_dtype)
+
+
+def scaled_rows(a, b, scale_a, scale_b, out_dtype):
+    return (mm_rows(a, b, torch.float64) * (scale_a.double() * scale_b.double())).to(out_dtype)
+
 
 captured = {}
 ns = {"torch": TorchWithMm(), "os": os, "ref": ref, "E5M2": scaling.E5M2, "sr_seed_of": scaling.sr_seed_of,
       "CE_PASS_ENV": ref.CE_PASS_ENV, "unsupported": lambda *t: None, "unsupported_fp8": lambda *t: None,
       "f4_epilogue": lambda dtype: "f4", "fused": lambda name, fn: fn, "_ce_grad_math": None, "b2_epilogue": lambda last: ("b2", None),
       "first_call": lambda *a: contextlib.nullcontext(), "gemm": f4, "norm_apply_rows": nap.norm_apply_rows,
-      "ce_grad_inplace": ce_pass.ce_grad_inplace, "ce_codes_t": codes_t, "transpose_8bit": tr8,
+      "ce_grad_inplace": ce_pass.ce_grad_inplace, "ce_grad_e5m2": ce_pass.ce_grad_e5m2, "ce_codes_t": codes_t,
+      "transpose_8bit": tr8,
       "_fp8_dw": fp8_dw, "_dw_chunk": dw_chunk, "stages": None, "quack_gemm": quack_gemm,
       "gemm_add_inplace": gemm_add_inplace, "TUNE": False, "DW_BLOCKS_ENV": "CODA_TITAN_DW_BLOCKS"}
 program = cute_function("lm_head_ce.py", "def _lm_head_ce", "def _refuse_probe_arms", ns)
@@ -101,8 +112,9 @@ targets = torch.randint(0, vocab, (m,))
 targets[5] = ref.IGNORE_INDEX
 
 
-def by_chunks(fp8_dw_on: bool):
-    """The same stand-ins and passes, chunk by chunk, each chunk with buffers of its own."""
+def by_chunks(fp8_dw_on: bool, dgrad: bool = False):
+    """The same stand-ins and passes, chunk by chunk, each chunk with buffers of its own (``dgrad``: the codes alone,
+    B2's accumulator their product with W's codes)."""
     loss_rows, dx, dgamma = torch.empty(m), torch.empty_like(x), torch.zeros(d)
     daq_t = torch.empty((vocab, m), dtype=scaling.E5M2)
     inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
@@ -111,10 +123,16 @@ def by_chunks(fp8_dw_on: bool):
         rows = slice(start, min(start + chunk, m))
         logits = torch.empty((rows.stop - start, vocab), dtype=torch.bfloat16)
         res = f4(None, hq[rows], wq.t(), None, {"D": logits}, rstd[rows] * (s_h * s_w).reshape(()), targets[rows])
-        kw = dict(codes_inv=inv_g, sr_seed=seed, row0=start) if fp8_dw_on else {}
-        da, corr, *daq = ce_pass.ce_grad_inplace(logits, res["lse"], res["target_logit"], targets[rows], rstd[rows],
-                                                 ref.IGNORE_INDEX, d, loss_rows[rows], **kw)
-        dgamma += nap.norm_apply_rows(mm_rows(da, w, torch.float32), x[rows], gamma, rstd[rows], dx[rows])
+        if dgrad:
+            daq = [ce_pass.ce_grad_e5m2(logits, res["lse"], res["target_logit"], targets[rows], rstd[rows], inv_g,
+                                        ref.IGNORE_INDEX, loss_rows[rows], sr_seed=seed, row0=start)[0]]
+            acc = scaled_rows(daq[0], wq, inv_g.reciprocal(), s_w.float(), torch.float32)
+        else:
+            kw = dict(codes_inv=inv_g, sr_seed=seed, row0=start) if fp8_dw_on else {}
+            da, corr, *daq = ce_pass.ce_grad_inplace(logits, res["lse"], res["target_logit"], targets[rows],
+                                                     rstd[rows], ref.IGNORE_INDEX, d, loss_rows[rows], **kw)
+            acc = mm_rows(da, w, torch.float32)
+        dgamma += nap.norm_apply_rows(acc, x[rows], gamma, rstd[rows], dx[rows])
         if fp8_dw_on:
             daq_t[:, rows] = daq[0].t()
     return loss_rows.sum(), dx, dgamma, daq_t
@@ -136,6 +154,15 @@ for arm in ("row_pass", "codes_t"):  # (codes_t: its row sums in another order, 
                 "dw_is_its_codes_product": bool(torch.equal(dw, codes_product(captured["daq_t"], hq, inv_g, s_h,
                                                                                 w.dtype)))}
 os.environ.pop(codes_t.ENV)
+# fp8_lm_head_dgrad: the codes alone (the same codes), B2 on them and W's codes
+captured.clear()
+loss, dx, dgamma, dw = program(h, rstd, x, gamma, w, targets, chunk, True, hq, s_h, wq, s_w, True, True)
+want_dg = by_chunks(True, dgrad=True)
+got["dgrad"] = {"loss_same": bool(torch.equal(loss, want_dg[0])), "dx_same": bool(torch.equal(dx, want_dg[1])),
+                "dgamma_same": bool(torch.equal(dgamma, want_dg[2])),
+                "codes_same": bool(torch.equal(captured["daq_t"].view(torch.uint8), want[3].view(torch.uint8))),
+                "dw_is_its_codes_product": bool(torch.equal(dw, codes_product(want[3], hq, inv_g, s_h, w.dtype))),
+                "dx_moved": bool(not torch.equal(dx, want[1]))}
 # dW over token blocks (CODA_TITAN_DW_BLOCKS=k; whole chunks a block, the last ragged): the first block's product
 # stored in W's dtype, each next one added to it and stored again, from the chunks' own codes
 alpha = (s_h.float() / inv_g).reshape(1)

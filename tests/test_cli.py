@@ -160,7 +160,8 @@ def test_fp8_knobs_that_would_do_nothing_are_refused_in_one_line(capsys):
                               "--coda.fp8_mlp_h_t", "--coda.no-fp8_mlp_dgrad"], ("fp8_mlp_h_t", "fp8_mlp_dgrad = false"))
     _one_line_exit_2(capsys, ["train", str(CONFIGS / "debug_cpu_coda.toml"), "--coda.precision", "fp8",
                               "--coda.fp8_lm_head_fwd", "--coda.fp8_lm_head"], ("fp8_lm_head_fwd", "fp8_lm_head = true"))
-    for knob in ("fp8_layer_wgrads", "fp8_mlp_h_t", "fp8_qkv_wgrad", "fp8_lm_head_fwd", "fp8_lm_head_dw"):
+    for knob in ("fp8_layer_wgrads", "fp8_mlp_h_t", "fp8_qkv_wgrad", "fp8_lm_head_fwd", "fp8_lm_head_dw",
+                 "fp8_lm_head_dgrad"):
         args = dataclasses.replace(coda_llama3_args["debugmodel"], coda=Coda(backend="torch", **{knob: True}))
         with pytest.raises(ConfigError, match=knob):
             CodaTransformer(args)

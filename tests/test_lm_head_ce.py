@@ -295,7 +295,8 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     ``sr_seed`` the codes are ``scaling.quantize_e5m2_sr``'s (between its codes of the ends of each value's error
     interval, with the same seed and counters), unbiased (their mean error over the normal values within 5 standard
     deviations, 0.5 / sqrt(n) steps, of 0), off round-to-nearest's on a large share, repeated by the same seed
-    and moved by another, the bf16 da and corr unchanged. Given
+    and moved by another, the bf16 da and corr unchanged; ``ce_grad_e5m2`` with ``sr_seed`` writes the same codes
+    alone, the logits kept (``fp8_lm_head_dgrad``). Given
     ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
     da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
     plain pass's value."""
@@ -315,6 +316,7 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert abs(g["mean_err_steps"]) <= 5 * 0.5 / g["codes_normal"] ** 0.5, g
     assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
     assert g["da_same"] and g["corr_same"] and g["refuses_without_codes"], g
+    assert g["codes_only_same"] and g["codes_only_logits_kept"], g  # (ce_grad_e5m2 with sr_seed: fp8_lm_head_dgrad)
     for mode in ("nearest", "stochastic"):  # (the token-major codes pass, CODA_TITAN_CE_CODES_T=1)
         g = got["codes_t"][mode]
         assert g["in_place"] and g["others_untouched"] and g["ignored"] and g["codes_outside"] == 0, (mode, g)
@@ -336,7 +338,9 @@ def test_cuda_head_program_orchestration_changes_no_bit_in_the_interpreter():
     own, each at its columns with its batch counters, and dW is their product. ``CODA_TITAN_CE_CODES_T=1``: its
     codes within one e5m2 step of those (its row sums in another order can move a code), nearly all equal.
     ``CODA_TITAN_DW_BLOCKS=k`` (2 and 3: blocks of whole chunks, the last ragged): dW is each block's product of the
-    chunks' own codes added to the stored sum and stored again, other bits than one product's."""
+    chunks' own codes added to the stored sum and stored again, other bits than one product's. ``fp8_lm_head_dgrad``:
+    the same codes from the codes-only pass, dW their product, and dX and dgamma B2's on them and W's codes, chunk by
+    chunk (not the bf16 da's)."""
     from .helpers import run_interpreter_check
 
     got = run_interpreter_check("head_program_interpreter_check.py")
@@ -346,6 +350,7 @@ def test_cuda_head_program_orchestration_changes_no_bit_in_the_interpreter():
     assert all(got["no_dw"].values()), got["no_dw"]
     for k in (2, 3):  # (CODA_TITAN_DW_BLOCKS=k: each block's product added to the stored sum, from its own codes)
         assert all(got[f"blocks_{k}"].values()), got[f"blocks_{k}"]
+    assert all(got["dgrad"].values()), got["dgrad"]  # (fp8_lm_head_dgrad: the same codes, B2 on them)
 
 
 def test_head_b2_row_pass_is_the_norm_backward_of_its_accumulator_in_the_interpreter():
@@ -444,7 +449,7 @@ def _fp8_head_case(dtype=torch.float64):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_dw", [False, True, "codes_t", "blocks"])
+@pytest.mark.parametrize("fp8_dw", [False, True, "codes_t", "blocks", "dgrad"])
 def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     """``fp8_lm_head_fwd``'s CUDA program (the fp8 head's e4m3 GEMM with the CE epilogue, then the bf16 head's
     in-place pass, B2 on cuBLAS to fp32 with the row pass, dW on quack in fp32 over chunks, stored bf16) against
@@ -457,31 +462,37 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     e5m2 codes (``_e5m2_sr_dw_bound``), the same in a second call (the seed is the batch's); the rest unchanged.
     "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
     token-major by the pass itself; its sums in another order, which the bounds allow); "blocks": with
-    ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more)."""
+    ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more);
+    "dgrad": with ``fp8_dgrad`` (``fp8_lm_head_dgrad``), B2 on the same codes and W's (``_e5m2_sr_d_bound``)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
 
     arms = {"codes_t": ("CODA_TITAN_CE_CODES_T", "1"), "blocks": ("CODA_TITAN_DW_BLOCKS", "2")}
     tag, roundings = "" if fp8_dw is False else "_fp8_dw" + ("" if fp8_dw is True else f"_{fp8_dw}"), 0
+    dgrad = fp8_dw == "dgrad"
     if fp8_dw in arms:
         monkeypatch.setenv(*arms[fp8_dw])
+    if isinstance(fp8_dw, str):
         fp8_dw, roundings = True, int(fp8_dw == "blocks")
 
     c = _gpu_head_case(torch.bfloat16)
     m, d, v, u, r, x, gamma, h, w = c.m, c.d, c.v, c.u, c.r, c.x, c.gamma, c.h, c.w
     args = (h, r, x, gamma, w, c.targets, 1024)
     fp8 = (c.hq, c.s_h, c.wq, c.s_w)
-    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce(*args, True, *fp8, fp8_dw)
+    loss, dx, dgamma, dw = torch.ops.coda.lm_head_ce(*args, True, *fp8, fp8_dw, dgrad)
     e = torch.expm1(c.delta) * c.p * r[:, None]
     e = e + 2.0 ** -8 * (c.da.abs() + e) + 2 * u * c.da.abs()
     mag = c.da.abs() + e
     wf, hf = w.float(), h.float()
     d_r = c.da @ wf
     d_bound = e @ wf.abs() + (v + 4) * u * (mag @ wf.abs()) + u * d_r.abs()
+    if dgrad:
+        d_r, d_bound = _e5m2_sr_d_bound(c)
     if fp8_dw:
         dw_r, dw_bound = _e5m2_sr_dw_bound(c, dw, roundings)
-        assert torch.equal(torch.ops.coda.lm_head_ce(*args, True, *fp8, True)[3], dw)  # (the batch's seed: repeats)
+        again = torch.ops.coda.lm_head_ce(*args, True, *fp8, True, dgrad)  # (the batch's seed: repeats)
+        assert torch.equal(again[3], dw) and (not dgrad or torch.equal(again[1], dx))
     else:
         dw_r = c.da.t() @ hf
         dw_bound = (e.t() @ hf.abs() + (m + 4) * u * (mag.t() @ hf.abs()) + u * dw_r.abs()
@@ -500,7 +511,7 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     assert dw.dtype == w.dtype and dx.dtype == x.dtype and all(v_ <= 1.0 for v_ in got.values()), got
     bf16 = torch.ops.coda.lm_head_ce(*args, True)  # (the bf16 head on the same H and W: the logits moved)
     assert float((bf16[0] - loss).abs()) > 0 and not torch.equal(bf16[3], dw)
-    loss_only = torch.ops.coda.lm_head_ce(*args, False, *fp8, fp8_dw)
+    loss_only = torch.ops.coda.lm_head_ce(*args, False, *fp8, fp8_dw, dgrad)
     assert float((loss_only[0] - c.terms.sum()).abs()) <= c.loss_bound and loss_only[1].numel() == 0
     with pytest.raises(ValueError, match="fp8_dw"):  # (as the reference: dW's codes need the fp8 forward's H)
         torch.ops.coda.lm_head_ce(*args, True, None, None, None, None, True)
@@ -623,6 +634,43 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
         lh.lm_head_ce(**{**kw, "hq": None, "s_h": None, "weight_q": None, "s_w": None}, fp8_dw=True)
 
 
+def test_fp8_forward_heads_fp8_dgrad_is_b2_on_the_same_stochastic_codes_and_ws(monkeypatch):
+    """``fp8_dgrad`` (``fp8_lm_head_dgrad``, with ``fp8_dw``), in fp64: dX and dgamma are B2's on the very codes
+    fp8_dw's dW is made of (da's stochastically rounded e5m2 codes, the batch's seed) and W's codes: the final norm's
+    backward (``norm_residual_apply``) of acc = (codes / inv) @ (weight_q s_w), zdz that accumulator's row dot; so acc
+    is within one e5m2 step of |da| per element, times |W|, of the exact da's. The loss and dW are fp8_dw's, exactly;
+    dX moves off the bf16 da's. Refused without fp8_dw, and with another ``F4_ZDZ_ENV`` mode."""
+    import coda_titan.kernels.lm_head_ce as lh
+    from coda_titan.kernels.norm_residual_bwd import norm_residual_apply
+    from coda_titan.kernels.scaling import quantize_e5m2_sr, sr_seed_of
+
+    fp8, _ = _fp8_head_case()
+    x, gamma, hq, s_h, wq, s_w, tg = (fp8[k] for k in ("x", "gamma", "hq", "s_h", "weight_q", "s_w", "targets"))
+    h, r = deferred_norm(x, gamma)
+    kw = dict(h=h, rstd=fp8["rstd"], x=x, gamma=gamma, weight=wq.double() * s_w, targets=tg,
+              chunk_rows=CFG.ce_chunk_rows, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w)
+    with_dgrad, dw_only = lh.lm_head_ce(**kw, fp8_dw=True, fp8_dgrad=True), lh.lm_head_ce(**kw, fp8_dw=True)
+    assert torch.equal(with_dgrad[0], dw_only[0]) and torch.equal(with_dgrad[3], dw_only[3])
+    logits = (hq.double() @ wq.double().t()) * (s_h.double() * s_w.double() * fp8["rstd"])[:, None]
+    dp = torch.softmax(logits, -1) - torch.nn.functional.one_hot(tg.clamp(min=0), logits.shape[1]).double()
+    da = dp * torch.where(tg != IGNORE_INDEX, fp8["rstd"], 0.0)[:, None]
+    inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
+    codes = quantize_e5m2_sr(da, inv, sr_seed_of(tg), lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
+    wd = wq.double() * s_w.double()
+    acc = (codes / inv) @ wd
+    dx_r, dg_r = norm_residual_apply(acc, x=x, gamma=gamma, rstd=fp8["rstd"], zdz=None, dresidual=None)
+    torch.testing.assert_close(with_dgrad[1], dx_r, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(with_dgrad[2], dg_r, rtol=1e-12, atol=1e-14)
+    step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
+    assert bool(((acc - da @ wd).abs() <= step @ wd.abs() * (1 + 1e-9)).all())
+    assert not torch.allclose(with_dgrad[1], dw_only[1], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)
+    with pytest.raises(ValueError, match="fp8_dgrad"):
+        lh.lm_head_ce(**kw, fp8_dgrad=True)
+    monkeypatch.setenv(F4_ZDZ_ENV, "rounded")
+    with pytest.raises(ValueError, match="fp8_dgrad"):
+        lh.lm_head_ce(**kw, fp8_dw=True, fp8_dgrad=True)
+
+
 def test_fp8_head_op_fake():
     """The op's fake has the real outputs' shapes, dtypes and strides (the other opcheck utilities perturb
     inputs by arithmetic fp8 tensors do not have), and ``lm_head_ce``'s with the fp8 forward's codes
@@ -632,9 +680,10 @@ def test_fp8_head_op_fake():
                                   "chunk_rows"))
     for grad in (True, False):
         opcheck(torch.ops.coda.lm_head_ce_fp8.default, (*args, grad), test_utils=("test_faketensor",))
-        for fp8_dw in (False, True):
+        for fp8_dw, fp8_dgrad in ((False, False), (True, False), (True, True)):
             fwd = (fp8["hq"].double().mul(fp8["s_h"]).float(), *args[2:5], fp8["weight_q"].float() * fp8["s_w"],
-                   fp8["targets"], fp8["chunk_rows"], grad, fp8["hq"], fp8["s_h"], fp8["weight_q"], fp8["s_w"], fp8_dw)
+                   fp8["targets"], fp8["chunk_rows"], grad, fp8["hq"], fp8["s_h"], fp8["weight_q"], fp8["s_w"], fp8_dw,
+                   fp8_dgrad)
             opcheck(torch.ops.coda.lm_head_ce.default, fwd, test_utils=("test_faketensor",))
 
 
@@ -750,6 +799,23 @@ def _e5m2_sr_dw_bound(c, dw, partial_roundings: int = 0):
     dw_bound = ((step + w).t() @ hd.abs() + ((c.m + 4) * c.u + 2 * c_w + partial_roundings * 2.0 ** -8) * mag
                 + c.u * dw_r.abs() + 2.0 ** -8 * dw.float().abs())
     return dw_r, dw_bound
+
+
+def _e5m2_sr_d_bound(c):
+    """(D's reference, its bound) for B2 on da's stochastically rounded e5m2 codes and W's (``fp8_lm_head_dgrad``): as
+    ``_e5m2_sr_dw_bound``, each code within step + w of the exact da, so D = da @ W (W's codes times s_w, exact)
+    within (step + w) @ |W| plus the accumulator (2 c_d P, c_d measured on the round-to-nearest codes of the same da
+    against W^T's codes), the reference's fp32 sums ((V + 4) units) and one fp32 unit of D (cuBLAS's output)."""
+    from .helpers import fp8_mma_c
+
+    inv, codes_q, _, _, _ = _e5m2_codes(c)
+    wd = c.wq.float() * c.s_w
+    c_d = float(fp8_mma_c(codes_q, c.wq.t().contiguous())[0])
+    w = torch.expm1(c.delta) * c.p * c.r[:, None]
+    step = (2.0 ** -2 * (c.da.abs() + w) * inv).clamp(min=2.0 ** -16) / inv
+    d_r = c.da @ wd
+    mag = (c.da.abs() + w + step) @ wd.abs()
+    return d_r, (step + w) @ wd.abs() + ((c.v + 4) * c.u + 2 * c_d) * mag + c.u * d_r.abs()
 
 
 @pytest.mark.gpu

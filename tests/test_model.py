@@ -385,6 +385,7 @@ def _models(**kw):
         fp8_qkv_wgrad=kw.get("fp8_qkv_wgrad", False), fp8_out_bwd=kw.get("fp8_out_bwd", False),
         fp8_preact=kw.get("fp8_preact", False), fp8_lm_head=kw.get("fp8_lm_head", False),
         fp8_lm_head_fwd=kw.get("fp8_lm_head_fwd", False), fp8_lm_head_dw=kw.get("fp8_lm_head_dw", False),
+        fp8_lm_head_dgrad=kw.get("fp8_lm_head_dgrad", False),
         fp8_grad_margin=kw.get("fp8_grad_margin", args.coda.fp8_grad_margin),
         fp8_act_margin=kw.get("fp8_act_margin", args.coda.fp8_act_margin),
     )
@@ -1469,6 +1470,28 @@ def test_fp8_lm_head_dw_moves_only_the_output_weights_gradient():
             assert torch.equal(g_off[name], g_on[name]), name
     dw = TORCH.lm_head_ce(**calls[0])[3].to(on.output.weight.dtype)
     assert torch.equal(g_on["output.weight"], dw) and not torch.equal(dw, g_off["output.weight"])
+
+
+def test_fp8_lm_head_dgrad_moves_the_heads_dx_and_keeps_its_loss_and_dw():
+    """``fp8_lm_head_dgrad`` (with ``fp8_lm_head_dw``): the head's call asks for B2 on the codes as well; the loss
+    and the output weight's gradient are the model's with ``fp8_lm_head_dw`` alone bit for bit, and the final norm's
+    gradient is that program's dgamma (tests/test_lm_head_ce.py: B2 on the codes), not the bf16 da's."""
+    from coda_titan.kernels import TORCH
+
+    _, off = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True)
+    _, on = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True, fp8_lm_head_dgrad=True)
+    calls = _spy(on, ("lm_head_ce",), lambda name, k: k)
+    tokens, labels = _batch(on.model_args.vocab_size)
+    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
+    loss_off.backward()
+    loss_on.backward()
+    assert len(calls) == 1 and calls[0]["fp8_dgrad"] is True and torch.equal(loss_on, loss_off)
+    g_off, g_on = _grads(off), _grads(on)
+    assert torch.equal(g_on["output.weight"], g_off["output.weight"])
+    dgamma = TORCH.lm_head_ce(**calls[0])[2]
+    scale = g_on["norm.weight"].double() / dgamma.double()  # (the trainer's 1 / tokens, as the saved gradients take it)
+    assert torch.allclose(scale, scale.flatten()[0].expand_as(scale), rtol=1e-2)
+    assert not torch.equal(g_on["norm.weight"], g_off["norm.weight"])
 
 
 def test_fp8_qkv_wgrad_with_fp8_dgrad_casts_b1s_da_at_its_current_amax_on_the_down_projections_h_t():

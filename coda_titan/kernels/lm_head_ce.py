@@ -75,11 +75,8 @@ def lm_head_ce(
     targets: torch.Tensor,
     chunk_rows: int,
     compute_grad: bool = True,
-    hq: torch.Tensor | None = None,
-    s_h: torch.Tensor | None = None,
-    weight_q: torch.Tensor | None = None,
-    s_w: torch.Tensor | None = None,
-    fp8_dw: bool = False,
+    hq: torch.Tensor | None = None, s_h: torch.Tensor | None = None, weight_q: torch.Tensor | None = None,
+    s_w: torch.Tensor | None = None, fp8_dw: bool = False, fp8_dgrad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss_sum, dX, dgamma, dW_out); the gradients are None when ``compute_grad`` is False. With ``hq``, H's e4m3
     codes at scale ``s_h``, and ``weight_q``, W's at ``s_w`` (``fp8_lm_head_fwd``): the logits are
@@ -87,15 +84,16 @@ def lm_head_ce(
     above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear).
     ``fp8_dw`` (``fp8_lm_head_dw``): dW_out on da's e5m2 codes at ``dlogits_inv_scale`` (from its unrounded value,
     rounded stochastically: ``quantize_e5m2_sr`` with ``sr_seed_of(targets)``, so each code's expected value is
-    da's) and H's codes; dX and dgamma stay the bf16 da's."""
+    da's) and H's codes; dX and dgamma stay the bf16 da's. ``fp8_dgrad`` (``fp8_lm_head_dgrad``): B2 on those codes
+    and W's, acc = (s_w / inv_g) (codes @ weight_q) (sums in the compute dtype), zdz its row dot (as "acc")."""
     check_2d("h", h, weight.shape[1])
     if not (hq is None) == (s_h is None) == (weight_q is None) == (s_w is None) or fp8_dw and hq is None:
         raise ValueError("the head's fp8 forward takes hq, s_h, weight_q and s_w together, and fp8_dw needs them")
+    check_fp8_dgrad(fp8_dw, fp8_dgrad)
     if hq is not None:
         check_e4m3(hq, weight_q)
         if hq.shape != h.shape or weight_q.shape != weight.shape:
-            raise ValueError(f"hq and weight_q must have h's and weight's shapes, got {tuple(hq.shape)}, "
-                             f"{tuple(weight_q.shape)}")
+            raise ValueError(f"hq and weight_q must have h's and weight's shapes, got {(hq.shape, weight_q.shape)}")
     if targets.shape != (h.shape[0],):
         raise ValueError(f"targets must be ({h.shape[0]},), got {tuple(targets.shape)}")
     if chunk_rows <= 0:
@@ -122,16 +120,20 @@ def lm_head_ce(
         if not compute_grad:
             continue
         da = (dp * r.to(dp.dtype)[:, None]).to(h.dtype)
-        if f4_zdz_mode() == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
+        if fp8_dw:  # (e5m2 codes of the unrounded da, stochastically rounded; H's codes)
+            ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
+            daq = quantize_e5m2_sr(dp * r.to(ct)[:, None], inv_g, seed,
+                                   sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device))
+        if fp8_dgrad:  # (B2 on those codes and W's, zdz from its accumulator)
+            acc = (daq.to(ct) @ weight_q.to(ct)) * (s_w.to(ct) / inv_g)
+            dx_c, dg_c = norm_residual_apply(acc, x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
+        elif f4_zdz_mode() == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
             dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         else:
             dx_c, dg_c = norm_residual_bwd(da=da, weight=weight, x=x[rows], gamma=gamma, rstd=r,
                                            zdz=_zdz_variant(zdz, dp, lf, logits, tgt, da, r), dresidual=None)
         dx[rows] = dx_c
-        if fp8_dw:  # (e5m2 codes of the unrounded da, stochastically rounded; H's codes)
-            ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
-            daq = quantize_e5m2_sr(dp * r.to(ct)[:, None], inv_g, seed,
-                                   sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device))
+        if fp8_dw:
             dw_c = (daq.to(ct).t() @ hq[rows].to(ct)) * (s_h.to(ct) / inv_g)
         else:
             dw_c = wgrad(grad=da, inp=h[rows], out_dtype=dg_c.dtype)
@@ -270,6 +272,13 @@ def _ce(logits: torch.Tensor, tgt: torch.Tensor, compute_grad: bool):
     return chunk_loss, dp, (logits * dp).sum(-1)
 
 
+def check_fp8_dgrad(fp8_dw: bool, fp8_dgrad: bool) -> None:
+    """``fp8_dgrad`` (``fp8_lm_head_dgrad``) runs B2 on ``fp8_dw``'s codes, with zdz from its accumulator."""
+    if fp8_dgrad and (not fp8_dw or f4_zdz_mode() != "acc"):
+        raise ValueError(f"fp8_dgrad (fp8_lm_head_dgrad) runs B2 on fp8_dw's codes, zdz of its accumulator: it needs "
+                         f"fp8_dw and {F4_ZDZ_ENV}=acc, got fp8_dw={fp8_dw} and {f4_zdz_mode()!r}")
+
+
 def dlogits_inv_scale(rstd: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The e5m2 scale of the fp8 head's da = r (softmax - onehot): |softmax - onehot| <= 1, so amax |da| <= the
     largest r of a row with a target, known before any logit is: pow2_floor(E5M2_MAX / that r) never saturates
@@ -328,11 +337,11 @@ def lm_head_ce_op(
     h: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, weight: torch.Tensor,
     targets: torch.Tensor, chunk_rows: int, compute_grad: bool, hq: Optional[torch.Tensor] = None,
     s_h: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None, s_w: Optional[torch.Tensor] = None,
-    fp8_dw: bool = False,
+    fp8_dw: bool = False, fp8_dgrad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dx, dgamma, dw = lm_head_ce(
         h=h, rstd=rstd, x=x, gamma=gamma, weight=weight, targets=targets, chunk_rows=chunk_rows,
-        compute_grad=compute_grad, hq=hq, s_h=s_h, weight_q=weight_q, s_w=s_w, fp8_dw=fp8_dw,
+        compute_grad=compute_grad, hq=hq, s_h=s_h, weight_q=weight_q, s_w=s_w, fp8_dw=fp8_dw, fp8_dgrad=fp8_dgrad,
     )
     return op_outputs(loss, dx, dgamma, dw, h=h, weight=weight)
 
@@ -346,7 +355,7 @@ def op_outputs(loss, dx, dgamma, dw, *, h, weight):
 
 @lm_head_ce_op.register_fake
 def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h=None, weight_q=None, s_w=None,
-      fp8_dw=False):
+      fp8_dw=False, fp8_dgrad=False):
     ct = acc_dtype(h, weight)
     loss = h.new_empty((), dtype=ct)
     if not compute_grad:
@@ -355,10 +364,10 @@ def _(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h
 
 
 def lm_head_ce_program(*, h, rstd, x, gamma, weight, targets, chunk_rows: int, compute_grad: bool = True, hq=None,
-                       s_h=None, weight_q=None, s_w=None, fp8_dw: bool = False):
+                       s_h=None, weight_q=None, s_w=None, fp8_dw: bool = False, fp8_dgrad: bool = False):
     """``lm_head_ce`` through the op (the ``cute`` backend's program): None for gradients not computed."""
     loss, dx, dgamma, dw = lm_head_ce_op(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq, s_h,
-                                         weight_q, s_w, fp8_dw)
+                                         weight_q, s_w, fp8_dw, fp8_dgrad)
     return (loss, dx, dgamma, dw) if compute_grad else (loss, None, None, None)
 
 

@@ -55,6 +55,7 @@ class ProgramConfig:
     fp8_lm_head: bool = False  # the LM head on e4m3 H and W, its gradient on e5m2 dlogits (``fp8_lm_head``)
     fp8_lm_head_fwd: bool = False  # the head's logits on e4m3 H, W; its gradient the bf16 head's (``fp8_lm_head_fwd``)
     fp8_lm_head_dw: bool = False  # with it: dW_out on stochastically rounded e5m2 da and H's codes (``fp8_lm_head_dw``)
+    fp8_lm_head_dgrad: bool = False  # with that: the head's B2 on the same codes and W's (``fp8_lm_head_dgrad``)
     amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -350,7 +351,7 @@ class LMHeadCE(torch.autograd.Function):
     """F4: chunked LM head + CE; the gradients are made in the forward and scaled in the backward. With
     ``cfg.fp8_lm_head``, on e4m3 H and W (torchao's current tensorwise casts, W^T's codes for the dgrad); with
     ``cfg.fp8_lm_head_fwd``, its logits on those casts and its gradient on the bf16 H and W (``cfg.fp8_lm_head_dw``:
-    but dW, on da's stochastically rounded e5m2 codes and H's)."""
+    but dW, on da's stochastically rounded e5m2 codes and H's; ``cfg.fp8_lm_head_dgrad``: and dX, on them and W's)."""
 
     @staticmethod
     def forward(ctx, h, rstd, x, gamma, weight, targets, cfg: ProgramConfig, compute_grad: bool):
@@ -364,7 +365,7 @@ class LMHeadCE(torch.autograd.Function):
             dw = dw if dw is None else dw.to(weight.dtype)
         elif cfg.fp8_lm_head_fwd:
             loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, hq=hq, s_h=s_h, weight_q=wq, s_w=s_w,
-                                                 fp8_dw=cfg.fp8_lm_head_dw, **kw)
+                                                 fp8_dw=cfg.fp8_lm_head_dw, fp8_dgrad=cfg.fp8_lm_head_dgrad, **kw)
         else:
             loss, dx, dgamma, dw = be.lm_head_ce(h=h, weight=weight, **kw)
         if compute_grad:

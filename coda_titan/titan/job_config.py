@@ -26,8 +26,8 @@ def knob(default, doc: str, *, choices: Optional[tuple] = None, low: Optional[in
 @dataclass
 class Coda:
     backend: str = knob(
-        "auto", "`cute` = fused SM90 kernels (H100/H200 + the gpu extra), `torch` = the plain-PyTorch "
-        "reference (any device), `auto` = cute where it can run",
+        "auto", "`cute`: fused SM90 kernels (H100/H200, the gpu extra); `torch`: the plain-PyTorch reference "
+        "(any device); `auto`: cute where it can run",
         choices=("auto", "torch", "cute"),
     )
     tile_n: int = knob(128, "column-tile width of the partial RMS sums S (reference programs)", low=1)
@@ -35,8 +35,7 @@ class Coda:
         4096, "token rows per chunk of the LM head + CE: logits held at once = rows x vocab", low=1
     )
     precision: str = knob(
-        "bf16", "GEMM operands: `fp8` = e4m3 / e5m2, tensorwise scales (docs/fp8.md); parameters and "
-        "checkpoints stay bf16/fp32",
+        "bf16", "GEMM operands: `fp8` = e4m3 / e5m2, tensorwise scales (docs/fp8.md)",
         choices=("bf16", "fp8"),
     )
     fp8_amax_history: int = knob(16, "fp8: steps of per-site amax history behind the delayed scales", low=1)
@@ -54,6 +53,7 @@ class Coda:
     fp8_lm_head: bool = knob(False, "fp8: the LM head on e4m3 H, W and e5m2 dlogits; faster, off loss parity")
     fp8_lm_head_fwd: bool = knob(False, "fp8: the LM head's logits on e4m3 H, W; its gradient bf16")
     fp8_lm_head_dw: bool = knob(False, "fp8_lm_head_fwd: dW_out on e5m2 dlogits (rounded stochastically)")
+    fp8_lm_head_dgrad: bool = knob(False, "fp8_lm_head_dw: the dgrad on those codes too")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
     fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: 6.5 GiB less, 2.3% slower)")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
@@ -149,6 +149,8 @@ NEEDS = {
     "fp8_lm_head_fwd": ({"precision": "fp8", "fp8_lm_head": False},
                         "it runs the LM head's forward on fp8, and fp8_lm_head runs all of the head on it"),
     "fp8_lm_head_dw": ({"precision": "fp8", "fp8_lm_head_fwd": True}, "it runs the fp8 forward head's dW on fp8"),
+    "fp8_lm_head_dgrad": ({"precision": "fp8", "fp8_lm_head_fwd": True, "fp8_lm_head_dw": True},
+                          "it runs the head's dgrad on fp8_lm_head_dw's codes"),
     "fp8_mlp_h_t": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,
                      "fp8_out_proj": True}, "the out-projection's fp8 F1 writes H^T for the e5m2-only B3's dW13"),
     "fp8_preact": ({"precision": "fp8", "fp8_mlp_dgrad": True, "fp8_mlp_wgrad": True, "fp8_mlp_wgrad_e5m2": True,

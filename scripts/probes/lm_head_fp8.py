@@ -12,7 +12,9 @@ the configs' ``ce_chunk_rows``), each arm one CUDA graph at the cap (``scripts.b
 transposed copies (W^T e4m3 once a step; G and G^T e5m2 in the CE's epilogue) are not in the fp8 arms: this is
 the ceiling of the lever, not a design. With ``--programs`` (added after the first run), two more arms: the
 head's whole programs as the model calls them, ``coda::lm_head_ce`` (bf16) against the casts of H and W, W^T's
-codes and ``coda::lm_head_ce_fp8``. Writes ``$OUT/probe_lm_head_fp8_<gpu>.json``.
+codes and ``coda::lm_head_ce_fp8``; and the configured head (``fp8_lm_head_fwd`` with ``fp8_lm_head_dw``) without
+and with ``fp8_lm_head_dgrad`` (B2 on dW's codes), ``program_fwd_dw[_dgrad]``. ``--programs-only``: those arms
+alone. Writes ``$OUT/probe_lm_head_fp8_<gpu>.json``.
 
     source .gpu/part2/activate.sh && python3 -m scripts.probes.lm_head_fp8      (gpu_train.sh lmheadfp8)
 """
@@ -93,7 +95,13 @@ def program_arms(t: dict) -> dict:
         (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=t["w"])
         return be.lm_head_ce_fp8(hq=hq, s_h=s_h, weight_q=wq, weight_tq=be.fp8_weight_t(w=wq), s_w=s_w, **kw)
 
-    return {"program_bf16": lambda: be.lm_head_ce(h=h, weight=t["w"], **kw), "program_fp8": fp8}
+    def fwd_dw(dgrad: bool):
+        (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=t["w"])
+        return be.lm_head_ce(h=h, weight=t["w"], hq=hq, s_h=s_h, weight_q=wq, s_w=s_w, fp8_dw=True, fp8_dgrad=dgrad,
+                             **kw)
+
+    return {"program_bf16": lambda: be.lm_head_ce(h=h, weight=t["w"], **kw), "program_fp8": fp8,
+            "program_fwd_dw": lambda: fwd_dw(False), "program_fwd_dw_dgrad": lambda: fwd_dw(True)}
 
 
 def main():
@@ -102,13 +110,15 @@ def main():
     from scripts.bench.common import arms_at_cap, header, log_row, out_json
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--programs", action="store_true", help="also the head's whole bf16 and fp8 programs")
+    ap.add_argument("--programs", action="store_true", help="also the head's whole programs")
+    ap.add_argument("--programs-only", action="store_true", help="the head's whole programs alone")
     a = ap.parse_args()
     t = operands()
     doc = {**header(), "kind": "probe_lm_head_fp8", "shapes": {"M": M, "V": V, "K": K, "chunk": CHUNK},
            "seconds": SECONDS, "rows": []}
     path = out_json("probe_lm_head_fp8")
-    arms_at_cap(doc, {**arms(t), **(program_arms(t) if a.programs else {})}, path, SECONDS, ROUNDS)
+    chosen = {} if a.programs_only else arms(t)
+    arms_at_cap(doc, {**chosen, **(program_arms(t) if a.programs or a.programs_only else {})}, path, SECONDS, ROUNDS)
     log_row(doc, "rows", {"summary": {k: v for k, v in doc.items() if k.startswith("median_ms_")}}, path)
 
 

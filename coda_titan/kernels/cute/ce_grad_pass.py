@@ -155,12 +155,14 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
 
 def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                  rstd: torch.Tensor, inv_scale: torch.Tensor, ignore_index: int, loss_rows: torch.Tensor | None = None,
-                 block: int = 4096, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                 block: int = 4096, num_warps: int = 8, sr_seed: torch.Tensor | int | None = None,
+                 row0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 head's pass: (daq, zdz), daq (rows, V) the e5m2 codes of da * ``inv_scale`` (0-dim or (1,) fp32;
-    saturated, rounded to nearest even from da's fp32 value), zdz (rows,) fp32 (B2 fp8 takes zdz, not corr);
-    the logits are read, not written. Otherwise ``ce_grad_inplace``."""
+    saturated, rounded to nearest even from da's fp32 value; with ``sr_seed`` and ``row0`` stochastically, as
+    ``ce_grad_inplace``'s: ``fp8_lm_head_dgrad``'s codes, no bf16 da), zdz (rows,) fp32 (B2 fp8 takes zdz, not
+    corr); the logits are read, not written. Otherwise ``ce_grad_inplace``."""
     return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, 1, loss_rows,
-                    inv_scale.float().reshape(1), block, num_warps)
+                    inv_scale.float().reshape(1), block, num_warps, sr=(sr_seed, row0))
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,

@@ -94,15 +94,17 @@ def f4_epilogue(dtype: torch.dtype):
 
 @torch.library.register_kernel("coda::lm_head_ce", "cuda")
 def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq=None, s_h=None, weight_q=None,
-                s_w=None, fp8_dw=False):
+                s_w=None, fp8_dw=False, fp8_dgrad=False):
     if fp8_dw and hq is None:
         raise ValueError("fp8_dw (fp8_lm_head_dw) needs the head's fp8 forward: hq, s_h, weight_q and s_w")
+    ref.check_fp8_dgrad(fp8_dw, fp8_dgrad)
     why = unsupported(h, x, weight) or (hq is not None and unsupported_fp8(hq, weight_q))
     if why:
         return fallback(ref.lm_head_ce_op, why, h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq,
-                        s_h, weight_q, s_w, fp8_dw)
+                        s_h, weight_q, s_w, fp8_dw, fp8_dgrad)
     fp8_fwd = hq is not None  # (``fp8_lm_head_fwd``: the logits of the e4m3 GEMM, the rest as the bf16 head's)
-    fp8_dw = fp8_dw and compute_grad  # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's)
+    # (``fp8_lm_head_dw``: dW on da's e5m2 codes and H's; ``fp8_lm_head_dgrad``: B2 on them and W's too)
+    fp8_dw, fp8_dgrad = fp8_dw and compute_grad, fp8_dgrad and compute_grad
     if fp8_fwd and compute_grad:
         _refuse_probe_arms()
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
@@ -120,7 +122,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         fp32_sum = (m > chunk_rows or not in_place) and not fp8_dw
         dw = torch.empty((vocab, d), device=h.device, dtype=torch.float32) if fp32_sum else None
         if fp8_dw:  # (every chunk's codes, token-major, and their scale, as the fp8 head's)
-            codes = _Fp8Dw(rstd, targets, hq, s_h, vocab, chunk_rows, weight.dtype)
+            codes = _Fp8Dw(rstd, targets, hq, s_h, vocab, chunk_rows, weight.dtype, fp8_dgrad and (weight_q, s_w))
     logits_buf = h.new_empty((min(chunk_rows, m), vocab))
     epi = f4_epilogue(logits_buf.dtype)
     grad_fn = fused("ce_grad", _ce_grad_math)
@@ -142,7 +144,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
-        if fp8_dw:  # (and da's codes into the token-major buffer)
+        if fp8_dw:  # (and da's codes into the token-major buffer; with fp8_dgrad the codes alone, B2's operand)
             da, corr = codes.chunk(logits, parts, tl, t, r, d, loss_rows[start:stop], start, stop)
         elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
@@ -157,8 +159,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             da, zdz = grad_fn(logits, lse, tl, t, r)
             corr = -(r * r / d) * zdz
         if zdz_acc:  # (zdz from B2's accumulator: cuBLAS keeps it in fp32, one row pass applies the epilogue)
-            dgamma += norm_apply_rows(torch.mm(da, weight, out_dtype=torch.float32), x[start:stop], gamma32, r,
-                                      dx[start:stop])
+            acc = codes.b2(da) if fp8_dgrad else torch.mm(da, weight, out_dtype=torch.float32)
+            dgamma += norm_apply_rows(acc, x[start:stop], gamma32, r, dx[start:stop])
         else:
             with stages.capped(base):
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
@@ -179,9 +181,10 @@ class _Fp8Dw:
     (``_fp8_dw``). With ``CODA_TITAN_DW_BLOCKS=k`` (a probe arm of the memory target) the buffer holds one of k token
     blocks (whole chunks) and each full block adds its product into dW in W's dtype (quack: the first block's GEMM
     writes it, the next ones add to it in place), so the buffer is k times smaller for k - 1 more roundings of dW's
-    partial sums."""
+    partial sums. ``w_codes`` (``fp8_lm_head_dgrad``: W's e4m3 codes and their scale): the pass writes the codes
+    alone (no bf16 da), which ``chunk`` returns for ``b2``."""
 
-    def __init__(self, rstd, targets, hq, s_h, vocab: int, chunk_rows: int, dtype):
+    def __init__(self, rstd, targets, hq, s_h, vocab: int, chunk_rows: int, dtype, w_codes=()):
         m = hq.shape[0]
         self.inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
         self.seed, self.hq, self.s_h, self.dtype, self.m = sr_seed_of(targets), hq, s_h, dtype, m
@@ -193,15 +196,24 @@ class _Fp8Dw:
         self.daq_t = torch.empty((vocab, self.width), device=hq.device, dtype=E5M2)
         self.hq_t = transpose_8bit.transpose_8bit(hq) if self.width < m else None
         self.alpha = (s_h.float() / self.inv_g).reshape(1)  # (the blocks' GEMMs: the codes' scales)
-        self.codes_t = os.environ.get(ce_codes_t.ENV) == "1"
+        self.codes_t, self.dgrad = os.environ.get(ce_codes_t.ENV) == "1", bool(w_codes)
+        if self.dgrad and self.codes_t:
+            raise ValueError(f"fp8_lm_head_dgrad's B2 reads the row pass's codes, not {ce_codes_t.ENV}=1's")
+        if self.dgrad:  # (W^T's e4m3 codes, (d, V): B2's K-major operand, and their scale)
+            self.w_tq, self.s_w = transpose_8bit.transpose_8bit(w_codes[0]), w_codes[1].float().reshape(())
         self.dw = None
 
     def chunk(self, logits, parts, tl, t, r, d: int, loss_rows, start: int, stop: int):
         """The gradient pass of rows [start, stop): (da, corr) in place, the codes into the buffer (the row pass then
         ``transpose_8bit``, or with ``CODA_TITAN_CE_CODES_T=1``, a probe arm, ``ce_codes_t``'s pass storing them
-        there itself); a block's product into dW once its last chunk is in."""
+        there itself); a block's product into dW once its last chunk is in. With ``w_codes``: (the codes, None)."""
         b0 = start - start % self.width
-        if self.codes_t:
+        if self.dgrad:  # (``fp8_lm_head_dgrad``: the codes alone, returned for B2)
+            daq, _ = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,
+                                  row0=start)
+            transpose_8bit.launch(daq, self.daq_t[:, start - b0:stop - b0])
+            da = daq
+        elif self.codes_t:
             da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, self.inv_g,
                                                   self.daq_t, start - b0, sr_seed=self.seed, row0=start)
         else:
@@ -214,7 +226,11 @@ class _Fp8Dw:
                 self.dw = quack_gemm(a, b, out_dtype=self.dtype, alpha=self.alpha, tuned=TUNE)
             else:
                 gemm_add_inplace(a, b, self.dw, alpha=self.alpha, tuned=TUNE)
-        return da, corr
+        return (da, None) if self.dgrad else (da, corr)
+
+    def b2(self, daq):
+        """``fp8_lm_head_dgrad``'s B2 accumulator of a chunk: its codes times W's on cuBLAS's fp8 GEMM, fp32 out."""
+        return torch._scaled_mm(daq, self.w_tq.t(), self.inv_g.reciprocal(), self.s_w, out_dtype=torch.float32)
 
     def result(self):
         """dW_out in W's dtype."""

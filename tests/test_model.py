@@ -1449,21 +1449,27 @@ def test_fp8_lm_head_fwd_runs_the_heads_logits_on_the_casts_of_h_and_w_and_its_g
     _assert_tracks(loss_off, loss_on, _grads(off), _grads(on))
 
 
+def _head_knob_pair(base: dict, **knob):
+    """The fp8 model with the ``base`` knobs and with ``knob`` added, one batch's loss and backward each: (the model
+    with it, its LM-head calls' keyword arguments, (loss, grads) without, (loss, grads) with)."""
+    _, off = _models(**base)
+    _, on = _models(**base, **knob)
+    calls = _spy(on, ("lm_head_ce",), lambda name, k: k)
+    tokens, labels = _batch(on.model_args.vocab_size)
+    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
+    loss_off.backward()
+    loss_on.backward()
+    return on, calls, (loss_off, _grads(off)), (loss_on, _grads(on))
+
+
 def test_fp8_lm_head_dw_moves_only_the_output_weights_gradient():
     """``fp8_lm_head_dw`` (with ``fp8_lm_head_fwd``): the head's call asks for the fp8 dW; the loss and every
     gradient but the output weight's are the model's without it bit for bit (dX and dgamma stay the bf16 da's), and
     the output weight's is that program's (tests/test_lm_head_ce.py: the fp8 head's dW), not the bf16 da's."""
     from coda_titan.kernels import TORCH
 
-    _, off = _models(fp8_lm_head_fwd=True)
-    _, on = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True)
-    calls = _spy(on, ("lm_head_ce",), lambda name, k: k)
-    tokens, labels = _batch(on.model_args.vocab_size)
-    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
-    loss_off.backward()
-    loss_on.backward()
+    on, calls, (loss_off, g_off), (loss_on, g_on) = _head_knob_pair(dict(fp8_lm_head_fwd=True), fp8_lm_head_dw=True)
     assert len(calls) == 1 and calls[0]["fp8_dw"] is True and torch.equal(loss_on, loss_off)
-    g_off, g_on = _grads(off), _grads(on)
     assert g_off.keys() == g_on.keys()
     for name in g_off:
         if name != "output.weight":
@@ -1478,15 +1484,9 @@ def test_fp8_lm_head_dgrad_moves_the_heads_dx_and_keeps_its_loss_and_dw():
     gradient is that program's dgamma (tests/test_lm_head_ce.py: B2 on the codes), not the bf16 da's."""
     from coda_titan.kernels import TORCH
 
-    _, off = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True)
-    _, on = _models(fp8_lm_head_fwd=True, fp8_lm_head_dw=True, fp8_lm_head_dgrad=True)
-    calls = _spy(on, ("lm_head_ce",), lambda name, k: k)
-    tokens, labels = _batch(on.model_args.vocab_size)
-    loss_off, loss_on = off(tokens, labels=labels), on(tokens, labels=labels)
-    loss_off.backward()
-    loss_on.backward()
+    _, calls, (loss_off, g_off), (loss_on, g_on) = _head_knob_pair(dict(fp8_lm_head_fwd=True, fp8_lm_head_dw=True),
+                                                                    fp8_lm_head_dgrad=True)
     assert len(calls) == 1 and calls[0]["fp8_dgrad"] is True and torch.equal(loss_on, loss_off)
-    g_off, g_on = _grads(off), _grads(on)
     assert torch.equal(g_on["output.weight"], g_off["output.weight"])
     dgamma = TORCH.lm_head_ce(**calls[0])[2]
     scale = g_on["norm.weight"].double() / dgamma.double()  # (the trainer's 1 / tokens, as the saved gradients take it)

@@ -124,9 +124,9 @@ def lm_head_ce(
             ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
             daq = quantize_e5m2_sr(dp * r.to(ct)[:, None], inv_g, seed,
                                    sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device))
-        if fp8_dgrad:  # (B2 on those codes and W's, zdz from its accumulator)
-            acc = (daq.to(ct) @ weight_q.to(ct)) * (s_w.to(ct) / inv_g)
-            dx_c, dg_c = norm_residual_apply(acc, x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
+        if fp8_dgrad:  # (the fp8 head's B2 on those codes and W's, zdz from its accumulator)
+            dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_q.t(), scale=s_w.to(ct) / inv_g,
+                                                  x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         elif f4_zdz_mode() == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
             dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         else:

@@ -22,10 +22,10 @@ Results go to ``benchmarks/results/`` (``--out``): ``compare_<gpu>_<date>.json``
 holds the device, date, versions, exactly what was run and the raw per-step values. ``--report``
 (the same as ``python -m scripts.report``) regenerates the plots, docs/results.md and the README's
 headline from those files only; no number is typed by hand. ``--no-plot`` writes the JSON alone (the
-device calls, which return few files); the report draws each stored result's missing plot. The results page also gets, from the
-stored loss curves, the run-to-run spread of repeated stock runs (the noise any parity criterion has
-to live with) and the step where they disagree most, and, from the profiles, the GEMM time a CODA
-config would have left for its speed-up target.
+device calls, which return few files); the report draws each stored result's missing plot. The results
+page also gets, from the stored loss curves, the run-to-run spread of repeated stock runs (the noise any
+parity criterion has to live with) and the step where they disagree most, and, from the profiles, the
+GEMM time a CODA config would have left for its speed-up target.
 
 Modules: ``run`` (one config in its own process; the comparison mode), ``loss_curve`` and
 ``parity``, ``profile`` (the torch profiler and trace analysis), ``targets``, ``common`` (paths,

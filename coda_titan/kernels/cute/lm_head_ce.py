@@ -209,10 +209,9 @@ class _Fp8Dw:
         there itself); a block's product into dW once its last chunk is in. With ``w_codes``: (the codes, None)."""
         b0 = start - start % self.width
         if self.dgrad:  # (``fp8_lm_head_dgrad``: the codes alone, returned for B2)
-            daq, _ = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,
-                                  row0=start)
-            transpose_8bit.launch(daq, self.daq_t[:, start - b0:stop - b0])
-            da = daq
+            da, corr = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,
+                                    row0=start)[0], None
+            transpose_8bit.launch(da, self.daq_t[:, start - b0:stop - b0])
         elif self.codes_t:
             da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, self.inv_g,
                                                   self.daq_t, start - b0, sr_seed=self.seed, row0=start)
@@ -226,7 +225,7 @@ class _Fp8Dw:
                 self.dw = quack_gemm(a, b, out_dtype=self.dtype, alpha=self.alpha, tuned=TUNE)
             else:
                 gemm_add_inplace(a, b, self.dw, alpha=self.alpha, tuned=TUNE)
-        return (da, None) if self.dgrad else (da, corr)
+        return da, corr
 
     def b2(self, daq):
         """``fp8_lm_head_dgrad``'s B2 accumulator of a chunk: its codes times W's on cuBLAS's fp8 GEMM, fp32 out."""

@@ -793,7 +793,7 @@ def test_gpu_train_stops_before_the_call_limit_and_still_returns_its_logs(tmp_pa
     import subprocess
 
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "CODA_TITAN_CACHE": str(tmp_path / "cache"), "CALL_LIMIT": "9",
+    env = {**os.environ, "OUT": str(out), "CODA_TITAN_CACHE": str(tmp_path / "cache"), "CALL_LIMIT": "25",
            "CALL_MARGIN": "1", "HOLD_S": "120"}
     t0 = time.monotonic()
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh"), "hold", "hold"], cwd=ROOT, env=env,

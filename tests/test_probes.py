@@ -331,7 +331,8 @@ def test_ce_rounding_probe_finds_round_to_nearest_e5m2_dws_error_repeated_over_b
     """``dw_rounding``: with a direction every row of H shares, round-to-nearest e5m2 dlogits give dW_out errors
     that repeat from batch to batch (coherence over 1.5 of at most sqrt(8)), so the summed dW's relative error
     exceeds one batch's; stochastic rounding's errors are independent (coherence within 0.8-1.25), and without the
-    shared direction round-to-nearest's are too. The report renders the rows."""
+    shared direction round-to-nearest's are too. The same for dH = dlogits W summed into a weight gradient below the
+    head (``fp8_lm_head_dgrad``'s B2 on the codes). The report renders the rows."""
     from scripts.probes.ce_rounding import dw_rounding
     from scripts.report.bf16_parity import dw_rounding_table
 
@@ -340,8 +341,14 @@ def test_ce_rounding_probe_finds_round_to_nearest_e5m2_dws_error_repeated_over_b
     for r in (plain, shared):
         assert 0.8 < r["e5m2_sr"]["coherence"] < 1.25, r
     assert 0.8 < plain["e5m2"]["coherence"] < 1.25, plain
+    # (dH = dlogits W, ``fp8_lm_head_dgrad``: G = sum dH^T H over the batches repeats round-to-nearest's error
+    # where the rows share a direction, as dW does; stochastic rounding's stays independent)
+    assert shared["e5m2"]["dh_coherence"] > 1.5 and shared["e5m2"]["dh_wgrad_sum"] > shared["e5m2_sr"]["dh_wgrad_sum"]
+    for r in (plain, shared):
+        assert 0.75 < r["e5m2_sr"]["dh_coherence"] < 1.25 and r["bf16"]["dh"] < 0.2 * r["e5m2_sr"]["dh"], r
     table = dw_rounding_table({"dw_rounding": [plain, shared]})
     assert "| 1 | 2 | " in table and f"{shared['e5m2']['coherence']:.2f}" in table
+    assert f"{shared['e5m2']['dh_coherence']:.2f}" in table and "dH one batch" in table
 
 
 def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():

@@ -33,7 +33,8 @@ of the logits, which the targets are drawn with), ``batches`` batches of rows, e
 round-to-nearest-even (``e5m2``, ``fp8_lm_head_dw`` before the sixty-third session), stochastically
 (``e5m2_sr``: ``quantize_e5m2_sr``, a seed a batch) and to bf16 (``bf16``). Per variant: one batch's relative dW
 error, the summed dW's, and the coherence ||sum_k err_k|| / sqrt(sum_k ||err_k||^2): 1 for errors independent
-between batches, sqrt(batches) for one error repeated.
+between batches, sqrt(batches) for one error repeated. The same for dH = dlogits W (``fp8_lm_head_dgrad``: B2 on
+the same codes) and for what a weight gradient below the head sums of it, G = dH^T H over the batches' tokens.
 
     python -m scripts.probes.ce_rounding          # writes benchmarks/results/probe_ce_rounding_cpu.json
 """
@@ -114,25 +115,34 @@ def dw_rounding(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=(1.0
             w = torch.randn(vocab, dim, generator=g, dtype=torch.float64) * (sigma / dim ** 0.5)
             m = torch.randn(dim, generator=g, dtype=torch.float64)
             m = m * (sh * dim ** 0.5 / m.norm())
-            exact_sum, errs = 0.0, {c: [] for c in casts}
+            exact_sum, g_sum, one, one_dh = 0.0, 0.0, {}, {}
+            errs, g_errs = {c: [] for c in casts}, {c: [] for c in casts}
             for k in range(batches):
                 h = torch.randn(rows, dim, generator=g, dtype=torch.float64) + m
                 p = torch.softmax(h @ w.t(), -1)
                 targets = torch.multinomial(p, 1, generator=g).squeeze(1)
                 dl = p - torch.nn.functional.one_hot(targets, vocab).double()
-                dw = dl.t() @ h
-                exact_sum = exact_sum + dw
+                dw, dh = dl.t() @ h, dl @ w
+                exact_sum, g_sum = exact_sum + dw, g_sum + dh.t() @ h
                 for c, cast in casts.items():
-                    errs[c].append((cast(dl, k) - dl).t() @ h)
-                if k == 0:
-                    one = {c: float(errs[c][0].norm() / dw.norm()) for c in casts}
+                    err = cast(dl, k) - dl
+                    errs[c].append(err.t() @ h)
+                    g_errs[c].append((err @ w).t() @ h)
+                    if k == 0:
+                        one[c], one_dh[c] = float(errs[c][0].norm() / dw.norm()), float((err @ w).norm() / dh.norm())
             row = {"sigma": sigma, "shared": sh, "batches": batches}
             for c in casts:
-                total = sum(errs[c])
-                row[c] = {"dw": one[c], "dw_sum": float(total.norm() / exact_sum.norm()),
-                          "coherence": float(total.norm() / sum(e.norm() ** 2 for e in errs[c]) ** 0.5)}
+                row[c] = {"dw": one[c], **_summed(errs[c], exact_sum, "dw_sum", "coherence"), "dh": one_dh[c],
+                          **_summed(g_errs[c], g_sum, "dh_wgrad_sum", "dh_coherence")}
             out.append(row)
     return out
+
+
+def _summed(errs: list, exact, name: str, coherence: str) -> dict:
+    """The summed error's norm relative to ``exact``'s and its coherence over the batches (the module's docstring)."""
+    total = sum(errs)
+    return {name: float(total.norm() / exact.norm()),
+            coherence: float(total.norm() / sum(e.norm() ** 2 for e in errs) ** 0.5)}
 
 
 def _exp_stored(logits, targets, c, lse, h):

@@ -244,6 +244,16 @@ def dw_rounding_table(doc: dict) -> str:
     for r in rows:
         lines.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
             f"{r[c]['dw']:.2e} | {r[c]['dw_sum']:.2e} | {r[c]['coherence']:.2f}" for c in casts) + " |")
+    if "dh" not in rows[0]["bf16"]:
+        return "\n".join(lines)
+    lines += ["", "The same casts in the head's dgrad (`fp8_lm_head_dgrad`: B2 on the codes): the relative error of one "
+              "batch's dH = dlogits W, and of G = sum over the batches of dH^T H (what a weight gradient below the head "
+              "sums of dH) with the coherence of its batches' errors.", "",
+              "| sigma | shared | " + " | ".join(f"{c}: dH one batch | G summed | coherence" for c in casts) + " |",
+              "|---:|---:|" + "---:|" * (3 * len(casts))]
+    for r in rows:
+        lines.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
+            f"{r[c]['dh']:.2e} | {r[c]['dh_wgrad_sum']:.2e} | {r[c]['dh_coherence']:.2f}" for c in casts) + " |")
     return "\n".join(lines)
 
 

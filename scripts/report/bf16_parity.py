@@ -228,33 +228,33 @@ def ce_rounding_table(doc: dict) -> str:
 
 def dw_rounding_table(doc: dict) -> str:
     """``scripts/probes/ce_rounding.py``'s ``dw_rounding``: dW_out's error under each cast of dlogits, per batch and
-    summed over batches (empty where the file predates it)."""
+    summed over batches (empty where the file predates it), and dH's where the file has it."""
     rows = doc.get("dw_rounding")
     if not rows:
         return ""
-    casts = ("e5m2", "e5m2_sr", "bf16")
     lines = [f"dW_out = dlogits^T H with dlogits cast three ways (same file, {rows[0]['batches']} batches of the rows "
              "above; `shared`: a direction every row of H shares, as a multiple of a row's own norm). `e5m2`: "
              "round-to-nearest-even (`fp8_lm_head_dw` before the sixty-third session); `e5m2_sr`: stochastic "
              "(`quantize_e5m2_sr`, a seed a batch); `bf16`. Relative error of one batch's dW, of the dW summed over "
              "the batches, and the coherence of the batches' errors (1: independent, sqrt(batches): one error "
-             "repeated).", "",
-             "| sigma | shared | " + " | ".join(f"{c}: one batch | summed | coherence" for c in casts) + " |",
-             "|---:|---:|" + "---:|" * (3 * len(casts))]
-    for r in rows:
-        lines.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
-            f"{r[c]['dw']:.2e} | {r[c]['dw_sum']:.2e} | {r[c]['coherence']:.2f}" for c in casts) + " |")
-    if "dh" not in rows[0]["bf16"]:
-        return "\n".join(lines)
-    lines += ["", "The same casts in the head's dgrad (`fp8_lm_head_dgrad`: B2 on the codes): the relative error of one "
-              "batch's dH = dlogits W, and of G = sum over the batches of dH^T H (what a weight gradient below the head "
-              "sums of dH) with the coherence of its batches' errors.", "",
-              "| sigma | shared | " + " | ".join(f"{c}: dH one batch | G summed | coherence" for c in casts) + " |",
-              "|---:|---:|" + "---:|" * (3 * len(casts))]
-    for r in rows:
-        lines.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
-            f"{r[c]['dh']:.2e} | {r[c]['dh_wgrad_sum']:.2e} | {r[c]['dh_coherence']:.2f}" for c in casts) + " |")
+             "repeated).", "", *_cast_rows(rows, ("one batch", "summed"), ("dw", "dw_sum", "coherence"))]
+    if "dh" in rows[0]["bf16"]:
+        lines += ["", "The same casts in the head's dgrad (`fp8_lm_head_dgrad`: B2 on the codes): the relative error "
+                  "of one batch's dH = dlogits W, and of G = sum over the batches of dH^T H (what a weight gradient "
+                  "below the head sums of dH) with the coherence of its batches' errors.", "",
+                  *_cast_rows(rows, ("dH one batch", "G summed"), ("dh", "dh_wgrad_sum", "dh_coherence"))]
     return "\n".join(lines)
+
+
+def _cast_rows(rows: list, names: tuple, keys: tuple) -> list:
+    """A table over (sigma, shared) of each cast's two relative errors (``names``) and coherence (``keys``)."""
+    casts = ("e5m2", "e5m2_sr", "bf16")
+    out = ["| sigma | shared | " + " | ".join(f"{c}: {names[0]} | {names[1]} | coherence" for c in casts) + " |",
+           "|---:|---:|" + "---:|" * (3 * len(casts))]
+    for r in rows:
+        out.append(f"| {r['sigma']:g} | {r['shared']:g} | " + " | ".join(
+            f"{r[c][keys[0]]:.2e} | {r[c][keys[1]]:.2e} | {r[c][keys[2]]:.2f}" for c in casts) + " |")
+    return out
 
 
 def precision_table(doc: dict) -> str:

@@ -660,7 +660,7 @@ for phase in "$@"; do
       curves fp8_lm_head_dw_sr fp8_lm_head_dw_sr "fp8_lm_head_fwd = true" "fp8_lm_head_dw = true"
       ;;
     fp8headdgrad)
-      # (its GPU tests first: GPU_TESTS="fp8_forward_head or orchestration" gpu_train.sh gputests fp8headdgrad)
+      # (its GPU tests first: GPU_TESTS="fp8_forward_head" gpu_train.sh gputests fp8headdgrad)
       a=$(variant headdgrad "fp8_lm_head_dgrad = true") || exit 2
       gab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headdgrad_$2" \
                 --timeout "${ARM_TIMEOUT:-300}"; }

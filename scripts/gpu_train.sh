@@ -252,6 +252,11 @@ if [ -n "${CALL_LIMIT:-}" ]; then
   watchdog=$!
 fi
 cmp="python3 -m scripts.compare --out $out --workdir /tmp/compare --no-plot"  # (the report draws the plots: a call returns 8 files)
+# armrun CONFIG TAG: one arm of an A/B (STEPS timed steps, default 30, after 10; LOG_FREQ, default 10), written under
+# TAG and killed after ARM_TIMEOUT s (default 300); an environment switch before it reaches the run
+armrun() {
+  $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "$2" --timeout "${ARM_TIMEOUT:-300}"
+}
 # probe PHASE MODULE PATTERN [WIDTH]: python3 -m scripts.probes.MODULE (its log: $logs/MODULE.log), its return code,
 # and the log's lines matching PATTERN, cut to WIDTH (400) characters
 probe() {
@@ -632,12 +637,10 @@ for phase in "$@"; do
     preactab)
       a=$(variant preact "fp8_preact = true" "ce_chunk_rows = 2048") &&
         b=$(variant preact4096 "fp8_preact = true" "ce_chunk_rows = 4096") || exit 2
-      pab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "preact_$2" \
-                --timeout "${ARM_TIMEOUT:-300}"; }
       o=$(variant preactoff "fp8_preact = false" "ce_chunk_rows = 2048") || exit 2
       for arm in ${PREACT_ARMS:-off on on4096 off2 on2}; do  # (off: without fp8_preact, at 2048 rows; as before)
         case $arm in off*) c=$o ;; on4096*) c=$b ;; *) c=$a ;; esac
-        pab "$c" "$arm"
+        armrun "$c" "preact_$arm"
       done
       ;;
     fp8headparity)
@@ -662,10 +665,9 @@ for phase in "$@"; do
     fp8headdgrad)
       # (its GPU tests first: GPU_TESTS="fp8_forward_head" gpu_train.sh gputests fp8headdgrad)
       a=$(variant headdgrad "fp8_lm_head_dgrad = true") || exit 2
-      gab() { $cmp "$1" --steps "${STEPS:-30}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "fp8headdgrad_$2" \
-                --timeout "${ARM_TIMEOUT:-300}"; }
       for arm in ${DGRAD_ARMS:-on off on2 off2}; do
-        case $arm in on*) gab "$a" "$arm" ;; *) gab configs/llama3_1b_fp8_coda_compile.toml "$arm" ;; esac
+        case $arm in on*) c=$a ;; *) c=configs/llama3_1b_fp8_coda_compile.toml ;; esac
+        armrun "$c" "fp8headdgrad_$arm"
       done
       ;;
     fp8headdgradparity)
@@ -676,13 +678,11 @@ for phase in "$@"; do
       echo "dgradprobe rc=$?"; grep -E 'summary|graphed|Error|error' "$logs/lm_head_fp8_programs.log" | cut -c1-900
       ;;
     codest)
-      cab() { env CODA_TITAN_CE_CODES_T="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "codest_$1" --timeout "${ARM_TIMEOUT:-300}"; }
+      cab() { CODA_TITAN_CE_CODES_T="$2" armrun configs/llama3_1b_fp8_coda_compile.toml "codest_$1"; }
       cab off 0; cab on 1; cab off2 0; cab on2 1
       ;;
     dwblocks)
-      dab() { env CODA_TITAN_DW_BLOCKS="$2" $cmp configs/llama3_1b_fp8_coda_compile.toml --steps "${STEPS:-30}" \
-                --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "dwblocks_$1" --timeout "${ARM_TIMEOUT:-300}"; }
+      dab() { CODA_TITAN_DW_BLOCKS="$2" armrun configs/llama3_1b_fp8_coda_compile.toml "dwblocks_$1"; }
       dab k1 1; dab k2 2; dab k4 4; dab k1b 1; dab k2b 2
       ;;
     dwblocksparity)

@@ -77,15 +77,19 @@ def _streamed(fn, reps: int = 20) -> dict:
 
 
 def _first_calls(fns: dict, judge=lambda out: {}) -> dict:
-    """{name: ``judge`` of its output, or {"error": ...}}: one untimed call of each of ``fns`` (a shape's
-    first quack call compiles and autotunes); an arm this torch or quack cannot run is recorded as such."""
+    """{name: ``judge`` of its output, or {"error": ...}, with "first_call_s"}: one call of each of ``fns`` (a
+    shape's first quack call compiles and autotunes: its wall seconds, to the GPU's end); an arm this torch or
+    quack cannot run is recorded as such."""
     ok = {}
     for k, f in fns.items():
+        t0 = time.perf_counter()
         try:
-            ok[k] = judge(f())
+            out = f()
+            torch.cuda.synchronize()
+            ok[k] = {**judge(out), "first_call_s": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - recorded in the results, the other arms still run
-            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        torch.cuda.synchronize()
+            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "first_call_s": time.perf_counter() - t0}
+            torch.cuda.synchronize()
     return ok
 
 

@@ -18,12 +18,10 @@ the head scales them, H's e4m3 codes of a random H. Writes ``$OUT/probe_fp8_dw_b
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from scripts.bench.common import header, log_row, out_json
-from scripts.probes.epi_stages import _alternated
+from scripts.probes.epi_stages import _alternated, _first_calls
 
 TOKENS, VOCAB, D = 16384, 128256, 2048
 BLOCKS = (2, 4)
@@ -78,17 +76,16 @@ def main() -> int:
     path = out_json("probe_fp8_dw_blocks")
     g = torch.Generator(device="cuda").manual_seed(0)
     fns = _arms(*_operands(g))
-    ok, ref = {}, None
+    ref = []
+
+    def judge(out):  # (each arm's largest difference from the first arm's, the configured one)
+        if not ref:
+            ref.append(out.float())
+        return {"max_abs_diff_rel": float((out.float() - ref[0]).abs().max() / ref[0].abs().max())}
+
+    ok = {}
     for k, f in fns.items():  # (first calls one by one, timed: the sweep's cost is what this probe is for)
-        t0 = time.perf_counter()
-        try:
-            out = f().float()
-            torch.cuda.synchronize()
-            ref = out if ref is None else ref
-            ok[k] = {"first_call_s": time.perf_counter() - t0,
-                     "max_abs_diff_rel": float((out - ref).abs().max() / ref.abs().max())}
-        except Exception as e:  # noqa: BLE001 - recorded in the results, the other arms still run
-            ok[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "first_call_s": time.perf_counter() - t0}
+        ok.update(_first_calls({k: f}, judge))
         print(k, ok[k], flush=True)
     times = _alternated(fns, ok, reps=5)
     for k in fns:

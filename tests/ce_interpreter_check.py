@@ -150,6 +150,21 @@ buf5 = logits.clone()
 daq5, _ = ce_pass.ce_grad_e5m2(buf5, parts, tgt_logit, targets, rstd, inv, ref.IGNORE_INDEX, sr_seed=seed, row0=row0)
 got["sr"]["codes_only_same"] = bool(torch.equal(daq5.view(torch.uint8), daq3.view(torch.uint8)))
 got["sr"]["codes_only_logits_kept"] = bool(torch.equal(buf5, logits))
+# ``target_da`` (``fp8_lm_head_dgrad``'s B2 term) into a given buffer: the same codes there, and in zdz's place each
+# row's unrounded fp32 da at its target, within p's error (exp's 4 units and the lse error) plus one unit; 0 ignored
+out6 = torch.empty((rows, vocab), dtype=scaling.E5M2)
+daq6, da_t = ce_pass.ce_grad_e5m2(logits.clone(), parts, tgt_logit, targets, rstd, inv, ref.IGNORE_INDEX,
+                                  sr_seed=seed, row0=row0, target_da=True, out=out6)
+ti = targets.clamp(min=0)[:, None]
+want_t = torch.where(valid, da_f.gather(1, ti).squeeze(1), 0.0)
+bound_t = ((4 * U + dl[:, None]) * p * r[:, None]).gather(1, ti).squeeze(1) + U * want_t.abs()
+got["sr"]["target_da_codes_same"] = bool(torch.equal(daq6.view(torch.uint8), daq3.view(torch.uint8)))
+got["sr"]["target_da_in_out"] = daq6.data_ptr() == out6.data_ptr()
+got["sr"]["target_da_err_over_bound"] = float(((da_t - want_t).abs() / bound_t.clamp(min=1e-30)).max())
+got["sr"]["target_da_ignored_zero"] = float(da_t[1]) == 0.0 and da_t.dtype == torch.float32
+got["sr"]["target_da_refuses_short_out"] = refuses(lambda: ce_pass.ce_grad_e5m2(
+    logits.clone(), parts, tgt_logit, targets, rstd, inv, ref.IGNORE_INDEX, target_da=True,
+    out=torch.empty((rows - 1, vocab), dtype=scaling.E5M2)), says="out must be")
 
 # the token-major codes pass (``ce_codes_t``, CODA_TITAN_CE_CODES_T=1): two row blocks (the second ragged), three
 # column ranges, 200 partials (two fold blocks). Its lse, loss, da and corr are the row pass's arithmetic in

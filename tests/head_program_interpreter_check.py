@@ -6,7 +6,8 @@ interpreter. Checked against the same stand-ins and passes run chunk by chunk wi
 chunks: the program's orchestration (the logits buffer reused by chunks, the chunk offsets of loss, dX and the
 codes' counters, the codes' columns in the token-major buffer) changes no bit. ``fp8_lm_head_dw``, by the row
 pass then ``transpose_8bit`` and by ``ce_codes_t`` (CODA_TITAN_CE_CODES_T=1); ``fp8_lm_head_dgrad``, by the codes-only
-pass and B2 on them (cuBLAS's fp8 GEMM stood in for by each row's fp64 product). Prints one JSON line."""
+pass (into one buffer kept across chunks) and B2 on them, each target's zeroed after dW's copy, plus the targets' exact
+term in the row pass (cuBLAS's fp8 GEMM stood in for by each row's fp64 product). Prints one JSON line."""
 
 import contextlib
 import json
@@ -114,7 +115,7 @@ targets[5] = ref.IGNORE_INDEX
 
 def by_chunks(fp8_dw_on: bool, dgrad: bool = False):
     """The same stand-ins and passes, chunk by chunk, each chunk with buffers of its own (``dgrad``: the codes alone,
-    B2's accumulator their product with W's codes)."""
+    B2's accumulator their product with W's codes, each target's code zeroed, and the row pass adding da_t W[t])."""
     loss_rows, dx, dgamma = torch.empty(m), torch.empty_like(x), torch.zeros(d)
     daq_t = torch.empty((vocab, m), dtype=scaling.E5M2)
     inv_g = ref.dlogits_inv_scale(rstd, targets).float().reshape(())
@@ -123,16 +124,20 @@ def by_chunks(fp8_dw_on: bool, dgrad: bool = False):
         rows = slice(start, min(start + chunk, m))
         logits = torch.empty((rows.stop - start, vocab), dtype=torch.bfloat16)
         res = f4(None, hq[rows], wq.t(), None, {"D": logits}, rstd[rows] * (s_h * s_w).reshape(()), targets[rows])
-        if dgrad:
-            daq = [ce_pass.ce_grad_e5m2(logits, res["lse"], res["target_logit"], targets[rows], rstd[rows], inv_g,
-                                        ref.IGNORE_INDEX, loss_rows[rows], sr_seed=seed, row0=start)[0]]
-            acc = scaled_rows(daq[0], wq, inv_g.reciprocal(), s_w.float(), torch.float32)
+        tx = None
+        if dgrad:  # (B2 on the codes with each target's zeroed, dW's keeping it, plus the targets' da_t W[t])
+            codes, da_t = ce_pass.ce_grad_e5m2(logits, res["lse"], res["target_logit"], targets[rows], rstd[rows],
+                                               inv_g, ref.IGNORE_INDEX, loss_rows[rows], sr_seed=seed, row0=start,
+                                               target_da=True)
+            daq, ti = [codes.clone()], targets[rows].clamp(min=0)
+            codes.view(torch.uint8)[torch.arange(len(ti)), ti] = 0
+            acc, tx = scaled_rows(codes, wq, inv_g.reciprocal(), s_w.float(), torch.float32), (w, ti, da_t)
         else:
             kw = dict(codes_inv=inv_g, sr_seed=seed, row0=start) if fp8_dw_on else {}
             da, corr, *daq = ce_pass.ce_grad_inplace(logits, res["lse"], res["target_logit"], targets[rows],
                                                      rstd[rows], ref.IGNORE_INDEX, d, loss_rows[rows], **kw)
             acc = mm_rows(da, w, torch.float32)
-        dgamma += nap.norm_apply_rows(acc, x[rows], gamma, rstd[rows], dx[rows])
+        dgamma += nap.norm_apply_rows(acc, x[rows], gamma, rstd[rows], dx[rows], tx=tx)
         if fp8_dw_on:
             daq_t[:, rows] = daq[0].t()
     return loss_rows.sum(), dx, dgamma, daq_t

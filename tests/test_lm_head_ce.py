@@ -296,7 +296,8 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     interval, with the same seed and counters), unbiased (their mean error over the normal values within 5 standard
     deviations, 0.5 / sqrt(n) steps, of 0), off round-to-nearest's on a large share, repeated by the same seed
     and moved by another, the bf16 da and corr unchanged; ``ce_grad_e5m2`` with ``sr_seed`` writes the same codes
-    alone, the logits kept (``fp8_lm_head_dgrad``). Given
+    alone, the logits kept (``fp8_lm_head_dgrad``), and with ``target_da`` into a given buffer, with each row's fp32
+    da at its target (within p's error; 0 where ignored) in zdz's place, a short buffer refused. Given
     ``tdelta`` (``CODA_TITAN_F4_ZDZ=consistent``), da is the same and corr is that of the zdz sum l da / r over the
     da it wrote (read back) with the target's term on l_t + tdelta, within its summation order's bound, and not the
     plain pass's value."""
@@ -317,6 +318,8 @@ def test_ce_triton_pass_is_the_inductor_programs_arithmetic_in_the_interpreter()
     assert g["codes_off_nearest"] > 0.1 * rows_cols and g["other_seed_moves"] > 0.1 * rows_cols, g
     assert g["da_same"] and g["corr_same"] and g["refuses_without_codes"], g
     assert g["codes_only_same"] and g["codes_only_logits_kept"], g  # (ce_grad_e5m2 with sr_seed: fp8_lm_head_dgrad)
+    assert g["target_da_codes_same"] and g["target_da_in_out"] and g["target_da_ignored_zero"], g  # (target_da)
+    assert g["target_da_err_over_bound"] <= 1.0 and g["target_da_refuses_short_out"], g
     for mode in ("nearest", "stochastic"):  # (the token-major codes pass, CODA_TITAN_CE_CODES_T=1)
         g = got["codes_t"][mode]
         assert g["in_place"] and g["others_untouched"] and g["ignored"] and g["codes_outside"] == 0, (mode, g)
@@ -359,14 +362,16 @@ def test_head_b2_row_pass_is_the_norm_backward_of_its_accumulator_in_the_interpr
     accumulator: D within its derived bound (zdz's d + 2 units of its terms, corr's 4 units, D's 3 in fp32, then one
     step of X's dtype) on a ragged last program, a d below its power-of-two block (1 / d inexact) and fp16 X; D
     without its correction far outside that bound; an all-zero (ignored) row's D exactly 0; dgamma (fp32, (d,)) within
-    (m + 2) units of sum |acc X|; refusals of a non-fp32 accumulator, a strided X and mismatched dx / rstd."""
+    (m + 2) units of sum |acc X|; refusals of a non-fp32 accumulator, a strided X and mismatched dx / rstd. With
+    ``tx`` (``fp8_lm_head_dgrad``'s targets' term): the same bounds on acc + c W[t] (one more unit of each of its
+    two terms), the accumulator alone far outside them, and a non-fp32 c refused."""
     got = run_interpreter_check("norm_apply_interpreter_check.py")
-    cases = [v for k, v in got.items() if k != "refusals"]
-    assert len(cases) == 3
+    cases = [v for k, v in got.items() if k not in ("refusals", "24x512_tx")]
+    assert len(cases) == 4 and got["24x512_tx"]["without_tx_over_bound"] > 10.0, got
     for g in cases:
         assert g["dx_err_over_bound"] <= 1.0 and g["dgamma_err_over_bound"] <= 1.0 and g["ignored_row_zero"], g
         assert g["uncorrected_over_bound"] > 10.0 and g["dgamma_dtype"] == "torch.float32", g
-    assert [g["dx_dtype"] for g in cases] == ["torch.bfloat16", "torch.bfloat16", "torch.float16"], cases
+    assert [g["dx_dtype"] for g in cases] == ["torch.bfloat16", "torch.bfloat16", "torch.float16", "torch.bfloat16"]
     assert all(got["refusals"].values()), got["refusals"]
 
 
@@ -463,7 +468,8 @@ def test_cute_fp8_forward_head_matches_reference(fp8_dw, monkeypatch):
     "codes_t": with ``CODA_TITAN_CE_CODES_T=1`` (``ce_codes_t``: the codes stored
     token-major by the pass itself; its sums in another order, which the bounds allow); "blocks": with
     ``CODA_TITAN_DW_BLOCKS=2`` (dW over two token blocks on quack, the first block's sum stored in bf16 once more);
-    "dgrad": with ``fp8_dgrad`` (``fp8_lm_head_dgrad``), B2 on the same codes and W's (``_e5m2_sr_d_bound``)."""
+    "dgrad": with ``fp8_dgrad`` (``fp8_lm_head_dgrad``), B2 on the same codes, the targets' zeroed, and W's, plus the
+    targets' term unrounded (``_e5m2_sr_d_bound``)."""
     import coda_titan.kernels.cute  # noqa: F401
 
     from .helpers import log_bound
@@ -636,10 +642,12 @@ def test_fp8_forward_heads_fp8_dw_is_its_stochastic_codes_times_hs_and_leaves_th
 
 def test_fp8_forward_heads_fp8_dgrad_is_b2_on_the_same_stochastic_codes_and_ws(monkeypatch):
     """``fp8_dgrad`` (``fp8_lm_head_dgrad``, with ``fp8_dw``), in fp64: dX and dgamma are B2's on the very codes
-    fp8_dw's dW is made of (da's stochastically rounded e5m2 codes, the batch's seed) and W's codes: the final norm's
-    backward (``norm_residual_apply``) of acc = (codes / inv) @ (weight_q s_w), zdz that accumulator's row dot; so acc
-    is within one e5m2 step of |da| per element, times |W|, of the exact da's. The loss and dW are fp8_dw's, exactly;
-    dX moves off the bf16 da's. Refused without fp8_dw, and with another ``F4_ZDZ_ENV`` mode."""
+    fp8_dw's dW is made of (da's stochastically rounded e5m2 codes, the batch's seed), each row's target code zeroed,
+    and W's codes, plus the target's own term unrounded: the final norm's backward (``norm_residual_apply``) of
+    acc = (codes' / inv) @ (weight_q s_w) + da_t W[t], zdz that accumulator's row dot; so acc is within one e5m2 step
+    of |da| per element but the target's (none), times |W|, of the exact da's, and nearer to it than B2 on every code
+    (the target's code carries a row's largest rounding). The loss and dW are fp8_dw's, exactly (dW's codes keep the
+    target's); dX moves off the bf16 da's. Refused without fp8_dw, and with another ``F4_ZDZ_ENV`` mode."""
     import coda_titan.kernels.lm_head_ce as lh
     from coda_titan.kernels.norm_residual_bwd import norm_residual_apply
     from coda_titan.kernels.scaling import quantize_e5m2_sr, sr_seed_of
@@ -657,12 +665,15 @@ def test_fp8_forward_heads_fp8_dgrad_is_b2_on_the_same_stochastic_codes_and_ws(m
     inv = lh.dlogits_inv_scale(fp8["rstd"], tg)
     codes = quantize_e5m2_sr(da, inv, sr_seed_of(tg), lh.sr_offsets(0, da.shape[0], da.shape[1], da.device)).double()
     wd = wq.double() * s_w.double()
-    acc = (codes / inv) @ wd
+    t = tg.clamp(min=0)[:, None]
+    acc = (codes.scatter(1, t, 0.0) / inv) @ wd + da.gather(1, t) * wd[t[:, 0]]
     dx_r, dg_r = norm_residual_apply(acc, x=x, gamma=gamma, rstd=fp8["rstd"], zdz=None, dresidual=None)
     torch.testing.assert_close(with_dgrad[1], dx_r, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(with_dgrad[2], dg_r, rtol=1e-12, atol=1e-14)
     step = torch.maximum(2.0 ** -2 * da.abs() * inv, torch.tensor(2.0 ** -16)) / inv  # (e5m2's step at |da|)
-    assert bool(((acc - da @ wd).abs() <= step @ wd.abs() * (1 + 1e-9)).all())
+    assert bool(((acc - da @ wd).abs() <= step.scatter(1, t, 0.0) @ wd.abs() * (1 + 1e-9)).all())
+    every_code = (codes / inv) @ wd  # (B2 on every code, the target's too: the knob's first form)
+    assert float((acc - da @ wd).norm()) < 0.75 * float((every_code - da @ wd).norm())  # (0.53 in this case)
     assert not torch.allclose(with_dgrad[1], dw_only[1], rtol=1e-3, atol=0)  # (e5m2's rounding: a check that can fail)
     with pytest.raises(ValueError, match="fp8_dgrad"):
         lh.lm_head_ce(**kw, fp8_dgrad=True)
@@ -802,20 +813,27 @@ def _e5m2_sr_dw_bound(c, dw, partial_roundings: int = 0):
 
 
 def _e5m2_sr_d_bound(c):
-    """(D's reference, its bound) for B2 on da's stochastically rounded e5m2 codes and W's (``fp8_lm_head_dgrad``): as
-    ``_e5m2_sr_dw_bound``, each code within step + w of the exact da, so D = da @ W (W's codes times s_w, exact)
-    within (step + w) @ |W| plus the accumulator (2 c_d P, c_d measured on the round-to-nearest codes of the same da
-    against W^T's codes), the reference's fp32 sums ((V + 4) units) and one fp32 unit of D (cuBLAS's output)."""
+    """(D's reference, its bound) for B2 on da's stochastically rounded e5m2 codes, each row's target code zeroed,
+    and W's, plus the targets' term da_t W[t] (W bf16) added in fp32 (``fp8_lm_head_dgrad``): as
+    ``_e5m2_sr_dw_bound``, each code within step + w of the exact da (the target's term within w, unrounded), so
+    D = da' @ Wq + da_t W[t] (da' without the targets, Wq W's codes times s_w, exact) within (step + w) @ |Wq|
+    (w_t |W[t]| at the target) plus the accumulator (2 c_d P, c_d measured on the round-to-nearest codes of the same
+    da against W^T's codes), the reference's fp32 sums ((V + 4) units), one fp32 unit of the accumulator (cuBLAS's
+    output) and two of the target's product and its sum."""
     from .helpers import fp8_mma_c
 
     inv, codes_q, _, _, _ = _e5m2_codes(c)
     wd = c.wq.float() * c.s_w
     c_d = float(fp8_mma_c(codes_q, c.wq.t().contiguous())[0])
     w = torch.expm1(c.delta) * c.p * c.r[:, None]
-    step = (2.0 ** -2 * (c.da.abs() + w) * inv).clamp(min=2.0 ** -16) / inv
-    d_r = c.da @ wd
+    t = c.targets.clamp(min=0)[:, None]
+    step = ((2.0 ** -2 * (c.da.abs() + w) * inv).clamp(min=2.0 ** -16) / inv).scatter(1, t, 0.0)
+    da_t, w_t, wt = c.da.gather(1, t), w.gather(1, t), c.w.float()[t[:, 0]]
+    acc_r = c.da.scatter(1, t, 0.0) @ wd
+    d_r = acc_r + da_t * wt
     mag = (c.da.abs() + w + step) @ wd.abs()
-    return d_r, (step + w) @ wd.abs() + ((c.v + 4) * c.u + 2 * c_d) * mag + c.u * d_r.abs()
+    return d_r, ((step + w.scatter(1, t, 0.0)) @ wd.abs() + w_t * wt.abs() + ((c.v + 4) * c.u + 2 * c_d) * mag
+                 + c.u * acc_r.abs() + 2 * c.u * ((da_t * wt).abs() + d_r.abs()))
 
 
 @pytest.mark.gpu

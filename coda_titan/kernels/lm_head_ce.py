@@ -84,8 +84,8 @@ def lm_head_ce(
     above, on the bf16 H and W (the straight-through backward of the quantized forward, as torchao's fp8 linear).
     ``fp8_dw`` (``fp8_lm_head_dw``): dW_out on da's e5m2 codes at ``dlogits_inv_scale`` (from its unrounded value,
     rounded stochastically: ``quantize_e5m2_sr`` with ``sr_seed_of(targets)``, so each code's expected value is
-    da's) and H's codes; dX and dgamma stay the bf16 da's. ``fp8_dgrad`` (``fp8_lm_head_dgrad``): B2 on those codes
-    and W's, acc = (s_w / inv_g) (codes @ weight_q) (sums in the compute dtype), zdz its row dot (as "acc")."""
+    da's) and H's codes; dX and dgamma stay the bf16 da's. ``fp8_dgrad`` (``fp8_lm_head_dgrad``): B2 on those codes,
+    the target's zeroed, and W's: acc = (s_w / inv_g) (codes @ weight_q) + da_t W[t] (unrounded), zdz its row dot."""
     check_2d("h", h, weight.shape[1])
     if not (hq is None) == (s_h is None) == (weight_q is None) == (s_w is None) or fp8_dw and hq is None:
         raise ValueError("the head's fp8 forward takes hq, s_h, weight_q and s_w together, and fp8_dw needs them")
@@ -124,9 +124,12 @@ def lm_head_ce(
             ct, inv_g = dp.dtype, inv_g_all.to(dp.dtype)
             daq = quantize_e5m2_sr(dp * r.to(ct)[:, None], inv_g, seed,
                                    sr_offsets(rows.start, rows.stop, weight.shape[0], dp.device))
-        if fp8_dgrad:  # (the fp8 head's B2 on those codes and W's, zdz from its accumulator)
-            dx_c, dg_c, _ = norm_residual_bwd_fp8(daq=daq, weight_tq=weight_q.t(), scale=s_w.to(ct) / inv_g,
-                                                  x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
+        if fp8_dgrad:  # (the fp8 head's B2 on those codes, each target's zeroed, and W's, plus da_t W[t] exact)
+            ti = tgt.clamp(min=0)[:, None]  # (an ignored row's da is 0: its index is any row's)
+            dx_c, dg_c, _ = norm_residual_bwd_fp8(
+                daq=daq.view(torch.uint8).scatter(1, ti, 0).view(daq.dtype), weight_tq=weight_q.t(),
+                scale=s_w.to(ct) / inv_g, x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None,
+                extra=(dp * r.to(ct)[:, None]).gather(1, ti) * weight[ti[:, 0]].to(ct))
         elif f4_zdz_mode() == "acc":  # (zdz from B2's accumulator: ``norm_residual_apply``'s None)
             dx_c, dg_c = norm_residual_apply(mm(da, weight), x=x[rows], gamma=gamma, rstd=r, zdz=None, dresidual=None)
         else:
@@ -295,12 +298,10 @@ def lm_head_ce_fp8(
     """F4 on fp8 operands, the fp8 LM head (torchao's formats): logits = r * s_h s_w (hq @ weight_q^T) from e4m3
     H (H ~ hq s_h) and W (~ weight_q s_w), rounded to x's dtype as the bf16 head's (``stored_logits``); backward
     on da = r (softmax - onehot) in e5m2 at ``dlogits_inv_scale``: B2 on it and weight_tq (W^T's codes, (d, V)),
-    and dW_out = da^T H on the same codes. The final norm's zdz as the bf16 head's (``F4_ZDZ_ENV``): by default
-    the row dot of B2's accumulator, of the e5m2 da it reads (the straight-through backward of the quantized
-    head; with H's codes H != X gamma, so the logits' sum l dp is not even equal to it in exact math);
-    "rounded", the logits' sum.
-    Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x). (loss_sum, dX, dgamma, dW_out in x's
-    dtype); the gradients None without ``compute_grad``."""
+    and dW_out = da^T H on the same codes. zdz as the bf16 head's (``F4_ZDZ_ENV``): by default the row dot of B2's
+    accumulator, of the e5m2 da it reads (with H's codes H != X gamma, the logits' sum l dp is not even equal to it
+    in exact math); "rounded", the logits' sum. Products exact, sums in x's compute dtype (fp32; fp64 for fp64 x).
+    (loss_sum, dX, dgamma, dW_out in x's dtype); the gradients None without ``compute_grad``."""
     check_e4m3(hq, weight_q, weight_tq)
     check_2d("hq", hq, weight_q.shape[1])
     if targets.shape != (hq.shape[0],) or chunk_rows <= 0:
@@ -308,8 +309,7 @@ def lm_head_ce_fp8(
                          f"{chunk_rows}")
     ct = compute_dtype(x.dtype)
     inv_g = dlogits_inv_scale(rstd, targets).to(ct)
-    loss = dgamma = dweight = None
-    dxs = []
+    loss, dgamma, dweight, dxs = None, None, None, []
     for start in range(0, hq.shape[0], chunk_rows):
         rows = slice(start, min(start + chunk_rows, hq.shape[0]))
         r = rstd[rows].to(ct)

@@ -72,17 +72,19 @@ def norm_residual_apply(
 
 def norm_residual_bwd_fp8(
     *, daq: torch.Tensor, weight_tq: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
-    rstd: torch.Tensor, zdz: torch.Tensor | None, dresidual: torch.Tensor | None,
+    rstd: torch.Tensor, zdz: torch.Tensor | None, dresidual: torch.Tensor | None, extra: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """B2 on fp8 operands: acc = daq @ weight_tq^T (e5m2 or e4m3 x e4m3, exact products, fp32 sum;
-    weight_tq is W^T, (d, N)), in units of ``scale`` = s_da * s_w, then ``norm_residual_bwd``'s
-    epilogue: (D, dgamma, amax |D|) (``zdz=None``: ``norm_residual_apply``'s, the row dot of acc)."""
+    weight_tq is W^T, (d, N)), in units of ``scale`` = s_da * s_w (plus ``extra``, (rows, d), when given), then
+    ``norm_residual_bwd``'s epilogue: (D, dgamma, amax |D|) (``zdz=None``: ``norm_residual_apply``'s, the row dot
+    of acc)."""
     check_2d("daq", daq, weight_tq.shape[1])
     check_2d("x", x, weight_tq.shape[0])
     if daq.dtype not in (E4M3, E5M2) or weight_tq.dtype != E4M3:
         raise TypeError(f"B2 fp8 takes an e5m2/e4m3 gradient and an e4m3 weight, got {daq.dtype} and {weight_tq.dtype}")
     ct = compute_dtype(x.dtype)
     acc = (daq.to(ct) @ weight_tq.to(ct).t()) * scale.to(ct)
+    acc = acc if extra is None else acc + extra.to(ct)
     dx, dgamma = norm_residual_apply(acc, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
     return dx, dgamma, amax_abs(dx).to(ct)
 

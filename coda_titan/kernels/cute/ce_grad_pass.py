@@ -82,7 +82,7 @@ def e5m2_sr(v, word, DROP: tl.constexpr):
 def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr, corr_ptr, loss_ptr, V, NT, inv_d,
                         daq_ptr, inv_ptr, tdelta_ptr, row0, seed_ptr, IGNORE: tl.constexpr, BLOCK: tl.constexpr,
                         PBLOCK: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr, CONSIST: tl.constexpr,
-                        BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr):
+                        BOTH: tl.constexpr, SR: tl.constexpr, DROP: tl.constexpr, TGT: tl.constexpr):
     row = tl.program_id(0)
     lse = fold_lse(parts_ptr, row, NT, PBLOCK)
     base = logits_ptr + row.to(tl.int64) * V
@@ -91,7 +91,7 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
     rstd = tl.load(rstd_ptr + row)
     r = tl.where(valid, rstd, 0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it)
+    dat = tl.zeros([BLOCK], dtype=tl.float32)  # (CONSIST: the target's rounded da, where the row holds it; TGT: fp32)
     if SR:  # (once a row: the seed's hash and the row's first counter)
         key, rbase = sr_row_state(seed_ptr, row0 + row, V)
     for start in range(0, V, BLOCK):
@@ -109,6 +109,8 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
             else:
                 q8 = q.to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(daq_ptr + row.to(tl.int64) * V + cols, q8, mask=inside)
+            if TGT:  # (the target's da itself, unrounded: ``fp8_lm_head_dgrad`` adds its term to B2 in fp32)
+                dat += tl.where(cols == target, da, 0.0)
         if not FP8 or BOTH:  # (BOTH: the codes and the bf16 da in place, the bf16 B2's corr)
             dab = da.to(tl.bfloat16, fp_downcast_rounding="rtne")
             tl.store(base + cols, dab, mask=inside)
@@ -122,7 +124,10 @@ def ce_grad_pass_kernel(logits_ptr, parts_ptr, tlogit_ptr, target_ptr, rstd_ptr,
         zdz = tl.where(valid, zdz / tl.where(valid, rstd, 1.0), 0.0)
     else:
         zdz = tl.where(valid, tl.sum(acc, axis=0) - tlogit, 0.0)
-    tl.store(corr_ptr + row, zdz if FP8 and not BOTH else -((rstd * rstd) * inv_d) * zdz)
+    if TGT:
+        tl.store(corr_ptr + row, tl.sum(dat, axis=0))
+    else:
+        tl.store(corr_ptr + row, zdz if FP8 and not BOTH else -((rstd * rstd) * inv_d) * zdz)
     tl.store(loss_ptr + row, tl.where(valid, lse - tlogit, 0.0))
 
 
@@ -156,17 +161,19 @@ def ce_grad_inplace(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: to
 def ce_grad_e5m2(logits: torch.Tensor, lse_parts: torch.Tensor, tgt_logit: torch.Tensor, targets: torch.Tensor,
                  rstd: torch.Tensor, inv_scale: torch.Tensor, ignore_index: int, loss_rows: torch.Tensor | None = None,
                  block: int = 4096, num_warps: int = 8, sr_seed: torch.Tensor | int | None = None,
-                 row0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 row0: int = 0, target_da: bool = False, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The fp8 head's pass: (daq, zdz), daq (rows, V) the e5m2 codes of da * ``inv_scale`` (0-dim or (1,) fp32;
     saturated, rounded to nearest even from da's fp32 value; with ``sr_seed`` and ``row0`` stochastically, as
     ``ce_grad_inplace``'s: ``fp8_lm_head_dgrad``'s codes, no bf16 da), zdz (rows,) fp32 (B2 fp8 takes zdz, not
-    corr); the logits are read, not written. Otherwise ``ce_grad_inplace``."""
+    corr); the logits are read, not written. Otherwise ``ce_grad_inplace``. ``target_da`` (``fp8_lm_head_dgrad``): in
+    place of zdz, each row's fp32 da at its target (0 where ignored), the term B2 adds unrounded; ``out``: the
+    codes into that (rows, V) e5m2 contiguous buffer (a buffer kept across chunks), not a new one."""
     return _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index, 1, loss_rows,
-                    inv_scale.float().reshape(1), block, num_warps, sr=(sr_seed, row0))
+                    inv_scale.float().reshape(1), block, num_warps, sr=(sr_seed, row0), tgt=target_da, out=out)
 
 
 def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim: int, loss_rows, inv, block: int,
-             num_warps: int, tdelta=None, both: bool = False, sr: tuple = (None, 0)):
+             num_warps: int, tdelta=None, both: bool = False, sr: tuple = (None, 0), tgt: bool = False, out=None):
     if logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"the CE gradient pass takes contiguous bf16 logits, got {logits.dtype}")
     rows, vocab = logits.shape
@@ -181,7 +188,9 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
     parts = lse_parts.float().contiguous()
     inv_d = fp32_reciprocal(dim)
     fp8 = inv is not None
-    daq = torch.empty((rows, vocab) if fp8 else (0,), device=logits.device, dtype=E5M2)
+    daq = torch.empty((rows, vocab) if fp8 else (0,), device=logits.device, dtype=E5M2) if out is None else out
+    if out is not None and (out.shape != (rows, vocab) or out.dtype != E5M2 or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous e5m2 ({rows}, {vocab}) buffer, got {out.dtype} {tuple(out.shape)}")
     consist = tdelta is not None and not fp8
     if consist and tdelta.shape != (rows,):
         raise ValueError(f"tdelta must be ({rows},), got {tuple(tdelta.shape)}")
@@ -192,6 +201,6 @@ def _ce_grad(logits, lse_parts, tgt_logit, targets, rstd, ignore_index: int, dim
                                                                             device=logits.device).reshape(1),
                                  IGNORE=ignore_index, BLOCK=block,
                                  PBLOCK=triton.next_power_of_2(parts.shape[1]), FP8=fp8, FMAX=E5M2_MAX,
-                                 CONSIST=consist, BOTH=both, SR=sr[0] is not None, DROP=SR_DROP,
+                                 CONSIST=consist, BOTH=both, SR=sr[0] is not None, DROP=SR_DROP, TGT=tgt,
                                  num_warps=num_warps)
     return (logits, corr, daq) if both else ((daq if fp8 else logits), corr)

@@ -144,7 +144,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
-        if fp8_dw:  # (and da's codes into the token-major buffer; with fp8_dgrad the codes alone, B2's operand)
+        if fp8_dw:  # (and da's codes into the token-major buffer; with fp8_dgrad the codes alone, B2's operand,
+            # and corr the targets' (t, da_t) for B2's exact term)
             da, corr = codes.chunk(logits, parts, tl, t, r, d, loss_rows[start:stop], start, stop)
         elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"
@@ -160,7 +161,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             corr = -(r * r / d) * zdz
         if zdz_acc:  # (zdz from B2's accumulator: cuBLAS keeps it in fp32, one row pass applies the epilogue)
             acc = codes.b2(da) if fp8_dgrad else torch.mm(da, weight, out_dtype=torch.float32)
-            dgamma += norm_apply_rows(acc, x[start:stop], gamma32, r, dx[start:stop])
+            dgamma += norm_apply_rows(acc, x[start:stop], gamma32, r, dx[start:stop],
+                                      tx=(weight, *corr) if fp8_dgrad else None)
         else:
             with stages.capped(base):
                 out = gemm(b2, da, weight, None, {"D": dx[start:stop]}, y=x[start:stop], w=gamma32, corr=corr)
@@ -182,7 +184,10 @@ class _Fp8Dw:
     blocks (whole chunks) and each full block adds its product into dW in W's dtype (quack: the first block's GEMM
     writes it, the next ones add to it in place), so the buffer is k times smaller for k - 1 more roundings of dW's
     partial sums. ``w_codes`` (``fp8_lm_head_dgrad``: W's e4m3 codes and their scale): the pass writes the codes
-    alone (no bf16 da), which ``chunk`` returns for ``b2``."""
+    alone (no bf16 da) into one chunk buffer kept across chunks, and each row's unrounded da at its target; once
+    the codes are in the token-major buffer (dW's, the target's code kept), the target's code is zeroed in the chunk
+    buffer, which ``chunk`` returns for ``b2`` with (t, da_t): B2 adds da_t W[t] in fp32 (``norm_apply_rows``'s tx)
+    instead of the target's e5m2 rounding, the largest of a row's."""
 
     def __init__(self, rstd, targets, hq, s_h, vocab: int, chunk_rows: int, dtype, w_codes=()):
         m = hq.shape[0]
@@ -201,6 +206,7 @@ class _Fp8Dw:
             raise ValueError(f"fp8_lm_head_dgrad's B2 reads the row pass's codes, not {ce_codes_t.ENV}=1's")
         if self.dgrad:  # (W^T's e4m3 codes, (d, V): B2's K-major operand, and their scale)
             self.w_tq, self.s_w = transpose_8bit.transpose_8bit(w_codes[0]), w_codes[1].float().reshape(())
+            self.rows = torch.empty((min(chunk_rows, m), vocab), device=hq.device, dtype=E5M2)
         self.dw = None
 
     def chunk(self, logits, parts, tl, t, r, d: int, loss_rows, start: int, stop: int):
@@ -208,10 +214,13 @@ class _Fp8Dw:
         ``transpose_8bit``, or with ``CODA_TITAN_CE_CODES_T=1``, a probe arm, ``ce_codes_t``'s pass storing them
         there itself); a block's product into dW once its last chunk is in. With ``w_codes``: (the codes, None)."""
         b0 = start - start % self.width
-        if self.dgrad:  # (``fp8_lm_head_dgrad``: the codes alone, returned for B2)
-            da, corr = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,
-                                    row0=start)[0], None
+        if self.dgrad:  # (``fp8_lm_head_dgrad``: the codes alone, returned for B2 with the targets' exact term)
+            da, da_t = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,
+                                    row0=start, target_da=True, out=self.rows[:stop - start])
             transpose_8bit.launch(da, self.daq_t[:, start - b0:stop - b0])
+            ti = t.clamp(min=0)  # (an ignored row's codes and da_t are 0: its index is any row's)
+            da.view(torch.uint8).scatter_(1, ti[:, None], 0)
+            corr = (ti, da_t)
         elif self.codes_t:
             da, corr = ce_codes_t.ce_grad_codes_t(logits, parts, tl, t, r, ref.IGNORE_INDEX, d, loss_rows, self.inv_g,
                                                   self.daq_t, start - b0, sr_seed=self.seed, row0=start)

@@ -26,8 +26,8 @@ ROWS = 16  # rows a program: 256 programs over a 4096-row chunk, a 2 MiB fp32 dg
 
 
 @triton.jit
-def norm_apply_kernel(acc_ptr, x_ptr, gamma_ptr, rstd_ptr, dx_ptr, dgp_ptr, M, D, inv_d, ROWS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def norm_apply_kernel(acc_ptr, x_ptr, gamma_ptr, rstd_ptr, dx_ptr, dgp_ptr, w_ptr, t_ptr, c_ptr, M, D, inv_d,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, TX: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
@@ -39,6 +39,10 @@ def norm_apply_kernel(acc_ptr, x_ptr, gamma_ptr, rstd_ptr, dx_ptr, dgp_ptr, M, D
         mask = cols < tl.where(live, D, 0)
         off = row.to(tl.int64) * D
         a = tl.load(acc_ptr + off + cols, mask=mask, other=0.0)
+        if TX:  # (the target's term: c W[t], in fp32)
+            t = tl.load(t_ptr + row, mask=live, other=0).to(tl.int64)
+            c = tl.load(c_ptr + row, mask=live, other=0.0)
+            a += c * tl.load(w_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
         ag = a * g
         zdz = tl.sum(ag * x, axis=0)
@@ -50,9 +54,11 @@ def norm_apply_kernel(acc_ptr, x_ptr, gamma_ptr, rstd_ptr, dx_ptr, dgp_ptr, M, D
 
 
 def norm_apply_rows(acc: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor,
-                    dx: torch.Tensor) -> torch.Tensor:
+                    dx: torch.Tensor, tx: tuple | None = None) -> torch.Tensor:
     """B2's epilogue with zdz from ``acc`` (rows, d) fp32 contiguous: D written to ``dx`` (rows, d), contiguous,
-    X's dtype; returns dgamma (d,) fp32 for these rows. ``gamma`` (d,), ``rstd`` (rows,), any float dtype."""
+    X's dtype; returns dgamma (d,) fp32 for these rows. ``gamma`` (d,), ``rstd`` (rows,), any float dtype.
+    ``tx`` = (W, t, c) (``fp8_lm_head_dgrad``: the targets' exact term): each row's accumulator is first
+    acc + c W[t] in fp32, W (V, d) contiguous, t (rows,) integer indices into its rows, c (rows,) fp32."""
     rows, d = acc.shape
     if acc.dtype != torch.float32 or not acc.is_contiguous():
         raise ValueError(f"the norm apply pass takes a contiguous fp32 accumulator, got {acc.dtype}")
@@ -62,9 +68,15 @@ def norm_apply_rows(acc: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rst
     if dx.dtype != x.dtype or rstd.shape != (rows,) or gamma.shape != (d,):
         raise ValueError(f"dx {dx.dtype} (x {x.dtype}), rstd {tuple(rstd.shape)}, gamma {tuple(gamma.shape)} do not "
                          f"fit a ({rows}, {d}) accumulator")
+    w, t, c = (acc, rstd, rstd) if tx is None else tx
+    if tx is not None and (w.shape[1:] != (d,) or not w.is_contiguous() or t.shape != (rows,) or c.shape != (rows,)
+                           or c.dtype != torch.float32):
+        raise ValueError(f"tx takes a contiguous (V, {d}) W, and ({rows},) indices and fp32 factors, got "
+                         f"{tuple(w.shape)}, {tuple(t.shape)}, {c.dtype} {tuple(c.shape)}")
     programs = triton.cdiv(rows, ROWS)
     parts = torch.empty((programs, d), device=acc.device, dtype=torch.float32)
     block = triton.next_power_of_2(d)
-    norm_apply_kernel[(programs,)](acc, x, gamma.float().contiguous(), rstd.float().contiguous(), dx, parts, rows, d,
-                                   fp32_reciprocal(d), ROWS=ROWS, BLOCK=block, num_warps=8 if block <= 4096 else 16)
+    norm_apply_kernel[(programs,)](acc, x, gamma.float().contiguous(), rstd.float().contiguous(), dx, parts, w, t, c,
+                                   rows, d, fp32_reciprocal(d), ROWS=ROWS, BLOCK=block, TX=tx is not None,
+                                   num_warps=8 if block <= 4096 else 16)
     return parts.sum(0)

@@ -125,7 +125,7 @@
 #                  "on off on2 off2"; tags fp8headdgrad_ARM; STEPS, 30; each run killed after ARM_TIMEOUT s, 300)
 #     dgradprobe   scripts/probes/lm_head_fp8.py --programs-only: the head's programs at the cap, the configured one
 #                  without and with fp8_lm_head_dgrad among them (the kernel-level size of that lever)
-#     fp8headdgradparity 300-step loss curves (tag fp8_lm_head_dgrad; ONLY_CANDIDATE=1 as below): float8 + compile,
+#     fp8headdgradparity 300-step loss curves (tag fp8_lm_head_dgrad_tx; ONLY_CANDIDATE=1 as below): float8 + compile,
 #                  CODA fp8 compiled with fp8_lm_head_dgrad, and as configured
 #     fp8headdwparity 300-step loss curves (tag fp8_lm_head_dw_sr; ONLY_CANDIDATE=1: without the configured run): float8
 #                  + compile, CODA fp8 compiled with fp8_lm_head_fwd and fp8_lm_head_dw,
@@ -671,7 +671,8 @@ for phase in "$@"; do
       done
       ;;
     fp8headdgradparity)
-      curves fp8_lm_head_dgrad fp8_lm_head_dgrad "fp8_lm_head_dgrad = true"
+      # (tag fp8_lm_head_dgrad_tx: B2 with the targets' term unrounded; fp8_lm_head_dgrad, 2026-11-30: on every code)
+      curves fp8_lm_head_dgrad_tx fp8_lm_head_dgrad "fp8_lm_head_dgrad = true"
       ;;
     dgradprobe)
       python3 -m scripts.probes.lm_head_fp8 --programs-only > "$logs/lm_head_fp8_programs.log" 2>&1

@@ -172,7 +172,8 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
     loss = loss_rows.sum()
     if not compute_grad:
         return ref.op_outputs(loss, None, None, None, h=h, weight=weight)
-    if fp8_dw:
+    if fp8_dw:  # (dW's GEMM last: the chunks' buffers, the logits' and fp8_dgrad's codes and W^T, let go before it)
+        logits_buf = logits = da = acc = res = None
         dw = codes.result()
     return loss, dx, dgamma, dw if in_place else dw.to(weight.dtype)
 
@@ -241,7 +242,8 @@ class _Fp8Dw:
         return torch._scaled_mm(daq, self.w_tq.t(), self.inv_g.reciprocal(), self.s_w, out_dtype=torch.float32)
 
     def result(self):
-        """dW_out in W's dtype."""
+        """dW_out in W's dtype (fp8_lm_head_dgrad's chunk buffer and W^T's codes let go first)."""
+        self.rows = self.w_tq = None
         return _fp8_dw(self.daq_t, self.hq, self.inv_g, self.s_h, self.dtype) if self.dw is None else self.dw
 
 

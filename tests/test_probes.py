@@ -346,9 +346,11 @@ def test_ce_rounding_probe_finds_round_to_nearest_e5m2_dws_error_repeated_over_b
     assert shared["e5m2"]["dh_coherence"] > 1.5 and shared["e5m2"]["dh_wgrad_sum"] > shared["e5m2_sr"]["dh_wgrad_sum"]
     for r in (plain, shared):
         assert 0.75 < r["e5m2_sr"]["dh_coherence"] < 1.25 and r["bf16"]["dh"] < 0.2 * r["e5m2_sr"]["dh"], r
+        assert r["e5m2_sr_tx"]["dh"] < 0.75 * r["e5m2_sr"]["dh"], r  # (the target's entry exact: fp8_lm_head_dgrad)
     table = dw_rounding_table({"dw_rounding": [plain, shared]})
     assert "| 1 | 2 | " in table and f"{shared['e5m2']['coherence']:.2f}" in table
     assert f"{shared['e5m2']['dh_coherence']:.2f}" in table and "dH one batch" in table
+    assert f"{shared['e5m2_sr_tx']['dh']:.2e}" in table  # (the dH table has the tx cast)
 
 
 def test_bf16_step_accuracy_refuses_the_unrounded_f4_arm_off_the_cute_backend():

@@ -385,9 +385,10 @@ def test_fp8_coda_is_its_bf16_twin_plus_precision(size, kind):
     # (fp8_mlp_h_t, the same); and the batch's copies on their own stream (input_stream: measured faster in fp8,
     # level in bf16, docs/history.md); and the LM head's logits on fp8 (fp8_lm_head_fwd: measured and its parity
     # met on the 1B compiled config, docs/fp8.md), and dW_out on da's stochastically rounded e5m2 codes
-    # (fp8_lm_head_dw: the same)
+    # (fp8_lm_head_dw: the same), and the head's dX on those codes too (fp8_lm_head_dgrad: the same)
     only = ({("coda", "fp8_preact"), ("coda", "fused_clip"), ("coda", "fp8_qkv_wgrad"), ("coda", "fp8_mlp_h_t"),
-             ("coda", "input_stream"), ("coda", "fp8_lm_head_fwd"), ("coda", "fp8_lm_head_dw")} if size == "1b" else set())
+             ("coda", "input_stream"), ("coda", "fp8_lm_head_fwd"), ("coda", "fp8_lm_head_dw"),
+             ("coda", "fp8_lm_head_dgrad")} if size == "1b" else set())
     assert diff == {("coda", "precision"), ("coda", "fp8_amax_history")} | only
     if only:
         assert f[("coda", "fp8_preact")] is True and b[("coda", "ce_chunk_rows")] == f[("coda", "ce_chunk_rows")]
@@ -395,7 +396,7 @@ def test_fp8_coda_is_its_bf16_twin_plus_precision(size, kind):
         assert (b[("coda", "step_chunk_layers")], f[("coda", "step_chunk_layers")]) == (4, 4)
         assert f[("coda", "fp8_qkv_wgrad")] is True and f[("coda", "input_stream")] is True
         assert f[("coda", "fp8_mlp_h_t")] is True and f[("coda", "fp8_lm_head_fwd")] is True
-        assert f[("coda", "fp8_lm_head_dw")] is True
+        assert f[("coda", "fp8_lm_head_dw")] is True and f[("coda", "fp8_lm_head_dgrad")] is True
     config = cli.parse_config(str(CONFIGS / f"llama3_{size}_fp8_{kind}.toml"), [])
     assert config.coda.precision == "fp8" and config.model.converters == ["fa4"]
 

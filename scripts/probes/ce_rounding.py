@@ -34,7 +34,10 @@ round-to-nearest-even (``e5m2``, ``fp8_lm_head_dw`` before the sixty-third sessi
 (``e5m2_sr``: ``quantize_e5m2_sr``, a seed a batch) and to bf16 (``bf16``). Per variant: one batch's relative dW
 error, the summed dW's, and the coherence ||sum_k err_k|| / sqrt(sum_k ||err_k||^2): 1 for errors independent
 between batches, sqrt(batches) for one error repeated. The same for dH = dlogits W (``fp8_lm_head_dgrad``: B2 on
-the same codes) and for what a weight gradient below the head sums of it, G = dH^T H over the batches' tokens.
+the same codes) and for what a weight gradient below the head sums of it, G = dH^T H over the batches' tokens;
+there also ``e5m2_sr_tx``, the stochastic codes with each row's target entry exact (``fp8_lm_head_dgrad`` since the
+sixty-seventh session: B2 adds the target's term unrounded; dW keeps the target's code, so this cast's dW columns
+are not the program's).
 
     python -m scripts.probes.ce_rounding          # writes benchmarks/results/probe_ce_rounding_cpu.json
 """
@@ -105,9 +108,11 @@ def dw_rounding(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=(1.0
     (the module's docstring)."""
     inv = pow2_floor(torch.tensor(E5M2_MAX, dtype=torch.float64))
     offsets = sr_offsets(0, rows, vocab, "cpu")
-    casts = {"e5m2": lambda dl, k: quantize_e5m2(dl, inv).double() / inv,
-             "e5m2_sr": lambda dl, k: quantize_e5m2_sr(dl, inv, k + 1, offsets).double() / inv,
-             "bf16": lambda dl, k: dl.to(torch.bfloat16).double()}
+    casts = {"e5m2": lambda dl, k, t: quantize_e5m2(dl, inv).double() / inv,
+             "e5m2_sr": lambda dl, k, t: quantize_e5m2_sr(dl, inv, k + 1, offsets).double() / inv,
+             "e5m2_sr_tx": lambda dl, k, t: (quantize_e5m2_sr(dl, inv, k + 1, offsets).double() / inv).scatter(
+                 1, t[:, None], dl.gather(1, t[:, None])),
+             "bf16": lambda dl, k, t: dl.to(torch.bfloat16).double()}
     out = []
     for sigma in sigmas:
         for sh in shared:
@@ -125,7 +130,7 @@ def dw_rounding(rows: int = 1024, vocab: int = 8192, dim: int = 256, sigmas=(1.0
                 dw, dh = dl.t() @ h, dl @ w
                 exact_sum, g_sum = exact_sum + dw, g_sum + dh.t() @ h
                 for c, cast in casts.items():
-                    err = cast(dl, k) - dl
+                    err = cast(dl, k, targets) - dl
                     errs[c].append(err.t() @ h)
                     g_errs[c].append((err @ w).t() @ h)
                     if k == 0:

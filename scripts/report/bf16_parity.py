@@ -239,16 +239,19 @@ def dw_rounding_table(doc: dict) -> str:
              "the batches, and the coherence of the batches' errors (1: independent, sqrt(batches): one error "
              "repeated).", "", *_cast_rows(rows, ("one batch", "summed"), ("dw", "dw_sum", "coherence"))]
     if "dh" in rows[0]["bf16"]:
+        tx = ("e5m2_sr_tx",) if "e5m2_sr_tx" in rows[0] else ()
         lines += ["", "The same casts in the head's dgrad (`fp8_lm_head_dgrad`: B2 on the codes): the relative error "
                   "of one batch's dH = dlogits W, and of G = sum over the batches of dH^T H (what a weight gradient "
-                  "below the head sums of dH) with the coherence of its batches' errors.", "",
-                  *_cast_rows(rows, ("dH one batch", "G summed"), ("dh", "dh_wgrad_sum", "dh_coherence"))]
+                  "below the head sums of dH) with the coherence of its batches' errors."
+                  + (" `e5m2_sr_tx`: the stochastic codes with each row's target entry exact (the knob's form since "
+                     "the sixty-seventh session)." if tx else ""), "",
+                  *_cast_rows(rows, ("dH one batch", "G summed"), ("dh", "dh_wgrad_sum", "dh_coherence"),
+                              ("e5m2", "e5m2_sr", *tx, "bf16"))]
     return "\n".join(lines)
 
 
-def _cast_rows(rows: list, names: tuple, keys: tuple) -> list:
+def _cast_rows(rows: list, names: tuple, keys: tuple, casts: tuple = ("e5m2", "e5m2_sr", "bf16")) -> list:
     """A table over (sigma, shared) of each cast's two relative errors (``names``) and coherence (``keys``)."""
-    casts = ("e5m2", "e5m2_sr", "bf16")
     out = ["| sigma | shared | " + " | ".join(f"{c}: {names[0]} | {names[1]} | coherence" for c in casts) + " |",
            "|---:|---:|" + "---:|" * (3 * len(casts))]
     for r in rows:

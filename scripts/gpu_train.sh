@@ -18,6 +18,9 @@
 #              quack at its default config (FLOOR_QUACK=tuned: its sweep, about 10 min: a call of its own)
 #     headline the README's headline (about 8 min warm; HEADLINE_PART=fp8, then =bf16: two calls on a fresh host): the floor, then the compiled
 #              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
+#     allocexp the compiled pair of PREC (fp8, default; bf16) as the headline runs it, every run under TorchTitan's own
+#              launcher setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (tag PREC_coda_expandable): the reserved
+#              peaks without the caching allocator's fragmentation (steps 1-10 hold about 3 GiB more than steady state)
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     warm     WARM_STEPS (6) steps of the compiled CODA and stock configs (PREC, default bf16), nothing kept: their
 #              kernels and inductor graphs compiled into this host's caches, so that the next call (within the 30 s a host
@@ -362,6 +365,12 @@ for phase in "$@"; do
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag fp8_coda
       [ "$part" = fp8 ] || $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}"
+      ;;
+    allocexp)
+      p=${PREC:-fp8}
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $cmp configs/llama3_1b_${p}_baseline_compile.toml \
+        configs/llama3_1b_${p}_coda_compile.toml --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" \
+        --tag "${p}_coda_expandable"
       ;;
     check)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_titan.py 2>&1 | tail -5 | tee "$logs/pytest_attention.txt"

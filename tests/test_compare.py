@@ -953,3 +953,26 @@ def test_a_run_that_prints_nothing_past_its_timeout_is_killed_and_reported(tmp_p
     assert time.time() - t0 < 60, time.time() - t0
     assert res["returncode"] != 0 and "killed at the 3 s timeout" in res["error"] and "compiling" in res["error"]
     assert (tmp_path / "debug_cpu_coda" / "train.log").read_text() == "compiling\n"
+
+
+def test_a_comparison_names_the_allocator_settings_its_runs_had():
+    """The caching allocator's settings move the reserved peak a comparison reports (TorchTitan's ``run_train.sh``
+    sets ``expandable_segments:True``): each run records them from its environment (either variable's name, None
+    unset), and the table's header names them when any run had them, never when none did."""
+    from scripts.compare import run as run_mod
+    from scripts.report import training
+
+    assert run_mod.allocator({"PATH": "/bin"}) is None
+    assert run_mod.allocator({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
+    assert run_mod.allocator({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
+
+    def run(stem, **extra):
+        return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
+                "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
+
+    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", allocator=None)], "device": "d",
+           "date": "2026-11-30", "versions": {}, "steps": 1, "warmup": 1}
+    assert "allocator" not in training.compare_table(doc)
+    for r in doc["runs"]:
+        r["allocator"] = "expandable_segments:True"
+    assert "allocator `expandable_segments:True` · " in training.compare_table(doc).splitlines()[0]

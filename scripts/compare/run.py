@@ -128,6 +128,12 @@ def switches(env) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith("CODA_TITAN_") and k != "CODA_TITAN_CACHE"}
 
 
+def allocator(env) -> str | None:
+    """The caching allocator's settings a run's environment gives it (``PYTORCH_CUDA_ALLOC_CONF``, or its newer
+    name ``PYTORCH_ALLOC_CONF``; TorchTitan's ``run_train.sh`` sets ``expandable_segments:True``), None when unset."""
+    return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or None
+
+
 def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets: list[str], timeout: int, extra=(),
                nproc: int = 1, entry=("-m", "coda_titan.cli"), env_extra=None, clocks: bool = False,
                phases: bool = False, log_freq: int = 1) -> dict:
@@ -178,6 +184,7 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
         "rows": rows,
         "tokens_per_step": tokens_per_step,
         "switches": switches(env),
+        "allocator": allocator(env),
     }
     if clocks:
         result.update(clock_samples=sampler.samples, step_times=step_times)

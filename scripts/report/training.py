@@ -28,6 +28,9 @@ def compare_table(doc: dict) -> str:
         what += "overrides: " + ", ".join(f"`{kv}`" for kv in doc["sets"]) + " · "
     if doc.get("attention", "config") != "config":
         what += f"attention forced to {doc['attention']} · "
+    allocs = sorted({r.get("allocator") or "default" for r in doc["runs"]})
+    if allocs != ["default"]:  # (PYTORCH_CUDA_ALLOC_CONF: the caching allocator's settings, which move the peak)
+        what += "allocator " + ", ".join(f"`{a}`" for a in allocs) + " · "
     lines = [
         f"{what}Device: {doc['device']} · {doc['date'][:10]} · torch {doc['versions'].get('torch')} · "
         f"quack {doc['versions'].get('quack-kernels')} · flash-attn-4 {doc['versions'].get('flash-attn-4')} · "

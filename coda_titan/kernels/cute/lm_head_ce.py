@@ -213,7 +213,7 @@ class _Fp8Dw:
     def chunk(self, logits, parts, tl, t, r, d: int, loss_rows, start: int, stop: int):
         """The gradient pass of rows [start, stop): (da, corr) in place, the codes into the buffer (the row pass then
         ``transpose_8bit``, or with ``CODA_TITAN_CE_CODES_T=1``, a probe arm, ``ce_codes_t``'s pass storing them
-        there itself); a block's product into dW once its last chunk is in. With ``w_codes``: (the codes, None)."""
+        there itself); a block's product into dW once its last chunk is in. With ``w_codes``: (the codes, (t, da_t))."""
         b0 = start - start % self.width
         if self.dgrad:  # (``fp8_lm_head_dgrad``: the codes alone, returned for B2 with the targets' exact term)
             da, da_t = ce_grad_e5m2(logits, parts, tl, t, r, self.inv_g, ref.IGNORE_INDEX, loss_rows, sr_seed=self.seed,

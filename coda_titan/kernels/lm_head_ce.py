@@ -98,16 +98,13 @@ def lm_head_ce(
         raise ValueError(f"targets must be ({h.shape[0]},), got {tuple(targets.shape)}")
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    m = h.shape[0]
-    loss = None
+    m, loss, dgamma, dweight = h.shape[0], None, None, None
     dx = torch.empty_like(x) if compute_grad else None
-    dgamma = dweight = None
     inv_g_all = dlogits_inv_scale(rstd, targets) if fp8_dw else None  # (one scale for every chunk's codes)
     seed = sr_seed_of(targets) if fp8_dw and compute_grad else None
     for start in range(0, m, chunk_rows):
         rows = slice(start, min(start + chunk_rows, m))
-        r = rstd[rows]
-        tgt = targets[rows]
+        r, tgt = rstd[rows], targets[rows]
         if hq is None:
             acc = mm(h[rows], weight.t())
             lf = acc * r.to(acc.dtype)[:, None]

@@ -109,12 +109,9 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
         _refuse_probe_arms()
     if compute_grad and h.dtype == torch.bfloat16 and os.environ.get(CE_PASS_ENV) == "exp":
         return _lm_head_ce_exp(h, rstd, x, gamma, weight, targets, chunk_rows)
-    m, d = h.shape
-    vocab = weight.shape[0]
+    (m, d), vocab = h.shape, weight.shape[0]
     loss_rows = torch.empty(m, device=h.device, dtype=torch.float32)
-    rstd = rstd.float()
-    gamma32 = gamma.float()
-    x = x.contiguous()
+    rstd, gamma32, x = rstd.float(), gamma.float(), x.contiguous()
     in_place = os.environ.get(CE_PASS_ENV, "triton") != "inductor" and h.dtype == torch.bfloat16
     if compute_grad:
         dx = torch.empty_like(x)
@@ -144,8 +141,7 @@ def _lm_head_ce(h, rstd, x, gamma, weight, targets, chunk_rows, compute_grad, hq
             with first_call("lm_head_ce", hc, weight):
                 res = gemm(epi, hc, weight.t(), None, {"D": logits}, rstd=r, target=t)
         parts, tl = res["lse"], res["target_logit"]  # (the per-N-tile log-sum-exp partials: _lse_partials)
-        if fp8_dw:  # (and da's codes into the token-major buffer; with fp8_dgrad the codes alone, B2's operand,
-            # and corr the targets' (t, da_t) for B2's exact term)
+        if fp8_dw:  # (and da's codes token-major; fp8_dgrad: the codes alone, B2's, and corr (t, da_t), its exact term)
             da, corr = codes.chunk(logits, parts, tl, t, r, d, loss_rows[start:stop], start, stop)
         elif compute_grad and in_place:
             tdelta = None if not consist else (torch.zeros_like(r) if zdz_mode == "consistent_rounded"

@@ -146,6 +146,12 @@ def test_a_config_variant_has_no_target_but_is_set_against_the_compiled_baseline
     assert "| 1.050x |" in rows["x_coda_compile_no_wgrad"] and "| 1.100x |" in rows["x_coda_compile"]
 
 
+def _table_run(stem, **extra):
+    """A step-time comparison's run as the table reads it (one timed step; ``extra`` overrides)."""
+    return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
+            "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
+
+
 def _curve_run(config, loss, *, coda=False, seed=42):
     return {"config": f"configs/{config}.toml", "loss": loss, "precision": "fp8",
             "config_run": f'[model]\nname = "{"coda_llama3" if coda else "llama3"}"\n\n[debug]\nseed = {seed}\n'}
@@ -688,12 +694,8 @@ def test_gpu_clocks_keep_the_timed_steps_samples_and_the_table_shows_them(tmp_pa
     assert gpu_clocks.medians_between(samples, 2.5, 6.5) == (1004.5, 500.0)  # (the samples at 3 .. 6 s)
     assert gpu_clocks.medians_between(samples, 20, 30) == (None, None)
 
-    def run(stem, **extra):
-        return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
-                "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
-
-    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", gpu_clocks=got, step_ms=300.0)], "device": "d",
-           "date": "2026-11-26", "versions": {}, "steps": 1, "warmup": 1}
+    doc = {"runs": [_table_run("x_baseline_compile"), _table_run("x_coda_compile", gpu_clocks=got, step_ms=300.0)],
+           "device": "d", "date": "2026-11-26", "versions": {}, "steps": 1, "warmup": 1}
     table = training.compare_table(doc)
     assert "x_coda_compile SM 1,004 MHz (1,003-1,006), 500 W, 60 C, 150 J a step." in table  # (500 W x 0.3 s)
     assert "x_baseline_compile SM" not in table
@@ -966,11 +968,7 @@ def test_a_comparison_names_the_allocator_settings_its_runs_had():
     assert run_mod.allocator({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
     assert run_mod.allocator({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
 
-    def run(stem, **extra):
-        return {"config": f"configs/{stem}.toml", "tokens_per_s": 100, "peak_gib": 30, "attention": "fa4", "step_ms": 1.0,
-                "mfu": 1.0, "loss": [1.0], "seq_len": 8, "local_batch_size": 1, **extra}
-
-    doc = {"runs": [run("x_baseline_compile"), run("x_coda_compile", allocator=None)], "device": "d",
+    doc = {"runs": [_table_run("x_baseline_compile"), _table_run("x_coda_compile", allocator=None)], "device": "d",
            "date": "2026-11-30", "versions": {}, "steps": 1, "warmup": 1}
     assert "allocator" not in training.compare_table(doc)
     for r in doc["runs"]:

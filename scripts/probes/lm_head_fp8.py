@@ -91,14 +91,16 @@ def program_arms(t: dict) -> dict:
     targets = torch.randint(0, V, (M,), device="cuda", generator=gen)
     kw = dict(rstd=rstd, x=x, gamma=gamma, targets=targets, chunk_rows=CHUNK, compute_grad=True)
 
-    def fp8():
+    def casts():  # (each fp8 arm's casts of H and W, timed with it, as the model makes them each step)
         (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=t["w"])
-        return be.lm_head_ce_fp8(hq=hq, s_h=s_h, weight_q=wq, weight_tq=be.fp8_weight_t(w=wq), s_w=s_w, **kw)
+        return dict(hq=hq, s_h=s_h, weight_q=wq, s_w=s_w)
+
+    def fp8():
+        c = casts()
+        return be.lm_head_ce_fp8(**c, weight_tq=be.fp8_weight_t(w=c["weight_q"]), **kw)
 
     def fwd_dw(dgrad: bool):
-        (hq, s_h), (wq, s_w) = be.quantize_tensorwise(w=h), be.quantize_tensorwise(w=t["w"])
-        return be.lm_head_ce(h=h, weight=t["w"], hq=hq, s_h=s_h, weight_q=wq, s_w=s_w, fp8_dw=True, fp8_dgrad=dgrad,
-                             **kw)
+        return be.lm_head_ce(h=h, weight=t["w"], **casts(), fp8_dw=True, fp8_dgrad=dgrad, **kw)
 
     return {"program_bf16": lambda: be.lm_head_ce(h=h, weight=t["w"], **kw), "program_fp8": fp8,
             "program_fwd_dw": lambda: fwd_dw(False), "program_fwd_dw_dgrad": lambda: fwd_dw(True)}

@@ -9,9 +9,11 @@ with the extra installed; ``coda_titan.kernels.get_backend('cute')`` checks that
 
 Caches (on disk, so a training start does not re-tune what was tuned before):
 
-* quack's compiled kernels and autotuning winners live under ``$QUACK_CACHE_DIR``. Unless the user
-  set it, it defaults to ``$CODA_TITAN_CACHE/quack/<gpu name>`` (``~/.cache/coda_titan`` by
-  default): one directory per GPU model, keyed inside by shape and dtype.
+* quack's autotuning winners live under ``$QUACK_CACHE_DIR``. Unless the user set it, it defaults to
+  ``$CODA_TITAN_CACHE/quack/<gpu name>`` (``~/.cache/coda_titan`` by default): one directory per GPU
+  model, keyed inside by shape and dtype. The compiled kernels live one folder deeper, named by a digest
+  of ``coda_titan.kernels``' sources (``kernel_cache.pin``): quack's own compile key misses changes to
+  our classes and to an installed package's epilogues.
 * ``CODA_TITAN_AUTOTUNE=0`` skips the sweep and uses quack's default tile configuration.
 
 ``TRACED``: the programs without an epilogue of their own (the rstd finalize, B1's pass, the plain and
@@ -27,26 +29,19 @@ false`` keeps them opaque (the A/B of ``gpu_train.sh tracepasses``).
 from __future__ import annotations
 
 import os
-import re
 
-
-def _gpu_slug() -> str:
-    import torch
-
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "gpu"
-
-
-def cache_root() -> str:
-    base = os.environ.get("CODA_TITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "coda_titan")
-    return os.path.join(base, "quack", _gpu_slug())
+from .. import kernel_cache
 
 
 # quack reads QUACK_CACHE_DIR when it is first imported: set it before anything imports quack.
 # (Only when unset: quack's forked compile workers import this module again and inherit the
 # variable, and they must not touch CUDA to name the GPU.)
 if not os.environ.get("QUACK_CACHE_DIR"):
-    os.environ["QUACK_CACHE_DIR"] = cache_root()
+    os.environ["QUACK_CACHE_DIR"] = kernel_cache.cache_root()
+
+import quack.cache  # noqa: E402
+
+kernel_cache.pin(quack.cache)  # (before any kernel compiles; a compile worker takes the folder from its job)
 
 from . import patches  # noqa: E402,F401  (before any fp8 GEMM is built)
 from . import overlap, stages  # noqa: E402

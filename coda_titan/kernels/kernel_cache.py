@@ -1,0 +1,66 @@
+"""Where the ``cute`` backend's compiled kernels and autotuning winners live on disk, and why a kernel compiled
+from other sources is never handed back.
+
+quack keeps two disk caches under ``$QUACK_CACHE_DIR``: autotuning winners (``quack.autotuner``, keyed by shape,
+dtype and the candidate configs; a choice among kernels, not numerics) and compiled kernels as ``.o`` files
+(``quack.cache.jit``, in a folder named by a digest of quack's own sources, then by the compile key). The compile
+key fingerprints an epilogue function's source only where the function lives outside ``site-packages``, and a
+class it uses (our epilogue ops, such as ``tstore``'s transposed stores, and the SM90 GEMM we patch) only by its
+name. So after an upgrade of an installed coda_titan, or an edit of one of those classes, quack would hand back
+a kernel compiled from the earlier code: other math, silently.
+
+``pin(cache)`` puts the compiled kernels one folder deeper, named by a digest of every source file of
+``coda_titan.kernels`` (``sources_digest``), by setting ``quack.cache.CACHE_DIR``: quack's compile workers take
+that folder from the path they are handed, so they agree with the process that asks. The autotuning winners stay
+where they were (quack reads ``$QUACK_CACHE_DIR`` itself for them), so a change of code recompiles but does not
+re-tune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+KERNELS = Path(__file__).resolve().parent  # the package whose sources name the compiled kernels' folder
+
+
+def sources_digest(root: Path = KERNELS) -> str:
+    """A digest of every ``.py`` file under ``root`` (its path and bytes), 16 hex digits."""
+    h = hashlib.sha256()
+    for src in sorted(root.rglob("*.py")):
+        h.update(src.relative_to(root).as_posix().encode())
+        data = src.read_bytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def gpu_slug() -> str:
+    """The current GPU's name as a folder name ("cpu" without one)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "gpu"
+
+
+def cache_root() -> str:
+    """``$CODA_TITAN_CACHE/quack/<gpu>`` (``~/.cache/coda_titan`` by default): the default ``$QUACK_CACHE_DIR``."""
+    base = os.environ.get("CODA_TITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "coda_titan")
+    return os.path.join(base, "quack", gpu_slug())
+
+
+def compiled_dir(quack_dir: str, digest: str) -> str:
+    """The compiled kernels' folder under ``quack_dir`` for sources of ``digest``."""
+    return os.path.join(quack_dir, f"kernels-{digest}")
+
+
+def pin(cache, quack_dir: str | None = None, digest: str | None = None) -> str:
+    """Point ``cache`` (the ``quack.cache`` module) at the compiled kernels' folder of these sources; returns it.
+    ``quack_dir``: ``$QUACK_CACHE_DIR`` unless given, which must then be set."""
+    quack_dir = quack_dir or os.environ.get("QUACK_CACHE_DIR")
+    if not quack_dir:
+        raise RuntimeError("QUACK_CACHE_DIR is not set: set it (or CODA_TITAN_CACHE) before importing the cute backend")
+    cache.CACHE_DIR = compiled_dir(quack_dir, digest or sources_digest())
+    return cache.CACHE_DIR

@@ -1,0 +1,80 @@
+"""The compiled kernels' disk cache is named by our kernel sources (``coda_titan.kernels.kernel_cache``)."""
+
+import os
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda_titan.kernels import kernel_cache
+
+
+def _tree(root: Path) -> Path:
+    (root / "cute").mkdir(parents=True)
+    (root / "ref.py").write_text("X = 1\n")
+    (root / "cute" / "tstore.py").write_text("class Store:\n    def store(self):\n        return 1\n")
+    (root / "notes.txt").write_text("not a source\n")
+    return root
+
+
+def test_digest_follows_every_source_file(tmp_path):
+    root = _tree(tmp_path / "kernels")
+    first = kernel_cache.sources_digest(root)
+    assert first == kernel_cache.sources_digest(root)  # stable while nothing changes
+    (root / "notes.txt").write_text("edited\n")
+    assert kernel_cache.sources_digest(root) == first  # only .py files name the kernels
+    changed = []
+    for edit in (lambda: (root / "cute" / "tstore.py").write_text("class Store:\n    def store(self):\n        return 2\n"),
+                 lambda: (root / "cute" / "new_epilogue.py").write_text(""),
+                 lambda: (root / "ref.py").rename(root / "ref2.py")):
+        edit()
+        changed.append(kernel_cache.sources_digest(root))
+    assert len({first, *changed}) == 4  # a method's body, a new file, a renamed file: each a new folder
+
+
+def test_the_package_digest_covers_the_cute_kernels(tmp_path):
+    """A change to a class of the cute backend alone (what quack's compile key misses) names a new folder."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_cache.KERNELS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert kernel_cache.sources_digest(copy) == kernel_cache.sources_digest()
+    store = copy / "cute" / "tstore.py"
+    store.write_text(store.read_text() + "\n# edited\n")
+    assert kernel_cache.sources_digest(copy) != kernel_cache.sources_digest()
+
+
+def test_pin_points_quack_at_the_sources_folder(tmp_path, monkeypatch):
+    cache = types.SimpleNamespace(CACHE_DIR=None)
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path))
+    got = kernel_cache.pin(cache)
+    assert got == cache.CACHE_DIR == os.path.join(str(tmp_path), f"kernels-{kernel_cache.sources_digest()}")
+    assert kernel_cache.pin(cache) == got  # computed from $QUACK_CACHE_DIR, never nested in the folder before
+    assert kernel_cache.pin(cache, digest="0" * 16) != got
+    monkeypatch.delenv("QUACK_CACHE_DIR")
+    with pytest.raises(RuntimeError, match="QUACK_CACHE_DIR is not set"):
+        kernel_cache.pin(types.SimpleNamespace(CACHE_DIR=None))
+
+
+def test_cache_root_defaults_under_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CODA_TITAN_CACHE", str(tmp_path))
+    root = Path(kernel_cache.cache_root())
+    assert root.parent == tmp_path / "quack" and root.name == kernel_cache.gpu_slug() and "/" not in root.name
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_land_in_the_pinned_folder():
+    """After the cute backend is imported, quack's compile cache is the sources' folder, and a kernel compiled
+    through it is written there (the autotuning winners stay in ``$QUACK_CACHE_DIR`` itself)."""
+    import quack.cache
+
+    from coda_titan.kernels import get_backend
+
+    cute = get_backend("cute")
+    want = kernel_cache.compiled_dir(os.environ["QUACK_CACHE_DIR"], kernel_cache.sources_digest())
+    assert quack.cache.CACHE_DIR == want
+    s = torch.rand(256, 1, device="cuda") + 1.0
+    cute.rstd_finalize(partials=s, dim=2048, eps=1e-5)
+    torch.cuda.synchronize()
+    if quack.cache.CACHE_ENABLED:
+        assert any(Path(want).rglob("*.o")), f"no compiled kernel under {want}"

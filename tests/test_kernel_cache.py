@@ -78,3 +78,23 @@ def test_compiled_kernels_land_in_the_pinned_folder():
     torch.cuda.synchronize()
     if quack.cache.CACHE_ENABLED:
         assert any(Path(want).rglob("*.o")), f"no compiled kernel under {want}"
+
+
+def test_pin_keeps_the_folders_used_last(tmp_path):
+    """Each source version compiles into a folder of its own: pin keeps its own and the two used before it,
+    removes older ones, and leaves the autotuning winners (other folders) alone."""
+    tuned = tmp_path / "ABCDEF" / "gemm.autotune.json"
+    tuned.parent.mkdir()
+    tuned.write_text("{}")
+    for age, digest in enumerate(["d0", "d1", "d2", "d3"]):
+        folder = Path(kernel_cache.compiled_dir(str(tmp_path), digest))
+        (folder / "fp").mkdir(parents=True)
+        (folder / "fp" / "k.o").write_bytes(b"o")
+        os.utime(folder, (1e9 - age * 100, 1e9 - age * 100))  # d0 used last, d3 first
+    cache = types.SimpleNamespace(CACHE_DIR=None)
+    kernel_cache.pin(cache, quack_dir=str(tmp_path), digest="new")
+    left = sorted(p.name for p in tmp_path.glob("kernels-*"))
+    assert left == ["kernels-d0", "kernels-d1", "kernels-new"]
+    assert tuned.is_file() and Path(cache.CACHE_DIR).is_dir()
+    kernel_cache.pin(cache, quack_dir=str(tmp_path), digest="d1")  # an A/B back to an earlier version: no removal
+    assert sorted(p.name for p in tmp_path.glob("kernels-*")) == left

@@ -13,17 +13,22 @@ a kernel compiled from the earlier code: other math, silently.
 ``coda_titan.kernels`` (``sources_digest``), by setting ``quack.cache.CACHE_DIR``: quack's compile workers take
 that folder from the path they are handed, so they agree with the process that asks. The autotuning winners stay
 where they were (quack reads ``$QUACK_CACHE_DIR`` itself for them), so a change of code recompiles but does not
-re-tune.
+re-tune. The folders of sources no longer run are removed but the last two (``prune``), so that edits and upgrades
+do not fill the disk.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent  # the package whose sources name the compiled kernels' folder
+KEEP = 3  # compiled-kernel folders kept: these sources' and the two used before (an A/B of two versions)
+logger = logging.getLogger(__name__)
 
 
 def sources_digest(root: Path = KERNELS) -> str:
@@ -56,11 +61,30 @@ def compiled_dir(quack_dir: str, digest: str) -> str:
     return os.path.join(quack_dir, f"kernels-{digest}")
 
 
-def pin(cache, quack_dir: str | None = None, digest: str | None = None) -> str:
-    """Point ``cache`` (the ``quack.cache`` module) at the compiled kernels' folder of these sources; returns it.
+def pin(cache, quack_dir: str | None = None, digest: str | None = None, keep: int = KEEP) -> str:
+    """Point ``cache`` (the ``quack.cache`` module) at the compiled kernels' folder of these sources and mark it
+    used now; of the other sources' folders keep the ``keep - 1`` used last (``prune``). Returns the folder.
     ``quack_dir``: ``$QUACK_CACHE_DIR`` unless given, which must then be set."""
     quack_dir = quack_dir or os.environ.get("QUACK_CACHE_DIR")
     if not quack_dir:
         raise RuntimeError("QUACK_CACHE_DIR is not set: set it (or CODA_TITAN_CACHE) before importing the cute backend")
-    cache.CACHE_DIR = compiled_dir(quack_dir, digest or sources_digest())
-    return cache.CACHE_DIR
+    folder = compiled_dir(quack_dir, digest or sources_digest())
+    os.makedirs(folder, exist_ok=True)
+    os.utime(folder)
+    prune(quack_dir, folder, keep)
+    cache.CACHE_DIR = folder
+    return folder
+
+
+def prune(quack_dir: str, current: str, keep: int) -> list[str]:
+    """Remove the compiled kernels of other sources but the ``keep - 1`` used last (each folder holds every
+    kernel and autotuning candidate compiled from its sources: a new one per upgrade or edit). Returns those
+    removed. The autotuning winners, in other folders, stay."""
+    others = [p for p in Path(quack_dir).glob("kernels-*") if p.is_dir() and str(p) != current]
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = [str(p) for p in others[max(keep - 1, 0):]]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    if gone:
+        logger.info(f"Removed the compiled kernels of {len(gone)} earlier source version(s) under {quack_dir}")
+    return gone

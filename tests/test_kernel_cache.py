@@ -98,3 +98,13 @@ def test_pin_keeps_the_folders_used_last(tmp_path):
     assert tuned.is_file() and Path(cache.CACHE_DIR).is_dir()
     kernel_cache.pin(cache, quack_dir=str(tmp_path), digest="d1")  # an A/B back to an earlier version: no removal
     assert sorted(p.name for p in tmp_path.glob("kernels-*")) == left
+
+
+def test_pin_on_a_cache_it_cannot_write(tmp_path, caplog):
+    """A cache path that cannot be made (here: under a file) is warned about, not raised at import."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = types.SimpleNamespace(CACHE_DIR=None)
+    with caplog.at_level("WARNING"):
+        got = kernel_cache.pin(cache, quack_dir=str(blocker / "quack"), digest="d")
+    assert got == cache.CACHE_DIR and "Could not prepare the compiled-kernel cache" in caplog.text

@@ -69,9 +69,12 @@ def pin(cache, quack_dir: str | None = None, digest: str | None = None, keep: in
     if not quack_dir:
         raise RuntimeError("QUACK_CACHE_DIR is not set: set it (or CODA_TITAN_CACHE) before importing the cute backend")
     folder = compiled_dir(quack_dir, digest or sources_digest())
-    os.makedirs(folder, exist_ok=True)
-    os.utime(folder)
-    prune(quack_dir, folder, keep)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.utime(folder)
+        prune(quack_dir, folder, keep)
+    except OSError as e:  # (a read-only cache: quack says so at its first compile, as without this folder)
+        logger.warning(f"Could not prepare the compiled-kernel cache {folder}: {e}")
     cache.CACHE_DIR = folder
     return folder
 

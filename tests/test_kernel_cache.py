@@ -56,6 +56,18 @@ def test_pin_points_quack_at_the_sources_folder(tmp_path, monkeypatch):
         kernel_cache.pin(types.SimpleNamespace(CACHE_DIR=None))
 
 
+def test_pin_in_a_compile_worker_keeps_its_jobs_folder(tmp_path, monkeypatch):
+    """quack's pool worker sets CACHE_DIR from its job's path, then imports the job's module (which pins): a worker
+    whose environment names another root must still export where the process that asked looks."""
+    asked = os.path.join(str(tmp_path / "asker"), f"kernels-{kernel_cache.sources_digest()}")
+    worker = types.SimpleNamespace(CACHE_DIR=asked)
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "forkserver_env"))
+    assert kernel_cache.pin(worker) == asked == worker.CACHE_DIR
+    assert not (tmp_path / "forkserver_env").exists()  # nothing made or pruned under the other root
+    stale = types.SimpleNamespace(CACHE_DIR=os.path.join(str(tmp_path / "asker"), "kernels-" + "0" * 16))
+    assert kernel_cache.pin(stale) == os.path.join(str(tmp_path / "forkserver_env"), os.path.basename(asked))
+
+
 def test_cache_root_defaults_under_the_user_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CODA_TITAN_CACHE", str(tmp_path))
     root = Path(kernel_cache.cache_root())

@@ -64,11 +64,17 @@ def compiled_dir(quack_dir: str, digest: str) -> str:
 def pin(cache, quack_dir: str | None = None, digest: str | None = None, keep: int = KEEP) -> str:
     """Point ``cache`` (the ``quack.cache`` module) at the compiled kernels' folder of these sources and mark it
     used now; of the other sources' folders keep the ``keep - 1`` used last (``prune``). Returns the folder.
-    ``quack_dir``: ``$QUACK_CACHE_DIR`` unless given, which must then be set."""
+    ``quack_dir``: ``$QUACK_CACHE_DIR`` unless given, which must then be set. A ``cache`` already at this digest's
+    folder keeps it: quack's compile worker sets the folder from its job's path before it imports the job's
+    module, and its environment (a forkserver's, from when the pool started) need not name the same root."""
+    digest = digest or sources_digest()
+    current = getattr(cache, "CACHE_DIR", None)
+    if quack_dir is None and current and os.path.basename(os.path.normpath(current)) == f"kernels-{digest}":
+        return current  # (a compile worker: quack set the folder of the job it was handed, which stays)
     quack_dir = quack_dir or os.environ.get("QUACK_CACHE_DIR")
     if not quack_dir:
         raise RuntimeError("QUACK_CACHE_DIR is not set: set it (or CODA_TITAN_CACHE) before importing the cute backend")
-    folder = compiled_dir(quack_dir, digest or sources_digest())
+    folder = compiled_dir(quack_dir, digest)
     try:
         os.makedirs(folder, exist_ok=True)
         os.utime(folder)

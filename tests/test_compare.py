@@ -455,6 +455,7 @@ def test_compare_end_to_end_on_cpu(tmp_path, cache_dir, monkeypatch):
         assert "--training.steps" in r["overrides"] and "[model]" in r["config_run"]
         phases = r["host_phases"]  # (the Trainer wrapped by scripts.probes.step_phases: the host's time per phase)
         assert phases["medians"]["step_ms"] == pytest.approx(r["step_ms"]) and phases["medians"]["fwd"] > 0
+        assert r["alloc_streams"] == {}  # (scripts.probes.alloc_streams after the last step: no CUDA here)
     # same data and seed: the CODA reference programs track the baseline closely
     a, b = (r["loss"] for r in doc["runs"])
     assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-3

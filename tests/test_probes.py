@@ -47,13 +47,40 @@ def test_the_child_stamps_every_phase_of_a_real_training_run(tmp_path, cache_dir
            "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out"), *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    *rows, last = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         stamped = {k for k, v in r.items() if v is not None}
         assert stamped == {"step", *PHASES} - ({"between"} if r["step"] == 1 else set())
         assert all(r[k] >= 0 for k in stamped - {"step"})
         assert r["fwd"] > 0 and r["bwd"] > 0  # the model ran between the stamps
+    assert last == {"alloc_streams": {}}  # (after the last step only; nothing to read without CUDA)
+
+
+def test_alloc_streams_sums_a_snapshot_by_named_stream():
+    """``scripts.probes.alloc_streams`` on a hand-made snapshot: three segments on the main stream and the
+    optimizer's, one on a stream nobody named; the sums, the largest free block and the names by hand."""
+    import types
+
+    from scripts.probes.alloc_streams import GIB, by_stream, stream_names
+
+    side = types.SimpleNamespace(cuda_stream=7)
+    trainer = types.SimpleNamespace(model_parts=[types.SimpleNamespace(optimizer_stream=types.SimpleNamespace(
+        stream=side), _side_stream=None)])
+    names = stream_names(trainer, current=0)
+    assert names == {0: "main", 7: "optimizer"}
+
+    def seg(stream, total, allocated, free):
+        return {"stream": stream, "total_size": total * GIB, "allocated_size": allocated * GIB,
+                "blocks": [{"size": f * GIB, "state": "inactive"} for f in free]
+                + [{"size": allocated * GIB, "state": "active_allocated"}]}
+
+    rows = by_stream([seg(0, 4, 3, [1]), seg(7, 2, 0.5, [0.25, 1.25]), seg(0, 2, 2, []), seg(9, 1, 0, [1])], names)
+    assert [r["stream"] for r in rows] == ["main", "optimizer", "other"]  # the largest reserved first
+    assert rows[0] == {"stream": "main", "handle": 0, "segments": 2, "reserved_gib": 6.0, "allocated_gib": 5.0,
+                       "largest_free_gib": 1.0}
+    assert (rows[1]["reserved_gib"], rows[1]["allocated_gib"], rows[1]["largest_free_gib"]) == (2.0, 0.5, 1.25)
+    assert rows[2]["handle"] == 9 and rows[2]["segments"] == 1
 
 
 def test_the_pin_thread_probe_reads_the_state_each_batch_carries(cache_dir, monkeypatch):

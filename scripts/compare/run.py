@@ -189,7 +189,11 @@ def run_config(config: Path, *, steps: int, workdir: Path, attention: str, sets:
     if clocks:
         result.update(clock_samples=sampler.samples, step_times=step_times)
     if phase_log is not None and phase_log.exists():
-        result["phase_rows"] = [json.loads(line) for line in phase_log.read_text().splitlines()]
+        logged = [json.loads(line) for line in phase_log.read_text().splitlines()]
+        result["phase_rows"] = [r for r in logged if "alloc_streams" not in r]
+        for r in logged:  # (scripts.probes.alloc_streams: after the last step)
+            if "alloc_streams" in r:
+                result["alloc_streams"] = r["alloc_streams"]
     expected = len(logged_steps(steps, log_freq))
     if proc.returncode != 0 or len(rows) < expected:
         tail = "".join(lines[-15:])

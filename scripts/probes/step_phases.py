@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from scripts.compare.cli import TIMED_STEPS  # (the comparisons' window: one GC step at its rate)
+from scripts.probes import alloc_streams
 
 ENV_LOG = "CODA_TITAN_PROBE_PHASES_LOG"
 PHASES = ("between", "pre", "data", "h2d", "fwd", "bwd", "clip", "opt", "wait", "log")
@@ -134,6 +135,8 @@ def _install(log_path: str) -> None:
             state["prev_end"] = time.perf_counter()
             with open(log_path, "a") as f:
                 f.write(json.dumps({"step": self.step, **phases_of(marks)}) + "\n")
+                if self.step == self.job_config.training.steps:  # (after the last step: its allocator, by stream)
+                    f.write(json.dumps({"alloc_streams": alloc_streams.record(self)}) + "\n")
 
     def forward_backward(self, *a, **k):
         m = state["marks"]

@@ -975,3 +975,20 @@ def test_a_comparison_names_the_allocator_settings_its_runs_had():
     for r in doc["runs"]:
         r["allocator"] = "expandable_segments:True"
     assert "allocator `expandable_segments:True` · " in training.compare_table(doc).splitlines()[0]
+
+
+def test_the_table_gives_each_runs_reserved_memory_by_stream():
+    """``alloc_streams`` (recorded after a run's last step) under the table: each stream's reserved and live GiB in
+    the recorded order; nothing for a run without it, or with it empty (no CUDA) or failed."""
+    from scripts.report import training
+
+    coda = _table_run("x_coda_compile")
+    coda["alloc_streams"] = {"streams": [{"stream": "main", "reserved_gib": 24.0, "allocated_gib": 18.5},
+                                         {"stream": "optimizer", "reserved_gib": 1.25, "allocated_gib": 0.125}]}
+    base = _table_run("x_baseline_compile")
+    base["alloc_streams"] = {"error": "RuntimeError: x"}
+    doc = {"runs": [base, coda], "device": "d", "date": "2026-12-07", "versions": {}, "steps": 1, "warmup": 1}
+    line = next(x for x in training.compare_table(doc).splitlines() if x.startswith("Reserved GiB by CUDA stream"))
+    assert line.endswith(": x_coda_compile: main 24.00 (18.50), optimizer 1.25 (0.12).")
+    coda["alloc_streams"] = {}
+    assert "by CUDA stream" not in training.compare_table(doc)

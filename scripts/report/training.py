@@ -14,11 +14,8 @@ from scripts.compare.parity import (LAST_MEAN_TOL, LAST_STEPS, against_noise_flo
                                     repeat_spread, spread_tables, track_record, track_record_table)
 from scripts.report import bf16_parity, png
 
+from .notes import SLOW_STEP, _alloc_streams_line, _capped_floor_line, _f, _slow_labels  # (_slow_labels: tests)
 from .profiles import profile_table  # noqa: F401  (re-exported: scripts.compare.profile prints it)
-
-
-def _f(v, nd=1, suffix=""):
-    return "n/a" if v is None else f"{v:,.{nd}f}{suffix}"
 
 
 def compare_table(doc: dict) -> str:
@@ -64,6 +61,8 @@ def compare_table(doc: dict) -> str:
     if any("peak_active_gib" in r for r in doc["runs"]):
         lines += ["", "Peak GiB: the caching allocator's reserved peak over every step, as TorchTitan logs it; in "
                   "parentheses the peak of live tensors over the timed steps (W&B's memory/max_active)."]
+    if alloc := _alloc_streams_line(doc["runs"]):
+        lines += ["", alloc]
     clocks = [(Path(r["config"]).stem, r["gpu_clocks"], r.get("step_ms")) for r in doc["runs"] if r.get("gpu_clocks")]
     if clocks:  # (energy a step: median power x median step; at the power cap every config draws alike)
         lines += ["", "GPU over the timed steps (`nvidia-smi` every {} ms; median, min-max; energy a step = median power x "
@@ -94,46 +93,6 @@ def compare_table(doc: dict) -> str:
         for t in doc["targets"]:
             lines.append(f"| {t['config']}: {t['goal']} | {_f(t['value'], 3, 'x')} | {'yes' if t['met'] else 'no'} |")
     return "\n".join(lines)
-
-
-def _capped_floor_line(doc: dict, capped: dict) -> str:
-    """The floor's kernels back to back in step order at the power cap (``scripts.bench.floor --cap-reps``),
-    and each FA4 config's step over it."""
-    over = [f"{Path(r['config']).stem} {r['step_ms'] / capped[p]:.3f}" for r in doc["runs"]
-            if "error" not in r and r["attention"] == "fa4" and (p := r.get("precision", "bf16")) in capped]
-    return ("The same kernels back to back in a step's order, pass after pass (the power cap a step runs at; "
-            "each alone above is a short burst): " + ", ".join(f"{p} {_f(v)} ms" for p, v in capped.items())
-            + (f". Step / that floor: {', '.join(over)}." if over else "."))
-
-
-SLOW_STEP = 1.1  # a timed step this many times its config's median step is listed under the table
-
-
-def _slow(run: dict) -> list[tuple[int, float]]:
-    """(step number, ms) of each timed step of a compare run over ``SLOW_STEP`` x its median step (``step_ms``)."""
-    raw, med, first = run.get("step_ms_raw") or [], run.get("step_ms"), run.get("warmup_steps", 0) + 1
-    steps = run.get("step_ms_steps") or range(first, first + len(raw))  # (log windows: their last steps)
-    return [(step, ms) for step, ms in zip(steps, raw) if med and ms > SLOW_STEP * med]
-
-
-def slow_steps(run: dict) -> list[float]:
-    """The timed steps (ms, in order) of a compare run over ``SLOW_STEP`` x its median step (``step_ms``):
-    host stalls and the like, which the mean tokens/s counts and the median step hides."""
-    return [ms for _, ms in _slow(run)]
-
-
-def _slow_labels(run: dict) -> list[str]:
-    """``slow_steps`` as text: the ms, and with the run's ``host_phases`` the step and the phase of the host's
-    step (``scripts.probes.step_phases``) that grew most over its median, e.g. "302 (step 18: fwd +61)"."""
-    grown = {s["step"]: s["excess_ms"] for s in (run.get("host_phases") or {}).get("slow", [])}
-    out = []
-    for step, ms in _slow(run):
-        if grown.get(step):
-            phase, extra = max(grown[step].items(), key=lambda kv: kv[1])
-            out.append(f"{ms:.0f} (step {step}: {phase} {extra:+.0f})")
-        else:
-            out.append(f"{ms:.0f}")
-    return out
 
 
 def _stock_of(stem: str) -> str | None:

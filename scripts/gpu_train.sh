@@ -21,6 +21,10 @@
 #     allocexp the compiled pair of PREC (fp8, default; bf16) as the headline runs it, every run under TorchTitan's own
 #              launcher setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (tag PREC_coda_expandable): the reserved
 #              peaks without the caching allocator's fragmentation (steps 1-10 hold about 3 GiB more than steady state)
+#     allocstreams the compiled CODA config of PREC (fp8, default; bf16) as configured (arm on), without optimizer_stream
+#              and its chunked step (noopt), without input_stream (noinput), without the weight prefetch (noprefetch);
+#              ARMS (default all four), STEPS (20) after 10 each, tags PREC_streams_ARM, PYTORCH_CUDA_ALLOC_CONF as the
+#              call's: each run's reserved memory by CUDA stream after its last step (alloc_streams in its JSON)
 #     check    FA4 GPU tests, then 12 steps of the 1B coda_compile config (inductor + cute ops + FA4)
 #     warm     WARM_STEPS (6) steps of the compiled CODA and stock configs (PREC, default bf16), nothing kept: their
 #              kernels and inductor graphs compiled into this host's caches, so that the next call (within the 30 s a host
@@ -365,6 +369,20 @@ for phase in "$@"; do
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag fp8_coda
       [ "$part" = fp8 ] || $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}"
+      ;;
+    allocstreams)
+      p=${PREC:-fp8}
+      for arm in ${ARMS:-on noopt noinput noprefetch}; do
+        case $arm in
+          on) sets=() ;;
+          noopt) sets=(--set coda.optimizer_stream=false --set coda.step_chunk_layers=0) ;;
+          noinput) sets=(--set coda.input_stream=false) ;;
+          noprefetch) sets=(--set coda.prefetch_weights=false) ;;
+          *) echo "allocstreams: unknown arm $arm"; continue ;;
+        esac
+        $cmp configs/llama3_1b_${p}_coda_compile.toml "${sets[@]}" --steps "${STEPS:-20}" --warmup 10 \
+          --log-freq "${LOG_FREQ:-10}" --tag "${p}_streams_$arm"
+      done
       ;;
     allocexp)
       p=${PREC:-fp8}

@@ -2,7 +2,7 @@
 
 Why: the README's peak memory is the caching allocator's reserved peak. Under
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` float8 + compile's reserved memory is its live peak plus
-0.24 GiB, CODA fp8's its live peak plus 2.0 (docs/fp8.md, sixty-ninth session). The allocator keeps one pool per
+0.24 GiB, CODA fp8's its warm-up live peak plus 2.0 (docs/fp8.md, sixty-ninth session). The allocator keeps one pool per
 stream: memory freed on one stream is not handed to another. CODA allocates on three streams besides the main one
 (``[coda] optimizer_stream``'s step, the fp8 weight pass's ``_side_stream``, ``input_stream``'s copies), so their
 pools are the candidate for that gap.

@@ -40,7 +40,7 @@ def _slow(run: dict) -> list[tuple[int, float]]:
 
 
 def _slow_labels(run: dict) -> list[str]:
-    """``slow_steps`` as text: the ms, and with the run's ``host_phases`` the step and the phase of the host's
+    """The slow timed steps (``_slow``) as text: the ms, and with the run's ``host_phases`` the step and the phase of the host's
     step (``scripts.probes.step_phases``) that grew most over its median, e.g. "302 (step 18: fwd +61)"."""
     grown = {s["step"]: s["excess_ms"] for s in (run.get("host_phases") or {}).get("slow", [])}
     out = []

@@ -384,6 +384,18 @@ for phase in "$@"; do
           --log-freq "${LOG_FREQ:-10}" --tag "${p}_streams_$arm"
       done
       ;;
+    memsnap)
+      # (the first steps' reserved peak read from the allocator's trace, scripts/probes/mem_timeline.py: one replay per
+      # step in $out/memsnap_PREC_ARM/; ARMS: "coda" the compiled CODA config, "base" its compiled baseline)
+      p=${PREC:-fp8}
+      for arm in ${ARMS:-coda}; do
+        c=configs/llama3_1b_${p}_${arm/base/baseline}_compile.toml
+        CODA_TITAN_PROBE_MEMSNAP=$out/memsnap_${p}_$arm $cmp "$c" --steps "${STEPS:-4}" --warmup 2 --log-freq 1 \
+          --tag "${p}_memsnap_$arm"
+        python3 -c "import json,glob; [print(f, {k: round(v, 2) for k, v in json.load(open(f)).items() if k.endswith('gib')})
+          for f in sorted(glob.glob('$out/memsnap_${p}_$arm/*.json'))]"
+      done
+      ;;
     allocexp)
       p=${PREC:-fp8}
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $cmp configs/llama3_1b_${p}_baseline_compile.toml \

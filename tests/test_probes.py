@@ -83,6 +83,33 @@ def test_alloc_streams_sums_a_snapshot_by_named_stream():
     assert rows[2]["handle"] == 9 and rows[2]["segments"] == 1
 
 
+def test_mem_timeline_replays_a_hand_made_trace_to_its_reserved_peak():
+    """``scripts.probes.mem_timeline.replay`` on a hand-made allocator trace: two segments mapped, blocks
+    allocated and freed, one segment given back; the peaks, the live blocks at the reserved peak and the
+    named frames by hand (a frame outside the named modules is left out)."""
+    from scripts.probes.mem_timeline import GIB, replay
+
+    fr = [{"filename": "/usr/lib/python3/threading.py", "line": 1, "name": "run"},
+          {"filename": "/x/coda_titan/model/block.py", "line": 42, "name": "forward"}]
+    ev = [{"action": "segment_alloc", "size": 2 * GIB, "stream": 0, "frames": fr},
+          {"action": "alloc", "addr": 1, "size": GIB, "frames": fr},
+          {"action": "alloc", "addr": 2, "size": GIB // 2, "frames": []},
+          {"action": "free_requested", "addr": 1, "size": GIB},
+          {"action": "free_completed", "addr": 1, "size": GIB},
+          {"action": "segment_alloc", "size": 3 * GIB, "stream": 5, "frames": []},
+          {"action": "alloc", "addr": 3, "size": 2 * GIB, "frames": []},
+          {"action": "free_completed", "addr": 3, "size": 2 * GIB},
+          {"action": "segment_free", "size": 3 * GIB}]
+    r = replay(ev, reserved0=10 * GIB, allocated0=4 * GIB)
+    assert r["reserved_peak_gib"] == 15 and r["reserved_peak_event"] == 5
+    assert r["allocated_at_reserved_peak_gib"] == 4.5 and r["allocated_peak_gib"] == 6.5
+    assert (r["reserved_end_gib"], r["allocated_end_gib"]) == (12, 4.5)
+    assert [b["gib"] for b in r["live_at_reserved_peak"]] == [0.5]  # (block 1 was freed before the peak)
+    assert [(m["gib"], m["stream"]) for m in r["segments_mapped_to_peak"]] == [(3, 5), (2, 0)]
+    assert r["segments_mapped_to_peak"][1]["frames"] == ["model/block.py:42 forward"]
+    assert r["segments_mapped"] == 2 and r["segments_mapped_gib"] == 5
+
+
 def test_the_pin_thread_probe_reads_the_state_each_batch_carries(cache_dir, monkeypatch):
     """``scripts.probes.pin_thread``: TorchTitan's text dataset keeps its leftover tokens in its state as a
     Python list, and torchdata's loader sends that state with every batch (``snapshot_every_n_steps``

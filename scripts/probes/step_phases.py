@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from scripts.compare.cli import TIMED_STEPS  # (the comparisons' window: one GC step at its rate)
-from scripts.probes import alloc_streams
+from scripts.probes import alloc_streams, mem_timeline
 
 ENV_LOG = "CODA_TITAN_PROBE_PHASES_LOG"
 PHASES = ("between", "pre", "data", "h2d", "fwd", "bwd", "clip", "opt", "wait", "log")
@@ -129,9 +129,14 @@ def _install(log_path: str) -> None:
         wrap_method(tt.dist_utils, "clip_grad_norm_", "clip0", "clip1")  # (each step: [coda] fused_clip swaps it in
         wrap_method(self.optimizers, "step", "opt0", "opt1")               # after the Trainer is built)
         wrap_method(self.metrics_processor, "log", "log0", "log1")
+        snap = os.environ.get(mem_timeline.ENV) and self.step <= int(os.environ.get(mem_timeline.ENV + "_STEPS", "2"))
+        if snap and self.step == 1:
+            mem_timeline.start()
         try:
             return train_step(self, Timed(data_iterator, marks))
         finally:
+            if snap:
+                mem_timeline.after_step(self.step)
             state["prev_end"] = time.perf_counter()
             with open(log_path, "a") as f:
                 f.write(json.dumps({"step": self.step, **phases_of(marks)}) + "\n")

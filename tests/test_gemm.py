@@ -252,6 +252,44 @@ def test_first_call_gives_the_autotune_memory_back_once_per_shape(monkeypatch, r
     assert calls == ["empty_cache"] * 2
 
 
+def test_a_calibration_fallback_gives_its_temporaries_back(monkeypatch, request):
+    """A fallback to the reference for the calibration step (``CALIBRATION``) returns the reference's result
+    and then empties the allocator's cache, once per call; a fallback for any other reason, or during a
+    CUDA graph capture, does not (those run every step)."""
+    import importlib
+    import sys
+    import types
+
+    import coda_titan.kernels as kernels
+
+    if "coda_titan.kernels.cute" not in sys.modules:  # (CPU: as in the test above)
+        pkg = types.ModuleType("coda_titan.kernels.cute")
+        pkg.__path__ = [str(Path(kernels.__file__).parent / "cute")]
+        monkeypatch.setitem(sys.modules, "coda_titan.kernels.cute", pkg)
+        request.addfinalizer(lambda: sys.modules.pop("coda_titan.kernels.cute._dispatch", None))
+    _dispatch = importlib.import_module("coda_titan.kernels.cute._dispatch")
+
+    calls, capturing = [], [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def program_op(x):
+        return x * 2
+
+    op = types.SimpleNamespace(reference=program_op)
+    x = torch.arange(4.0)
+    assert torch.equal(_dispatch.fallback(op, _dispatch.CALIBRATION, x), x * 2)
+    assert calls == ["empty_cache"]
+    assert torch.equal(_dispatch.fallback(op, "dtype torch.float32", x), x * 2)
+    capturing[0] = True
+    _dispatch.fallback(op, _dispatch.CALIBRATION, x)
+    assert calls == ["empty_cache"]
+    capturing[0] = False
+    _dispatch.fallback(op, _dispatch.CALIBRATION, x)
+    assert calls == ["empty_cache"] * 2
+
+
 @pytest.mark.parametrize("inv", [None, 8.0])
 def test_quantize_delayed_and_fp8_weights(inv):
     """y to e4m3 with its site's delayed scale (None: the current amax) and its amax, and with the codes'

@@ -108,6 +108,8 @@ def test_mem_timeline_replays_a_hand_made_trace_to_its_reserved_peak():
     assert [(m["gib"], m["stream"]) for m in r["segments_mapped_to_peak"]] == [(3, 5), (2, 0)]
     assert r["segments_mapped_to_peak"][1]["frames"] == ["model/block.py:42 forward"]
     assert r["segments_mapped"] == 2 and r["segments_mapped_gib"] == 5
+    assert r["reserved_at_allocated_peak_gib"] == 15  # (the allocated peak, 6.5, came after the second segment)
+    assert [(t[1], t[2]) for t in r["timeline"]] == [(2, 12), (3, 15), (-3, 12)]
 
 
 def test_the_pin_thread_probe_reads_the_state_each_batch_carries(cache_dir, monkeypatch):

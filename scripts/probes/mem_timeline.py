@@ -47,19 +47,25 @@ def replay(events: list[dict], reserved0: int, allocated0: int, top: int = 25) -
     peak = {"reserved": reserved, "at": -1}
     live: dict[int, dict] = {}
     mapped: list[dict] = []
-    peak_alloc = allocated
+    timeline: list[list] = []  # (event, +/- GiB, reserved after, allocated then, stream, two frames) per segment event
+    peak_alloc, reserved_at_peak_alloc = allocated, reserved
     for i, e in enumerate(events):
         act, size = e.get("action"), e.get("size", 0)
         if act in ("segment_alloc", "segment_map"):
             reserved += size
             mapped.append({"i": i, "gib": size / GIB, "stream": e.get("stream"), "allocated_gib": allocated / GIB,
                            "frames": frames_of(e)})
+            timeline.append([i, round(size / GIB, 4), round(reserved / GIB, 3), round(allocated / GIB, 3),
+                             e.get("stream"), frames_of(e, 2)])
         elif act in ("segment_free", "segment_unmap"):
             reserved -= size
+            timeline.append([i, -round(size / GIB, 4), round(reserved / GIB, 3), round(allocated / GIB, 3),
+                             e.get("stream"), []])
         elif act == "alloc":
             allocated += size
             live[e.get("addr")] = {"i": i, "size": size, "frames": frames_of(e)}
-            peak_alloc = max(peak_alloc, allocated)
+            if allocated > peak_alloc:
+                peak_alloc, reserved_at_peak_alloc = allocated, reserved
         elif act == "free_completed":
             allocated -= size
             live.pop(e.get("addr"), None)
@@ -69,10 +75,11 @@ def replay(events: list[dict], reserved0: int, allocated0: int, top: int = 25) -
     at = peak["at"]
     return {"events": len(events), "reserved_peak_gib": peak["reserved"] / GIB,
             "allocated_at_reserved_peak_gib": peak.get("allocated", allocated0) / GIB,
-            "allocated_peak_gib": peak_alloc / GIB, "reserved_peak_event": at,
+            "allocated_peak_gib": peak_alloc / GIB, "reserved_at_allocated_peak_gib": reserved_at_peak_alloc / GIB,
+            "reserved_peak_event": at,
             "reserved_end_gib": reserved / GIB, "allocated_end_gib": allocated / GIB,
             "segments_mapped_to_peak": sorted([m for m in mapped if m["i"] <= at], key=lambda m: -m["gib"])[:top],
-            "segments_mapped": len(mapped), "segments_mapped_gib": sum(m["gib"] for m in mapped),
+            "segments_mapped": len(mapped), "segments_mapped_gib": sum(m["gib"] for m in mapped), "timeline": timeline,
             "live_at_reserved_peak": [{**b, "gib": b.pop("size") / GIB} for b in peak.get("live", [])]}
 
 

@@ -18,15 +18,27 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 _warned: set[tuple[str, str]] = set()
 _seen: set[tuple] = set()
+CALIBRATION = "a current-amax scale (the calibration step)"  # (a delayed fp8 site's first step: no history yet)
 
 
 def fallback(op, why: str, *args):
-    """Run ``op``'s reference on ``args``, warning once per program and reason."""
+    """Run ``op``'s reference on ``args``, warning once per program and reason.
+
+    A fallback of the calibration step (``CALIBRATION``: a delayed fp8 site without history, the first
+    step of a run) then gives the allocator's free cached blocks back to the device. The references
+    there run their GEMMs to float32 (1 GiB temporaries at the 1B MLP's shapes), in a step that
+    keeps every layer's pre-activations in bf16; without it the caching allocator kept 2.9 GiB more
+    reserved after that step than any later step needs, and that first step set the run's reserved
+    peak (28.18 GiB on the 1B fp8 config on an H100, against 25.3 in every later step:
+    ``gpu_train.sh memsnap``, docs/fp8.md). One ``empty_cache`` per fallback, in that step only."""
     name = op.reference.__name__.removesuffix("_op")
     if (name, why) not in _warned:
         _warned.add((name, why))
         logger.warning(f"coda_titan: cute {name} cannot take {why}; running the torch reference for it")
-    return op.reference(*args)
+    out = op.reference(*args)
+    if why == CALIBRATION and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.empty_cache()
+    return out
 
 
 def unsupported(*tensors: torch.Tensor) -> str | None:

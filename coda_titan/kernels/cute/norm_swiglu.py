@@ -38,7 +38,7 @@ from quack.gemm_config import GemmConfig
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
 from . import overlap, stages
-from ._dispatch import KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from ._dispatch import CALIBRATION, KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
@@ -142,7 +142,7 @@ def _b3_e5m2(name, epi, dout, b_kn, a, rstd, inv, **ops):
 def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
     why = unsupported(dout, w_down, a)
     if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+        why = CALIBRATION  # needs all of da before its first e5m2
     if why:
         return fallback(ref.swiglu_bwd_fp8_op, why, dout, w_down, a, rstd, inv_scale)
     return _b3_e5m2("swiglu_bwd_fp8", dswiglu_rstd_preact_fp8_epi, dout, w_down, a, rstd, scalar32(inv_scale))
@@ -152,7 +152,7 @@ def _swiglu_bwd_fp8(dout, w_down, a, rstd, inv_scale):
 def _swiglu_bwd_e5m2(dout, w_down, a, rstd, inv_scale, inv_y=None):
     why = unsupported(dout, w_down, a)
     if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"
+        why = CALIBRATION
     if why is None and a.dtype != torch.bfloat16:
         why = f"a in {a.dtype} (the epilogue splits bf16 pairs)"
     if why:
@@ -208,7 +208,7 @@ def _b3_e5m2_t(name, epis, a_op, b_kn, a, rstd, inv_scale, inv_y, config=None, y
 
 def _b3_t_unsupported(a, inv_scale):
     if inv_scale is None:
-        return "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+        return CALIBRATION  # needs all of da before its first e5m2
     if a.dtype != torch.bfloat16 or a.shape[0] % 16:
         return f"a in {a.dtype} with {a.shape[0]} rows (need bf16, rows % 16 for the transposed store)"
     return None
@@ -237,7 +237,7 @@ def _swiglu_bwd_e5m2_t_q(doutq, w_down_tq, scale, a, rstd, inv_scale, inv_y=None
 def _swiglu_bwd_q_fp8(doutq, w_down_tq, scale, a, rstd, inv_scale):
     why = unsupported(a) or unsupported_fp8(doutq, dtypes=(E4M3, E5M2)) or unsupported_fp8(w_down_tq)
     if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"  # needs all of da before its first e5m2
+        why = CALIBRATION  # needs all of da before its first e5m2
     if why:
         return fallback(ref.swiglu_bwd_q_fp8_op, why, doutq, w_down_tq, scale, a, rstd, inv_scale)
     return _b3_e5m2("swiglu_bwd_q_fp8", dswiglu_rstd_preact_q_fp8_epi, doutq, w_down_tq.t(), a, rstd,

@@ -22,7 +22,7 @@ from quack.epilogue.library import rms_partial_epi
 from .. import residual_rms as ref
 from ..recompute import skip_tail
 from ..scaling import E4M3
-from ._dispatch import fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from ._dispatch import CALIBRATION, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
 from .epilogues import rms_partial_fp8_epi, rms_partial_scaled_epi, rms_partial_scaled_fp8_epi, rms_partial_scaled_fp8_t_epi
 from .row_vectors import fold_amax
 
@@ -47,7 +47,7 @@ def _residual_rms_fp8(y, weight, residual, gamma, tile_n, inv_scale):
     if why is None and residual.shape[1] % 16:
         why = f"width {residual.shape[1]} (e4m3 H needs % 16)"
     if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"
+        why = CALIBRATION
     if why:
         return fallback(ref.residual_rms_fp8_op, why, y, weight, residual, gamma, tile_n, inv_scale)
     x = torch.empty_like(residual)
@@ -85,7 +85,7 @@ def _residual_rms_q(yq, wq, scale, residual, gamma, tile_n):
 def _q_fp8_unsupported(yq, wq, residual, inv_scale) -> str | None:
     why = _q_unsupported(yq, wq, residual)
     if why is None and inv_scale is None:
-        why = "a current-amax scale (the calibration step)"
+        why = CALIBRATION
     return why
 
 

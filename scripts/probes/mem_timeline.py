@@ -1,17 +1,20 @@
 """Probe (GPU): what sets a run's reserved peak in its first steps, read from the allocator's own trace.
 
 Why: the README's peak memory is the caching allocator's reserved peak over every step. On the 1B fp8
-CODA config it is set in step 1 (28.2 GiB on an H100, 2026-12-07), while every later step holds 25.3
+CODA config it was set in step 1 (28.18 GiB on an H100, 2026-12-07), while every later step holds 25.3
 (``gpu_train.sh allocstreams``: the first-call ``empty_cache`` of ``kernels/cute/_dispatch.py`` gives the
-rest back), and the live peak of step 1 is only 0.75 GiB over a later step's. So the peak is step 1's
-own allocations: which ones, and in which segments, is what this reads.
+rest back). The first replay found the cause: the calibration step's reference fallbacks (B3's float32
+temporaries, 1 GiB blocks) left the main pool 2.9 GiB larger than any later step needs; with those
+fallbacks giving their blocks back the step-1 peak is 27.10, set inside the first B3 reference call
+(docs/fp8.md, seventieth session).
 
 Method: with ``CODA_TITAN_PROBE_MEMSNAP=DIR`` in a ``scripts.compare`` run's environment,
 ``scripts.probes.step_phases``' wrapper turns on ``torch.cuda.memory._record_memory_history`` (Python
 stacks) before step 1 and, after each of the first ``CODA_TITAN_PROBE_MEMSNAP_STEPS`` steps (default 2),
-reads the trace once and writes ``DIR/memsnap_step<N>.json``: the step's reserved and allocated peaks
-replayed from its events (segment maps and unmaps, block allocations and frees, from the reserved and
-allocated bytes when the recording began), the largest live blocks and the segments mapped up to the
+reads the trace once and writes ``DIR/memsnap_step<N>.json`` (device, host, date and versions first):
+the step's reserved and allocated peaks replayed from its events (segment maps and unmaps, block
+allocations and frees, from the reserved and allocated bytes when the recording began), each segment
+event with the totals after it (``timeline``), the largest live blocks and the segments mapped up to the
 reserved peak, each with its innermost frames from this project, TorchTitan, torch's autograd and
 optimizers, or inductor's generated code. The trace costs host time, so the probe's steps are not
 timed steps.
@@ -105,7 +108,9 @@ def after_step(step: int) -> None:
     torch.cuda.synchronize()
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     new = trace[_state["done"]:]
-    doc = {"step": step, "max_reserved_gib_stat": torch.cuda.max_memory_reserved() / GIB,
+    from scripts.bench.common import header
+
+    doc = {**header(), "kind": "probe_mem_timeline", "step": step, "max_reserved_gib_stat": torch.cuda.max_memory_reserved() / GIB,
            "reserved_now_gib": torch.cuda.memory_reserved() / GIB, "allocated_now_gib": torch.cuda.memory_allocated() / GIB,
            **replay(new, _state["reserved"], _state["allocated"])}
     (out_dir / f"memsnap_step{step}.json").write_text(json.dumps(doc, indent=1))

@@ -31,6 +31,27 @@ def test_norm_swiglu_residual_backward():
     assert torch.autograd.gradcheck(f, (x, gamma, w1, w3, w2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_b3s_reference_in_row_blocks_is_the_whole_bit_for_bit(monkeypatch, dtype):
+    """B3's reference epilogue (``_dswiglu``) over blocks of rows (``by_row_blocks``: the fp8 calibration
+    step's memory) gives the bits of one pass over every row, with a last block shorter than the others;
+    and ``by_row_blocks`` itself on a function with a per-row and a per-element output."""
+    import coda_titan.kernels._common as common
+    from coda_titan.kernels.norm_swiglu import _dswiglu, _dswiglu_rows
+
+    g = torch.Generator().manual_seed(3)
+    m, f = 300, 48
+    dy, a, rstd = (torch.randn(*s, generator=g, dtype=dtype) for s in ((m, f), (m, 2 * f), (m,)))
+    whole = _dswiglu_rows(dy, a, rstd)
+    monkeypatch.setattr(common, "ROW_BLOCK", 64)
+    blocked = _dswiglu(dy, a, rstd)
+    assert [t.shape for t in blocked] == [t.shape for t in whole]
+    assert all(torch.equal(b, w) for b, w in zip(blocked, whole))
+    x = torch.randn(10, 3, generator=g)
+    outs = common.by_row_blocks(lambda t: (t * 2, t.sum(-1)), x, rows=4)
+    assert torch.equal(outs[0], x * 2) and torch.equal(outs[1], x.sum(-1))
+
+
 def test_norm_swiglu_fp8_matches_fp64_emulation():
     gen = torch.Generator().manual_seed(2)
     hq, wq, scale, rstd = fp8_operands(70, 256, 2 * 96, gen)

@@ -128,3 +128,26 @@ def zdz_of_acc(acc: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor) -> torch
 # sum p * dp over its rounded outputs; "dgrad" / "dgrad_mlp", the attention (MLP) norm's only, by one more GEMM
 # (``coda_titan.model.autograd``)
 ZDZ_ENV = "CODA_TITAN_ZDZ"
+
+
+ROW_BLOCK = 2048  # (rows a ``by_row_blocks`` block: of the 5 GiB of float32 temporaries B3's reference mapped
+#                    at 16384 rows and F = 8192 in the allocator's trace, an eighth)
+
+
+def by_row_blocks(fn, *ts: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``fn(*ts)`` over ``rows`` (default ``ROW_BLOCK``) rows of every tensor at a time, each output (rows first) written into a
+    tensor of all rows: the same values wherever every output is per element or per row, with one block's
+    temporaries alive instead of the whole's. (Why: the fp8 calibration step, a run's first, runs B3's
+    reference on a training step's rows, and its temporaries set that step's memory peak: docs/fp8.md.)"""
+    m, rows = ts[0].shape[0], rows or ROW_BLOCK
+    if m <= rows:
+        return fn(*ts)
+    first = fn(*(t[:rows] for t in ts))
+    outs = tuple(o.new_empty((m, *o.shape[1:])) for o in first)
+    for o, b in zip(outs, first):
+        o[:rows] = b
+    del first
+    for i in range(rows, m, rows):
+        for o, b in zip(outs, fn(*(t[i:i + rows] for t in ts))):
+            o[i:i + rows] = b
+    return outs

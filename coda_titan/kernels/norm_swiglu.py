@@ -57,7 +57,7 @@ from typing import Optional
 
 import torch
 
-from ._common import acc_dtype, check_2d, mm, program_op
+from ._common import acc_dtype, by_row_blocks, check_2d, mm, program_op
 from .scaling import E4M3, E5M2, compute_dtype, fp8_mm, quantize_e4m3, quantize_e5m2_site
 
 
@@ -108,7 +108,11 @@ def swiglu_bwd_acc(
 
 
 def _dswiglu(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """B3's epilogue on dy (M, F) in its dtype: (da, y, zdz)."""
+    """B3's epilogue on dy (M, F) in its dtype: (da, y, zdz), in blocks of rows (``by_row_blocks``)."""
+    return by_row_blocks(_dswiglu_rows, dy, a, rstd)
+
+
+def _dswiglu_rows(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ct = dy.dtype
     r = rstd.to(ct)[:, None]
     af = a.to(ct)

@@ -524,3 +524,28 @@ def test_the_headline_gives_each_gpu_models_newest_comparison(tmp_path, monkeypa
     assert [r.split(" | ")[3] for r in rows] == ["1.050x", "1.070x"]  # (B's, the newest GPU first; A's newest only)
     assert [r.split(" | ")[6:8] for r in rows] == [["B", "2026-11-29 |"], ["A", "2026-11-27 |"]]
     assert rows[0].split(" | ")[5] == f"{270.0 / 240.0:.3f}"
+
+
+def test_the_memory_table_reads_each_traced_step(tmp_path):
+    """``scripts.report.memory`` on a hand-made run folder: a step with a timeline names the last segment
+    mapped before its reserved peak by its innermost frame outside inductor's generated code; a step of the
+    probe's first version says it has no timeline; no folder, no section."""
+    from scripts.report import memory
+
+    assert memory.section(tmp_path) == ""
+    run = tmp_path / "memsnap" / "fp8_coda_GPU_2026-12-07"
+    run.mkdir(parents=True)
+    gen = "ab/c" + "x" * 50 + ".py:12 call"
+    step1 = {"step": 1, "reserved_peak_gib": 27.1, "allocated_at_reserved_peak_gib": 23.38, "allocated_peak_gib": 24.38,
+             "reserved_at_allocated_peak_gib": 27.1, "reserved_end_gib": 13.08, "reserved_peak_event": 9,
+             "timeline": [[3, 1.0, 20.0, 18.0, 0, ["cute/casts.py:5 cast", "x.py:1 f"]], [5, -1.0, 19.0, 18.0, 0, []],
+                          [9, 0.5, 27.1, 23.38, 0, [gen, "kernels/norm_swiglu.py:121 _dswiglu"]],
+                          [11, 2.0, 29.1, 20.0, 0, ["later.py:1 g"]]]}
+    step2 = {"step": 2, "reserved_peak_gib": 28.18, "allocated_at_reserved_peak_gib": 13.05, "allocated_peak_gib": 23.62,
+             "reserved_end_gib": 22.36}
+    for d in (step1, step2):
+        (run / f"memsnap_step{d['step']}.json").write_text(json.dumps(d))
+    text = memory.section(tmp_path)
+    rows = [r for r in text.splitlines() if r.startswith("| fp8_coda")]
+    assert rows[0].endswith("| 1 | 27.10 | 23.38 | 24.38 | 27.10 | 13.08 | `kernels/norm_swiglu.py:121 _dswiglu` |")
+    assert "| 2 | 28.18 | 13.05 | 23.62 | n/a | 22.36 | n/a (the probe's first version kept no timeline) |" in rows[1]

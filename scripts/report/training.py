@@ -413,6 +413,9 @@ def section() -> str:
         parts += [profile_table(doc), ""]
     for p in [p for n in (2, 4, 8) for p in _latest(f"fsdp{n}_profile")]:  # sharded steps (rank 0), apart
         parts += [profile_table(json.loads(p.read_text())), ""]
+    from . import memory
+
+    parts += [memory.section()]
     return "\n".join(parts).rstrip()
 
 

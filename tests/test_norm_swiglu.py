@@ -52,6 +52,22 @@ def test_b3s_reference_in_row_blocks_is_the_whole_bit_for_bit(monkeypatch, dtype
     assert torch.equal(outs[0], x * 2) and torch.equal(outs[1], x.sum(-1))
 
 
+@pytest.mark.parametrize("inv", [None, 2.0 ** 10])
+def test_the_site_cast_in_row_blocks_is_the_whole_bit_for_bit(inv):
+    """B3's reference casts da to e5m2 over blocks of rows (``quantize_e5m2_site_rows``): the codes and the amax of
+    the one-pass cast (``quantize_e5m2_site``), calibrating (None: the blocks' amax) or with a delayed scale that
+    saturates some values, the largest |da| in the shorter last block."""
+    from coda_titan.kernels.scaling import quantize_e5m2_site, quantize_e5m2_site_rows
+
+    g = torch.Generator().manual_seed(5)
+    da = torch.randn(300, 40, generator=g) * 30
+    da[297, 3] = -5000.0
+    inv = None if inv is None else torch.tensor(inv)
+    (q1, a1), (q2, a2) = quantize_e5m2_site(da, inv), quantize_e5m2_site_rows(da, inv, rows=64)
+    assert torch.equal(a1, a2) and a1 == 5000.0
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+
+
 def test_norm_swiglu_fp8_matches_fp64_emulation():
     gen = torch.Generator().manual_seed(2)
     hq, wq, scale, rstd = fp8_operands(70, 256, 2 * 96, gen)

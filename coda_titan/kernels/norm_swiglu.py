@@ -58,7 +58,7 @@ from typing import Optional
 import torch
 
 from ._common import acc_dtype, by_row_blocks, check_2d, mm, program_op
-from .scaling import E4M3, E5M2, compute_dtype, fp8_mm, quantize_e4m3, quantize_e5m2_site
+from .scaling import E4M3, E5M2, compute_dtype, fp8_mm, quantize_e4m3, quantize_e5m2_site_rows
 
 
 def _swiglu(z: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def _with_bf16_da(da, y, zdz, a, inv_scale):
 
 def _e5m2_only(da, y, zdz, dtype, inv_scale, inv_y):
     """B3's outputs without the bf16 da: (y (in ``dtype``, e4m3 with ``inv_y``), zdz, daq, amax |da|)."""
-    return y.to(dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, *quantize_e5m2_site(da, inv_scale)
+    return y.to(dtype) if inv_y is None else quantize_e4m3(y, inv_y), zdz, *quantize_e5m2_site_rows(da, inv_scale)
 
 
 def _transposed(y, zdz, daq, amax, inv_y):

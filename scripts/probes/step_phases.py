@@ -27,7 +27,9 @@ A step whose time grows in ``wait`` waited for the GPU; one that grows elsewhere
 and keeps the medians and the slow steps in its JSON (``host_phases``). Standalone, the probe writes
 ``$OUT/probe_step_phases_<tag>_<gpu>.json`` (benchmarks/results without $OUT): per config the
 phases of every step, their medians over the timed steps, and for each timed step over 1.1x the median
-step, its phases against the medians.
+step, its phases against the medians. The same wrapper also records the allocator by stream after the
+last step (``alloc_streams``) and, with ``CODA_TITAN_PROBE_MEMSNAP`` set, traces the first steps' memory
+(``mem_timeline``).
 """
 
 from __future__ import annotations

@@ -135,9 +135,9 @@ ROW_BLOCK = 2048  # (rows a ``by_row_blocks`` block: of the 5 GiB of float32 tem
 
 
 def by_row_blocks(fn, *ts: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, ...]:
-    """``fn(*ts)`` over ``rows`` (default ``ROW_BLOCK``) rows of every tensor at a time, each output (rows first) written into a
-    tensor of all rows: the same values wherever every output is per element or per row, with one block's
-    temporaries alive instead of the whole's. (Why: the fp8 calibration step, a run's first, runs B3's
+    """``fn(*ts)`` over ``rows`` (default ``ROW_BLOCK``) rows of every tensor at a time, each output (rows first)
+    written into a tensor of all rows: the same values wherever every output is per element or per row, with one
+    block's temporaries alive instead of the whole's. (Why: the fp8 calibration step, a run's first, runs B3's
     reference on a training step's rows, and its temporaries set that step's memory peak: docs/fp8.md.)"""
     m, rows = ts[0].shape[0], rows or ROW_BLOCK
     if m <= rows:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ._common import ROW_BLOCK, by_row_blocks
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 E5M2 = torch.float8_e5m2  # gradients: range over precision
@@ -131,18 +133,14 @@ def quantize_e5m2_site(t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple
     return quantize_e5m2(t, inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale), amax
 
 
-def quantize_e5m2_site_rows(t: torch.Tensor, inv_scale: torch.Tensor | None,
-                            rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_e5m2_site`` over ``rows`` rows at a time: the same amax (a max is exact in any order) and codes
-    (the cast is per element), with one block's temporaries alive instead of the whole's. Eager code for B3's
-    reference, which the fp8 calibration step (a run's first) runs at a training step's size (docs/fp8.md);
-    not for inductor to trace (B1 keeps ``quantize_e5m2_site``)."""
-    amax = torch.stack([b.abs().amax() for b in t.split(rows)]).amax()
+def quantize_e5m2_site_rows(t: torch.Tensor, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_e5m2_site`` over ``ROW_BLOCK`` rows at a time (``by_row_blocks``): the same amax (a max is exact
+    in any order) and codes (the cast is per element), with one block's temporaries alive instead of the whole's.
+    Eager code for B3's reference, which the fp8 calibration step (a run's first) runs at a training step's size
+    (docs/fp8.md); not for inductor to trace (B1 keeps ``quantize_e5m2_site``)."""
+    amax = torch.stack([b.abs().amax() for b in t.split(ROW_BLOCK)]).amax()
     inv = inv_scale_from_amax(amax, E5M2_MAX) if inv_scale is None else inv_scale
-    out = torch.empty(t.shape, dtype=E5M2, device=t.device)
-    for i in range(0, t.shape[0], rows):
-        out[i:i + rows] = quantize_e5m2(t[i:i + rows], inv)
-    return out, amax
+    return by_row_blocks(lambda b: (quantize_e5m2(b, inv),), t)[0], amax
 
 
 def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:

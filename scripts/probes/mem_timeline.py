@@ -49,21 +49,15 @@ def replay(events: list[dict], reserved0: int, allocated0: int, top: int = 25) -
     reserved, allocated = reserved0, allocated0
     peak = {"reserved": reserved, "at": -1}
     live: dict[int, dict] = {}
-    mapped: list[dict] = []
-    timeline: list[list] = []  # (event, +/- GiB, reserved after, allocated then, stream, two frames) per segment event
+    timeline: list[list] = []  # (event, +/- GiB, reserved after, allocated then, stream, frames) per segment event
     peak_alloc, reserved_at_peak_alloc = allocated, reserved
     for i, e in enumerate(events):
         act, size = e.get("action"), e.get("size", 0)
-        if act in ("segment_alloc", "segment_map"):
+        if act in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+            size = size if act in ("segment_alloc", "segment_map") else -size
             reserved += size
-            mapped.append({"i": i, "gib": size / GIB, "stream": e.get("stream"), "allocated_gib": allocated / GIB,
-                           "frames": frames_of(e)})
             timeline.append([i, round(size / GIB, 4), round(reserved / GIB, 3), round(allocated / GIB, 3),
-                             e.get("stream"), frames_of(e, 2)])
-        elif act in ("segment_free", "segment_unmap"):
-            reserved -= size
-            timeline.append([i, -round(size / GIB, 4), round(reserved / GIB, 3), round(allocated / GIB, 3),
-                             e.get("stream"), []])
+                             e.get("stream"), frames_of(e) if size > 0 else []])
         elif act == "alloc":
             allocated += size
             live[e.get("addr")] = {"i": i, "size": size, "frames": frames_of(e)}
@@ -76,11 +70,12 @@ def replay(events: list[dict], reserved0: int, allocated0: int, top: int = 25) -
             peak = {"reserved": reserved, "at": i, "allocated": allocated,
                     "live": sorted(live.values(), key=lambda b: -b["size"])[:top]}
     at = peak["at"]
+    mapped = [{"i": t[0], "gib": t[1], "stream": t[4], "allocated_gib": t[3], "frames": t[5]}
+              for t in timeline if t[1] > 0]
     return {"events": len(events), "reserved_peak_gib": peak["reserved"] / GIB,
             "allocated_at_reserved_peak_gib": peak.get("allocated", allocated0) / GIB,
             "allocated_peak_gib": peak_alloc / GIB, "reserved_at_allocated_peak_gib": reserved_at_peak_alloc / GIB,
-            "reserved_peak_event": at,
-            "reserved_end_gib": reserved / GIB, "allocated_end_gib": allocated / GIB,
+            "reserved_peak_event": at, "reserved_end_gib": reserved / GIB, "allocated_end_gib": allocated / GIB,
             "segments_mapped_to_peak": sorted([m for m in mapped if m["i"] <= at], key=lambda m: -m["gib"])[:top],
             "segments_mapped": len(mapped), "segments_mapped_gib": sum(m["gib"] for m in mapped), "timeline": timeline,
             "live_at_reserved_peak": [{**b, "gib": b.pop("size") / GIB} for b in peak.get("live", [])]}
@@ -110,8 +105,10 @@ def after_step(step: int) -> None:
     new = trace[_state["done"]:]
     from scripts.bench.common import header
 
-    doc = {**header(), "kind": "probe_mem_timeline", "step": step, "max_reserved_gib_stat": torch.cuda.max_memory_reserved() / GIB,
-           "reserved_now_gib": torch.cuda.memory_reserved() / GIB, "allocated_now_gib": torch.cuda.memory_allocated() / GIB,
+    doc = {**header(), "kind": "probe_mem_timeline", "step": step,
+           "max_reserved_gib_stat": torch.cuda.max_memory_reserved() / GIB,
+           "reserved_now_gib": torch.cuda.memory_reserved() / GIB,
+           "allocated_now_gib": torch.cuda.memory_allocated() / GIB,
            **replay(new, _state["reserved"], _state["allocated"])}
     (out_dir / f"memsnap_step{step}.json").write_text(json.dumps(doc, indent=1))
     _state.update(done=len(trace), reserved=torch.cuda.memory_reserved(), allocated=torch.cuda.memory_allocated())

@@ -526,6 +526,20 @@ def test_the_headline_gives_each_gpu_models_newest_comparison(tmp_path, monkeypa
     assert rows[0].split(" | ")[5] == f"{270.0 / 240.0:.3f}"
 
 
+def test_the_headline_targets_say_which_goal_each_newest_comparison_met(tmp_path, monkeypatch):
+    from scripts.report import pages
+
+    monkeypatch.setattr(pages, "RESULTS", tmp_path)
+    assert pages.headline_targets() == ""  # (no comparison, no table)
+    goal = lambda v, met: {"config": "x_coda", "baseline": "x", "metric": "tokens_per_s",  # noqa: E731
+                           "goal": ">= 1.25x tokens/s of x", "value": v, "met": met}
+    for name, date, target in (("compare_fp8_coda_NVIDIA_A_2026-11-20.json", "2026-11-20T10:00", goal(1.31, True)),
+                               ("compare_fp8_coda_NVIDIA_A_2026-11-27.json", "2026-11-27T10:00", goal(1.2049, False))):
+        (tmp_path / name).write_text(json.dumps({"device": "A", "date": date, "runs": [], "targets": [target]}))
+    rows = pages.headline_targets().splitlines()[2:]
+    assert rows == ["| FP8 | A | 2026-11-27 | `x_coda`: >= 1.25x tokens/s of x | 1.205x | **no** |"]  # (the newest)
+
+
 def test_the_memory_table_reads_each_traced_step(tmp_path):
     """``scripts.report.memory`` on a hand-made run folder: a step with a timeline names the last segment
     mapped before its reserved peak by its innermost frame outside inductor's generated code; a step of the

@@ -63,6 +63,20 @@ def headline() -> str:
     return "\n".join(rows)
 
 
+def headline_targets() -> str:
+    """The issue targets that the headline's comparisons judged, each as its comparison wrote it (goal, measured
+    ratio, met), in the headline's order: which of them hold on which GPU, without reading every run's section."""
+    rows = ["| precision | GPU | date | target | measured | met |", "|---|---|---|---|---:|:---:|"]
+    for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
+        for doc in _newest_per_gpu(sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))):
+            for t in doc.get("targets", []):
+                value = "n/a" if t.get("value") is None else f"{t['value']:.3f}x"
+                met = {True: "yes", False: "**no**"}.get(t.get("met"), "n/a")
+                rows.append(f"| {precision} | {doc['device']} | {doc['date'][:10]} | `{t['config']}`: "
+                            f"{t.get('goal', t['metric'])} | {value} | {met} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def write_all() -> None:
     """Regenerate docs/results.md and the README's generated blocks from the stored JSON."""
     from coda_titan.titan.job_config import markdown_table
@@ -70,7 +84,8 @@ def write_all() -> None:
     from . import kernels, training
 
     training.refresh_all()
-    page = [_PAGE_HEAD, "## Headline", "", headline(), "", "## Training: step time, loss parity, profiles", "",
+    page = [_PAGE_HEAD, "## Headline", "", headline(), "", "The issue targets these runs judged:", "",
+            headline_targets(), "", "## Training: step time, loss parity, profiles", "",
             training.section(), "", "## Kernel benchmark", "", kernels.section(), ""]
     RESULTS_PAGE.write_text("\n".join(page))
     update_block(README, "headline", headline())

@@ -40,26 +40,32 @@ def _newest_per_gpu(files: list[Path]) -> list[dict]:
     return [d for *_, d in sorted(newest.values(), key=lambda v: v[:2], reverse=True)]
 
 
+def _headline_docs():
+    """(precision, comparison) for the headline: each GPU model's newest untagged BF16 and ``fp8_coda`` FP8 set."""
+    for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
+        for doc in _newest_per_gpu(sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))):
+            yield precision, doc
+
+
 def headline() -> str:
     """One row per precision and GPU model: CODA against the compiled stock baseline of that GPU's newest 1B
     comparison (the untagged BF16 set and the ``fp8_coda`` FP8 set), the newest GPU's first."""
     rows = ["| precision | CODA config | against | tokens/s | peak memory | step / floor | GPU | date |",
             "|---|---|---|---:|---:|---:|---|---|"]
-    for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
-        for doc in _newest_per_gpu(sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))):
-            got: dict[str, dict] = {}
-            for t in doc.get("targets", []):
-                key = {"tokens_per_s": "tps", "peak_gib": "mem"}.get(t["metric"])
-                if key:  # (step / floor: its own column, from the floor)
-                    got.setdefault(t["config"], {"baseline": t["baseline"]})[key] = t["value"]
-            for config, v in got.items():
-                tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
-                mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"
-                floor = (doc.get("floor") or {}).get(precision.lower())
-                run = next((r for r in doc["runs"] if Path(r["config"]).stem == config and "error" not in r), None)
-                over = f"{run['step_ms'] / floor:.3f}" if floor and run else "n/a"
-                rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {over} | "
-                            f"{doc['device']} | {doc['date'][:10]} |")
+    for precision, doc in _headline_docs():
+        got: dict[str, dict] = {}
+        for t in doc.get("targets", []):
+            key = {"tokens_per_s": "tps", "peak_gib": "mem"}.get(t["metric"])
+            if key:  # (step / floor: its own column, from the floor)
+                got.setdefault(t["config"], {"baseline": t["baseline"]})[key] = t["value"]
+        for config, v in got.items():
+            tps = "n/a" if v.get("tps") is None else f"{v['tps']:.3f}x"
+            mem = "n/a" if v.get("mem") is None else f"{v['mem']:.3f}x"
+            floor = (doc.get("floor") or {}).get(precision.lower())
+            run = next((r for r in doc["runs"] if Path(r["config"]).stem == config and "error" not in r), None)
+            over = f"{run['step_ms'] / floor:.3f}" if floor and run else "n/a"
+            rows.append(f"| {precision} | `{config}` | `{v['baseline']}` | {tps} | {mem} | {over} | "
+                        f"{doc['device']} | {doc['date'][:10]} |")
     return "\n".join(rows)
 
 
@@ -67,13 +73,12 @@ def headline_targets() -> str:
     """The issue targets that the headline's comparisons judged, each as its comparison wrote it (goal, measured
     ratio, met), in the headline's order: which of them hold on which GPU, without reading every run's section."""
     rows = ["| precision | GPU | date | target | measured | met |", "|---|---|---|---|---:|:---:|"]
-    for tag, precision in (("", "BF16"), ("fp8_coda_", "FP8")):
-        for doc in _newest_per_gpu(sorted(RESULTS.glob(f"compare_{tag}NVIDIA*.json"))):
-            for t in doc.get("targets", []):
-                value = "n/a" if t.get("value") is None else f"{t['value']:.3f}x"
-                met = {True: "yes", False: "**no**"}.get(t.get("met"), "n/a")
-                rows.append(f"| {precision} | {doc['device']} | {doc['date'][:10]} | `{t['config']}`: "
-                            f"{t.get('goal', t['metric'])} | {value} | {met} |")
+    for precision, doc in _headline_docs():
+        for t in doc.get("targets", []):
+            value = "n/a" if t.get("value") is None else f"{t['value']:.3f}x"
+            met = {True: "yes", False: "**no**"}.get(t.get("met"), "n/a")
+            rows.append(f"| {precision} | {doc['device']} | {doc['date'][:10]} | `{t['config']}`: "
+                        f"{t.get('goal', t['metric'])} | {value} | {met} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

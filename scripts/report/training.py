@@ -12,7 +12,7 @@ from scripts.compare.common import PARITY_SKIP, PARITY_TOL, PARITY_TOL_FP8, _lat
 from scripts.compare.targets import budget_lines, profile_side_by_side, targets
 from scripts.compare.parity import (LAST_MEAN_TOL, LAST_STEPS, against_noise_floor, against_repeats, loss_runs, parity,
                                     repeat_spread, spread_tables, track_record, track_record_table)
-from scripts.report import bf16_parity, png
+from scripts.report import bf16_parity, memory, png
 
 from .notes import SLOW_STEP, _alloc_streams_line, _capped_floor_line, _f, _slow_labels  # (_slow_labels: tests)
 from .profiles import profile_table  # noqa: F401  (re-exported: scripts.compare.profile prints it)
@@ -413,8 +413,6 @@ def section() -> str:
         parts += [profile_table(doc), ""]
     for p in [p for n in (2, 4, 8) for p in _latest(f"fsdp{n}_profile")]:  # sharded steps (rank 0), apart
         parts += [profile_table(json.loads(p.read_text())), ""]
-    from . import memory
-
     parts += [memory.section()]
     return "\n".join(parts).rstrip()
 

@@ -563,3 +563,42 @@ def test_the_memory_table_reads_each_traced_step(tmp_path):
     rows = [r for r in text.splitlines() if r.startswith("| fp8_coda")]
     assert rows[0].endswith("| 1 | 27.10 | 23.38 | 24.38 | 27.10 | 13.08 | `kernels/norm_swiglu.py:121 _dswiglu` |")
     assert "| 2 | 28.18 | 13.05 | 23.62 | n/a | 22.36 | n/a (the probe's first version kept no timeline) |" in rows[1]
+
+
+def test_the_floor_parts_table_partitions_each_step_and_sets_it_against_its_floor():
+    """``scripts.report.floor_parts`` on hand-made profiles: the parts add up to the step's kernel time (GEMMs: every
+    family and the unclaimed GEMM kernels; attention; optimizer; the rest), each beside the floor's part of the run's
+    precision; only the newest configured CODA profile of a device, precision and model that has a floor is shown."""
+    from scripts.report import floor_parts
+
+    def prof(stem, date, families, attention, optimizer, total, timeline=None):
+        s = {"gpu_kernel_ms": total, "categories_ms": {"attention": attention + 1.0, "optimizer": optimizer},
+             "gemm_families": {"families_ms": families, "unattributed_gemm_ms": 0.5, "attention_ms": attention},
+             "carried_in": {"kernels": 0, "ms": 0.0}}
+        if timeline:
+            s["step_timeline"] = timeline
+        return {"device": "GPU X", "date": date, "config": f"configs/{stem}.toml",
+                "run": {"precision": "fp8", "model": "llama3/1B"}, "summary": s}
+
+    tl = {"step_ms": 60.0, "main_stream": {"busy_ms": 55.0, "idle_ms": 5.0}, "optimizer": {"on_main_stream": False}}
+    coda = prof("m_fp8_coda_compile", "2026-01-02", {"qkv/fwd": 10.0, "lm_head/all": 9.5}, 20.0, 4.0, 50.0, tl)
+    stock = prof("m_fp8_baseline_compile", "2026-01-02", {"qkv/fwd": 12.0}, 19.0, 3.0, 70.0)
+    assert floor_parts.parts_ms(coda) == {"GEMMs": 20.0, "attention": 20.0, "optimizer": 4.0, "every other kernel": 6.0}
+    assert sum(floor_parts.parts_ms(stock).values()) == 70.0
+    assert floor_parts.parts_ms({"summary": {}}) is None  # (no family attribution: no parts)
+    totals = {p: {"layer_gemms_ms": 11.0 if p == "fp8" else 22.0, "lm_head_ms": 5.0, "attention_ms": 15.0,
+                  "optimizer_ms": 2.0, "floor_ms": 33.0 if p == "fp8" else 44.0} for p in ("bf16", "fp8")}
+    floor = {"totals": totals, "at_cap": {"fp8": {"ms": 36.5}}}
+    table = floor_parts.floor_parts_table(coda, stock, floor)
+    assert "| GEMMs | 16.0 | 20.0 | +4.0 | 12.5 | -3.5 |" in table  # (the fp8 floor's layer GEMMs + its LM head)
+    assert "| every other kernel | 0.0 | 6.0 | +6.0 | 35.5 | +35.5 |" in table
+    assert "| all kernels | 33.0 | 50.0 | +17.0 | 70.0 | +37.0 |" in table
+    assert "main stream ran kernels for 55.0 ms" in table and "cap: 36.5 ms" in table
+    assert "| attention | 15.0 | 20.0 | +5.0 | n/a | n/a |" in floor_parts.floor_parts_table(coda, None, floor)
+    older = {**coda, "date": "2026-01-01"}
+    variant = {**coda, "date": "2026-01-03", "config": "configs/m_fp8_coda_compile_probe.toml"}
+    pairs = [(older, None), (coda, stock), (variant, None)]
+    shown = floor_parts.section(pairs, lambda doc: floor)
+    assert shown.count("against its floor") == 1 and "2026-01-02" in shown and "| stock - floor |" in shown
+    assert floor_parts.section(pairs, lambda doc: None) == ""  # (no floor that day: no table)
+    assert floor_parts.section(pairs, lambda doc: {"totals": {}}) == ""  # (a floor without its totals: none)

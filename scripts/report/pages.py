@@ -86,11 +86,13 @@ def write_all() -> None:
     """Regenerate docs/results.md and the README's generated blocks from the stored JSON."""
     from coda_titan.titan.job_config import markdown_table
 
-    from . import kernels, training
+    from . import floor_parts, kernels, training
 
     training.refresh_all()
+    parts = floor_parts.section(training.family_pairs(training.every_profile()), training._floor_of)
     page = [_PAGE_HEAD, "## Headline", "", headline(), "", "The issue targets these runs judged:", "",
-            headline_targets(), "", "## Training: step time, loss parity, profiles", "",
+            headline_targets(), "", "## The step against its floor", "", floor_parts.__doc__.split("\n\n")[0].strip(),
+            "", parts, "", "## Training: step time, loss parity, profiles", "",
             training.section(), "", "## Kernel benchmark", "", kernels.section(), ""]
     RESULTS_PAGE.write_text("\n".join(page))
     update_block(README, "headline", headline())

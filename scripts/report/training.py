@@ -362,6 +362,13 @@ def family_table(coda: dict, stock: dict | None, floor: dict | None) -> str:
     return "\n".join(lines)
 
 
+def every_profile() -> list[dict]:
+    """Every stored profile (``profile_*.json`` in benchmarks/results, not the archive's), by file name."""
+    from scripts.compare.common import RESULTS
+
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("profile_*.json"))]
+
+
 def family_pairs(profiles: list[dict]) -> list[tuple[dict, dict | None]]:
     """(CODA profile, stock profile of the same device, day, precision and model flavor) for every CODA
     profile that has the GEMM-family attribution."""
@@ -404,10 +411,7 @@ def section() -> str:
         parts += [profile_side_by_side(profiles), ""]
         for line in budget_lines(profiles):
             parts += [line, ""]
-    from scripts.compare.common import RESULTS
-
-    every = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("profile_*.json"))]  # (older days keep their floor)
-    for coda, stock in family_pairs(every):
+    for coda, stock in family_pairs(every_profile()):  # (older days keep their floor)
         parts += [family_table(coda, stock, _floor_of(coda)), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]

@@ -4,6 +4,7 @@ and kernel targets are judged right."""
 import json
 import random
 import re
+import unittest.mock
 from pathlib import Path
 
 from scripts.report import kernels as report
@@ -184,6 +185,46 @@ def test_the_floor_at_the_cap_runs_a_steps_kernels_in_its_order_and_reaches_the_
     doc = _fp8_run_after(floor, 45.0, tmp_path)
     assert doc["floor"]["capped"] == {"bf16": 40.0, "fp8": 30.0}
     assert "Step / that floor: m_coda 1.500." in compare_table(doc)
+
+
+def test_the_floor_at_the_cap_sums_each_calls_time_into_the_steps_parts():
+    """``parts_of_pass``: a pass timed call by call, summed per part of the step in ``step_order``'s order (the
+    layer GEMMs, the LM head, FA4's forward and backward, the optimizer); every call counted once, none lost."""
+    from scripts.bench.floor import STEP_PARTS, parts_of_pass, step_order
+
+    order = step_order(2, "fp8")
+    ms = [float(i) for i in range(len(order))]
+    parts = parts_of_pass(order, ms)
+    assert set(parts) == set(STEP_PARTS) and sum(parts.values()) == sum(ms)
+    assert parts["optimizer"] == len(order) - 1.0  # (the step's last call)
+    assert parts["attention_fwd"] == sum(i for i, k in enumerate(order) if k == "fa4_fwd")
+    assert parts["lm_head"] == sum(i for i, k in enumerate(order) if isinstance(k, tuple) and k[0] == "lm_head")
+    clock = iter(range(100))  # (timed_calls: one event after each call, each call's time the gap between two)
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = next(clock)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return float(other.t - self.t)
+
+    from scripts.bench import floor as floor_module
+
+    calls = [lambda: None, lambda: next(clock), lambda: None]  # (the second call takes one tick more)
+    with unittest.mock.patch.object(floor_module.torch.cuda, "Event", Event):
+        assert floor_module.timed_calls(calls) == [1.0, 2.0, 1.0]
+    try:
+        parts_of_pass(order, ms[:-1])
+    except ValueError as e:
+        assert "timings" in str(e)
+    else:
+        raise AssertionError("a pass with a call's timing missing was summed")
 
 
 def test_the_report_gives_a_comparison_run_after_the_floor_its_hosts_floor(tmp_path, monkeypatch):
@@ -602,3 +643,10 @@ def test_the_floor_parts_table_partitions_each_step_and_sets_it_against_its_floo
     assert shown.count("against its floor") == 1 and "2026-01-02" in shown and "| stock - floor |" in shown
     assert floor_parts.section(pairs, lambda doc: None) == ""  # (no floor that day: no table)
     assert floor_parts.section(pairs, lambda doc: {"totals": {}}) == ""  # (a floor without its totals: none)
+    # with the pass at the cap timed by part, a column of its own (GEMMs: layer + head, attention: fwd + bwd)
+    parts = {"layer_gemms": 12.0, "lm_head": 5.5, "attention_fwd": 5.0, "attention_bwd": 11.0, "optimizer": 3.0}
+    capped = {**floor, "at_cap": {"fp8": {"ms": 36.5, "parts_ms": parts}}}
+    table = floor_parts.floor_parts_table(coda, stock, capped)
+    assert "| part | floor | floor at the cap | CODA |" in table and "cap: 36.5 ms" not in table
+    assert "| GEMMs | 16.0 | 17.5 | 20.0 | +4.0 |" in table and "| attention | 15.0 | 16.0 | 20.0 | +5.0 |" in table
+    assert "| all kernels | 33.0 | 36.5 | 50.0 | +17.0 |" in table

@@ -219,12 +219,49 @@ def step_order(n_layers: int, precision: str) -> list:
     return fwd * n_layers + head + bwd * n_layers + ["adamw"]
 
 
+STEP_PARTS = ("layer_gemms", "lm_head", "attention_fwd", "attention_bwd", "optimizer")
+PART_PASSES = 3  # (passes timed call by call after the timed ones, at the cap: the median per part)
+
+
+def part_of(key) -> str:
+    """The part of the step (``STEP_PARTS``) a key of ``step_order`` belongs to."""
+    if key == "adamw":
+        return "optimizer"
+    if key in ("fa4_fwd", "fa4_bwd"):
+        return f"attention_{key[4:]}"
+    return "lm_head" if key[0] == "lm_head" else "layer_gemms"
+
+
+def parts_of_pass(order: list, call_ms: list[float]) -> dict[str, float]:
+    """One pass's GPU ms per part of the step, from each call's ms (``order``'s keys, in order)."""
+    if len(order) != len(call_ms):
+        raise ValueError(f"{len(call_ms)} timings for {len(order)} calls")
+    out = dict.fromkeys(STEP_PARTS, 0.0)
+    for key, ms in zip(order, call_ms):
+        out[part_of(key)] += ms
+    return out
+
+
+def timed_calls(calls: list) -> list[float]:
+    """One pass of ``calls`` back to back with a CUDA event after each (one synchronization, at the end): each
+    call's GPU ms, the gap before its kernels included."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+    events[0].record()
+    for f, e in zip(calls, events[1:]):
+        f()
+        e.record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+
 def at_cap(kernels: dict, order: list, reps: int) -> dict:
     """The floor's kernels back to back in step order (``order``), as a step runs them at the power cap: GPU
     ms per pass (CUDA events) over ``reps`` passes after two untimed ones, with the SM clock and power
     ``nvidia-smi`` sampled meanwhile. The isolated timings above are each a short burst; this is the floor
     a step at the cap can reach, on these random operands (a GEMM's power depends on its operands' bits:
-    a real step's, such as the LM head's near-zero softmax gradients, may draw less)."""
+    a real step's, such as the LM head's near-zero softmax gradients, may draw less). Then ``PART_PASSES`` more
+    passes with an event after each call give the median GPU ms per part of the step (``parts_ms``), at the cap:
+    what each part of a profiled step is above its own capped floor."""
     import statistics
     import time
 
@@ -243,10 +280,12 @@ def at_cap(kernels: dict, order: list, reps: int) -> dict:
         t0 = time.time()
         ms = synced_ms(one_pass, reps)
         t1 = time.time()
+        parts = [parts_of_pass(order, timed_calls(calls)) for _ in range(PART_PASSES)]  # (still at the cap)
     sm_mhz, power_w = medians_between(clocks.samples, t0, t1)
-    out = {"ms": statistics.median(ms), "raw_ms": ms, "kernels": len(calls), "sm_mhz": sm_mhz, "power_w": power_w}
+    out = {"ms": statistics.median(ms), "raw_ms": ms, "kernels": len(calls), "sm_mhz": sm_mhz, "power_w": power_w,
+           "parts_ms": {k: statistics.median(p[k] for p in parts) for k in STEP_PARTS}}
     print(f"  at the cap: {out['ms']:.1f} ms a pass of {len(calls)} kernels, SM {out['sm_mhz']} MHz, "
-          f"{out['power_w']} W", flush=True)
+          f"{out['power_w']} W; by part " + ", ".join(f"{k} {v:.1f}" for k, v in out["parts_ms"].items()), flush=True)
     return out
 
 

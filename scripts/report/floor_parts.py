@@ -42,6 +42,16 @@ def floor_parts(floor: dict, precision: str) -> dict[str, float] | None:
             "optimizer": t["optimizer_ms"], "every other kernel": 0.0}
 
 
+def capped_parts(floor: dict, precision: str) -> dict[str, float] | None:
+    """The same parts timed call by call in the floor's pass at the power cap (``at_cap``'s ``parts_ms``; None
+    where the floor file predates them)."""
+    p = ((floor or {}).get("at_cap") or {}).get(precision, {}).get("parts_ms")
+    if not p:
+        return None
+    return {"GEMMs": p["layer_gemms"] + p["lm_head"], "attention": p["attention_fwd"] + p["attention_bwd"],
+            "optimizer": p["optimizer"], "every other kernel": 0.0}
+
+
 def _cell(v: float | None, ref: float | None = None) -> str:
     if v is None:
         return "n/a"
@@ -55,16 +65,21 @@ def floor_parts_table(coda: dict, stock: dict | None, floor: dict) -> str:
     st = parts_ms(stock) if stock else None
     total = floor["totals"][precision]["floor_ms"]
     stem = Path(coda["config"]).stem
+    cap = capped_parts(floor, precision)
     lines = [f"`{stem}` against its floor ({coda['device']}, {coda['date'][:10]}, {precision}), GPU ms of one "
-             f"profiled step; stock: `{Path(stock['config']).stem if stock else 'n/a'}`.", "",
-             "| part | floor | CODA | CODA - floor | stock | stock - floor |", "|---|---:|---:|---:|---:|---:|"]
+             f"profiled step; stock: `{Path(stock['config']).stem if stock else 'n/a'}`"
+             + ("; the floor at the cap: its pass in a step's order, timed call by call" if cap else "") + ".", "",
+             "| part | floor |" + (" floor at the cap |" if cap else "")
+             + " CODA | CODA - floor | stock | stock - floor |",
+             "|---|---:|" + ("---:|" if cap else "") + "---:|---:|---:|---:|"]
     for part in PARTS:
         s_v = st[part] if st else None
-        lines.append(f"| {part} | {_cell(fl[part])} | {_cell(c[part])} | {_cell(c[part], fl[part])} | {_cell(s_v)} | "
-                     f"{_cell(s_v, fl[part])} |")
-    s_total = stock["summary"]["gpu_kernel_ms"] if stock else None
-    lines.append(f"| all kernels | {total:.1f} | {coda['summary']['gpu_kernel_ms']:.1f} | "
-                 f"{_cell(coda['summary']['gpu_kernel_ms'], total)} | {_cell(s_total)} | {_cell(s_total, total)} |")
+        lines.append(f"| {part} | {_cell(fl[part])} |" + (f" {_cell(cap[part])} |" if cap else "")
+                     + f" {_cell(c[part])} | {_cell(c[part], fl[part])} | {_cell(s_v)} | {_cell(s_v, fl[part])} |")
+    s_total, c_total = stock["summary"]["gpu_kernel_ms"] if stock else None, coda["summary"]["gpu_kernel_ms"]
+    capped = floor["at_cap"][precision]["ms"] if cap else None
+    lines.append(f"| all kernels | {total:.1f} |" + (f" {capped:.1f} |" if cap else "")
+                 + f" {c_total:.1f} | {_cell(c_total, total)} | {_cell(s_total)} | {_cell(s_total, total)} |")
     lines += _notes(coda, floor, precision)
     return "\n".join(lines)
 
@@ -86,7 +101,7 @@ def _notes(coda: dict, floor: dict, precision: str) -> list[str]:
                     f"kernels for {m['busy_ms']:.1f} ms of it and idled {m['idle_ms']:.1f} ms (the profiler's own host "
                     f"work lengthens a host-bound step's gaps).{where}"]
     cap = (floor.get("at_cap") or {}).get(precision, {}).get("ms")
-    if cap:
+    if cap and capped_parts(floor, precision) is None:  # (with its parts, the table's column says it)
         out += ["", f"The floor's kernels back to back in a step's order at the power cap: {cap:.1f} ms "
                     f"(each part above alone is a short burst)."]
     return out

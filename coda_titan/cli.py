@@ -106,7 +106,8 @@ def validate(config) -> None:
     try:
         spec = get_train_spec(config.model.name)
     except ValueError:
-        raise UserError(f"unknown model.name {config.model.name!r}; use {NAME!r} (CODA) or 'llama3' (baseline)") from None
+        raise UserError(f"unknown model.name {config.model.name!r}; use {NAME!r} (CODA), 'llama3' (baseline) or "
+                        "'liger_llama3' (the baseline with Liger's kernels)") from None
     if config.model.flavor not in spec.model_args:
         raise UserError(
             f"unknown flavor {config.model.flavor!r} for model {config.model.name!r}; "
@@ -124,6 +125,7 @@ def validate(config) -> None:
         if config.coda.precision == "fp8" and backend == "torch":
             _say("[coda] precision = 'fp8' on the torch backend runs the exact fp8 emulation of the reference "
                  "programs: correct, and slower than bf16 (the fast fp8 path needs the cute backend on an H100)")
+    _check_liger(config)
     _check_converters(config)
     dataset = config.training.dataset.lower()
     if dataset not in known_datasets():
@@ -138,6 +140,17 @@ def validate(config) -> None:
             _say(note)
     except (DataError, preflight.PreflightError) as e:
         raise UserError(str(e)) from None
+
+
+def _check_liger(config) -> None:
+    from .titan.liger import NAME as LIGER, liger_unavailable_reason
+
+    if config.model.name == LIGER:
+        reason = liger_unavailable_reason()
+        if reason is not None:
+            raise UserError(f"model.name = {LIGER!r} runs Liger's kernels but {reason}; use 'llama3' for stock")
+        print("coda-titan: model = stock llama3 with Liger's RMSNorm, SiLU-mul and fused linear cross-entropy",
+              flush=True)
 
 
 def _check_converters(config) -> None:

@@ -16,6 +16,8 @@
 #     floor    python -m scripts.bench.floor: the step's floor (every GEMM at the best of cuBLAS and quack,
 #              bf16 and fp8; FA4 fwd+bwd; fused AdamW), run it in the same lease as the step it judges;
 #              quack at its default config (FLOOR_QUACK=tuned: its sweep, about 10 min: a call of its own)
+#     liger    the Liger baseline (stock llama3 with Liger's RMSNorm, SiLU-mul, fused linear CE; carry .gpu/extra from
+#              scripts/dev/extra_wheels.sh): its GPU test, then LIGER_ARMS (default stock, Liger, CODA, all compiled)
 #     headline the README's headline (about 8 min warm; HEADLINE_PART=fp8, then =bf16: two calls on a fresh host): the floor, then the compiled
 #              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
 #     allocexp the compiled pair of PREC (fp8, default; bf16) as the headline runs it, every run under TorchTitan's own
@@ -236,6 +238,12 @@ export CODA_TITAN_CACHE=${CODA_TITAN_CACHE:-/tmp/coda_cache} PYTHONUNBUFFERED=1 
 for t in .gpu/tune.tar scripts/gpu_cache/tune.tar.gz; do
   if [ -f "$t" ]; then mkdir -p "$CODA_TITAN_CACHE" && tar xf "$t" -C "$CODA_TITAN_CACHE"; break; fi
 done
+# (.gpu/extra/*.whl: pure-Python wheels the offline bundle lacks, liger-kernel for the Liger baseline;
+# scripts/dev/extra_wheels.sh downloads them, the call carries ".gpu/extra" beside ".gpu/part2")
+if compgen -G ".gpu/extra/*.whl" > /dev/null; then
+  for w in .gpu/extra/*.whl; do python3 -m zipfile -e "$w" /tmp/coda_extra; done
+  export PYTHONPATH=/tmp/coda_extra${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name(), '| torchtitan', torchtitan.__version__)" | tee "$logs/env.txt"
 finish() {
   [ -n "${watchdog:-}" ] && { pkill -P "$watchdog"; kill "$watchdog"; } 2>/dev/null
@@ -369,6 +377,15 @@ for phase in "$@"; do
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag fp8_coda
       [ "$part" = fp8 ] || $cmp configs/llama3_1b_bf16_baseline_compile.toml configs/llama3_1b_bf16_coda_compile.toml \
         --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}"
+      ;;
+    liger)
+      # the Liger baseline (model.name = "liger_llama3"; needs .gpu/extra's liger-kernel wheel): the configs of
+      # LIGER_ARMS in one comparison, tag liger, STEPS (50) after 10, LOG_FREQ (10); first its GPU test
+      python3 -c "from coda_titan.titan.liger import liger_unavailable_reason as r; w = r(); print(w or 'liger: ok'); exit(bool(w))" \
+        || exit 2
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_liger.py -rfE --tb=short 2>&1 | tail -3
+      lc=(); for a in ${LIGER_ARMS:-baseline_compile liger_compile coda_compile}; do lc+=("configs/llama3_1b_bf16_$a.toml"); done
+      $cmp "${lc[@]}" --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag liger
       ;;
     allocstreams)
       p=${PREC:-fp8}

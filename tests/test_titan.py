@@ -294,7 +294,8 @@ PAIRS = [
 # each *_compile config is its eager twin plus [compile] (and its own output folder)
 COMPILE_TWINS = [("llama3_1b_bf16_baseline.toml", "llama3_1b_bf16_baseline_compile.toml"),
                  ("llama3_1b_bf16_coda.toml", "llama3_1b_bf16_coda_compile.toml"),
-                 ("llama3_1b_fp8_coda.toml", "llama3_1b_fp8_coda_compile.toml")]
+                 ("llama3_1b_fp8_coda.toml", "llama3_1b_fp8_coda_compile.toml"),
+                 ("llama3_1b_bf16_liger.toml", "llama3_1b_bf16_liger_compile.toml")]
 
 
 OUTPUT_ONLY = {("job", "dump_folder"), ("job", "description")}

@@ -96,9 +96,9 @@ def compare_table(doc: dict) -> str:
 
 
 def _stock_of(stem: str) -> str | None:
-    """The compiled stock config a config is set against (``m_coda[_compile][_variant]`` and
-    ``m_baseline[_compile]`` -> ``m_baseline_compile``), None for a stem of neither kind."""
-    name, n = re.subn(r"_(coda|baseline)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
+    """The compiled stock config a config is set against (``m_coda[_compile][_variant]``, ``m_liger[_compile]`` and
+    ``m_baseline[_compile]`` -> ``m_baseline_compile``), None for a stem of none of those kinds."""
+    name, n = re.subn(r"_(coda|baseline|liger)(_compile)?(_[a-z0-9_]+)?$", "_baseline_compile", stem)
     return name if n else None
 
 

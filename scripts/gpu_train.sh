@@ -385,7 +385,7 @@ for phase in "$@"; do
         || exit 2
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_liger.py -rfE --tb=short 2>&1 | tail -3
       lc=(); for a in ${LIGER_ARMS:-baseline_compile liger_compile coda_compile}; do lc+=("configs/llama3_1b_bf16_$a.toml"); done
-      $cmp "${lc[@]}" --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag liger
+      $cmp "${lc[@]}" --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "${TAG:-liger}"
       ;;
     allocstreams)
       p=${PREC:-fp8}

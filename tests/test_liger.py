@@ -174,3 +174,35 @@ def test_liger_kernels_match_the_model_in_float64_as_stock_bf16_does():
     # (+ half a bf16 ulp of the loss: stock's own error may happen to be near zero)
     assert (lg - l64).abs() <= 2 * (ls - l64).abs() + 2**-9 * l64.abs()
     assert err(gg) <= 2 * err(gs)
+
+
+@pytest.mark.gpu
+def test_liger_head_weight_gradient_at_the_1b_chunk_count_is_as_close_to_float64_as_stock_bf16s():
+    """Liger's fused linear cross-entropy cuts the 1B step's 16,384 rows into 32 chunks (its rows a chunk: the next
+    power of two of rows / ceil(vocab / dim)); here the same count (8,192 rows, dim 256, vocab 8,192: 32 chunks of
+    256). Its dW_out (summed over the chunks in ``liger_ops``' fp32, Liger's ``accum_dtype``), and its dH, against
+    float64 are no further than stock bf16's (bf16 logits, one GEMM each with fp32 accumulation), times 2. Summed in
+    bf16, Liger's default, dW's running sum is rounded 32 times."""
+    if liger.liger_unavailable_reason():
+        pytest.skip(liger.liger_unavailable_reason())
+    torch.manual_seed(0)
+    rows, dim, vocab = 8192, 256, 8192
+    h64 = torch.randn(rows, dim, device="cuda", dtype=torch.float64)
+    w64 = torch.randn(vocab, dim, device="cuda", dtype=torch.float64) * dim**-0.5
+    t = torch.randint(0, vocab, (rows,), device="cuda")
+
+    def grads(h, w, head):
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+        head(h, w).backward()
+        return h.grad.double(), w.grad.double()
+
+    def stock(h, w):
+        return torch.nn.functional.cross_entropy((h @ w.t()).float(), t, reduction="sum")
+
+    ref = grads(h64, w64, lambda h, w: torch.nn.functional.cross_entropy(h @ w.t(), t, reduction="sum"))
+    hb, wb = h64.bfloat16(), w64.bfloat16()
+    ops = liger.liger_ops()
+    ours, base = grads(hb, wb, lambda h, w: ops.linear_ce(h, w, t)), grads(hb, wb, stock)
+    for name, o, b, r in zip(("dH", "dW"), ours, base, ref):
+        err_o, err_b = ((o - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
+        assert err_o <= 2 * err_b, (name, err_o, err_b)

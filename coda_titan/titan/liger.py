@@ -8,7 +8,8 @@ optimizers and checkpoints) with
   Liger's default for Llama, forward and backward),
 - each block's SwiGLU ``silu(w1 x) * w3 x`` running Liger's SiLU-mul kernel (the three GEMMs stay cuBLAS's),
 - the LM head and the loss as Liger's fused linear cross-entropy (chunked, its gradients made in the forward),
-  summed over the tokens with TorchTitan's ignore index, as TorchTitan's ``cross_entropy_loss``.
+  summed over the tokens with TorchTitan's ignore index, as TorchTitan's ``cross_entropy_loss``; the LM head's
+  weight gradient summed over the chunks in fp32 (Liger's ``accum_dtype``), as stock's one GEMM accumulates.
 RoPE stays TorchTitan's: Liger's RoPE kernel rotates HF's half-split layout, while TorchTitan's llama3 rotates
 interleaved pairs; using it would mean permuting wq and wk, and checkpoints would no longer be llama3's.
 
@@ -58,7 +59,9 @@ def liger_ops() -> LigerOps:
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+    # (dW_out summed over the chunks in fp32, as stock's one GEMM: by default Liger sums its 32 chunks of the 1B
+    # step in the weight's bf16, and that run trained visibly worse: docs/design.md, "The baselines")
+    flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX, accum_dtype=torch.float32)
     return LigerOps(
         rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True),
         silu_mul=LigerSiLUMulFunction.apply,

@@ -59,8 +59,8 @@ def liger_ops() -> LigerOps:
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    # (dW_out summed over the chunks in fp32, as stock's one GEMM: by default Liger sums its 32 chunks of the 1B
-    # step in the weight's bf16, and that run trained visibly worse: docs/design.md, "The baselines")
+    # (dW_out summed over the chunks in fp32, as stock's one GEMM accumulates; by default Liger rounds the running
+    # sum of its 32 chunks of the 1B step to the weight's bf16 after each: docs/design.md, "The baselines")
     flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX, accum_dtype=torch.float32)
     return LigerOps(
         rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True),

@@ -380,7 +380,7 @@ for phase in "$@"; do
       ;;
     liger)
       # the Liger baseline (model.name = "liger_llama3"; needs .gpu/extra's liger-kernel wheel): the configs of
-      # LIGER_ARMS in one comparison, tag liger, STEPS (50) after 10, LOG_FREQ (10); first its GPU test
+      # LIGER_ARMS in one comparison, tag TAG (default liger), STEPS (50) after 10, LOG_FREQ (10); first its GPU tests
       python3 -c "from coda_titan.titan.liger import liger_unavailable_reason as r; w = r(); print(w or 'liger: ok'); exit(bool(w))" \
         || exit 2
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_liger.py -rfE --tb=short 2>&1 | tail -3

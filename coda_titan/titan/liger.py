@@ -22,6 +22,7 @@ its kernels cannot run (``liger_unavailable_reason``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import nn
@@ -37,9 +38,9 @@ class LigerOps:
     """The three kernels the model calls: ``rms_norm(x, w, eps)``, ``silu_mul(a, b)``, ``linear_ce(h, w, t)`` (the
     summed cross-entropy of h @ w^T against t). ``liger_ops`` gives Liger's; the CPU tests give torch's own math."""
 
-    rms_norm: object
-    silu_mul: object
-    linear_ce: object
+    rms_norm: Callable
+    silu_mul: Callable
+    linear_ce: Callable
 
 
 def liger_unavailable_reason() -> str | None:

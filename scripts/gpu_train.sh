@@ -385,7 +385,14 @@ for phase in "$@"; do
         || exit 2
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_liger.py -rfE --tb=short 2>&1 | tail -3
       lc=(); for a in ${LIGER_ARMS:-baseline_compile liger_compile coda_compile}; do lc+=("configs/llama3_1b_bf16_$a.toml"); done
-      $cmp "${lc[@]}" --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" --tag "${TAG:-liger}"
+      [ -n "${LIGER_ARMS-x}" ] && $cmp "${lc[@]}" --steps "${STEPS:-50}" --warmup 10 --log-freq "${LOG_FREQ:-10}" \
+        --tag "${TAG:-liger}"
+      # LIGER_BISECT="rms_norm silu_mul linear_ce": then the compiled Liger config once per name with that kernel as
+      # torch's math (CODA_TITAN_LIGER_TORCH_OPS), tags liger_torch_NAME: which kernel moves the loss
+      for op in ${LIGER_BISECT:-}; do
+        CODA_TITAN_LIGER_TORCH_OPS=$op $cmp configs/llama3_1b_bf16_liger_compile.toml --steps "${STEPS:-50}" --warmup 10 \
+          --log-freq "${LOG_FREQ:-10}" --tag "liger_torch_$op"
+      done
       ;;
     allocstreams)
       p=${PREC:-fp8}

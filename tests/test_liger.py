@@ -21,22 +21,16 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _torch_ops(calls: Counter) -> liger.LigerOps:
-    """torch's math for Liger's three kernels, counting the calls."""
+    """torch's math for Liger's three kernels (``liger.torch_ops``), counting the calls."""
+    plain = liger.torch_ops()
 
-    def rms_norm(x, w, eps):
-        calls["rms_norm"] += 1
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+    def counted(name):
+        def call(*args):
+            calls[name] += 1
+            return getattr(plain, name)(*args)
+        return call
 
-    def silu_mul(a, b):
-        calls["silu_mul"] += 1
-        return torch.nn.functional.silu(a) * b
-
-    def linear_ce(h, w, t):
-        calls["linear_ce"] += 1
-        logits = (h @ w.t()).float()
-        return torch.nn.functional.cross_entropy(logits, t, reduction="sum", ignore_index=liger.IGNORE_INDEX)
-
-    return liger.LigerOps(rms_norm, silu_mul, linear_ce)
+    return liger.LigerOps(*(counted(f.name) for f in dataclasses.fields(liger.LigerOps)))
 
 
 def _build(cls, args, dtype, device="cpu"):
@@ -211,3 +205,27 @@ def test_liger_head_weight_gradient_at_the_1b_chunk_count_is_as_close_to_float64
     for name, o, b, r in zip(("dH", "dW"), ours, base, ref):
         err_o, err_b = ((o - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
         assert err_o <= 2 * err_b, (name, err_o, err_b)
+
+
+def test_the_bisection_switch_swaps_the_named_kernels_for_torchs_math(monkeypatch):
+    """``CODA_TITAN_LIGER_TORCH_OPS``: the named fields of ``LigerOps`` are torch's math, the rest Liger's; a name
+    that is not a field is refused. (Liger itself stood in for by a stub module: the CPU machines lack it.)"""
+    import sys
+    import types
+
+    stub = types.ModuleType("liger_stub")
+    stub.LigerRMSNormFunction = stub.LigerSiLUMulFunction = types.SimpleNamespace(apply=lambda *a: "liger")
+    stub.LigerFusedLinearCrossEntropyLoss = lambda **kw: (lambda w, h, t: "liger")
+    for name in ("liger_kernel", "liger_kernel.ops", "liger_kernel.ops.rms_norm", "liger_kernel.ops.swiglu",
+                 "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, stub)
+    monkeypatch.setenv(liger.TORCH_OPS_ENV, "silu_mul,linear_ce")
+    ops = liger.liger_ops()
+    x = torch.randn(3, 4)
+    assert ops.rms_norm(x, torch.ones(4), 1e-5) == "liger"
+    assert torch.equal(ops.silu_mul(x, x), torch.nn.functional.silu(x) * x)
+    assert ops.linear_ce(x, torch.randn(5, 4), torch.tensor([0, 1, 2])).dim() == 0
+    monkeypatch.setenv(liger.TORCH_OPS_ENV, "rope")
+    with pytest.raises(ValueError, match="rope"):
+        liger.liger_ops()
+

@@ -22,6 +22,7 @@ its kernels cannot run (``liger_unavailable_reason``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import torch
@@ -54,8 +55,23 @@ def liger_unavailable_reason() -> str | None:
     return None
 
 
+TORCH_OPS_ENV = "CODA_TITAN_LIGER_TORCH_OPS"  # a probe's bisection: "rms_norm,linear_ce" runs those two as torch's
+
+
+def torch_ops() -> LigerOps:
+    """torch's own math for the three kernels (the CPU tests', and the bisection arms' of ``TORCH_OPS_ENV``)."""
+
+    def linear_ce(h, w, t):
+        logits = (h @ w.t()).float()
+        return torch.nn.functional.cross_entropy(logits, t, reduction="sum", ignore_index=IGNORE_INDEX)
+
+    return LigerOps(rms_norm=lambda x, w, eps: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps),
+                    silu_mul=lambda a, b: torch.nn.functional.silu(a) * b, linear_ce=linear_ce)
+
+
 def liger_ops() -> LigerOps:
-    """Liger's kernels, as its own Llama modules call them."""
+    """Liger's kernels, as its own Llama modules call them; those named in ``CODA_TITAN_LIGER_TORCH_OPS`` (a probe's
+    bisection of the kernels, comma-separated field names of ``LigerOps``) as torch's math instead."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -63,11 +79,17 @@ def liger_ops() -> LigerOps:
     # (dW_out summed over the chunks in fp32, as stock's one GEMM accumulates; by default Liger rounds the running
     # sum of its 32 chunks of the 1B step to the weight's bf16 after each: docs/design.md, "The baselines")
     flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX, accum_dtype=torch.float32)
-    return LigerOps(
+    ops = LigerOps(
         rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True),
         silu_mul=LigerSiLUMulFunction.apply,
         linear_ce=lambda h, w, t: flce(w, h, t),
     )
+    swap = [n for n in os.environ.get(TORCH_OPS_ENV, "").split(",") if n]
+    unknown = set(swap) - {f.name for f in dataclasses.fields(LigerOps)}
+    if unknown:
+        raise ValueError(f"{TORCH_OPS_ENV} names {sorted(unknown)}; it takes rms_norm, silu_mul, linear_ce")
+    plain = torch_ops()
+    return dataclasses.replace(ops, **{n: getattr(plain, n) for n in swap})
 
 
 OPS: LigerOps | None = None  # (resolved once, at the first model built; tests set it to torch's math)

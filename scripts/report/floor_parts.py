@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .profiles import counts_step_before
+
 PARTS = ("GEMMs", "attention", "optimizer", "every other kernel")
 
 
@@ -87,7 +89,7 @@ def floor_parts_table(coda: dict, stock: dict | None, floor: dict) -> str:
 def _notes(coda: dict, floor: dict, precision: str) -> list[str]:
     """Where CODA's main stream spent the step, and the floor's kernels run back to back at the power cap."""
     out = []
-    if "carried_in" not in coda["summary"] and "optimizer_stream = true" in coda.get("run", {}).get("config_run", ""):
+    if counts_step_before(coda):
         out += ["", "This profile was summarized before profiles left out the step before's kernels: its optimizer and "
                     "other sums count that step's side-stream work too."]
     t = coda["summary"].get("step_timeline") or {}

@@ -28,7 +28,7 @@ def profile_table(doc: dict, top: int = 12) -> str:
                   f"the main stream busy {m['busy_ms']:.1f} and idle {m['idle_ms']:.1f} (forward {f.get('idle_ms', 0):.1f}, "
                   f"backward {b.get('idle_ms', 0):.1f}); its {m['small_kernels']} kernels under {t['small_kernel_us']:.0f} us "
                   f"take {m['small_kernel_ms']:.2f} ms, with {m['gaps_before_small_ms']:.2f} ms of gaps before them.", ""]
-    if "carried_in" not in s and "optimizer_stream = true" in doc.get("run", {}).get("config_run", ""):
+    if counts_step_before(doc):
         lines += ["Summarized before profiles left out the step before's kernels: with `optimizer_stream` that step's "
                   "optimizer and fp8 weight pass ran into this window, so the optimizer and outside-GEMM sums below "
                   "count them too (`python -m scripts.compare --resummarize` needs the run's kept trace).", ""]
@@ -72,6 +72,12 @@ def profile_table(doc: dict, top: int = 12) -> str:
         name = name if len(name) <= 70 else name[:67] + "..."
         lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['ms']:.2f} | {k['pct']:.1f}% |")
     return "\n".join(lines)
+
+
+def counts_step_before(doc: dict) -> bool:
+    """Whether a profile's sums count the step before's side-stream kernels too: summarized before profiles left
+    out what was launched before the profiled step (no ``carried_in``), with ``optimizer_stream`` on."""
+    return "carried_in" not in doc["summary"] and "optimizer_stream = true" in doc.get("run", {}).get("config_run", "")
 
 
 def _outside_lines(doc: dict) -> list[str]:

@@ -89,11 +89,12 @@ def write_all() -> None:
     from . import floor_parts, kernels, training
 
     training.refresh_all()
-    parts = floor_parts.section(training.family_pairs(training.every_profile()), training._floor_of)
+    pairs = training.family_pairs(training.every_profile())  # (read once: the floor table and the family tables)
+    parts = floor_parts.section(pairs, training._floor_of)
     page = [_PAGE_HEAD, "## Headline", "", headline(), "", "The issue targets these runs judged:", "",
             headline_targets(), "", "## The step against its floor", "", floor_parts.__doc__.split("\n\n")[0].strip(),
             "", parts, "", "## Training: step time, loss parity, profiles", "",
-            training.section(), "", "## Kernel benchmark", "", kernels.section(), ""]
+            training.section(pairs), "", "## Kernel benchmark", "", kernels.section(), ""]
     RESULTS_PAGE.write_text("\n".join(page))
     update_block(README, "headline", headline())
     update_block(README, "coda-table", markdown_table())

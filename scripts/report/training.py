@@ -383,9 +383,9 @@ def family_pairs(profiles: list[dict]) -> list[tuple[dict, dict | None]]:
     return out
 
 
-def section() -> str:
+def section(pairs: list[tuple[dict, dict | None]] | None = None) -> str:
     """The training results (comparisons, loss curves, run-to-run spread, profiles) as markdown, links
-    relative to docs/."""
+    relative to docs/; ``pairs``: ``family_pairs`` of every stored profile, when the caller has them already."""
     parts = []
     for p in _latest("compare"):
         doc = json.loads(p.read_text())
@@ -411,7 +411,7 @@ def section() -> str:
         parts += [profile_side_by_side(profiles), ""]
         for line in budget_lines(profiles):
             parts += [line, ""]
-    for coda, stock in family_pairs(every_profile()):  # (older days keep their floor)
+    for coda, stock in family_pairs(every_profile()) if pairs is None else pairs:  # (older days keep their floor)
         parts += [family_table(coda, stock, _floor_of(coda)), ""]
     for doc in profiles:
         parts += [profile_table(doc), ""]

@@ -229,3 +229,22 @@ def test_the_bisection_switch_swaps_the_named_kernels_for_torchs_math(monkeypatc
     with pytest.raises(ValueError, match="rope"):
         liger.liger_ops()
 
+
+
+def test_the_liger_model_on_torchs_math_trains_as_stock_does_over_steps(tmp_path, monkeypatch):
+    """The multi-step probe's machinery (``scripts/probes/liger_steps.py --cpu``): with torch's math in the kernels'
+    place the Liger model trains step for step as stock llama3 does (pure bf16, AdamW, clip), and its batches are
+    learnable (the loss falls): what the GPU probe then compares with Liger's kernels in, eager and compiled."""
+    import json
+
+    from scripts.probes import liger_steps
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    liger_steps.main(["--cpu", "--steps", "4"])
+    doc = json.loads(next(tmp_path.glob("probe_liger_steps_*.json")).read_text())
+    arms = {r["arm"]: r for r in doc["arms"]}
+    assert set(arms) == {"stock", "liger_torch_all"}
+    assert arms["liger_torch_all"]["loss"] == arms["stock"]["loss"]
+    assert arms["liger_torch_all"]["grad_norm"] == arms["stock"]["grad_norm"]
+    assert arms["stock"]["loss"][-1] < arms["stock"]["loss"][0]
+    assert [s["first_step_2pct_apart"] for s in doc["summary"]] == [None, None]

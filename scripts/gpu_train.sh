@@ -19,7 +19,7 @@
 #     liger    the Liger baseline (stock llama3 with Liger's RMSNorm, SiLU-mul, fused linear CE; carry .gpu/extra from
 #              scripts/dev/extra_wheels.sh): its GPU test, then LIGER_ARMS (default stock, Liger, CODA, all compiled)
 #     ligersteps the Liger model against stock over STEPS (60) steps of the debug model, eager, compiled, and with each
-#              of its kernels as torch's math (scripts/probes/liger_steps.py; carry .gpu/extra too)
+#              of its kernels as torch's math (scripts/probes/liger_steps.py; carry .gpu/extra too), then its GPU tests
 #     headline the README's headline (about 8 min warm; HEADLINE_PART=fp8, then =bf16: two calls on a fresh host): the floor, then the compiled
 #              fp8 pair (tag fp8_coda) and the compiled bf16 pair (untagged), each finding that floor in $OUT
 #     allocexp the compiled pair of PREC (fp8, default; bf16) as the headline runs it, every run under TorchTitan's own
@@ -626,6 +626,7 @@ for phase in "$@"; do
       # (the Liger baseline against stock over STEPS (60) steps of the debug model, eager and compiled, then the
       # bisection of its kernels: scripts/probes/liger_steps.py; needs .gpu/extra's liger-kernel wheel)
       python3 -m scripts.probes.liger_steps --steps "${STEPS:-60}"
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_liger.py -rfE --tb=short 2>&1 | tail -3
       ;;
     ropebwd)
       python3 -m scripts.probes.rope_bwd

@@ -6,7 +6,7 @@ At the 1B (``compare_liger_…2026-12-07.json``) the compiled Liger model starte
 and then trained slower (10.51 against 10.05 at step 10, 6.56 against 4.32 at step 50), while its one-step GPU
 test (debug model, eager, whole-model gradient against float64) passed. This probe trains TorchTitan's llama3 debug
 model (dim 256, 6 layers, vocab 2048; seq 512 x batch 8) in pure bf16 as the configs do (``training.dtype =
-"bfloat16"``), with TorchTitan's AdamW (lr 1e-3, betas 0.9 / 0.95, weight decay 0.1) and its clip (max norm 1), on
+"bfloat16"``), with AdamW as TorchTitan builds it (betas 0.9 / 0.95, weight decay 0.1; lr 1e-3) and its clip (max norm 1), on
 learnable tokens (each the previous one's fixed successor, one in four random), from the same initial weights and
 the same batches, in arms:
 
@@ -17,7 +17,8 @@ the same batches, in arms:
 
 Each arm's per-step loss and gradient norm; the summary gives each arm's mean loss over the last ten steps beside
 ``stock_compile``'s, and the first step at which its loss parts from that arm's by more than 2%. Writes
-``$OUT/probe_liger_steps_<gpu>.json`` after every arm.
+``$OUT/probe_liger_steps_<gpu>.json`` after every arm; the default order runs the compiled pair first, then eager
+Liger and stock, then the bisection, so that a call cut short keeps what tells most.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--cpu", action="store_true", help="the machinery on the CPU: stock and liger_torch_all, 4 steps")
-    p.add_argument("--arms", nargs="*", default=["stock", "stock_compile", "liger", "liger_compile",
+    p.add_argument("--arms", nargs="*", default=["stock_compile", "liger_compile", "liger", "stock",
                                                  *(f"liger_compile_torch_{op}" for op in OPS),
                                                  "liger_compile_torch_all"])
     a = p.parse_args(argv)

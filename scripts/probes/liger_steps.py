@@ -6,9 +6,9 @@ At the 1B (``compare_liger_…2026-12-07.json``) the compiled Liger model starte
 and then trained slower (10.51 against 10.05 at step 10, 6.56 against 4.32 at step 50), while its one-step GPU
 test (debug model, eager, whole-model gradient against float64) passed. This probe trains TorchTitan's llama3 debug
 model (dim 256, 6 layers, vocab 2048; seq 512 x batch 8) in pure bf16 as the configs do (``training.dtype =
-"bfloat16"``), with AdamW as TorchTitan builds it (betas 0.9 / 0.95, weight decay 0.1; lr 1e-3) and its clip (max norm 1), on
-learnable tokens (each the previous one's fixed successor, one in four random), from the same initial weights and
-the same batches, in arms:
+"bfloat16"``), with AdamW as TorchTitan builds it (betas 0.9 / 0.95, weight decay 0.1; lr 1e-3) and its clip (max
+norm 1), on learnable tokens (each the previous one's fixed successor, one in four random), from the same initial
+weights and the same batches, in arms:
 
 * ``stock`` / ``stock_compile``: llama3, eager / each block compiled as TorchTitan compiles it (fullgraph);
 * ``liger`` / ``liger_compile``: ``liger_llama3`` with Liger's three kernels;
@@ -133,7 +133,8 @@ def main(argv=None) -> None:
         doc["summary"] = _summary(doc["arms"], "stock" if a.cpu else "stock_compile")
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-        print(json.dumps({"arm": name, "loss@1,10,last": [round(row["loss"][i], 4) for i in (0, min(9, len(row["loss"]) - 1), -1)]}), flush=True)
+        seen = [round(row["loss"][i], 4) for i in (0, min(9, len(row["loss"]) - 1), -1)]
+        print(json.dumps({"arm": name, "loss@1,10,last": seen}), flush=True)
     for s in doc["summary"]:
         print(json.dumps(s), flush=True)
 

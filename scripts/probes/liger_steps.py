@@ -13,6 +13,9 @@ weights and the same batches, in arms:
 * ``stock`` / ``stock_compile``: llama3, eager / each block compiled as TorchTitan compiles it (fullgraph);
 * ``liger`` / ``liger_compile``: ``liger_llama3`` with Liger's three kernels;
 * ``liger_compile_torch_<op>``: the compiled Liger model with one kernel as torch's math (the bisection);
+* ``liger_compile_outofplace``: Liger's RMSNorm with ``in_place=False`` (its backward's dX in a buffer of its own);
+* ``liger_compile_nomix``: inductor's mix-order reductions off (pytorch/pytorch#193061: wrong gradients of chained
+  norms under them since torch 2.10);
 * ``liger_compile_torch_all``: every kernel as torch's math (the wrapper alone: it must train as stock does).
 
 Each arm's per-step loss and gradient norm; the summary gives each arm's mean loss over the last ten steps beside
@@ -62,7 +65,27 @@ def _model(cls, args, state):
     return model
 
 
+def _liger_ops(name: str):
+    """The arm's kernels: Liger's, those named ``_torch_<op>`` (or ``_torch_all``) as torch's math, and for
+    ``_outofplace`` Liger's RMSNorm with its backward writing dX to a buffer of its own (``in_place=False``)."""
+    from coda_titan.titan import liger
+
+    plain = liger.torch_ops()
+    if name.endswith("_torch_all"):
+        return plain
+    swap = {op: getattr(plain, op) for op in OPS if name.endswith(f"_torch_{op}")}
+    ops = dataclasses.replace(liger.liger_ops(), **swap)
+    if name.endswith("_outofplace"):
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        ops = dataclasses.replace(
+            ops, rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False))
+    return ops
+
+
 def _arm(name: str, args, state, batches, lr: float) -> dict:
+    """One arm's run (``_compile``: every block compiled, from a fresh dynamo cache; ``_nomix``: inductor's mix-order
+    reductions off, TORCHINDUCTOR_MIX_ORDER_REDUCTION=0)."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.llama3 import Transformer
 
@@ -70,12 +93,11 @@ def _arm(name: str, args, state, batches, lr: float) -> dict:
 
     is_liger = name.startswith("liger")
     if is_liger:
-        plain = liger.torch_ops()
-        swap = [op for op in OPS if name.endswith(f"_torch_{op}")]
-        liger.OPS = plain if name.endswith("_torch_all") else dataclasses.replace(
-            liger.liger_ops(), **{op: getattr(plain, op) for op in swap})
+        liger.OPS = _liger_ops(name)
     model = _model(liger.LigerTransformer if is_liger else Transformer, args, state)
     if "_compile" in name:
+        torch._dynamo.reset()
+        torch._inductor.config.triton.mix_order_reduction = "_nomix" not in name
         for key, block in model.layers.named_children():
             model.layers.register_module(key, torch.compile(block, fullgraph=True))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
@@ -117,6 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--cpu", action="store_true", help="the machinery on the CPU: stock and liger_torch_all, 4 steps")
     p.add_argument("--arms", nargs="*", default=["stock_compile", "liger_compile", "liger", "stock",
                                                  *(f"liger_compile_torch_{op}" for op in OPS),
+                                                 "liger_compile_outofplace", "liger_compile_nomix",
                                                  "liger_compile_torch_all"])
     a = p.parse_args(argv)
     if a.cpu:

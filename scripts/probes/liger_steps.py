@@ -35,6 +35,7 @@ from scripts.bench.common import header, out_json
 
 OPS = ("rms_norm", "silu_mul", "linear_ce")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: ``--cpu``, the machinery with torch's math)
+MIX_ORDER = torch._inductor.config.triton.mix_order_reduction  # (this process's setting, every arm's but ``_nomix``)
 
 
 def _batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,7 +98,7 @@ def _arm(name: str, args, state, batches, lr: float) -> dict:
     model = _model(liger.LigerTransformer if is_liger else Transformer, args, state)
     if "_compile" in name:
         torch._dynamo.reset()
-        torch._inductor.config.triton.mix_order_reduction = "_nomix" not in name
+        torch._inductor.config.triton.mix_order_reduction = MIX_ORDER and "_nomix" not in name
         for key, block in model.layers.named_children():
             model.layers.register_module(key, torch.compile(block, fullgraph=True))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)

@@ -230,7 +230,6 @@ def test_the_bisection_switch_swaps_the_named_kernels_for_torchs_math(monkeypatc
         liger.liger_ops()
 
 
-
 def test_the_liger_model_on_torchs_math_trains_as_stock_does_over_steps(tmp_path, monkeypatch):
     """The multi-step probe's machinery (``scripts/probes/liger_steps.py --cpu``): with torch's math in the kernels'
     place the Liger model trains step for step as stock llama3 does (pure bf16, AdamW, clip), and its batches are

@@ -69,9 +69,10 @@ def torch_ops() -> LigerOps:
                     silu_mul=lambda a, b: torch.nn.functional.silu(a) * b, linear_ce=linear_ce)
 
 
-def liger_ops() -> LigerOps:
-    """Liger's kernels, as its own Llama modules call them; those named in ``CODA_TITAN_LIGER_TORCH_OPS`` (a probe's
-    bisection of the kernels, comma-separated field names of ``LigerOps``) as torch's math instead."""
+def liger_ops(torch_names: list[str] | None = None) -> LigerOps:
+    """Liger's kernels, as its own Llama modules call them; those named in ``torch_names`` (by default in
+    ``CODA_TITAN_LIGER_TORCH_OPS``, comma-separated: a probe's bisection of the kernels; field names of ``LigerOps``)
+    as torch's math instead."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -84,7 +85,7 @@ def liger_ops() -> LigerOps:
         silu_mul=LigerSiLUMulFunction.apply,
         linear_ce=lambda h, w, t: flce(w, h, t),
     )
-    swap = [n for n in os.environ.get(TORCH_OPS_ENV, "").split(",") if n]
+    swap = [n for n in os.environ.get(TORCH_OPS_ENV, "").split(",") if n] if torch_names is None else torch_names
     unknown = set(swap) - {f.name for f in dataclasses.fields(LigerOps)}
     if unknown:
         raise ValueError(f"{TORCH_OPS_ENV} names {sorted(unknown)}; it takes rms_norm, silu_mul, linear_ce")

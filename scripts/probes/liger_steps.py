@@ -31,9 +31,10 @@ import dataclasses
 
 import torch
 
+from coda_titan.titan.liger import LigerOps
 from scripts.bench.common import header, out_json
 
-OPS = ("rms_norm", "silu_mul", "linear_ce")
+OPS = tuple(f.name for f in dataclasses.fields(LigerOps))  # (the kernels an arm may swap for torch's math)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: ``--cpu``, the machinery with torch's math)
 MIX_ORDER = torch._inductor.config.triton.mix_order_reduction  # (this process's setting, every arm's but ``_nomix``)
 
@@ -71,11 +72,9 @@ def _liger_ops(name: str):
     ``_outofplace`` Liger's RMSNorm with its backward writing dX to a buffer of its own (``in_place=False``)."""
     from coda_titan.titan import liger
 
-    plain = liger.torch_ops()
     if name.endswith("_torch_all"):
-        return plain
-    swap = {op: getattr(plain, op) for op in OPS if name.endswith(f"_torch_{op}")}
-    ops = dataclasses.replace(liger.liger_ops(), **swap)
+        return liger.torch_ops()
+    ops = liger.liger_ops(torch_names=[op for op in OPS if name.endswith(f"_torch_{op}")])
     if name.endswith("_outofplace"):
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 

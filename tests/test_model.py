@@ -100,7 +100,7 @@ def _fp64_freqs_cis(dim, end, theta, s):
     return torch.polar(torch.ones_like(angles), angles), wavelen, lo, hi
 
 
-def _build(case, fp64_rope):
+def _build(case, fp64_rope, **coda_kw):
     kw, spec = _args(case)
     torch.manual_seed(0)
     ref = Transformer(TransformerModelArgs(**kw))
@@ -113,7 +113,7 @@ def _build(case, fp64_rope):
     if fp64_rope:
         a = ref.model_args
         ref.freqs_cis = _fp64_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args)[0]
-    coda_cfg = Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=spec.get("ce_chunk_rows", 37))
+    coda_cfg = Coda(backend="torch", tile_n=spec["tile_n"], ce_chunk_rows=spec.get("ce_chunk_rows", 37), **coda_kw)
     coda = CodaTransformer(CodaModelArgs(**kw, coda=coda_cfg)).double()
     coda.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
@@ -124,10 +124,10 @@ def _build(case, fp64_rope):
     return ref, coda, tokens, labels
 
 
-def _compare(case, fp64_rope, monkeypatch):
+def _compare(case, fp64_rope, monkeypatch, **coda_kw):
     if fp64_rope:
         monkeypatch.setattr(stock_model, "apply_rotary_emb", _fp64_apply_rotary_emb)
-    ref, coda, tokens, labels = _build(case, fp64_rope)
+    ref, coda, tokens, labels = _build(case, fp64_rope, **coda_kw)
     logits = ref(tokens)
     assert logits.dtype == torch.float64
     loss_ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
@@ -147,6 +147,14 @@ def _compare(case, fp64_rope, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_stock_llama3_fp64_rope(case, monkeypatch):
     errs = _compare(case, fp64_rope=True, monkeypatch=monkeypatch)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
+
+
+def test_w13_concat_matches_stock_llama3_fp64_rope(monkeypatch):
+    """``[coda] w13_concat`` (B3's da as [gate | up], B2 on [w1; w3], dW13 = [dW1; dW3] without a copy): the same
+    model, so the same bound against stock llama3 in float64."""
+    errs = _compare(next(iter(CASES)), fp64_rope=True, monkeypatch=monkeypatch, w13_concat=True)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
 
@@ -299,7 +307,7 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
      ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
      ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t"), ("traced", "sdpa", "fp8_out_bwd"),
-     ("custom_ops", "sdpa", "fp8_out_bwd"), ("traced", "sdpa", "fp8_preact")],
+     ("custom_ops", "sdpa", "fp8_out_bwd"), ("traced", "sdpa", "fp8_preact"), ("traced", "sdpa", "bf16_w13_concat")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
@@ -325,7 +333,7 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t") or preact,
-                fp8_mlp_da_t=da_t)
+                fp8_mlp_da_t=da_t, w13_concat=precision == "bf16_w13_concat")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -1089,10 +1097,10 @@ def _spy(model, names, record=lambda name, kw: name) -> list:
     return calls
 
 
-def _debug_coda(precision: str):
+def _debug_coda(precision: str, **coda_kw):
     """(model, tokens, labels): the debug CODA model on the torch backend, initialized (seed 0), and a batch."""
     args = copy.deepcopy(coda_llama3_args["debugmodel"])
-    args.coda = Coda(backend="torch", precision=precision)
+    args.coda = Coda(backend="torch", precision=precision, **coda_kw)
     torch.manual_seed(0)
     model = CodaTransformer(args)
     with torch.no_grad():
@@ -1129,12 +1137,13 @@ def test_fp8_gradient_casts_take_the_amax_of_the_function_that_made_the_gradient
         assert all(a.dtype == b.dtype and torch.equal(a.reshape(()), b.reshape(())) for a, b in given), given
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "bf16_concat"])
 def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for_the_bf16_dgrad(precision, monkeypatch):
     """The MLP's backward hands w1's and w3's gradients over contiguous (the bf16 dW13's interleaved rows
     copied in the backward, which a compiled block fuses, instead of by AccumulateGrad as two eager copies),
     and builds the interleaved bf16 W13 only where the bf16 dgrad reads it (the fp8 defaults' B2 reads the
-    weight pass's e4m3 W13^T). (Their values: the stock-llama3 and fp8-tracking tests.)"""
+    weight pass's e4m3 W13^T). With ``w13_concat`` the backward builds none: B2 reads [w1; w3] and dW13's
+    halves are w1's and w3's gradients as they are. (Their values: the stock-llama3 and fp8-tracking tests.)"""
     from coda_titan.model import autograd
 
     built, returned = [], []
@@ -1147,14 +1156,15 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
         return grads(inputs, **given)
 
     monkeypatch.setattr(autograd, "grads", spy_grads)
-    model, tokens, labels = _debug_coda(precision)
+    concat = precision == "bf16_concat"
+    model, tokens, labels = _debug_coda("bf16" if concat else precision, w13_concat=concat)
     n = len(model.layers)
     for _ in range(2):  # (fp8: the calibration step, then the delayed scales)
         built.clear()
         returned.clear()
         model(tokens, labels=labels).backward()
     assert returned == [(True, True)] * n
-    assert len(built) == (2 * n if precision == "bf16" else 0), built
+    assert len(built) == {"bf16": 2 * n, "fp8": 0, "bf16_concat": n}[precision], built  # (concat: F2's alone)
     assert all(p.grad.is_contiguous() for name, p in model.named_parameters() if name.endswith(("w1.weight", "w3.weight")))
 
 

@@ -2,6 +2,7 @@
 against an fp64 emulation, the ops, and the cute kernels against the reference (GPU)."""
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -20,13 +21,17 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from .helpers import BF, CFG, D, DIMS, FF, M, TORCH, check_cute_matches_reference, cuda_inputs, deferred_norm, f2_fp8_cuda, fp8_operands, op_cases, fp8_mma_error, assert_codes_within, rand64, rel, torchao_linear_error, log_bound
 
 
-def test_norm_swiglu_residual_backward():
+@pytest.mark.parametrize("w13_concat", [False, True])
+def test_norm_swiglu_residual_backward(w13_concat):
+    """The MLP sub-layer's backward against finite differences, with B3's da interleaved or ([coda] w13_concat)
+    as [gate | up] columns, B2 then on [w1; w3] and dW13 = [dW1; dW3]."""
     x, gamma, gamma_next = rand64(M, D), rand64(D), rand64(D)
     w1, w3, w2 = rand64(FF, D), rand64(FF, D), rand64(D, FF)
+    cfg = dataclasses.replace(CFG, w13_concat=w13_concat)
 
     def f(x, gamma, w1, w3, w2):
         h, r = deferred_norm(x, gamma)
-        return NormSwiGLUResidual.apply(h, r, x, gamma, w1, w3, w2, gamma_next, CFG)[0]
+        return NormSwiGLUResidual.apply(h, r, x, gamma, w1, w3, w2, gamma_next, cfg)[0]
 
     assert torch.autograd.gradcheck(f, (x, gamma, w1, w3, w2))
 
@@ -228,6 +233,23 @@ def test_opcheck(name, dtype):
     opcheck(getattr(torch.ops.coda, name).default, op_cases(dtype)[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_b3_concat_is_b3_with_da_columns_regrouped_gate_then_up(dtype):
+    """``swiglu_bwd(concat=True)`` ([coda] w13_concat): the same da, y and zdz bit for bit, da's columns as every
+    gate column, then every up column (the rows of [w1; w3]); through the op too (schema, fake, dispatch)."""
+    gen = torch.Generator().manual_seed(31)
+    m, d, f = 24, 32, 40
+    kw = dict(dout=torch.randn(m, d, generator=gen).to(dtype), w_down=(torch.randn(d, f, generator=gen) * f**-0.5).to(dtype),
+              a=(torch.randn(m, 2 * f, generator=gen) * 2).to(dtype), rstd=torch.rand(m, generator=gen) + 0.5)
+    da, y, zdz = TORCH.swiglu_bwd(**kw)
+    da_c, y_c, zdz_c = TORCH.swiglu_bwd(**kw, concat=True)
+    assert torch.equal(da_c[:, :f], da[:, 0::2]) and torch.equal(da_c[:, f:], da[:, 1::2])
+    assert torch.equal(y_c, y) and torch.equal(zdz_c, zdz) and not torch.equal(da_c, da)
+    op = torch.ops.coda.swiglu_bwd.default
+    assert all(torch.equal(p, q) for p, q in zip(op(*kw.values(), True), (da_c, y_c, zdz_c)))
+    opcheck(op, (*kw.values(), True))
+
+
 def test_fp8_ops_schemas_and_fakes():
     gen = torch.Generator().manual_seed(5)
     hq, wq, scale, rstd = fp8_operands(32, 64, 2 * 48, gen)
@@ -249,6 +271,31 @@ def test_fp8_ops_schemas_and_fakes():
 @pytest.mark.parametrize("name", ['norm_swiglu', 'swiglu_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_cute_b3_concat_matches_reference(d):
+    """B3 writing da as [gate | up] ([coda] w13_concat; its own epilogue, da's halves as two tile stores) against
+    the reference's concat da, y, zdz within the derived bound; then on one pinned tile the bits of the
+    interleaved B3 (the same accumulator, epilogue math and roundings), its da's columns regrouped."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels.cute import epilogues, norm_swiglu as cute_swiglu, stages
+    from quack.gemm_config import GemmConfig
+
+    check_cute_matches_reference("swiglu_bwd", d, concat=True)
+    _, _, (m, _, ff), b3 = _cuda_b3(29)
+    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                     device_capacity=9)  # (quack's eager call cache keys a pinned config by its id: one object)
+    args, r = (b3["dout"], b3["w_down"]), b3["rstd"].float()
+    da, da_c, y, y_c = (b3["a"].new_empty(s) for s in (b3["a"].shape, b3["a"].shape, (m, ff), (m, ff)))
+    with stages.capped(2):
+        res = epilogues.dswiglu_rstd_preact_epi(*args, b3["a"], out={"D": da, "postact": y}, tuned=False, config=cfg,
+                                                rstd=r)
+        res_c = cute_swiglu.dswiglu_rstd_preact_concat_epi(*args, b3["a"].view(torch.float32), out={
+            "postact": y_c, "dag": da_c[:, :ff], "dau": da_c[:, ff:]}, store_d=False, tuned=False, config=cfg, rstd=r)
+    assert torch.equal(da_c[:, :ff], da[:, 0::2]) and torch.equal(da_c[:, ff:], da[:, 1::2]) and torch.equal(y_c, y)
+    assert torch.equal(res_c["dsum"], res["dsum"])
 
 
 @pytest.mark.gpu

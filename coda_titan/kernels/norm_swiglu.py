@@ -127,10 +127,12 @@ def _dswiglu_rows(dy: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor) -> tupl
 
 
 def swiglu_bwd(
-    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+    *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, concat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,)."""
+    """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,). ``concat``: da's columns
+    as [gate | up], the order of [w1; w3]'s rows (``[coda] w13_concat``), not a's interleaved pairs."""
     da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    da = torch.cat([da[:, 0::2], da[:, 1::2]], dim=1) if concat else da
     return da.to(a.dtype), y.to(a.dtype), zdz
 
 
@@ -277,13 +279,13 @@ def _(hq, rstd, w13q, scale, inv_y, out_dtype):
 
 @program_op("swiglu_bwd")
 def swiglu_bwd_op(
-    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+    dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, concat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_bwd(dout=dout, w_down=w_down, a=a, rstd=rstd)
+    return swiglu_bwd(dout=dout, w_down=w_down, a=a, rstd=rstd, concat=concat)
 
 
 @swiglu_bwd_op.register_fake
-def _(dout, w_down, a, rstd):
+def _(dout, w_down, a, rstd, concat=False):
     m = a.shape[0]
     return torch.empty_like(a), a.new_empty((m, a.shape[1] // 2)), a.new_empty((m,), dtype=acc_dtype(dout, w_down))
 

@@ -56,6 +56,7 @@ class ProgramConfig:
     fp8_lm_head_fwd: bool = False  # the head's logits on e4m3 H, W; its gradient the bf16 head's (``fp8_lm_head_fwd``)
     fp8_lm_head_dw: bool = False  # with it: dW_out on stochastically rounded e5m2 da and H's codes (``fp8_lm_head_dw``)
     fp8_lm_head_dgrad: bool = False  # with that: the head's B2 on the same codes and W's (``fp8_lm_head_dgrad``)
+    w13_concat: bool = False  # the bf16 B3's da as [gate | up]: B2 on [w1; w3], dW13 = [dW1; dW3] (``w13_concat``)
     amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -277,6 +278,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         if a.dtype == E4M3 and not qa:  # (fp8_preact where no B3 reads the codes: decoded, exactly, to bf16)
             a = (a.to(torch.float32) * a_scale).to(x.dtype)
         daq_t = dq = dq_t = None
+        concat = False  # (the plain bf16 B3's da in [gate | up] order, ``w13_concat``)
         recast = os.environ.get(DW2_RECAST_ENV) == "1"  # (dW2 casting D again, not on B3's codes of it)
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             amax_d = rest[-1] if ctx.grad_amax else None  # (amax |D| from the next layer's B2, where it reports it)
@@ -306,7 +308,8 @@ class NormSwiGLUResidual(torch.autograd.Function):
         elif ctx.e5m2:
             da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         else:
-            da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd)
+            concat = ctx.cfg.w13_concat
+            da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd, concat=concat)
             amax = None
         inv_g = inv_scale_from_amax(amax, E5M2_MAX) if ctx.e5m2 and grad_inv_scale is None else grad_inv_scale
         amax_dx = None
@@ -314,7 +317,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
                                                            scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
-            w13 = interleave_rows(w1, w3)
+            w13 = torch.cat([w1, w3]) if concat else interleave_rows(w1, w3)
             if os.environ.get(ZDZ_ENV) == "dgrad_mlp":
                 zdz = zdz_of_acc(mm(da, w13), x, gamma)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
@@ -335,9 +338,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
                                      inp_amax=h_amax, out_dtype=w1.dtype)
         else:
             dw13 = _wgrad(be, h_amax is not None, da, h, w1.dtype, amax, h_amax)  # fp8_mlp_wgrad when h_amax is given
-        # (da^T: [gate; up] rows, two contiguous halves; else every other row, copied here: a compiled backward
-        # fuses the copy, where AccumulateGrad's own copy of a strided gradient ran as two eager kernels)
-        dw1, dw3 = (t.contiguous() for t in deinterleave_rows(dw13)) if daq_t is None else dw13.chunk(2)
+        # (da^T or a concat da: [gate; up] rows, two contiguous halves; else every other row, copied here: a compiled
+        # backward fuses the copy, where AccumulateGrad's own copy of a strided gradient ran as two eager kernels)
+        halves = daq_t is not None or concat
+        dw1, dw3 = dw13.chunk(2) if halves else (t.contiguous() for t in deinterleave_rows(dw13))
         sink = amax.float().reshape(()) if amax is not None and needs(ctx, NORM_SWIGLU_RESIDUAL_INPUTS, "grad_sink") else None
         tok = amax_grad(dx, amax_dx) if needs(ctx, NORM_SWIGLU_RESIDUAL_INPUTS, "amax_tok") else None  # (W_o's cast)
         return grads(NORM_SWIGLU_RESIDUAL_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), w1=dw1, w3=dw3, w2=dw2,

@@ -190,7 +190,7 @@ class CodaTransformer(Transformer):
             fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, fp8_weight_t_bwd=a.coda.fp8_weight_t_bwd,
             fp8_lm_head=a.coda.precision == "fp8" and a.coda.fp8_lm_head,
             fp8_lm_head_fwd=a.coda.precision == "fp8" and a.coda.fp8_lm_head_fwd, fp8_lm_head_dw=a.coda.fp8_lm_head_dw,
-            fp8_lm_head_dgrad=a.coda.fp8_lm_head_dgrad)
+            fp8_lm_head_dgrad=a.coda.fp8_lm_head_dgrad, w13_concat=a.coda.w13_concat)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

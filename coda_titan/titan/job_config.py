@@ -55,7 +55,7 @@ class Coda:
     fp8_lm_head_dw: bool = knob(False, "fp8_lm_head_fwd: dW_out on e5m2 dlogits (rounded stochastically)")
     fp8_lm_head_dgrad: bool = knob(False, "fp8_lm_head_dw: the dgrad on those codes too")
     fp8_out_bwd: bool = knob(True, "fp8: W_o's dgrad and wgrad on one e5m2 cast of dX")
-    fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: 6.5 GiB less, 2.3% slower)")
+    fp8_weight_t_bwd: bool = knob(False, "fp8: the dgrads' e4m3 W^T made in the backward, not held (8B: less memory, slower)")
     fp8_down_dgrad: bool = knob(True, "fp8: B3's GEMM on fp8 (e5m2 D, e4m3 W2^T), with fp8_mlp_dgrad's e5m2 B3")
     fp8_layer_wgrads: bool = knob(False, "fp8: dW_qkv, dW_o, dW2 on fp8 with cast passes (1% slower)")
     trace_passes: bool = knob(True, "cute + compile: B1 and plain gradient GEMMs traced into the graph")
@@ -66,6 +66,7 @@ class Coda:
     step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers, each awaited by its blocks", low=0)
     fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW; one device")
     coda_adamw: bool = knob(False, "AdamW in one Triton launch, torch's bits; one device; on in 8B configs")
+    w13_concat: bool = knob(False, "bf16: B3 writes da as [gate | up], dW13 needs no copy; off until GPU-tested")
     b2_c_stages: int = knob(2, "cute: B2's and bf16 B3's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24

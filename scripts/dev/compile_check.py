@@ -111,6 +111,18 @@ def _f2_qa(m=512, k=256, f=512):
                            scale=torch.ones(1), inv_y=torch.ones(1), inv_a=torch.ones(1))
 
 
+def _f2_concat(m=512, k=256, f=512):
+    """F2 (bf16) on W13 given as [w1; w3] (``coda::norm_swiglu`` with ``w3``, [coda] w13_concat): quack's
+    ``rstd_swiglu_preact_epi`` with ``concat_layout=("B",)``, the rows interleaved by the B load."""
+    import torch
+    from quack.epilogue.library import rstd_swiglu_preact_epi
+
+    h, w13 = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(2 * f, k, dtype=torch.bfloat16)
+    out = {"D": torch.empty(m, 2 * f, dtype=torch.bfloat16), "postact": torch.empty(m, f, dtype=torch.bfloat16)}
+    rstd_swiglu_preact_epi(h, w13.t(), None, out=out, tuned=False, config=_pingpong(), rstd=torch.ones(m),
+                           concat_layout=("B",))
+
+
 def _f1(config=None, m=512, k=256, d=256):
     """F1 (bf16): quack's ``rms_partial_epi`` as ``coda::residual_rms`` calls it, on a pinned config."""
     import torch
@@ -220,13 +232,15 @@ def _b2_capped(base=2, config=None, fp8=False, m=512, k=512, d=256, last=False):
         epi(da, w, c, out={"D": torch.empty_like(x)}, tuned=False, config=cfg, y=x, w=torch.ones(d), corr=torch.zeros(m))
 
 
-def _b3_bf16(base=None, config=None, m=512, k=256, f=512):
+def _b3_bf16(base=None, config=None, m=512, k=256, f=512, concat=False):
     """B3 (bf16) as ``coda::swiglu_bwd`` calls it: quack's ``dswiglu_rstd_preact_mod`` (``base`` None) or our
-    copy with that C-stage base (``CODA_TITAN_EPI_C_STAGES``), on a 256 x 128 cooperative tile unless ``config``."""
+    copy with that C-stage base (``CODA_TITAN_EPI_C_STAGES``), on a 256 x 128 cooperative tile unless ``config``;
+    ``concat``: ``swiglu_bwd(concat=True)``'s epilogue, da's halves as two tiles of one (M, 2F) buffer."""
     import torch
 
     from coda_titan.kernels.cute import epilogues as ep
     from coda_titan.kernels.cute import stages
+    from coda_titan.kernels.cute.norm_swiglu import dswiglu_rstd_preact_concat_epi
     from quack.epilogue.library import dswiglu_rstd_preact_mod
     from quack.gemm_config import GemmConfig
 
@@ -235,10 +249,14 @@ def _b3_bf16(base=None, config=None, m=512, k=256, f=512):
     _KEEP.append(cfg)
     dout, w, a = (torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, f, dtype=torch.bfloat16),
                   torch.zeros(m, 2 * f, dtype=torch.bfloat16))
-    epi = dswiglu_rstd_preact_mod if base is None else ep.dswiglu_rstd_preact_epi
+    y, da = torch.empty(m, f, dtype=torch.bfloat16), torch.empty_like(a)
     with stages.capped(base):
-        epi(dout, w, a, out={"D": torch.empty_like(a), "postact": torch.empty(m, f, dtype=torch.bfloat16)},
-            tuned=False, config=cfg, rstd=torch.ones(m))
+        if concat:
+            dswiglu_rstd_preact_concat_epi(dout, w, a.view(torch.float32), out={"postact": y, "dag": da[:, :f],
+                                           "dau": da[:, f:]}, store_d=False, tuned=False, config=cfg, rstd=torch.ones(m))
+            return
+        epi = dswiglu_rstd_preact_mod if base is None else ep.dswiglu_rstd_preact_epi
+        epi(dout, w, a, out={"D": da, "postact": y}, tuned=False, config=cfg, rstd=torch.ones(m))
 
 
 def _report_stages():
@@ -339,6 +357,10 @@ PROGRAMS = {
     "b3_bf16_wide": lambda: _b3_bf16(),
     "b3_bf16_wide_c2": lambda: _b3_bf16(base=2),
     "b3_bf16_wide_c1": lambda: _b3_bf16(base=1),
+    "f2_concat": lambda: _f2_concat(),
+    "b3_concat": lambda: _b3_bf16(base=2, config=_pingpong(), concat=True),
+    "b3_concat_wide_c2": lambda: _b3_bf16(base=2, concat=True),
+    "b3_bf16_pingpong_c2": lambda: _b3_bf16(base=2, config=_pingpong()),
 }
 
 

@@ -7,7 +7,8 @@ norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (
                  store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
 swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials; with
                  ``CODA_TITAN_EPI_C_STAGES`` (B2's C-stage base, ``stages``) our copy of it with that base
-                 (``CODA_TITAN_B3_C_STAGES``, where set, is B3's alone: 0 = quack's)
+                 (``CODA_TITAN_B3_C_STAGES``, where set, is B3's alone: 0 = quack's); ``concat``:
+                 ``dswiglu_rstd_preact_concat_epi``, da's gate and up halves stored as two tiles ([coda] w13_concat)
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
 swiglu_bwd_e5m2  ``epilogues.dswiglu_rstd_preact_e5m2_epi``: the same less the bf16 da (no D store; a read
@@ -32,13 +33,17 @@ import dataclasses
 import functools
 
 import torch
+from quack.activation import dswiglu
+from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.library import dswiglu_rstd_preact_mod, rstd_swiglu_preact_epi
+from quack.epilogue.ops import ColVecLoad, ColVecReduce
 from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
 from ..scaling import E4M3, E5M2, compute_dtype
 from . import overlap, stages
 from ._dispatch import CALIBRATION, KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
+from .epilogues import _bf16_hi, _bf16_lo
 from .epilogues import (dswiglu_rstd_preact_e5m2_epi, dswiglu_rstd_preact_e5m2_t_epi, dswiglu_rstd_preact_e5m2_t_q_epi,
                         dswiglu_rstd_preact_e5m2_t_yq_epi, dswiglu_rstd_preact_epi, dswiglu_rstd_preact_e5m2_t_yq_q_epi,
                         dswiglu_rstd_preact_e5m2_yq_epi, dswiglu_rstd_preact_fp8_epi, dswiglu_rstd_preact_q_fp8_epi,
@@ -92,18 +97,34 @@ def _norm_swiglu_q_fp8(hq, rstd, w13q, scale, inv_y, out_dtype):
     return yq, a, fold_amax(res["amax"], torch.float32).to(compute_dtype(out_dtype))
 
 
+@gemm_epilogue(outputs=("postact", "dag", "dau"), ops={"rstd": ColVecLoad("rstd")}, reduces={"dsum": ColVecReduce("dsum")})
+def dswiglu_rstd_preact_concat_epi(acc, c, rstd):
+    """B3's bf16 epilogue with da in [gate | up] column order (``swiglu_bwd(concat=True)``): the math of
+    ``epilogues.dswiglu_rstd_preact_epi``, its (gate, up) pair one 32-bit word of C (a's float32 view), no D;
+    ``dag`` and ``dau`` are the two halves of one (M, 2F) da, so dW13 = da^T H comes out as [dW1; dW3]."""
+    g, u = _bf16_lo(c), _bf16_hi(c)
+    dgs, dus, s = dswiglu(g * rstd, u * rstd, acc)
+    return {"postact": s, "dsum": dgs * g + dus * u, "dag": dgs * rstd, "dau": dus * rstd}
+
+
 @torch.library.register_kernel("coda::swiglu_bwd", "cuda")
-def _swiglu_bwd(dout, w_down, a, rstd):
+def _swiglu_bwd(dout, w_down, a, rstd, concat=False):
     why = unsupported(dout, w_down, a)
+    if why is None and concat and a.dtype != torch.bfloat16:
+        why = f"a in {a.dtype} with concat (the epilogue splits bf16 pairs)"
     if why:
-        return fallback(ref.swiglu_bwd_op, why, dout, w_down, a, rstd)
+        return fallback(ref.swiglu_bwd_op, why, dout, w_down, a, rstd, concat)
     r = rstd.float()
     da = torch.empty_like(a)
-    y = a.new_empty((a.shape[0], a.shape[1] // 2))
+    f = a.shape[1] // 2
+    y = a.new_empty((a.shape[0], f))
     base = stages.requested_base("b3")  # (a wide tile keeps a third A/B stage beside the C tile)
-    epi = dswiglu_rstd_preact_mod if base is None else dswiglu_rstd_preact_epi
-    with first_call("swiglu_bwd", dout, w_down), stages.capped(base):
-        res = gemm(epi, dout, w_down, a, {"D": da, "postact": y}, rstd=r)
+    if concat:
+        epi, c, out = dswiglu_rstd_preact_concat_epi, a.view(torch.float32), {"dag": da[:, :f], "dau": da[:, f:]}
+    else:
+        epi, c, out = dswiglu_rstd_preact_mod if base is None else dswiglu_rstd_preact_epi, a, {"D": da}
+    with first_call("swiglu_bwd_concat" if concat else "swiglu_bwd", dout, w_down), stages.capped(base):
+        res = gemm(epi, dout, w_down, c, {**out, "postact": y}, rstd=r, **({"store_d": False} if concat else {}))
     return da, y, res["dsum"] * r
 
 

@@ -184,6 +184,56 @@ def test_state_dict_round_trip_both_ways():
     ref.load_state_dict(coda.state_dict())
 
 
+def _w13_shared(model) -> bool:
+    """Every layer's w1 and w3 consecutive rows of one buffer: ``stacked_rows`` hands the kernels a view of it."""
+    from coda_titan.kernels._common import stacked_rows
+
+    ffs = [layer.feed_forward for layer in model.layers.values()]
+    return all(stacked_rows(f.w1.weight, f.w3.weight).data_ptr() == f.w1.weight.data_ptr()
+               and f.w3.weight.data_ptr() == f.w1.weight.data_ptr() + f.w1.weight.nbytes for f in ffs)
+
+
+def test_w13_concat_keeps_w1_and_w3_in_one_buffer_through_loads_and_optimizer_steps():
+    """``[coda] w13_concat``: after ``init_weights`` each layer's w1 and w3 are consecutive rows of one buffer
+    (``model.storage``), still two parameters with llama3's names, shapes and values; loading a stock state dict
+    (in place, as TorchTitan's checkpoints load) and optimizer steps keep the sharing, and the state dict loads
+    back into stock llama3. Without the knob nothing is shared; where rows do not follow (a copy, reversed
+    order) ``stacked_rows`` returns a copy of [a; b], never a view past a's end."""
+    from coda_titan.kernels._common import stacked_rows
+    from coda_titan.model.storage import share_storage
+
+    kw, _ = _args("ragged_dim")
+    torch.manual_seed(0)
+    stock = Transformer(TransformerModelArgs(**kw))
+    coda, plain = (CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", w13_concat=c)))
+                   for c in (True, False))
+    with torch.no_grad():
+        for m in (stock, coda, plain):
+            m.init_weights()
+    assert _w13_shared(coda) and not _w13_shared(plain)
+    assert [n for n, _ in coda.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    coda.load_state_dict(stock.state_dict())
+    assert _w13_shared(coda) and all(torch.equal(v, stock.state_dict()[k]) for k, v in coda.state_dict().items())
+    opt = torch.optim.AdamW(coda.parameters(), lr=1e-2)
+    tokens, labels = _batch(kw["vocab_size"])
+    for _ in range(2):
+        coda(tokens, labels=labels).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = not torch.equal(coda.layers["0"].feed_forward.w1.weight, stock.layers["0"].feed_forward.w1.weight)
+    assert _w13_shared(coda) and moved
+    stock.load_state_dict(coda.state_dict())
+    assert all(torch.equal(v, stock.state_dict()[k]) for k, v in coda.state_dict().items())
+    a, b = torch.randn(3, 4), torch.randn(2, 4)
+    assert torch.equal(stacked_rows(a, b), torch.cat([a, b])) and stacked_rows(a, b).data_ptr() != a.data_ptr()
+    buf = torch.randn(5, 4)
+    view = stacked_rows(buf[:3], buf[3:])
+    assert view.data_ptr() == buf.data_ptr() and torch.equal(view, buf)
+    assert torch.equal(stacked_rows(buf[3:], buf[:3]), torch.cat([buf[3:], buf[:3]]))  # (reversed: a copy)
+    meta, cpu = torch.nn.Parameter(torch.empty(2, 4, device="meta")), torch.nn.Parameter(torch.empty(2, 4))
+    assert not share_storage(meta, cpu)
+
+
 def test_logits_path_matches_stock():
     ref, coda, tokens, _ = _build("ragged_dim", fp64_rope=False)
     with torch.no_grad():
@@ -1142,8 +1192,8 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
     """The MLP's backward hands w1's and w3's gradients over contiguous (the bf16 dW13's interleaved rows
     copied in the backward, which a compiled block fuses, instead of by AccumulateGrad as two eager copies),
     and builds the interleaved bf16 W13 only where the bf16 dgrad reads it (the fp8 defaults' B2 reads the
-    weight pass's e4m3 W13^T). With ``w13_concat`` the backward builds none: B2 reads [w1; w3] and dW13's
-    halves are w1's and w3's gradients as they are. (Their values: the stock-llama3 and fp8-tracking tests.)"""
+    weight pass's e4m3 W13^T). With ``w13_concat`` the MLP builds none: F2 and B2 take w1 and w3 apart, and
+    dW13's halves are w1's and w3's gradients as they are. (Their values: the stock-llama3 and fp8-tracking tests.)"""
     from coda_titan.model import autograd
 
     built, returned = [], []
@@ -1164,7 +1214,7 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
         returned.clear()
         model(tokens, labels=labels).backward()
     assert returned == [(True, True)] * n
-    assert len(built) == {"bf16": 2 * n, "fp8": 0, "bf16_concat": n}[precision], built  # (concat: F2's alone)
+    assert len(built) == {"bf16": 2 * n, "fp8": 0, "bf16_concat": 0}[precision], built
     assert all(p.grad.is_contiguous() for name, p in model.named_parameters() if name.endswith(("w1.weight", "w3.weight")))
 
 

@@ -18,7 +18,9 @@ from coda_titan.model.autograd import NormSwiGLUResidual
 from coda_titan.model.rope import rope_freqs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .helpers import BF, CFG, D, DIMS, FF, M, TORCH, check_cute_matches_reference, cuda_inputs, deferred_norm, f2_fp8_cuda, fp8_operands, op_cases, fp8_mma_error, assert_codes_within, rand64, rel, torchao_linear_error, log_bound
+from .helpers import (BF, CFG, D, DIMS, FF, M, TORCH, assert_codes_within, check_cute_matches_reference, cuda_inputs,
+                      deferred_norm, f2_fp8_cuda, fp8_mma_error, fp8_operands, gpu_inputs, log_bound, op_cases, rand64,
+                      rel, torchao_linear_error)
 
 
 @pytest.mark.parametrize("w13_concat", [False, True])
@@ -250,6 +252,19 @@ def test_b3_concat_is_b3_with_da_columns_regrouped_gate_then_up(dtype):
     opcheck(op, (*kw.values(), True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_f2_on_w1_and_w3_apart_is_f2_on_their_interleaved_w13(dtype):
+    """``norm_swiglu(w13=w1, w3=w3)`` ([coda] w13_concat) is F2 on interleave_rows(w1, w3), bit for bit; through
+    the op too."""
+    gen = torch.Generator().manual_seed(33)
+    h, w1, w3 = (torch.randn(*s, generator=gen).to(dtype) for s in ((24, 32), (40, 32), (40, 32)))
+    rstd = torch.rand(24, generator=gen) + 0.5
+    y, a = TORCH.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3))
+    for out in (TORCH.norm_swiglu(h=h, rstd=rstd, w13=w1, w3=w3), torch.ops.coda.norm_swiglu(h, rstd, w1, w3)):
+        assert torch.equal(out[0], y) and torch.equal(out[1], a)
+    opcheck(torch.ops.coda.norm_swiglu.default, (h, rstd, w1, w3))
+
+
 def test_fp8_ops_schemas_and_fakes():
     gen = torch.Generator().manual_seed(5)
     hq, wq, scale, rstd = fp8_operands(32, 64, 2 * 48, gen)
@@ -271,6 +286,39 @@ def test_fp8_ops_schemas_and_fakes():
 @pytest.mark.parametrize("name", ['norm_swiglu', 'swiglu_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_cute_f2_on_w1_and_w3_apart_matches_reference(d):
+    """F2 given w1 and w3 ([coda] w13_concat): B = [w1; w3], a view of their one buffer, its rows interleaved by
+    the load (quack's ``concat_layout``), against the reference within the derived bound; on one pinned tile the
+    bits of F2 on the copied, interleaved W13; and with w1, w3 in buffers of their own (a copy) the same bits."""
+    import coda_titan.kernels.cute  # noqa: F401
+    from coda_titan.kernels import get_backend
+    from coda_titan.kernels._common import deinterleave_rows
+    from quack.epilogue.library import rstd_swiglu_preact_epi
+    from quack.gemm_config import GemmConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    kw = gpu_inputs("norm_swiglu", d, gen)
+    w1, w3 = (t.contiguous() for t in deinterleave_rows(kw["w13"]))
+    buf = torch.cat([w1, w3])
+    f = w1.shape[0]
+    check_cute_matches_reference("norm_swiglu", d, w13=buf[:f], w3=buf[f:])
+    cute = get_backend("cute")
+    shared = cute.norm_swiglu(h=kw["h"], rstd=kw["rstd"], w13=buf[:f], w3=buf[f:])
+    apart = cute.norm_swiglu(h=kw["h"], rstd=kw["rstd"], w13=w1, w3=w3)
+    assert all(torch.equal(p, q) for p, q in zip(shared, apart))
+    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, is_dynamic_persistent=False,
+                     device_capacity=9)
+    m, r = kw["h"].shape[0], kw["rstd"].float()
+    outs = []
+    for b, concat in ((kw["w13"], {}), (buf, {"concat_layout": ("B",)})):
+        out = {"D": kw["h"].new_empty(m, 2 * f), "postact": kw["h"].new_empty(m, f)}
+        rstd_swiglu_preact_epi(kw["h"], b.t(), None, out=out, tuned=False, config=cfg, rstd=r, **concat)
+        outs.append(out)
+    assert torch.equal(outs[0]["D"], outs[1]["D"]) and torch.equal(outs[0]["postact"], outs[1]["postact"])
 
 
 @pytest.mark.gpu

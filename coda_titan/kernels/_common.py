@@ -112,6 +112,17 @@ def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], *a.shape[1:])
 
 
+def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a; b] along dim 0: a view of their one buffer where b's rows follow a's there (``model.fuse_w13``), else
+    a copy (``torch.cat``). For kernels (opaque to ``torch.compile``), which read it and let it go."""
+    n, rest = a.shape[0], a.shape[1:]
+    if (b.shape[1:] == rest and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
+            and b.is_contiguous() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel()):
+        return a.as_strided((n + b.shape[0], *rest), a.stride())
+    return torch.cat([a, b])
+
+
 def deinterleave_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``interleave_rows``: (t[0::2], t[1::2])."""
     return t[0::2], t[1::2]

@@ -3,8 +3,8 @@ down-projection GEMM.
 
 Layout: the gate and up projections are one (2F, d) weight W13 with rows *interleaved*
 (``interleave_rows(w1, w3)``: gate row j at 2j, up row j at 2j + 1), so each gate column sits next
-to its up column in the GEMM output tile and the epilogue can pair them. H = X * gamma comes from
-the producer epilogue; r is the deferred rstd.
+to its up column in the GEMM output tile and the epilogue can pair them (given w1 and w3 apart, the
+kernel's load interleaves [w1; w3]). H = X * gamma comes from the producer epilogue; r is the deferred rstd.
 
 Forward (F2):
     a = H @ W13^T                         (M, 2F) *unscaled* pre-activations, saved for the backward
@@ -14,9 +14,8 @@ Backward (B3), given D = dL/dX_out of the down-projection X_out = X + y @ W_down
     dy      = D @ W_down                                  (the GEMM of B3)
     dz_up   = dy * silu(z_gate)
     dz_gate = dy * z_up * s * (1 + z_gate * (1 - s)),  s = sigmoid(z_gate)
-    da      = r * dz                       gradient of the unscaled a: the deferred rstd is folded
-                                           here, so both GEMMs that consume it (dgrad with W13 and
-                                           dW13 = da^T @ H) are plain
+    da      = r * dz                       gradient of the unscaled a: the deferred rstd is folded here, so
+                                           both GEMMs that consume it (dgrad with W13, dW13 = da^T @ H) are plain
     zdz     = sum_n z_n dz_n               per row, for the norm backward B2
     y       = silu(z_gate) * z_up          recomputed, for dW_down = D^T @ y
 Saved: a and r (y is cheaper to recompute than to keep).
@@ -24,31 +23,28 @@ Saved: a and r (y is cheaper to recompute than to keep).
 FP8 (precision = "fp8"):
     norm_swiglu_fp8  acc = Hq @ W13q^T on e4m3 operands; v = (s_a * s_w) * acc is the true-scale
                      pre-activation, saved as a; y = SwiGLU(r * v)
-    norm_swiglu_q_fp8  ``norm_swiglu_fp8`` that writes y as e4m3 for the down-projection's fp8 GEMM
-                     (``fp8_down_proj``): yq = sat(y * inv_y) from the fp32 y with the site's delayed
-                     scale, and amax |y| (fp32 y) for the site's history; no bf16 y is written
-    swiglu_bwd_fp8   B3 (bf16 GEMM) whose epilogue also writes da as e5m2, daq = sat(da * inv) from
-                     the fp32 da, in da's interleaved column order, and reports amax |da|. The scale
-                     is delayed (a tile is stored before the amax of the whole da exists): the
-                     gradient site's amax history; ``inv_scale=None`` (calibration) uses the current
-                     amax.
-    swiglu_bwd_e5m2  ``swiglu_bwd_fp8`` without the bf16 da: when both of da's consumers read the e5m2
-                     copy (B2's fp8 dgrad and dW13 by ``gemm.wgrad_fp8_e5m2``), nothing reads da
-                     itself, and not writing it saves a 2-byte store per element of (M, 2F); with
-                     ``inv_y`` its y is e4m3 too, for dW2 on fp8 (``gemm.wgrad_fp8_e4m3``)
-    swiglu_bwd_e5m2_t ``swiglu_bwd_e5m2`` that also writes the e5m2 da transposed, token-major and
-                     de-interleaved, daq_t (2F, M) = [gate columns; up columns]^T: dW13's fp8 operand
-                     as cuBLAS reads it (K-major along the tokens), so dW13 = daq_t @ H needs no
-                     copy pass and comes out as [dW1; dW3]; with ``inv_y`` its e4m3 y comes
-                     transposed too, (F, M), dW2's input with no copy pass
+    norm_swiglu_q_fp8  ``norm_swiglu_fp8`` that writes y as e4m3 for the down-projection's fp8 GEMM (``fp8_down_proj``):
+                     yq = sat(y * inv_y) from the fp32 y with the site's delayed scale, and amax |y| (fp32 y)
+                     for the site's history; no bf16 y is written
+    swiglu_bwd_fp8   B3 (bf16 GEMM) whose epilogue also writes da as e5m2, daq = sat(da * inv) from the fp32
+                     da, in da's interleaved column order, and reports amax |da|. The scale is delayed (a tile
+                     is stored before the amax of the whole da exists): the gradient site's amax history;
+                     ``inv_scale=None`` (calibration) uses the current amax.
+    swiglu_bwd_e5m2  ``swiglu_bwd_fp8`` without the bf16 da: when both of da's consumers read the e5m2 copy
+                     (B2's fp8 dgrad and dW13 by ``gemm.wgrad_fp8_e5m2``), nothing reads da itself, and not
+                     writing it saves a 2-byte store per element of (M, 2F); with ``inv_y`` its y is e4m3
+                     too, for dW2 on fp8 (``gemm.wgrad_fp8_e4m3``)
+    swiglu_bwd_e5m2_t ``swiglu_bwd_e5m2`` also writing the e5m2 da transposed, daq_t (2F, M) = [gate columns; up
+                     columns]^T: dW13's fp8 operand as cuBLAS reads it, so dW13 = daq_t @ H is [dW1; dW3] with
+                     no copy pass; with ``inv_y`` its e4m3 y comes transposed too, (F, M), dW2's input as is
     swiglu_bwd_q_fp8 ``swiglu_bwd_fp8`` with its GEMM on fp8 too (``fp8_down_dgrad``): dy = scale *
                      (Dq @ W_down,q), Dq the e5m2 D (current power-of-two scale, ``casts.quantize_grad``)
                      and W_down,q^T the layer's e4m3 W2 transposed (the weight pass), scale = s_D s_W2.
     swiglu_bwd_e5m2_t_q ``swiglu_bwd_e5m2_t`` on that fp8 GEMM (``fp8_down_dgrad`` with the e5m2-only B3)
-    norm_swiglu_qa_fp8 ``norm_swiglu_q_fp8`` saving a as e4m3 codes (``fp8_preact``): aq = sat(v inv_a)
-                     from the compute-dtype v with the site's delayed power-of-two scale, and amax |v|
-    swiglu_bwd_e5m2_t_qa ``swiglu_bwd_e5m2_t_q`` on those codes: a = aq * a_scale (exact for a power of
-                     two), then the same outputs (y in ``out_dtype`` without ``inv_y``)
+    norm_swiglu_qa_fp8 ``norm_swiglu_q_fp8`` saving a as e4m3 codes (``fp8_preact``): aq = sat(v inv_a) from the
+                     compute-dtype v with the site's delayed power-of-two scale, and amax |v|
+    swiglu_bwd_e5m2_t_qa ``swiglu_bwd_e5m2_t_q`` on those codes: a = aq * a_scale (exact: a power of two), then
+                     the same outputs (y in ``out_dtype`` without ``inv_y``)
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ from typing import Optional
 
 import torch
 
-from ._common import acc_dtype, by_row_blocks, check_2d, mm, program_op
+from ._common import acc_dtype, by_row_blocks, check_2d, interleave_rows, mm, program_op
 from .scaling import E4M3, E5M2, compute_dtype, fp8_mm, quantize_e4m3, quantize_e5m2_site_rows
 
 
@@ -65,8 +61,11 @@ def _swiglu(z: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
 
 
-def norm_swiglu(*, h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, a): y (M, F) and the unscaled interleaved pre-activations a (M, 2F), both in h's dtype."""
+def norm_swiglu(*, h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor,
+                w3: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, a): y (M, F) and the unscaled interleaved pre-activations a (M, 2F), both in h's dtype; with ``w3``,
+    ``w13`` is w1 and W13 = interleave_rows(w1, w3) ([coda] w13_concat)."""
+    w13 = w13 if w3 is None else interleave_rows(w13, w3)
     check_2d("h", h, w13.shape[1])
     acc = mm(h, w13.t())
     y = _swiglu(acc * rstd.to(acc.dtype)[:, None])
@@ -239,13 +238,14 @@ def swiglu_bwd_e5m2_t_qa(
 
 
 @program_op("norm_swiglu")
-def norm_swiglu_op(h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return norm_swiglu(h=h, rstd=rstd, w13=w13)
+def norm_swiglu_op(h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor,
+                   w3: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_swiglu(h=h, rstd=rstd, w13=w13, w3=w3)
 
 
 @norm_swiglu_op.register_fake
-def _(h, rstd, w13):
-    m, f2 = h.shape[0], w13.shape[0]
+def _(h, rstd, w13, w3=None):
+    m, f2 = h.shape[0], w13.shape[0] * (1 if w3 is None else 2)
     return h.new_empty((m, f2 // 2)), h.new_empty((m, f2))
 
 

@@ -99,11 +99,13 @@ def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: Qua
     return (*outs, amax_y)
 
 
-def _f2(be: Backend, fp8: MlpFp8 | None, h, rstd, w1, w3) -> tuple:
+def _f2(be: Backend, fp8: MlpFp8 | None, h, rstd, w1, w3, concat: bool = False) -> tuple:
     """F2's (y, a, amax |y| or None, amax |a| or None, a's dequantization or None). With ``fp8.preact`` and its
-    scale, a comes as e4m3 codes and its dequantization is 1 / ``fp8.inv_pre``; calibrating, a in bf16 and its amax."""
+    scale, a comes as e4m3 codes and its dequantization is 1 / ``fp8.inv_pre``; calibrating, a in bf16 and its amax.
+    ``concat`` (``w13_concat``): the bf16 F2 gets w1 and w3 apart (no interleaved copy; ``model.storage``)."""
     if fp8 is None:
-        return (*be.norm_swiglu(h=h, rstd=rstd, w13=interleave_rows(w1, w3)), None, None, None)
+        w13 = dict(w13=w1, w3=w3) if concat else dict(w13=interleave_rows(w1, w3))
+        return (*be.norm_swiglu(h=h, rstd=rstd, **w13), None, None, None)
     f2_args = dict(hq=fp8.f2.hq, rstd=rstd, w13q=fp8.f2.w, scale=dequant_scale(fp8.f2.inv_a, fp8.f2.s_w), out_dtype=h.dtype)
     if fp8.down is None or fp8.down.inv is None:  # (calibrating the down site: y in bf16, cast by F1's input pass)
         y, a = be.norm_swiglu_fp8(**f2_args)
@@ -207,7 +209,6 @@ class NormRoPE(torch.autograd.Function):
         be = ctx.cfg.backend
         rope = dict(dy=dqkv.contiguous(), y=qkv, rstd=rstd, freqs=freqs, **ctx.rope)
         norm = dict(x=x, gamma=gamma, rstd=rstd, dresidual=dx_res)
-        w = torch.cat([wq, wk, wv])
         sink = daq = amax_dx = None
         if w8_t is not None:  # fp8_dgrad: B1 casts da to e5m2 (delayed scale), B2 runs on it and W_qkv,q^T
             da, zdz, daq, amax = be.rope_bwd_fp8(**rope, inv_scale=inv_g)
@@ -217,15 +218,16 @@ class NormRoPE(torch.autograd.Function):
             sink = amax.float().reshape(()) if needs(ctx, NORM_ROPE_INPUTS, "grad_sink") else None
         else:
             da, zdz = be.rope_bwd(**rope)
+            w = torch.cat([wq, wk, wv])  # (the bf16 dgrad's B: the only reader of the stacked weight)
             if os.environ.get(ZDZ_ENV) == "dgrad":
                 zdz = zdz_of_acc(mm(da, w), x, gamma)
             dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
         if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, da cast at its current amax (B1's where it has
             # one; not B1's delayed-scale codes, which moved the loss: docs/fp8.md) and the forward's e4m3 input
             dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None if daq is None else amax, inpq=hq,
-                                   inp_scale=inv_h.reciprocal(), out_dtype=w.dtype)
+                                   inp_scale=inv_h.reciprocal(), out_dtype=wq.dtype)
         else:
-            dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, w.dtype)
+            dw = _wgrad(be, ctx.cfg.fp8_wgrads, da, h, wq.dtype)
         dwq, dwk, dwv = dw.split([wq.shape[0], wk.shape[0], wv.shape[0]])
         tok = amax_grad(dx, amax_dx) if needs(ctx, NORM_ROPE_INPUTS, "amax_tok") else None  # (the MLP below casts dx)
         return grads(NORM_ROPE_INPUTS, x=dx, gamma=dgamma.to(gamma.dtype), wq=dwq, wk=dwk, wv=dwv, grad_sink=sink,
@@ -251,7 +253,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
                 grad_sink: torch.Tensor | None = None, amax_tok: torch.Tensor | None = None):
         be = cfg.backend
-        y, a, y_amax, a_amax, a_scale = _f2(be, fp8, h, rstd, w1, w3)
+        y, a, y_amax, a_amax, a_scale = _f2(be, fp8, h, rstd, w1, w3, cfg.w13_concat)
         outs = _f1(be, y, w2, x, gamma_next, cfg.tile_n, fp8.quantize_next if fp8 is not None else None,
                    fp8.down if fp8 is not None else None, y_amax)
         outs = (*outs, a_amax) if fp8 is not None and fp8.preact else outs
@@ -317,10 +319,10 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
                                                            scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
-            w13 = torch.cat([w1, w3]) if concat else interleave_rows(w1, w3)
+            w13 = dict(weight=w1, weight_hi=w3) if concat else dict(weight=interleave_rows(w1, w3))
             if os.environ.get(ZDZ_ENV) == "dgrad_mlp":
-                zdz = zdz_of_acc(mm(da, w13), x, gamma)
-            dx, dgamma = be.norm_residual_bwd(da=da, weight=w13, zdz=zdz, **norm)
+                zdz = zdz_of_acc(mm(da, torch.cat(list(w13.values()))), x, gamma)
+            dx, dgamma = be.norm_residual_bwd(da=da, zdz=zdz, **w13, **norm)
         if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)
             dw2 = be.wgrad_fp8_q(gradq=dq if dq_t is None else dq_t.t(), grad_scale=s_d,

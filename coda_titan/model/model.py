@@ -40,6 +40,7 @@ from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .precision import amp_dtype
 from .rope import rope_freqs
+from .storage import share_storage
 from .weight_prefetch import is_sharded as _is_sharded
 
 
@@ -179,6 +180,9 @@ class CodaTransformer(Transformer):
     def init_weights(self, buffer_device=None):
         super().init_weights(buffer_device=buffer_device)
         self.fp8_scaling.reset(buffer_device or self.fp8_scaling.activation_history.device)
+        if self.model_args.coda.w13_concat:  # (w1, w3: one buffer, which F2 and the bf16 dgrad read as W13)
+            for layer in self.layers.values():
+                share_storage(layer.feed_forward.w1.weight, layer.feed_forward.w3.weight)
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args

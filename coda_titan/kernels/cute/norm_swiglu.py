@@ -1,7 +1,8 @@
 """CUDA kernels of F2 and B3 (``coda_titan.kernels.norm_swiglu``).
 
 norm_swiglu      quack's ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r a_g) * (r a_u),
-                 gate/up as adjacent columns of the interleaved W13
+                 gate/up as adjacent columns of the interleaved W13; with ``w3``, B = [w1; w3] (``stacked_rows``)
+                 interleaved by quack's ``concat_layout`` as its TMA loads it ([coda] w13_concat)
 norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
 norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (our 8-bit paired-column
                  store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
@@ -40,6 +41,7 @@ from quack.epilogue.ops import ColVecLoad, ColVecReduce
 from quack.gemm_config import GemmConfig
 
 from .. import norm_swiglu as ref
+from .._common import stacked_rows
 from ..scaling import E4M3, E5M2, compute_dtype
 from . import overlap, stages
 from ._dispatch import CALIBRATION, KERNEL_DTYPES, fallback, first_call, gemm, scalar32, unsupported, unsupported_fp8
@@ -53,15 +55,18 @@ from .row_vectors import fold_amax
 
 
 @torch.library.register_kernel("coda::norm_swiglu", "cuda")
-def _norm_swiglu(h, rstd, w13):
-    why = unsupported(h, w13)
-    if why or w13.shape[0] % 16:
-        return fallback(ref.norm_swiglu_op, why or f"hidden {w13.shape[0] // 2} (need % 8)", h, rstd, w13)
-    m, f2 = h.shape[0], w13.shape[0]
+def _norm_swiglu(h, rstd, w13, w3=None):
+    why = unsupported(h, w13) if w3 is None else unsupported(h, w13, w3)
+    f2 = w13.shape[0] * (1 if w3 is None else 2)
+    if why or f2 % 16:
+        return fallback(ref.norm_swiglu_op, why or f"hidden {f2 // 2} (need % 8)", h, rstd, w13, w3)
+    m = h.shape[0]
     a = h.new_empty((m, f2))
     y = h.new_empty((m, f2 // 2))
-    with first_call("norm_swiglu", h, w13):
-        gemm(rstd_swiglu_preact_epi, h, w13.t(), None, {"D": a, "postact": y}, rstd=rstd.float())
+    # (with w3: B = [w1; w3], a view where they share a buffer, its rows interleaved by the load: ``concat_layout``)
+    b, concat = (w13, {}) if w3 is None else (stacked_rows(w13, w3), {"concat_layout": ("B",)})
+    with first_call("norm_swiglu" if w3 is None else "norm_swiglu_concat", h, b):
+        gemm(rstd_swiglu_preact_epi, h, b.t(), None, {"D": a, "postact": y}, rstd=rstd.float(), **concat)
     return y, a
 
 

@@ -1,0 +1,31 @@
+"""Parameters that one GEMM reads as a single weight, put in one buffer (``[coda] w13_concat``).
+
+F2 and the bf16 MLP dgrad read W13 = [w1; w3] (F2 interleaves its rows as its TMA loads them). Where w1's and
+w3's data are consecutive rows of one buffer, the kernels take that buffer as a view (``kernels._common.
+stacked_rows``) instead of copying the two weights into a new one every forward and backward. The parameters
+stay two ``nn.Parameter`` objects with llama3's names and shapes (checkpoints, optimizer state, FSDP units
+unchanged); only where their data lives changes. Anything that gives them new storage (``to_empty``, FSDP2's
+sharding, AMP's casts) ends the sharing, and the kernels then copy, as they did before: never a wrong read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def share_storage(*params: torch.nn.Parameter) -> bool:
+    """Give ``params`` (same dtype, device and trailing shape, plain tensors) consecutive rows of one new buffer,
+    their values kept; False (nothing changed) where they cannot share one (a DTensor, a mismatch, meta)."""
+    first = params[0]
+    if any(type(p.data) is not torch.Tensor or p.is_meta or p.dtype != first.dtype or p.device != first.device
+           or p.shape[1:] != first.shape[1:] for p in params):
+        return False
+    buf = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    start = 0
+    with torch.no_grad():
+        for p in params:
+            rows = buf[start:start + p.shape[0]]
+            rows.copy_(p.data)
+            p.data = rows
+            start += p.shape[0]
+    return True

@@ -151,10 +151,10 @@ def test_matches_stock_llama3_fp64_rope(case, monkeypatch):
     assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
 
 
-def test_w13_concat_matches_stock_llama3_fp64_rope(monkeypatch):
-    """``[coda] w13_concat`` (B3's da as [gate | up], B2 on [w1; w3], dW13 = [dW1; dW3] without a copy): the same
+def test_stacked_weights_matches_stock_llama3_fp64_rope(monkeypatch):
+    """``[coda] stacked_weights`` (B3's da as [gate | up], B2 on [w1; w3], dW13 = [dW1; dW3] without a copy): the same
     model, so the same bound against stock llama3 in float64."""
-    errs = _compare(next(iter(CASES)), fp64_rope=True, monkeypatch=monkeypatch, w13_concat=True)
+    errs = _compare(next(iter(CASES)), fp64_rope=True, monkeypatch=monkeypatch, stacked_weights=True)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-10, f"{worst}: relative error {errs[worst]:.3e}"
 
@@ -185,27 +185,30 @@ def test_state_dict_round_trip_both_ways():
 
 
 def _w13_shared(model) -> bool:
-    """Every layer's w1 and w3 consecutive rows of one buffer: ``stacked_rows`` hands the kernels a view of it."""
+    """Every layer's w1, w3 and wq, wk, wv consecutive rows of one buffer each: ``stacked_rows`` hands the kernels
+    a view of it."""
     from coda_titan.kernels._common import stacked_rows
 
-    ffs = [layer.feed_forward for layer in model.layers.values()]
-    return all(stacked_rows(f.w1.weight, f.w3.weight).data_ptr() == f.w1.weight.data_ptr()
-               and f.w3.weight.data_ptr() == f.w1.weight.data_ptr() + f.w1.weight.nbytes for f in ffs)
+    groups = [(l.feed_forward.w1, l.feed_forward.w3) for l in model.layers.values()]
+    groups += [(l.attention.wq, l.attention.wk, l.attention.wv) for l in model.layers.values()]
+    return all(stacked_rows(*(m.weight for m in g)).data_ptr() == g[0].weight.data_ptr()
+               and all(b.weight.data_ptr() == a.weight.data_ptr() + a.weight.nbytes for a, b in zip(g, g[1:]))
+               for g in groups)
 
 
-def test_w13_concat_keeps_w1_and_w3_in_one_buffer_through_loads_and_optimizer_steps():
-    """``[coda] w13_concat``: after ``init_weights`` each layer's w1 and w3 are consecutive rows of one buffer
-    (``model.storage``), still two parameters with llama3's names, shapes and values; loading a stock state dict
-    (in place, as TorchTitan's checkpoints load) and optimizer steps keep the sharing, and the state dict loads
-    back into stock llama3. Without the knob nothing is shared; where rows do not follow (a copy, reversed
-    order) ``stacked_rows`` returns a copy of [a; b], never a view past a's end."""
+def test_stacked_weights_keep_w1_and_w3_in_one_buffer_through_loads_and_optimizer_steps():
+    """``[coda] stacked_weights``: after ``init_weights`` each layer's w1 and w3 (and wq, wk, wv) are consecutive
+    rows of one buffer (``model.storage``), still parameters with llama3's names, shapes and values; loading a
+    stock state dict (in place, as TorchTitan's checkpoints load) and optimizer steps keep the sharing, and the
+    state dict loads back into stock llama3. Without the knob nothing is shared; where rows do not follow (a
+    copy, reversed order, a gap) ``stacked_rows`` returns a copy, never a view past a weight's end."""
     from coda_titan.kernels._common import stacked_rows
     from coda_titan.model.storage import share_storage
 
     kw, _ = _args("ragged_dim")
     torch.manual_seed(0)
     stock = Transformer(TransformerModelArgs(**kw))
-    coda, plain = (CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", w13_concat=c)))
+    coda, plain = (CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", stacked_weights=c)))
                    for c in (True, False))
     with torch.no_grad():
         for m in (stock, coda, plain):
@@ -230,6 +233,10 @@ def test_w13_concat_keeps_w1_and_w3_in_one_buffer_through_loads_and_optimizer_st
     view = stacked_rows(buf[:3], buf[3:])
     assert view.data_ptr() == buf.data_ptr() and torch.equal(view, buf)
     assert torch.equal(stacked_rows(buf[3:], buf[:3]), torch.cat([buf[3:], buf[:3]]))  # (reversed: a copy)
+    three = stacked_rows(buf[:1], buf[1:3], buf[3:])
+    assert three.data_ptr() == buf.data_ptr() and torch.equal(three, buf)
+    gap = stacked_rows(buf[:1], buf[2:3], buf[3:])  # (a row left out between: a copy)
+    assert gap.data_ptr() != buf.data_ptr() and torch.equal(gap, torch.cat([buf[:1], buf[2:]]))
     meta, cpu = torch.nn.Parameter(torch.empty(2, 4, device="meta")), torch.nn.Parameter(torch.empty(2, 4))
     assert not share_storage(meta, cpu)
 
@@ -357,7 +364,8 @@ def test_cute_refused_without_gpu():
      ("custom_ops", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_down_wgrad"), ("traced", "sdpa", "fp8_mlp_da_t"),
      ("traced", "sdpa", "fp8_da_t_down_wgrad"), ("traced", "sdpa", "fp8_down_dgrad_da_t"), ("traced", "sdpa", "fp8_mlp_h_t"),
      ("traced", "sdpa", "fp8_qkv_wgrad"), ("traced", "sdpa", "fp8_qkv_h_t"), ("traced", "sdpa", "fp8_out_bwd"),
-     ("custom_ops", "sdpa", "fp8_out_bwd"), ("traced", "sdpa", "fp8_preact"), ("traced", "sdpa", "bf16_w13_concat")],
+     ("custom_ops", "sdpa", "fp8_out_bwd"), ("traced", "sdpa", "fp8_preact"),
+     ("traced", "sdpa", "bf16_stacked_weights")],
     # traced: the ops, but the TRACEABLE programs traced into the compiled graph (as the cute backend does)
     # fp8_mlp_dgrad: with fp8_mlp_wgrad too (the defaults); fp8_down_dgrad, fp8_mlp_e5m2 (fp8_mlp_wgrad_e5m2): with both;
     # fp8_down_wgrad: with both, fp8_mlp_wgrad_e5m2 and fp8_down_proj; fp8_down_dgrad_da_t: all of them and fp8_mlp_da_t;
@@ -383,7 +391,7 @@ def test_layers_compile_fullgraph_and_match_eager(programs, attention, precision
                 fp8_layer_wgrads=precision == "fp8_layer_wgrads",
                 fp8_mlp_wgrad_e5m2=precision in ("fp8_mlp_e5m2", "fp8_down_wgrad") or da_t,
                 fp8_down_wgrad=precision in ("fp8_down_wgrad", "fp8_da_t_down_wgrad", "fp8_down_dgrad_da_t") or preact,
-                fp8_mlp_da_t=da_t, w13_concat=precision == "bf16_w13_concat")
+                fp8_mlp_da_t=da_t, stacked_weights=precision == "bf16_stacked_weights")
     model = CodaTransformer(CodaModelArgs(**kw, coda=coda))
     with torch.no_grad():
         model.init_weights()
@@ -1192,7 +1200,7 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
     """The MLP's backward hands w1's and w3's gradients over contiguous (the bf16 dW13's interleaved rows
     copied in the backward, which a compiled block fuses, instead of by AccumulateGrad as two eager copies),
     and builds the interleaved bf16 W13 only where the bf16 dgrad reads it (the fp8 defaults' B2 reads the
-    weight pass's e4m3 W13^T). With ``w13_concat`` the MLP builds none: F2 and B2 take w1 and w3 apart, and
+    weight pass's e4m3 W13^T). With ``stacked_weights`` the MLP builds none: F2 and B2 take w1 and w3 apart, and
     dW13's halves are w1's and w3's gradients as they are. (Their values: the stock-llama3 and fp8-tracking tests.)"""
     from coda_titan.model import autograd
 
@@ -1207,7 +1215,7 @@ def test_mlp_backward_returns_contiguous_w1_w3_gradients_and_builds_w13_only_for
 
     monkeypatch.setattr(autograd, "grads", spy_grads)
     concat = precision == "bf16_concat"
-    model, tokens, labels = _debug_coda("bf16" if concat else precision, w13_concat=concat)
+    model, tokens, labels = _debug_coda("bf16" if concat else precision, stacked_weights=concat)
     n = len(model.layers)
     for _ in range(2):  # (fp8: the calibration step, then the delayed scales)
         built.clear()

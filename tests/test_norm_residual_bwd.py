@@ -48,15 +48,17 @@ def test_opcheck(name, dtype):
 
 
 def test_b2_on_two_weights_is_b2_on_their_rows_stacked():
-    """``norm_residual_bwd(weight=a, weight_hi=b)`` ([coda] w13_concat: [w1; w3]) is B2 on torch.cat([a, b]), bit
-    for bit; through the op too (schema, fake, dispatch)."""
+    """``norm_residual_bwd(weight=a, weight2=b[, weight3=c])`` ([coda] stacked_weights: [w1; w3], [wq; wk; wv]) is
+    B2 on torch.cat of them, bit for bit; through the op too (schema, fake, dispatch)."""
     args = list(op_cases(torch.float32)["norm_residual_bwd"])
     w = args[1]
-    lo, hi = w[: w.shape[0] // 2].clone(), w[w.shape[0] // 2:].clone()
+    k = w.shape[0] // 4
     ref = torch.ops.coda.norm_residual_bwd(*args)
-    two = torch.ops.coda.norm_residual_bwd(args[0], lo, *args[2:], hi)
-    assert all(torch.equal(p, q) for p, q in zip(ref, two))
-    opcheck(torch.ops.coda.norm_residual_bwd.default, (args[0], lo, *args[2:], hi))
+    for parts in ((w[:2 * k], w[2 * k:]), (w[:2 * k], w[2 * k:3 * k], w[3 * k:])):
+        parts = [p.clone() for p in parts]
+        split = (args[0], parts[0], *args[2:], *parts[1:])
+        assert all(torch.equal(p, q) for p, q in zip(ref, torch.ops.coda.norm_residual_bwd(*split)))
+        opcheck(torch.ops.coda.norm_residual_bwd.default, split)
 
 
 def test_opcheck_without_residual():
@@ -113,7 +115,7 @@ def test_cute_matches_reference(name, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
 def test_cute_b2_on_two_weights_matches_reference(d):
-    """B2 with ``weight_hi`` ([coda] w13_concat): the two weights' rows as one B, a view where they share a
+    """B2 with ``weight2`` ([coda] stacked_weights): the two weights' rows as one B, a view where they share a
     buffer and a copy where not, against the reference within the derived bound, and bit for bit the op on the
     stacked weight."""
     from coda_titan.kernels import get_backend
@@ -123,11 +125,11 @@ def test_cute_b2_on_two_weights_matches_reference(d):
     kw = gpu_inputs("norm_residual_bwd", d, gen)
     w = kw.pop("weight")
     k = w.shape[0] // 2
-    check_cute_matches_reference("norm_residual_bwd", d, weight=w[:k], weight_hi=w[k:])
+    check_cute_matches_reference("norm_residual_bwd", d, weight=w[:k], weight2=w[k:])
     cute = get_backend("cute")
     whole = cute.norm_residual_bwd(weight=w, **kw)
     for lo, hi in ((w[:k], w[k:]), (w[:k].clone(), w[k:].clone())):
-        assert all(torch.equal(p, q) for p, q in zip(cute.norm_residual_bwd(weight=lo, weight_hi=hi, **kw), whole))
+        assert all(torch.equal(p, q) for p, q in zip(cute.norm_residual_bwd(weight=lo, weight2=hi, **kw), whole))
 
 
 def _b2_operands(seed, fp8):

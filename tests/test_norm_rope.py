@@ -1,6 +1,7 @@
 """F3 norm_rope and B1 rope_bwd: backward (gradcheck, fp64) and the zdz identity, the fp8 programs
 against an fp64 emulation, the ops, and the cute kernels against the reference (GPU)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -17,14 +18,18 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from .helpers import BF, CFG, D, DIMS, HD, HKV, HQ, M, SEQ, TORCH, check_cute_matches_reference, deferred_norm, fp8_operands, op_cases, rand64, rel, run_interpreter_check
 
 
-def test_norm_rope_backward():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_norm_rope_backward(stacked):
+    """The QKV Function's backward against finite differences, with W_qkv a copy or ([coda] stacked_weights) the
+    three weights given apart to F3 and B2."""
     freqs = rope_freqs(HD, 10000.0, RoPEScalingArgs())
     x, gamma = rand64(M, D), rand64(D)
     wq, wk, wv = rand64(HQ * HD, D), rand64(HKV * HD, D), rand64(HKV * HD, D)
+    cfg = dataclasses.replace(CFG, stacked_weights=stacked)
 
     def f(x, gamma, wq, wk, wv):
         h, r = deferred_norm(x, gamma)
-        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, freqs, SEQ, CFG, HQ + HKV, HD)
+        return NormRoPE.apply(h, r, x, gamma, wq, wk, wv, freqs, SEQ, cfg, HQ + HKV, HD)
 
     assert torch.autograd.gradcheck(f, (x, gamma, wq, wk, wv))
 
@@ -99,6 +104,17 @@ def test_opcheck(name, dtype):
     opcheck(getattr(torch.ops.coda, name).default, op_cases(dtype)[name])
 
 
+def test_f3_on_three_weights_is_f3_on_their_rows_stacked():
+    """``norm_rope(weight=wq, weight2=wk, weight3=wv)`` ([coda] stacked_weights) is F3 on torch.cat of them, bit for
+    bit; through the op too (schema, fake, dispatch)."""
+    h, rstd, w, *rope = op_cases(torch.float32)["norm_rope"]
+    q = w.shape[0] // 3
+    parts = [w[:q].clone(), w[q:2 * q].clone(), w[2 * q:].clone()]
+    assert torch.equal(torch.ops.coda.norm_rope(h, rstd, *parts[:1], *rope, *parts[1:]),
+                       torch.ops.coda.norm_rope(h, rstd, w, *rope))
+    opcheck(torch.ops.coda.norm_rope.default, (h, rstd, parts[0], *rope, *parts[1:]))
+
+
 def test_fp8_ops_schemas_and_fakes():
     freqs = rope_freqs(16, 500000.0, RoPEScalingArgs())
     dy, yq = torch.randn(16, 48), torch.randn(16, 48)
@@ -150,6 +166,26 @@ def test_f3_on_row_slices_of_w_qkv_is_the_packed_program():
 @pytest.mark.parametrize("name", ['norm_rope', 'rope_bwd'])
 def test_cute_matches_reference(name, d):
     check_cute_matches_reference(name, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_cute_f3_on_three_weights_matches_reference(d):
+    """F3 given W_q, W_k, W_v apart ([coda] stacked_weights): a view of their one buffer where they share one, a
+    copy where not, against the reference within the derived bound, and bit for bit F3 on the stacked weight."""
+    from .helpers import gpu_inputs
+
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    kw = gpu_inputs("norm_rope", d, gen)
+    w = kw.pop("weight")
+    kv = w.shape[0] - kw["n_rope_heads"] * kw["head_dim"]  # (W_v's rows, W_k's alike: v is not rotated)
+    q = w.shape[0] - 2 * kv
+    parts = (w[:q], w[q:q + kv], w[q + kv:])
+    check_cute_matches_reference("norm_rope", d, weight=parts[0], weight2=parts[1], weight3=parts[2])
+    cute = get_backend("cute")
+    whole = cute.norm_rope(weight=w, **kw)
+    for p in (parts, [t.clone() for t in parts]):
+        assert torch.equal(cute.norm_rope(weight=p[0], weight2=p[1], weight3=p[2], **kw), whole)
 
 
 @pytest.mark.gpu

@@ -23,13 +23,13 @@ from .helpers import (BF, CFG, D, DIMS, FF, M, TORCH, assert_codes_within, check
                       rel, torchao_linear_error)
 
 
-@pytest.mark.parametrize("w13_concat", [False, True])
-def test_norm_swiglu_residual_backward(w13_concat):
-    """The MLP sub-layer's backward against finite differences, with B3's da interleaved or ([coda] w13_concat)
+@pytest.mark.parametrize("stacked_weights", [False, True])
+def test_norm_swiglu_residual_backward(stacked_weights):
+    """The MLP sub-layer's backward against finite differences, with B3's da interleaved or ([coda] stacked_weights)
     as [gate | up] columns, B2 then on [w1; w3] and dW13 = [dW1; dW3]."""
     x, gamma, gamma_next = rand64(M, D), rand64(D), rand64(D)
     w1, w3, w2 = rand64(FF, D), rand64(FF, D), rand64(D, FF)
-    cfg = dataclasses.replace(CFG, w13_concat=w13_concat)
+    cfg = dataclasses.replace(CFG, stacked_weights=stacked_weights)
 
     def f(x, gamma, w1, w3, w2):
         h, r = deferred_norm(x, gamma)
@@ -237,7 +237,7 @@ def test_opcheck(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_b3_concat_is_b3_with_da_columns_regrouped_gate_then_up(dtype):
-    """``swiglu_bwd(concat=True)`` ([coda] w13_concat): the same da, y and zdz bit for bit, da's columns as every
+    """``swiglu_bwd(concat=True)`` ([coda] stacked_weights): the same da, y and zdz bit for bit, da's columns as every
     gate column, then every up column (the rows of [w1; w3]); through the op too (schema, fake, dispatch)."""
     gen = torch.Generator().manual_seed(31)
     m, d, f = 24, 32, 40
@@ -254,7 +254,7 @@ def test_b3_concat_is_b3_with_da_columns_regrouped_gate_then_up(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_f2_on_w1_and_w3_apart_is_f2_on_their_interleaved_w13(dtype):
-    """``norm_swiglu(w13=w1, w3=w3)`` ([coda] w13_concat) is F2 on interleave_rows(w1, w3), bit for bit; through
+    """``norm_swiglu(w13=w1, w3=w3)`` ([coda] stacked_weights) is F2 on interleave_rows(w1, w3), bit for bit; through
     the op too."""
     gen = torch.Generator().manual_seed(33)
     h, w1, w3 = (torch.randn(*s, generator=gen).to(dtype) for s in ((24, 32), (40, 32), (40, 32)))
@@ -291,7 +291,7 @@ def test_cute_matches_reference(name, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
 def test_cute_f2_on_w1_and_w3_apart_matches_reference(d):
-    """F2 given w1 and w3 ([coda] w13_concat): B = [w1; w3], a view of their one buffer, its rows interleaved by
+    """F2 given w1 and w3 ([coda] stacked_weights): B = [w1; w3], a view of their one buffer, its rows interleaved by
     the load (quack's ``concat_layout``), against the reference within the derived bound; on one pinned tile the
     bits of F2 on the copied, interleaved W13; and with w1, w3 in buffers of their own (a copy) the same bits."""
     import coda_titan.kernels.cute  # noqa: F401
@@ -324,7 +324,7 @@ def test_cute_f2_on_w1_and_w3_apart_matches_reference(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
 def test_cute_b3_concat_matches_reference(d):
-    """B3 writing da as [gate | up] ([coda] w13_concat; its own epilogue, da's halves as two tile stores) against
+    """B3 writing da as [gate | up] ([coda] stacked_weights; its own epilogue, da's halves as two tile stores) against
     the reference's concat da, y, zdz within the derived bound; then on one pinned tile the bits of the
     interleaved B3 (the same accumulator, epilogue math and roundings), its da's columns regrouped."""
     import coda_titan.kernels.cute  # noqa: F401

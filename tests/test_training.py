@@ -60,7 +60,7 @@ def runs(tmp_path_factory, cache_dir):
     r["F"] = _train("F", "debug_cpu_coda.toml", work, cache_dir, "--training.steps", "3",
                     "--activation_checkpoint.mode", "full")
     r["G"] = _train("G", "debug_cpu_coda.toml", work, cache_dir, "--coda.fused_clip")
-    r["L"] = _train("L", "debug_cpu_coda.toml", work, cache_dir, "--coda.w13_concat")
+    r["L"] = _train("L", "debug_cpu_coda.toml", work, cache_dir, "--coda.stacked_weights")
     r["M"] = _train("M", "debug_cpu_baseline.toml", work, cache_dir, *cross,
                     str(r["L"]["dir"] / "checkpoint" / "step-10"))
     for name, config, dtype in (("H", "coda", "float32"), ("I", "baseline", "float32"),
@@ -161,15 +161,15 @@ def test_coda_checkpoint_resumes_in_baseline(runs):
         assert _rel(e[s], a[s]) <= CODA_VS_STOCK, f"step {s}: baseline-from-coda {e[s]} vs coda {a[s]}"
 
 
-def test_w13_concat_trains_as_stock_and_its_checkpoint_resumes_in_baseline(runs):
-    """``--coda.w13_concat`` (w1 and w3 in one buffer, B3's da as [gate | up]): the same function, so the same bound
-    against the baseline; its checkpoint (written from the shared buffer) resumes in stock llama3 on its values."""
+def test_stacked_weights_trains_as_stock_and_its_checkpoint_resumes_in_baseline(runs):
+    """``--coda.stacked_weights`` (wq, wk, wv and w1, w3 in one buffer each, B3's da as [gate | up]): the same function,
+    so the same bound against the baseline; its checkpoint (written from the shared buffers) resumes in stock llama3."""
     b, l, m = runs["B"]["losses"], runs["L"]["losses"], runs["M"]["losses"]
     assert sorted(l) == list(range(1, STEPS + 1)) and sorted(m) == list(range(11, STEPS + 1))
     for s in l:
-        assert _rel(l[s], b[s]) <= CODA_VS_STOCK, f"step {s}: coda w13_concat {l[s]} vs baseline {b[s]}"
+        assert _rel(l[s], b[s]) <= CODA_VS_STOCK, f"step {s}: coda stacked_weights {l[s]} vs baseline {b[s]}"
     for s in m:
-        assert _rel(m[s], l[s]) <= CODA_VS_STOCK, f"step {s}: baseline-from-w13_concat {m[s]} vs coda {l[s]}"
+        assert _rel(m[s], l[s]) <= CODA_VS_STOCK, f"step {s}: baseline-from-stacked_weights {m[s]} vs coda {l[s]}"
 
 
 def test_wandb_offline_run_holds_loss_series(runs):

@@ -112,15 +112,19 @@ def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], *a.shape[1:])
 
 
-def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[a; b] along dim 0: a view of their one buffer where b's rows follow a's there (``model.fuse_w13``), else
-    a copy (``torch.cat``). For kernels (opaque to ``torch.compile``), which read it and let it go."""
-    n, rest = a.shape[0], a.shape[1:]
-    if (b.shape[1:] == rest and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
-            and b.is_contiguous() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.storage_offset() == a.storage_offset() + a.numel()):
-        return a.as_strided((n + b.shape[0], *rest), a.stride())
-    return torch.cat([a, b])
+def stacked_rows(*ts: torch.Tensor) -> torch.Tensor:
+    """[t0; t1; ...] along dim 0: a view of their one buffer where each one's rows follow the one before's there
+    (``model.storage``, ``[coda] stacked_weights``), else a copy (``torch.cat``). For kernels (opaque to
+    ``torch.compile``), which read it and let it go."""
+    a = ts[0]
+    end = a.storage_offset() + a.numel()
+    for b in ts[1:]:
+        if not (b.shape[1:] == a.shape[1:] and b.dtype == a.dtype and b.device == a.device and b.is_contiguous()
+                and a.is_contiguous() and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+                and b.storage_offset() == end):
+            return torch.cat(ts)
+        end += b.numel()
+    return a.as_strided((sum(t.shape[0] for t in ts), *a.shape[1:]), a.stride())
 
 
 def deinterleave_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,11 +43,12 @@ def norm_residual_bwd(
     rstd: torch.Tensor,
     zdz: torch.Tensor,
     dresidual: torch.Tensor | None,
-    weight_hi: torch.Tensor | None = None,
+    weight2: torch.Tensor | None = None,
+    weight3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(D, dgamma). da (M, N), weight (N, d), x (M, d), rstd/zdz (M,), dresidual (M, d) or None; with
-    ``weight_hi`` the weight is [weight; weight_hi] (N rows together)."""
-    weight = weight if weight_hi is None else torch.cat([weight, weight_hi])
+    ``weight2`` (and ``weight3``) the weight is [weight; weight2; weight3] (N rows; ``[coda] stacked_weights``)."""
+    weight = weight if weight2 is None else torch.cat([w for w in (weight, weight2, weight3) if w is not None])
     check_2d("da", da, weight.shape[0])
     check_2d("x", x, weight.shape[1])
     return norm_residual_apply(mm(da, weight), x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual)
@@ -98,14 +99,15 @@ def norm_residual_bwd_fp8(
 @program_op("norm_residual_bwd")
 def norm_residual_bwd_op(
     da: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor,
-    zdz: torch.Tensor, dresidual: Optional[torch.Tensor], weight_hi: Optional[torch.Tensor] = None,
+    zdz: torch.Tensor, dresidual: Optional[torch.Tensor], weight2: Optional[torch.Tensor] = None,
+    weight3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return norm_residual_bwd(da=da, weight=weight, x=x, gamma=gamma, rstd=rstd, zdz=zdz, dresidual=dresidual,
-                             weight_hi=weight_hi)
+                             weight2=weight2, weight3=weight3)
 
 
 @norm_residual_bwd_op.register_fake
-def _(da, weight, x, gamma, rstd, zdz, dresidual, weight_hi=None):
+def _(da, weight, x, gamma, rstd, zdz, dresidual, weight2=None, weight3=None):
     return torch.empty_like(x), x.new_empty((x.shape[1],), dtype=acc_dtype(da, weight))
 
 

@@ -67,9 +67,11 @@ def rotate(
 
 def norm_rope(
     *, h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, seqlen: int,
-    n_rope_heads: int, head_dim: int,
+    n_rope_heads: int, head_dim: int, weight2: torch.Tensor | None = None, weight3: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Post-RoPE qkv (M, Q) in h's dtype."""
+    """Post-RoPE qkv (M, Q) in h's dtype; with ``weight2`` (and ``weight3``) the weight is [weight; weight2;
+    weight3] (W_q, W_k, W_v: ``[coda] stacked_weights``)."""
+    weight = weight if weight2 is None else torch.cat([w for w in (weight, weight2, weight3) if w is not None])
     check_2d("h", h, weight.shape[1])
     acc = mm(h, weight.t())
     p = acc * rstd.to(acc.dtype)[:, None]
@@ -127,15 +129,15 @@ def rope_bwd_fp8(
 @program_op("norm_rope")
 def norm_rope_op(
     h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, seqlen: int,
-    n_rope_heads: int, head_dim: int,
+    n_rope_heads: int, head_dim: int, weight2: Optional[torch.Tensor] = None, weight3: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return norm_rope(h=h, rstd=rstd, weight=weight, freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads,
-                     head_dim=head_dim)
+                     head_dim=head_dim, weight2=weight2, weight3=weight3)
 
 
 @norm_rope_op.register_fake
-def _(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim):
-    return h.new_empty((h.shape[0], weight.shape[0]))
+def _(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim, weight2=None, weight3=None):
+    return h.new_empty((h.shape[0], sum(w.shape[0] for w in (weight, weight2, weight3) if w is not None)))
 
 
 @program_op("norm_rope_fp8")

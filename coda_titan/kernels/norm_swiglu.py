@@ -64,7 +64,7 @@ def _swiglu(z: torch.Tensor) -> torch.Tensor:
 def norm_swiglu(*, h: torch.Tensor, rstd: torch.Tensor, w13: torch.Tensor,
                 w3: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, a): y (M, F) and the unscaled interleaved pre-activations a (M, 2F), both in h's dtype; with ``w3``,
-    ``w13`` is w1 and W13 = interleave_rows(w1, w3) ([coda] w13_concat)."""
+    ``w13`` is w1 and W13 = interleave_rows(w1, w3) ([coda] stacked_weights)."""
     w13 = w13 if w3 is None else interleave_rows(w13, w3)
     check_2d("h", h, w13.shape[1])
     acc = mm(h, w13.t())
@@ -129,7 +129,7 @@ def swiglu_bwd(
     *, dout: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor, concat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(da, y, zdz) from D = ``dout`` (M, d), W_down (d, F), saved a (M, 2F) and r (M,). ``concat``: da's columns
-    as [gate | up], the order of [w1; w3]'s rows (``[coda] w13_concat``), not a's interleaved pairs."""
+    as [gate | up], the order of [w1; w3]'s rows (``[coda] stacked_weights``), not a's interleaved pairs."""
     da, y, zdz = swiglu_bwd_acc(dout=dout, w_down=w_down, a=a, rstd=rstd)
     da = torch.cat([da[:, 0::2], da[:, 1::2]], dim=1) if concat else da
     return da.to(a.dtype), y.to(a.dtype), zdz

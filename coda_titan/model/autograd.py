@@ -56,7 +56,7 @@ class ProgramConfig:
     fp8_lm_head_fwd: bool = False  # the head's logits on e4m3 H, W; its gradient the bf16 head's (``fp8_lm_head_fwd``)
     fp8_lm_head_dw: bool = False  # with it: dW_out on stochastically rounded e5m2 da and H's codes (``fp8_lm_head_dw``)
     fp8_lm_head_dgrad: bool = False  # with that: the head's B2 on the same codes and W's (``fp8_lm_head_dgrad``)
-    w13_concat: bool = False  # the bf16 B3's da as [gate | up]: B2 on [w1; w3], dW13 = [dW1; dW3] (``w13_concat``)
+    stacked_weights: bool = False  # bf16: W_qkv, W13 read from one buffer; B3's da as [gate | up] (``stacked_weights``)
     amp_dtype: torch.dtype | None = None  # TorchTitan's AMP (fp32 parameters, autocast): the dtype the programs read them in
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ def _f1(be: Backend, y, weight, residual, gamma_next, tile_n: int, quantize: Qua
 def _f2(be: Backend, fp8: MlpFp8 | None, h, rstd, w1, w3, concat: bool = False) -> tuple:
     """F2's (y, a, amax |y| or None, amax |a| or None, a's dequantization or None). With ``fp8.preact`` and its
     scale, a comes as e4m3 codes and its dequantization is 1 / ``fp8.inv_pre``; calibrating, a in bf16 and its amax.
-    ``concat`` (``w13_concat``): the bf16 F2 gets w1 and w3 apart (no interleaved copy; ``model.storage``)."""
+    ``concat`` (``stacked_weights``): the bf16 F2 gets w1 and w3 apart (no interleaved copy; ``model.storage``)."""
     if fp8 is None:
         w13 = dict(w13=w1, w3=w3) if concat else dict(w13=interleave_rows(w1, w3))
         return (*be.norm_swiglu(h=h, rstd=rstd, **w13), None, None, None)
@@ -190,8 +190,9 @@ class NormRoPE(torch.autograd.Function):
                 head_dim: int, fp8: Fp8Operands | None = None, grad_sink: torch.Tensor | None = None,
                 amax_tok: torch.Tensor | None = None):
         rope = dict(freqs=freqs, seqlen=seqlen, n_rope_heads=n_rope_heads, head_dim=head_dim)
-        if fp8 is None:
-            qkv = cfg.backend.norm_rope(h=h, rstd=rstd, weight=torch.cat([wq, wk, wv]), **rope)
+        if fp8 is None:  # (stacked_weights: W_qkv a view of one buffer in the kernel, no copy here)
+            w = dict(weight=wq, weight2=wk, weight3=wv) if cfg.stacked_weights else dict(weight=torch.cat([wq, wk, wv]))
+            qkv = cfg.backend.norm_rope(h=h, rstd=rstd, **rope, **w)
         else:
             qkv = cfg.backend.norm_rope_fp8(hq=fp8.hq, rstd=rstd, weight_q=fp8.w, scale=dequant_scale(fp8.inv_a, fp8.s_w),
                                             out_dtype=h.dtype, **rope)
@@ -218,10 +219,11 @@ class NormRoPE(torch.autograd.Function):
             sink = amax.float().reshape(()) if needs(ctx, NORM_ROPE_INPUTS, "grad_sink") else None
         else:
             da, zdz = be.rope_bwd(**rope)
-            w = torch.cat([wq, wk, wv])  # (the bf16 dgrad's B: the only reader of the stacked weight)
+            w = (dict(weight=wq, weight2=wk, weight3=wv) if ctx.cfg.stacked_weights  # (the bf16 dgrad's B)
+                 else dict(weight=torch.cat([wq, wk, wv])))
             if os.environ.get(ZDZ_ENV) == "dgrad":
-                zdz = zdz_of_acc(mm(da, w), x, gamma)
-            dx, dgamma = be.norm_residual_bwd(da=da, weight=w, zdz=zdz, **norm)
+                zdz = zdz_of_acc(mm(da, torch.cat([wq, wk, wv])), x, gamma)
+            dx, dgamma = be.norm_residual_bwd(da=da, zdz=zdz, **w, **norm)
         if hq is not None:  # fp8_qkv_wgrad: torchao's recipe, da cast at its current amax (B1's where it has
             # one; not B1's delayed-scale codes, which moved the loss: docs/fp8.md) and the forward's e4m3 input
             dw = be.wgrad_fp8_e4m3(grad=da, grad_amax=None if daq is None else amax, inpq=hq,
@@ -253,7 +255,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
     def forward(ctx, h, rstd, x, gamma, w1, w3, w2, gamma_next, cfg: ProgramConfig, fp8: MlpFp8 | None = None,
                 grad_sink: torch.Tensor | None = None, amax_tok: torch.Tensor | None = None):
         be = cfg.backend
-        y, a, y_amax, a_amax, a_scale = _f2(be, fp8, h, rstd, w1, w3, cfg.w13_concat)
+        y, a, y_amax, a_amax, a_scale = _f2(be, fp8, h, rstd, w1, w3, cfg.stacked_weights)
         outs = _f1(be, y, w2, x, gamma_next, cfg.tile_n, fp8.quantize_next if fp8 is not None else None,
                    fp8.down if fp8 is not None else None, y_amax)
         outs = (*outs, a_amax) if fp8 is not None and fp8.preact else outs
@@ -280,7 +282,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         if a.dtype == E4M3 and not qa:  # (fp8_preact where no B3 reads the codes: decoded, exactly, to bf16)
             a = (a.to(torch.float32) * a_scale).to(x.dtype)
         daq_t = dq = dq_t = None
-        concat = False  # (the plain bf16 B3's da in [gate | up] order, ``w13_concat``)
+        concat = False  # (the plain bf16 B3's da in [gate | up] order, ``stacked_weights``)
         recast = os.environ.get(DW2_RECAST_ENV) == "1"  # (dW2 casting D again, not on B3's codes of it)
         if ctx.e5m2 and w2q_t is not None:  # fp8_down_dgrad: B3's GEMM on e5m2 D x e4m3 W2^T
             amax_d = rest[-1] if ctx.grad_amax else None  # (amax |D| from the next layer's B2, where it reports it)
@@ -310,7 +312,7 @@ class NormSwiGLUResidual(torch.autograd.Function):
         elif ctx.e5m2:
             da, y, zdz, daq, amax = be.swiglu_bwd_fp8(dout=dx_out, w_down=w2, a=a, rstd=rstd, inv_scale=grad_inv_scale)
         else:
-            concat = ctx.cfg.w13_concat
+            concat = ctx.cfg.stacked_weights
             da, y, zdz = be.swiglu_bwd(dout=dx_out, w_down=w2, a=a, rstd=rstd, concat=concat)
             amax = None
         inv_g = inv_scale_from_amax(amax, E5M2_MAX) if ctx.e5m2 and grad_inv_scale is None else grad_inv_scale
@@ -319,9 +321,9 @@ class NormSwiGLUResidual(torch.autograd.Function):
             dx, dgamma, amax_dx = be.norm_residual_bwd_fp8(daq=daq, weight_tq=_weight_t(ctx.cfg, w13q_t),
                                                            scale=dequant_scale(inv_g, s_w), zdz=zdz, **norm)
         else:  # (the bf16 dgrad: the only reader of the interleaved bf16 W13 in the backward)
-            w13 = dict(weight=w1, weight_hi=w3) if concat else dict(weight=interleave_rows(w1, w3))
+            w13 = dict(weight=w1, weight2=w3) if concat else dict(weight=interleave_rows(w1, w3))
             if os.environ.get(ZDZ_ENV) == "dgrad_mlp":
-                zdz = zdz_of_acc(mm(da, torch.cat(list(w13.values()))), x, gamma)
+                zdz = zdz_of_acc(mm(da, torch.cat([w1, w3]) if concat else w13["weight"]), x, gamma)
             dx, dgamma = be.norm_residual_bwd(da=da, zdz=zdz, **w13, **norm)
         if y.dtype == E4M3 and dq is not None and not recast:  # and on B3's e5m2 D:
             # the very codes and scale dW2's own cast of D gives (one amax and one cast of D fewer)

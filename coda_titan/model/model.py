@@ -180,9 +180,9 @@ class CodaTransformer(Transformer):
     def init_weights(self, buffer_device=None):
         super().init_weights(buffer_device=buffer_device)
         self.fp8_scaling.reset(buffer_device or self.fp8_scaling.activation_history.device)
-        if self.model_args.coda.w13_concat:  # (w1, w3: one buffer, which F2 and the bf16 dgrad read as W13)
-            for layer in self.layers.values():
-                share_storage(layer.feed_forward.w1.weight, layer.feed_forward.w3.weight)
+        for layer in self.layers.values() if self.model_args.coda.stacked_weights else ():  # (model/storage.py)
+            share_storage(layer.feed_forward.w1.weight, layer.feed_forward.w3.weight)
+            share_storage(*(getattr(layer.attention, n).weight for n in ("wq", "wk", "wv")))
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args
@@ -194,7 +194,7 @@ class CodaTransformer(Transformer):
             fp8_out_bwd=a.coda.precision == "fp8" and a.coda.fp8_out_bwd, fp8_weight_t_bwd=a.coda.fp8_weight_t_bwd,
             fp8_lm_head=a.coda.precision == "fp8" and a.coda.fp8_lm_head,
             fp8_lm_head_fwd=a.coda.precision == "fp8" and a.coda.fp8_lm_head_fwd, fp8_lm_head_dw=a.coda.fp8_lm_head_dw,
-            fp8_lm_head_dgrad=a.coda.fp8_lm_head_dgrad, w13_concat=a.coda.w13_concat)
+            fp8_lm_head_dgrad=a.coda.fp8_lm_head_dgrad, stacked_weights=a.coda.stacked_weights)
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         """TorchTitan's per-pair RoPE frequencies (Llama-3.1 scaling applied), fp64, on ``device``."""

@@ -1,8 +1,9 @@
-"""Parameters that one GEMM reads as a single weight, put in one buffer (``[coda] w13_concat``).
+"""Parameters that one GEMM reads as a single weight, put in one buffer (``[coda] stacked_weights``).
 
-F2 and the bf16 MLP dgrad read W13 = [w1; w3] (F2 interleaves its rows as its TMA loads them). Where w1's and
-w3's data are consecutive rows of one buffer, the kernels take that buffer as a view (``kernels._common.
-stacked_rows``) instead of copying the two weights into a new one every forward and backward. The parameters
+F2 and the bf16 MLP dgrad read W13 = [w1; w3] (F2 interleaves its rows as its TMA loads them), F3 and the bf16
+QKV dgrad W_qkv = [wq; wk; wv]. Where the weights' data are consecutive rows of one buffer, the kernels take that
+buffer as a view (``kernels._common.stacked_rows``) instead of copying them into a new one every forward and
+backward. The parameters
 stay two ``nn.Parameter`` objects with llama3's names and shapes (checkpoints, optimizer state, FSDP units
 unchanged); only where their data lives changes. Anything that gives them new storage (``to_empty``, FSDP2's
 sharding, AMP's casts) ends the sharing, and the kernels then copy, as they did before: never a wrong read.

@@ -66,7 +66,7 @@ class Coda:
     step_chunk_layers: int = knob(0, "optimizer_stream: the step in chunks of N layers, each awaited by its blocks", low=0)
     fused_clip: bool = knob(False, "the grad clip's scale applied in fused AdamW; one device")
     coda_adamw: bool = knob(False, "AdamW in one Triton launch, torch's bits; one device; on in 8B configs")
-    w13_concat: bool = knob(False, "bf16: B3 writes da as [gate | up], dW13 needs no copy; off until GPU-tested")
+    stacked_weights: bool = knob(False, "bf16: wq+wk+wv, w1+w3 in one buffer each, no copies; off until GPU-tested")
     b2_c_stages: int = knob(2, "cute: B2's and bf16 B3's epilogue C-load stage base (0: quack's, 4)", low=0, high=4)
     fp8_grad_margin: int = knob(
         8, "fp8_mlp_dgrad: headroom of the delayed e5m2 gradient scale, as a power of two", low=0, high=24

@@ -112,7 +112,7 @@ def _f2_qa(m=512, k=256, f=512):
 
 
 def _f2_concat(m=512, k=256, f=512):
-    """F2 (bf16) on W13 given as [w1; w3] (``coda::norm_swiglu`` with ``w3``, [coda] w13_concat): quack's
+    """F2 (bf16) on W13 given as [w1; w3] (``coda::norm_swiglu`` with ``w3``, [coda] stacked_weights): quack's
     ``rstd_swiglu_preact_epi`` with ``concat_layout=("B",)``, the rows interleaved by the B load."""
     import torch
     from quack.epilogue.library import rstd_swiglu_preact_epi

@@ -1,8 +1,8 @@
 """CUDA kernels of B2 (``coda_titan.kernels.norm_residual_bwd``).
 
 norm_residual_bwd      quack's ``rms_bwd_apply_epi`` / ``..._last_epi``: D = acc * gamma + dres +
-                       X * corr, corr = -(r^2/d) zdz, dgamma partials in the epilogue; ``weight_hi``:
-                       B = [weight; weight_hi], a view of one buffer where they share one (``stacked_rows``)
+                       X * corr, corr = -(r^2/d) zdz, dgamma partials in the epilogue; ``weight2/3``:
+                       B = [weight; weight2; weight3], a view of one buffer where they share one (``stacked_rows``)
 norm_residual_bwd_fp8  the same epilogue on e5m2 da x e4m3 W^T; s_da * s_w rides the gamma row
                        vector and multiplies the dgamma partials once, after their reduction
 
@@ -54,12 +54,12 @@ def _apply(name, a, b_kn, x, gamma, rstd, zdz, dresidual, sc=None):
 
 
 @torch.library.register_kernel("coda::norm_residual_bwd", "cuda")
-def _norm_residual_bwd(da, weight, x, gamma, rstd, zdz, dresidual, weight_hi=None):
-    given = (da, weight, x, *(t for t in (dresidual, weight_hi) if t is not None))
-    why = unsupported(*given)
+def _norm_residual_bwd(da, weight, x, gamma, rstd, zdz, dresidual, weight2=None, weight3=None):
+    rest = [w for w in (weight2, weight3) if w is not None]
+    why = unsupported(da, weight, x, *rest, *(() if dresidual is None else (dresidual,)))
     if why:
-        return fallback(ref.norm_residual_bwd_op, why, da, weight, x, gamma, rstd, zdz, dresidual, weight_hi)
-    weight = weight if weight_hi is None else stacked_rows(weight, weight_hi)  # (a view where they share a buffer)
+        return fallback(ref.norm_residual_bwd_op, why, da, weight, x, gamma, rstd, zdz, dresidual, weight2, weight3)
+    weight = stacked_rows(weight, *rest) if rest else weight  # (a view where they share a buffer)
     return _apply("norm_residual_bwd", da, weight, x, gamma, rstd, zdz, dresidual)[:2]
 
 

@@ -17,6 +17,7 @@ import torch
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
 
 from .. import norm_rope as ref
+from .._common import stacked_rows
 from ..scaling import quantize_e5m2_site
 from . import rope_bwd_pass  # (also registers coda::rope_bwd_pass and coda::rope_bwd_fp8_pass)
 from ._dispatch import KERNEL_DTYPES, cached, fallback, first_call, fused, gemm, unsupported, unsupported_fp8
@@ -35,14 +36,17 @@ def _rope_tables(freqs, m: int, seqlen: int, rot: int, q: int, head_dim: int, de
 
 
 @torch.library.register_kernel("coda::norm_rope", "cuda")
-def _norm_rope(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim):
-    why = unsupported(h, weight)
-    m, q = h.shape[0], weight.shape[0]
+def _norm_rope(h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim, weight2=None, weight3=None):
+    rest = [w for w in (weight2, weight3) if w is not None]
+    why = unsupported(h, weight, *rest)
+    m, q = h.shape[0], weight.shape[0] + sum(w.shape[0] for w in rest)
     rot = n_rope_heads * head_dim
     if why is None and (head_dim % 2 or m % seqlen or rot > q):
         why = f"head_dim {head_dim} / rows {m} vs seqlen {seqlen}"
     if why:
-        return fallback(ref.norm_rope_op, why, h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim)
+        return fallback(ref.norm_rope_op, why, h, rstd, weight, freqs, seqlen, n_rope_heads, head_dim, weight2,
+                        weight3)
+    weight = stacked_rows(weight, *rest) if rest else weight  # (a view where they share a buffer)
     freq, pos = _rope_tables(freqs, m, seqlen, rot, q, head_dim, h.device)
     out = h.new_empty((m, q))
     with first_call("norm_rope", h, weight):

@@ -2,14 +2,14 @@
 
 norm_swiglu      quack's ``rstd_swiglu_preact_epi``: a = acc (saved), y = silu(r a_g) * (r a_u),
                  gate/up as adjacent columns of the interleaved W13; with ``w3``, B = [w1; w3] (``stacked_rows``)
-                 interleaved by quack's ``concat_layout`` as its TMA loads it ([coda] w13_concat)
+                 interleaved by quack's ``concat_layout`` as its TMA loads it ([coda] stacked_weights)
 norm_swiglu_fp8  ``epilogues.fp8_rstd_swiglu_preact_epi`` on e4m3 Hq and W13q
 norm_swiglu_q_fp8 ``epilogues.fp8_rstd_swiglu_q_epi``: the same writing e4m3 y (our 8-bit paired-column
                  store, ``epilogues.GatedNarrowStore``) and reducing amax |y|
 swiglu_bwd       quack's ``dswiglu_rstd_preact_mod``: da = r * dz, y recomputed, sum(dz * a) partials; with
                  ``CODA_TITAN_EPI_C_STAGES`` (B2's C-stage base, ``stages``) our copy of it with that base
                  (``CODA_TITAN_B3_C_STAGES``, where set, is B3's alone: 0 = quack's); ``concat``:
-                 ``dswiglu_rstd_preact_concat_epi``, da's gate and up halves stored as two tiles ([coda] w13_concat)
+                 ``dswiglu_rstd_preact_concat_epi``, da's halves stored as two tiles ([coda] stacked_weights)
 swiglu_bwd_fp8   ``epilogues.dswiglu_rstd_preact_fp8_epi``: also packs e5m2 da two per 16-bit word
                  (delayed scale) and reduces amax |da|; a pinned tile config (see ``_b3_fp8_config``)
 swiglu_bwd_e5m2  ``epilogues.dswiglu_rstd_preact_e5m2_epi``: the same less the bf16 da (no D store; a read

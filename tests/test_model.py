@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import logging
 import math
 
 import pytest
@@ -196,14 +197,14 @@ def _w13_shared(model) -> bool:
                for g in groups)
 
 
-def test_stacked_weights_keep_w1_and_w3_in_one_buffer_through_loads_and_optimizer_steps():
+def test_stacked_weights_keep_w1_and_w3_in_one_buffer_through_loads_and_optimizer_steps(caplog):
     """``[coda] stacked_weights``: after ``init_weights`` each layer's w1 and w3 (and wq, wk, wv) are consecutive
     rows of one buffer (``model.storage``), still parameters with llama3's names, shapes and values; loading a
     stock state dict (in place, as TorchTitan's checkpoints load) and optimizer steps keep the sharing, and the
     state dict loads back into stock llama3. Without the knob nothing is shared; where rows do not follow (a
     copy, reversed order, a gap) ``stacked_rows`` returns a copy, never a view past a weight's end."""
     from coda_titan.kernels._common import stacked_rows
-    from coda_titan.model.storage import share_storage
+    from coda_titan.model.storage import share_storage, stack_layer_weights
 
     kw, _ = _args("ragged_dim")
     torch.manual_seed(0)
@@ -239,6 +240,11 @@ def test_stacked_weights_keep_w1_and_w3_in_one_buffer_through_loads_and_optimize
     assert gap.data_ptr() != buf.data_ptr() and torch.equal(gap, torch.cat([buf[:1], buf[2:]]))
     meta, cpu = torch.nn.Parameter(torch.empty(2, 4, device="meta")), torch.nn.Parameter(torch.empty(2, 4))
     assert not share_storage(meta, cpu)
+    with torch.device("meta"):  # (the log line where a group cannot share a buffer)
+        on_meta = CodaTransformer(CodaModelArgs(**kw, coda=Coda(backend="torch", stacked_weights=True)))
+    with caplog.at_level(logging.INFO, logger="coda_titan"):
+        assert stack_layer_weights(on_meta.layers.values()) == 0
+    assert "0 of" not in caplog.text and f"{2 * kw['n_layers']} of {2 * kw['n_layers']} weight groups" in caplog.text
 
 
 def test_logits_path_matches_stock():

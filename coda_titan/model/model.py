@@ -40,7 +40,7 @@ from . import weight_prefetch
 from .fp8_scaling import Fp8Scaling, aligned_unbind
 from .precision import amp_dtype
 from .rope import rope_freqs
-from .storage import share_storage
+from .storage import stack_layer_weights
 from .weight_prefetch import is_sharded as _is_sharded
 
 
@@ -180,9 +180,8 @@ class CodaTransformer(Transformer):
     def init_weights(self, buffer_device=None):
         super().init_weights(buffer_device=buffer_device)
         self.fp8_scaling.reset(buffer_device or self.fp8_scaling.activation_history.device)
-        for layer in self.layers.values() if self.model_args.coda.stacked_weights else ():  # (model/storage.py)
-            share_storage(layer.feed_forward.w1.weight, layer.feed_forward.w3.weight)
-            share_storage(*(getattr(layer.attention, n).weight for n in ("wq", "wk", "wv")))
+        if self.model_args.coda.stacked_weights:
+            stack_layer_weights(self.layers.values())
 
     def program_config(self) -> ProgramConfig:
         a = self.model_args

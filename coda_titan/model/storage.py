@@ -11,7 +11,11 @@ sharding, AMP's casts) ends the sharing, and the kernels then copy, as they did 
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger("coda_titan")
 
 
 def share_storage(*params: torch.nn.Parameter) -> bool:
@@ -30,3 +34,16 @@ def share_storage(*params: torch.nn.Parameter) -> bool:
             p.data = rows
             start += p.shape[0]
     return True
+
+
+def stack_layer_weights(layers) -> int:
+    """Each block's (w1, w3) and (wq, wk, wv) in one buffer each (``init_weights`` with ``[coda] stacked_weights``);
+    one log line where a group cannot share one (FSDP2's shards): its kernels then copy it, as without the knob.
+    Returns the number of groups that share a buffer."""
+    groups = [(b.feed_forward.w1, b.feed_forward.w3) for b in layers]
+    groups += [(b.attention.wq, b.attention.wk, b.attention.wv) for b in layers]
+    shared = sum(share_storage(*(m.weight for m in g)) for g in groups)
+    if shared < len(groups):
+        logger.info(f"coda_titan: [coda] stacked_weights: {len(groups) - shared} of {len(groups)} weight groups are "
+                    "sharded or on no device and cannot share a buffer; their kernels copy them, as without the knob")
+    return shared

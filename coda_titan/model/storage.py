@@ -3,10 +3,10 @@
 F2 and the bf16 MLP dgrad read W13 = [w1; w3] (F2 interleaves its rows as its TMA loads them), F3 and the bf16
 QKV dgrad W_qkv = [wq; wk; wv]. Where the weights' data are consecutive rows of one buffer, the kernels take that
 buffer as a view (``kernels._common.stacked_rows``) instead of copying them into a new one every forward and
-backward. The parameters
-stay two ``nn.Parameter`` objects with llama3's names and shapes (checkpoints, optimizer state, FSDP units
-unchanged); only where their data lives changes. Anything that gives them new storage (``to_empty``, FSDP2's
-sharding, AMP's casts) ends the sharing, and the kernels then copy, as they did before: never a wrong read.
+backward. The parameters stay ``nn.Parameter`` objects of their own with llama3's names and shapes (checkpoints,
+optimizer state, FSDP units unchanged); only where their data lives changes. Anything that gives them new storage
+(``to_empty``, FSDP2's sharding, AMP's casts) ends the sharing, and the kernels then copy, as they did before:
+never a wrong read.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def stack_layer_weights(layers) -> int:
     """Each block's (w1, w3) and (wq, wk, wv) in one buffer each (``init_weights`` with ``[coda] stacked_weights``);
     one log line where a group cannot share one (FSDP2's shards): its kernels then copy it, as without the knob.
     Returns the number of groups that share a buffer."""
+    layers = list(layers)
     groups = [(b.feed_forward.w1, b.feed_forward.w3) for b in layers]
     groups += [(b.attention.wq, b.attention.wk, b.attention.wv) for b in layers]
     shared = sum(share_storage(*(m.weight for m in g)) for g in groups)

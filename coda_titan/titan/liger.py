@@ -69,10 +69,11 @@ def torch_ops() -> LigerOps:
                     silu_mul=lambda a, b: torch.nn.functional.silu(a) * b, linear_ce=linear_ce)
 
 
-def liger_ops(torch_names: list[str] | None = None) -> LigerOps:
+def liger_ops(torch_names: list[str] | None = None, rms_in_place: bool = True) -> LigerOps:
     """Liger's kernels, as its own Llama modules call them; those named in ``torch_names`` (by default in
     ``CODA_TITAN_LIGER_TORCH_OPS``, comma-separated: a probe's bisection of the kernels; field names of ``LigerOps``)
-    as torch's math instead."""
+    as torch's math instead. ``rms_in_place=False``: the RMSNorm backward writes dX to a buffer of its own (a
+    probe's arm; Liger's Llama default is in place)."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -81,7 +82,7 @@ def liger_ops(torch_names: list[str] | None = None) -> LigerOps:
     # sum of its 32 chunks of the 1B step to the weight's bf16 after each: docs/design.md, "The baselines")
     flce = LigerFusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX, accum_dtype=torch.float32)
     ops = LigerOps(
-        rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True),
+        rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", rms_in_place),
         silu_mul=LigerSiLUMulFunction.apply,
         linear_ce=lambda h, w, t: flce(w, h, t),
     )

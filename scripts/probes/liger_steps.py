@@ -74,13 +74,8 @@ def _liger_ops(name: str):
 
     if name.endswith("_torch_all"):
         return liger.torch_ops()
-    ops = liger.liger_ops(torch_names=[op for op in OPS if name.endswith(f"_torch_{op}")])
-    if name.endswith("_outofplace"):
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        ops = dataclasses.replace(
-            ops, rms_norm=lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False))
-    return ops
+    return liger.liger_ops(torch_names=[op for op in OPS if name.endswith(f"_torch_{op}")],
+                           rms_in_place=not name.endswith("_outofplace"))
 
 
 def _arm(name: str, args, state, batches, lr: float) -> dict:
